@@ -1,0 +1,41 @@
+# Targets create the local virtualenv and install on first use (stamps under .venv/).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+WORKDIR ?= runs/default
+# JAX on CPU everywhere by default; set JAX_PLATFORMS="" to use an accelerator.
+export JAX_PLATFORMS ?= cpu
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test test-fast docs clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+# torch is pinned to the CPU wheel in the `hf` extra (an unpinned torch pulls a multi-GB CUDA build).
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) install -q -e '.[test,hf,colab]'
+	touch $@
+
+## Train the default demo policy (≈ minutes on a 2-core CPU); writes $(WORKDIR)/metrics.jsonl and a PNG plot.
+demo: $(VENV)/.base
+	$(PY) -m jaxrl_llm --config=configs/default.py --workdir=$(WORKDIR)
+
+## The whole test suite (slow end-to-end tests included), 2 workers.
+test: $(VENV)/.test
+	$(PY) -m pytest -q -n 2 --durations=15 tests
+
+## Everything except tests marked slow.
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
+
+## Regenerate docs/losses.md from the loss registry.
+docs: $(VENV)/.base
+	$(PY) -m jaxrl_llm.docs_gen > docs/losses.md
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

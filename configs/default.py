@@ -1,0 +1,85 @@
+"""Default demo: GRPO-style PPO-clip on 2-digit addition with a tiny transformer, on a laptop CPU.
+
+Run:  python -m jaxrl_llm --config=configs/default.py --workdir=runs/default
+Every other config is a small delta over this one (see configs/tiny.py).
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_steps = 120  # learner steps (one optimiser update each)
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "arithmetic"
+  c.task.kwargs = ml_collections.ConfigDict({"num_digits": 2})
+  c.task.source = "memory"  # "memory" (generated on the fly) or "tfds" (ArrayRecord built locally, read by grain)
+  c.task.data_dir = ""  # TFDS data dir; "" = ~/.cache/jaxrl_llm/tfds
+  c.task.prompt_width = 16  # prompts are left-padded to this many tokens
+
+  c.model = ml_collections.ConfigDict()
+  c.model.d_model = 128
+  c.model.n_layers = 2
+  c.model.n_heads = 4
+  c.model.n_kv_heads = 2
+  c.model.head_dim = 32
+  c.model.d_ff = 384
+  c.model.rope_theta = 10000.0
+  c.model.tie_embeddings = False
+  c.model.qk_norm = False
+  c.model.dtype = "float32"  # learner compute dtype
+  c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.max_new_tokens = 6
+  c.sampler.temperature = 1.0  # the learner scores tokens at the same temperature
+  c.sampler.top_k = 0
+  c.sampler.top_p = 1.0
+  c.sampler.dtype = "float32"  # "bfloat16" produces a real train/inference mismatch
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.mode = "sync"  # sync | fixed_lag | staged  (async: see the rollout-engine issue)
+  c.rollout.lag = 0  # k for fixed_lag, stage length for staged
+  c.rollout.prompts_per_step = 16
+  c.rollout.group_size = 8
+  c.rollout.old_logp = "recompute"  # recompute | behavior | step_start
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.name = "ppo_clip"
+  c.loss.hparams = ml_collections.ConfigDict()  # overrides of the loss's Hparams dataclass
+  c.loss.agg_mode = "seq-mean-token-mean"  # GRPO aggregation
+  c.loss.drop_rejected = False
+  c.loss.norm_len = 0.0  # constant normaliser for seq-mean-token-sum-norm (0 = max_new_tokens)
+  c.loss.kl_coef = 0.0
+  c.loss.kl_estimator = "k3"
+  c.loss.entropy_coef = 0.0
+
+  c.advantage = ml_collections.ConfigDict()
+  c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+  c.advantage.std_normalize = True
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 5e-4
+  c.optim.weight_decay = 0.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.98
+  c.optim.grad_clip = 1.0
+  c.optim.warmup_steps = 5
+  c.optim.max_skips = 10  # consecutive non-finite updates before the run stops
+
+  c.sft = ml_collections.ConfigDict()
+  c.sft.steps = 400  # warm start so the policy begins with non-zero accuracy
+  c.sft.batch_size = 64
+  c.sft.lr = 2e-3
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 20
+  c.eval.num_prompts = 256
+
+  c.log = ml_collections.ConfigDict()
+  c.log.every = 1
+  c.log.progress = True
+  c.log.tensorboard = True
+  return c

@@ -1,0 +1,39 @@
+"""Command line: python -m jaxrl_llm --config=PATH --workdir=DIR [--config.FIELD=VALUE ...]"""
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  from jaxrl_llm import config as config_lib, loop, metrics
+
+  c = _CONFIG.value
+  try:
+    config_lib.validate(c)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  rows = loop.run(c, _WORKDIR.value)
+  import json
+  info = json.load(open(os.path.join(_WORKDIR.value, "run_info.json")))
+  if rows:
+    plot_path = os.path.join(_WORKDIR.value, "reward_accuracy.png")
+    metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})")
+    print(metrics.summary_table(rows, info.get("eval_accuracy_initial")))
+    if info.get("eval_accuracy_initial") is not None:
+      print(f"held-out accuracy after SFT warm start (before RL): {info['eval_accuracy_initial']:.3f}")
+    print(f"XLA compilations: train_step={info['compiles_train_step']} generate={info['compiles_generate']} "
+          f"score={info['compiles_score']}")
+    print(f"metrics: {os.path.join(_WORKDIR.value, 'metrics.jsonl')}\nplot:    {plot_path}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,84 @@
+"""Config validation: every error names the offending field (`config.rollout.mode=...`).
+
+Configs are `ml_collections.ConfigDict`s (see configs/default.py). Unknown fields are rejected by
+`ml_collections.config_flags` on the command line; `validate` checks values and cross-field rules.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+ROLLOUT_MODES = ("sync", "fixed_lag", "staged")
+OLD_LOGP = ("recompute", "behavior", "step_start")
+DTYPES = ("float32", "bfloat16", "float16")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+
+class ConfigError(ValueError):
+  """A bad config value; the message starts with the field's dotted name."""
+
+
+def _need(cond: bool, field: str, value, why: str) -> None:
+  if not cond:
+    raise ConfigError(f"config.{field}={value!r}: {why}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first invalid field."""
+  from jaxrl_llm import losses, tasks  # local: keep `import jaxrl_llm.config` light
+
+  _need(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be a non-negative int")
+  _need(isinstance(c.num_steps, int) and c.num_steps >= 0, "num_steps", c.num_steps, "must be a non-negative int")
+  _need(c.task.name in tasks.task_names(), "task.name", c.task.name, f"must be one of {tasks.task_names()}")
+  _need(c.task.source in ("memory", "tfds"), "task.source", c.task.source, "must be 'memory' or 'tfds'")
+  for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+    v = c.model[f]
+    _need(isinstance(v, int) and v > 0, f"model.{f}", v, "must be a positive int")
+  _need(c.model.n_heads % c.model.n_kv_heads == 0, "model.n_kv_heads", c.model.n_kv_heads,
+        f"must divide model.n_heads={c.model.n_heads}")
+  _need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, f"must be one of {DTYPES}")
+  _need(c.sampler.dtype in DTYPES, "sampler.dtype", c.sampler.dtype, f"must be one of {DTYPES}")
+  _need(c.sampler.max_new_tokens > 0, "sampler.max_new_tokens", c.sampler.max_new_tokens, "must be > 0")
+  _need(c.sampler.temperature > 0, "sampler.temperature", c.sampler.temperature,
+        "must be > 0 for training (greedy decoding is used only for evaluation)")
+  _need(0 < c.sampler.top_p <= 1, "sampler.top_p", c.sampler.top_p, "must be in (0, 1]")
+  _need(c.sampler.top_k >= 0, "sampler.top_k", c.sampler.top_k, "must be >= 0 (0 = off)")
+  _need(c.rollout.mode in ROLLOUT_MODES, "rollout.mode", c.rollout.mode, f"must be one of {ROLLOUT_MODES}")
+  _need(isinstance(c.rollout.lag, int) and c.rollout.lag >= 0, "rollout.lag", c.rollout.lag,
+        "must be a non-negative int")
+  if c.rollout.mode == "staged":
+    _need(c.rollout.lag >= 1, "rollout.lag", c.rollout.lag, "is the stage length in staged mode: must be >= 1")
+  _need(c.rollout.prompts_per_step > 0, "rollout.prompts_per_step", c.rollout.prompts_per_step, "must be > 0")
+  _need(c.rollout.group_size > 0, "rollout.group_size", c.rollout.group_size, "must be > 0")
+  _need(c.rollout.old_logp in OLD_LOGP, "rollout.old_logp", c.rollout.old_logp, f"must be one of {OLD_LOGP}")
+  if c.loss.name not in losses.names():
+    raise ConfigError(f"config.loss.name={c.loss.name!r}: unknown loss; valid names: {', '.join(losses.names())}")
+  spec = losses.get(c.loss.name)
+  try:
+    losses.make_hparams(spec, dict(c.loss.hparams))
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.{e}") from None
+  _need(c.loss.agg_mode in losses.MODES, "loss.agg_mode", c.loss.agg_mode, f"must be one of {losses.MODES}")
+  _need(c.loss.kl_estimator in ("k1", "k2", "k3"), "loss.kl_estimator", c.loss.kl_estimator, "must be k1, k2 or k3")
+  _need(c.advantage.name in ADVANTAGES, "advantage.name", c.advantage.name, f"must be one of {ADVANTAGES}")
+  _need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
+  _need(c.optim.grad_clip >= 0, "optim.grad_clip", c.optim.grad_clip, "must be >= 0 (0 = off)")
+  _need(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = never)")
+  missing = losses.missing_needs(spec, available_needs(c))
+  if missing:
+    raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
+                      f"(available: {sorted(available_needs(c))})")
+
+
+def available_needs(c: ml_collections.ConfigDict) -> set[str]:
+  """Loss needs this run can satisfy; the learner computes only those the chosen loss declares."""
+  need = {"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag"}
+  spec_needs = _loss_needs(c)
+  if "state" in spec_needs:
+    need.add("state")
+  return need
+
+
+def _loss_needs(c) -> frozenset[str]:
+  from jaxrl_llm import losses
+  return losses.get(c.loss.name).needs if c.loss.name in losses.names() else frozenset()

@@ -1,0 +1,110 @@
+"""Metric writers (JSONL + TensorBoard), the end-of-run summary table and the reward/accuracy plot.
+
+`DIR/metrics.jsonl` holds one JSON object per learner step (DESIGN §4). Wall-clock fields are named
+`time_*` so that repeatability checks can drop them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+
+def to_python(metrics: dict[str, Any]) -> dict[str, Any]:
+  """Device scalars -> Python floats/ints (JSON-safe; non-finite values become None)."""
+  out = {}
+  for k, v in metrics.items():
+    v = np.asarray(v)
+    if v.ndim:
+      continue
+    x = v.item()
+    if isinstance(x, float) and not math.isfinite(x):
+      x = None
+    out[k] = x
+  return out
+
+
+class MetricsWriter:
+  """Appends metric rows to DIR/metrics.jsonl and (optionally) TensorBoard events beside it."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._f = open(self.path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # lazy: optional dependency at import time
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, row: dict[str, Any]) -> None:
+    self._f.write(json.dumps(row, sort_keys=True) + "\n")
+    self._f.flush()
+    if self._tb is not None:
+      step = row["step"]
+      for k, v in row.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, step)
+
+  def close(self) -> None:
+    self._f.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_after(path: str, step: int) -> None:
+  """Drops rows with step > `step` (a resumed run rewrites what the interrupted one had written)."""
+  if not os.path.exists(path):
+    return
+  rows = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
+  with open(path, "w", encoding="utf-8") as f:
+    for r in rows:
+      f.write(json.dumps(r, sort_keys=True) + "\n")
+
+
+def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
+  """A short plain-text table: reward and held-out accuracy at start / end, throughput."""
+  evals = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+  rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+  k = max(1, len(rewards) // 10)
+  lines = ["", f"{'metric':<28}{'start':>12}{'end':>12}"]
+  if evals:
+    lines.append(f"{'held-out accuracy':<28}{evals[0][1]:>12.3f}{evals[-1][1]:>12.3f}")
+  if rewards:
+    lines.append(f"{'reward (mean of 10% window)':<28}{np.mean(rewards[:k]):>12.3f}{np.mean(rewards[-k:]):>12.3f}")
+  t = [r.get("time_step_s") for r in rows if r.get("time_step_s")]
+  if t:
+    lines.append(f"{'seconds per learner step':<28}{'':>12}{np.median(t):>12.3f}")
+  lines.append(f"{'learner steps':<28}{'':>12}{len(rows):>12d}")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+  """Writes a PNG with training reward and held-out accuracy against learner step."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  steps = [r["step"] for r in rows if r.get("reward_mean") is not None]
+  reward = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+  ev = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.plot(steps, reward, lw=1, alpha=0.6, label="train reward (mean)")
+  if ev:
+    ax.plot([s for s, _ in ev], [a for _, a in ev], "o-", label="held-out greedy accuracy")
+  ax.set_xlabel("learner step")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

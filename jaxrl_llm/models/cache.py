@@ -1,0 +1,63 @@
+"""KV cache for incremental decoding, and the attention masks of the full and cached paths.
+
+The cache is a plain dict pytree:
+  k, v:            [L, B, S, K, hd] keys (already rotated by RoPE) and values, compute dtype.
+  positions_BS:    int32 RoPE position of the token in each slot.
+  segment_ids_BS:  int32 segment id of each slot; 0 = empty slot or padding token.
+  index:           int32 scalar, the next slot to write (shared by all rows, so slot order is time order).
+
+A query may attend to a slot when the slot is not later than the query's own slot and both carry the
+same segment id. This is exactly the rule of the full forward pass, so prefill + decode reproduces it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+
+Array = jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+  """An empty cache with `max_len` slots per row, in the model's compute dtype."""
+  kv_shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  return {
+      "k": jnp.zeros(kv_shape, cfg.compute_dtype),
+      "v": jnp.zeros(kv_shape, cfg.compute_dtype),
+      "positions_BS": jnp.zeros((batch, max_len), jnp.int32),
+      "segment_ids_BS": jnp.zeros((batch, max_len), jnp.int32),
+      "index": jnp.zeros((), jnp.int32),
+  }
+
+
+def attention_mask(segment_ids_q_BT: Array, segment_ids_k_BS: Array, q_offset: Array | int = 0) -> Array:
+  """Boolean [B, T, S] mask: key slot s <= query slot (q_offset + t) and equal segment ids.
+
+  Padding (segment 0) only meets padding, and a token always meets itself, so no row is empty
+  and padded rows cannot produce NaN.
+  """
+  T, S = segment_ids_q_BT.shape[1], segment_ids_k_BS.shape[1]
+  q_slot_T = q_offset + jnp.arange(T)
+  causal_TS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
+  same_BTS = segment_ids_q_BT[:, :, None] == segment_ids_k_BS[:, None, :]
+  return causal_TS[None] & same_BTS
+
+
+def write_metadata(cache: dict, positions_BT: Array, segment_ids_BT: Array) -> dict:
+  """Records positions and segment ids of T new tokens at the write index and advances it.
+
+  Keys/values are written per layer by the forward pass; this handles the per-row bookkeeping.
+  Writing past the last slot is not checked (dynamic_update_slice would clamp): size caches to
+  prompt + new tokens.
+  """
+  index = cache["index"]
+  return {
+      **cache,
+      "positions_BS": jax.lax.dynamic_update_slice_in_dim(
+          cache["positions_BS"], positions_BT.astype(jnp.int32), index, axis=1),
+      "segment_ids_BS": jax.lax.dynamic_update_slice_in_dim(
+          cache["segment_ids_BS"], segment_ids_BT.astype(jnp.int32), index, axis=1),
+      "index": index + positions_BT.shape[1],
+  }

@@ -1,0 +1,82 @@
+"""ModelConfig: the static description of a Llama/Qwen-style decoder.
+
+The config is a frozen (hashable) dataclass so it can be a static argument of `jax.jit`.
+A sampler config that differs only in compute dtype is derived with
+`dataclasses.replace(cfg, dtype="bfloat16")`.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of a dense decoder-only transformer.
+
+  Attributes:
+    vocab_size: V, number of token ids.
+    d_model: D, width of the residual stream.
+    n_layers: L, number of decoder layers (stacked on a leading axis of the params).
+    n_heads: H, query heads.
+    n_kv_heads: K, key/value heads (GQA: each shared by H // K query heads).
+    head_dim: hd, width of one attention head.
+    d_ff: F, hidden width of the SwiGLU MLP.
+    rope_theta: RoPE base frequency.
+    rms_eps: RMSNorm epsilon.
+    tie_embeddings: the lm-head is `embed.T` (no "lm_head" parameter).
+    qk_norm: Qwen3-style RMSNorm over head_dim on q and k before RoPE.
+    attn_bias: Qwen2-style biases on the q/k/v projections.
+    param_dtype: storage dtype of the parameters created by `init_params`.
+    dtype: compute dtype; params are cast to it inside `forward`. Logits are always float32.
+    max_seq_len: longest sequence the model is meant for (sizes caches by default).
+    init_std: std of the normal initialiser of weight matrices.
+    remat: wrap each layer in `jax.checkpoint` (recompute activations in the backward pass).
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_theta: float = 10000.0
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qk_norm: bool = False
+  attn_bias: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  max_seq_len: int = 2048
+  init_std: float = 0.02
+  remat: bool = False
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                 "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    for name in ("rope_theta", "rms_eps", "init_std"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _FLOAT_DTYPES:
+        raise ValueError(f"model.{name} must be one of {_FLOAT_DTYPES}, got {getattr(self, name)!r}")
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    """The compute dtype as a numpy dtype."""
+    return jnp.dtype(self.dtype)
+
+  @property
+  def group_size(self) -> int:
+    """G = H // K, query heads per key/value head."""
+    return self.n_heads // self.n_kv_heads

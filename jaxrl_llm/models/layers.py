@@ -1,0 +1,62 @@
+"""Pure building blocks of the decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Conventions follow Hugging Face Llama/Qwen so imported weights need no permutation:
+RMSNorm multiplies by `w` directly; RoPE is the non-interleaved "rotate_half" form.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Finite stand-in for -inf in masked attention scores: exp underflows to exactly 0 and no
+# inf - inf can appear in the softmax.
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+def rms_norm(x_BTD: Array, w_D: Array, eps: float) -> Array:
+  """RMSNorm over the last axis, statistics in float32, scale applied in x's dtype (HF order)."""
+  x32 = x_BTD.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return w_D.astype(x_BTD.dtype) * normed.astype(x_BTD.dtype)
+
+
+def rope(x_BTHd: Array, positions_BT: Array, theta: float) -> Array:
+  """Rotary position embedding, HF "rotate_half" layout (first half pairs with second half).
+
+  Angles are computed in float32 from integer positions, then cast to x's dtype.
+  """
+  hd = x_BTHd.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  angles_BTd = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles_BTd).astype(x_BTHd.dtype), jnp.sin(angles_BTd).astype(x_BTHd.dtype)
+  x1, x2 = jnp.split(x_BTHd, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BTHd * cos + rotated * sin
+
+
+def attention(q_BTHd: Array, k_BSKd: Array, v_BSKd: Array, mask_BTS: Array) -> Array:
+  """Grouped-query softmax attention with scale 1/sqrt(head_dim).
+
+  Each of the K key/value heads serves G = H // K consecutive query heads (HF layout).
+  Scores and softmax are float32; every query row must allow at least one key.
+  """
+  B, T, H, hd = q_BTHd.shape
+  K = k_BSKd.shape[2]
+  q_BTKGd = q_BTHd.reshape(B, T, K, H // K, hd)
+  scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd,
+                            preferred_element_type=jnp.float32) * (hd ** -0.5)
+  scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKd.dtype)
+  out_BTKGd = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKd)
+  return out_BTKGd.reshape(B, T, H, hd)
+
+
+def swiglu(x_BTD: Array, w_gate_DF: Array, w_up_DF: Array, w_down_FD: Array) -> Array:
+  """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+  gate_BTF = jnp.einsum("btd,df->btf", x_BTD, w_gate_DF)
+  up_BTF = jnp.einsum("btd,df->btf", x_BTD, w_up_DF)
+  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, w_down_FD)

@@ -1,0 +1,84 @@
+"""Token log-probabilities (+ entropy, top-k) from a chunked lm-head.
+
+The full [B, T, V] logits are never materialised: the final hidden states are computed once, then the
+sequence is cut into chunks of `chunk_size` positions and each chunk applies the lm-head and reduces
+its logits to per-token statistics. The chunk function is rematerialised (`jax.checkpoint`), so the
+backward pass recomputes one chunk's logits at a time instead of storing all of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.transformer import hidden, lm_head_weights
+
+Array = jax.Array
+
+
+def logprobs_from_logits(logits_BTV: Array, targets_BT: Array, temperature: float = 1.0) -> Array:
+  """Reference path: log_softmax(logits / temperature) at the target ids, float32 [B, T]."""
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32) / temperature, axis=-1)
+  return jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
+def _head_stats(logits_BCV: Array, targets_BC: Array, temperature: float, with_entropy: bool,
+                topk: int) -> dict:
+  """Per-token statistics of softmax(logits / temperature) for one chunk."""
+  scaled_BCV = logits_BCV / temperature
+  lse_BC = jax.nn.logsumexp(scaled_BCV, axis=-1)
+  out = {"logp_BT": jnp.take_along_axis(scaled_BCV, targets_BC[..., None], axis=-1)[..., 0] - lse_BC}
+  if with_entropy:
+    # H = -sum p log p = lse - sum p * z, with z the tempered logits.
+    probs_BCV = jnp.exp(scaled_BCV - lse_BC[..., None])
+    out["entropy_BT"] = lse_BC - jnp.sum(probs_BCV * scaled_BCV, axis=-1)
+  if topk:
+    vals_BCK, ids_BCK = jax.lax.top_k(scaled_BCV, topk)
+    out["topk_logp_BTK"] = vals_BCK - lse_BC[..., None]
+    out["topk_ids_BTK"] = ids_BCK
+  return out
+
+
+def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: ModelConfig, *,
+                   positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
+                   temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
+                   topk: int = 0, perturb: tuple[Array, Array] | None = None) -> dict:
+  """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
+
+  The distribution is softmax(logits / temperature): use the sampler's temperature so the learner
+  scores tokens under the distribution they were drawn from.
+
+  Args:
+    params, tokens_BT, cfg, positions_BT, segment_ids_BT, perturb: as in `models.hidden`.
+    targets_BT: int ids whose log-probs are returned (any value at padding positions).
+    temperature: > 0.
+    chunk_size: positions per lm-head chunk; T need not be a multiple (padded internally).
+    with_entropy: also return the entropy of the tempered distribution.
+    topk: if > 0, also return the k most likely ids and their log-probs.
+
+  Returns:
+    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK".
+  """
+  if isinstance(temperature, (int, float)) and temperature <= 0:
+    raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
+  h_BTD = hidden(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                 perturb=perturb)
+  w_DV = lm_head_weights(params, cfg)
+  B, T, D = h_BTD.shape
+  C = max(1, min(chunk_size, T))
+  N = math.ceil(T / C)
+  pad = N * C - T
+  h_NBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, N, C, D).swapaxes(0, 1)
+  targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, N, C).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(w_DV, h_BCD, targets_BC):
+    logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+    return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk)
+
+  out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), (h_NBCD, targets_NBC))
+  # [N, B, C, ...] -> [B, N*C, ...] -> drop the padded tail.
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)

@@ -1,0 +1,229 @@
+"""Llama/Qwen-style decoder as pure functions over a nested-dict parameter pytree.
+
+Parameter layout (layers stacked on a leading L axis so one compiled body is scanned):
+
+  embed [V, D]
+  layers/ attn_norm [L, D]
+          wq [L, D, H, hd]   wk, wv [L, D, K, hd]   wo [L, H, hd, D]
+          bq [L, H, hd]      bk, bv [L, K, hd]        (only when cfg.attn_bias, Qwen2)
+          q_norm, k_norm [L, hd]                      (only when cfg.qk_norm, Qwen3)
+          mlp_norm [L, D]
+          w_gate, w_up [L, D, F]   w_down [L, F, D]
+  final_norm [D]
+  lm_head [D, V]                                      (absent when cfg.tie_embeddings)
+
+Segment ids: equal ids attend to each other (causally); 0 marks padding. Positions are the RoPE
+positions, so left-padded prompts (positions counted from the first real token) and packed rows
+(positions restarting per segment) are both expressed by (positions_BT, segment_ids_BT).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models import cache as cache_lib
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import attention, rms_norm, rope, swiglu
+
+Array = jax.Array
+
+
+class _Spec(NamedTuple):
+  shape: tuple
+  axes: tuple  # logical axis names, later mapped to mesh axes by sharding rules
+  init: str  # "normal" | "ones" | "zeros"
+
+
+def _param_specs(cfg: ModelConfig) -> dict:
+  """Shape, logical axes and initialiser of every parameter: the single source of the layout."""
+  V, D, L, H, K, hd, F = (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                          cfg.head_dim, cfg.d_ff)
+  layers = {
+      "attn_norm": _Spec((L, D), ("layers", "embed"), "ones"),
+      "wq": _Spec((L, D, H, hd), ("layers", "embed", "heads", "head_dim"), "normal"),
+      "wk": _Spec((L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wv": _Spec((L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wo": _Spec((L, H, hd, D), ("layers", "heads", "head_dim", "embed"), "normal"),
+      "mlp_norm": _Spec((L, D), ("layers", "embed"), "ones"),
+      "w_gate": _Spec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "w_up": _Spec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "w_down": _Spec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+  }
+  if cfg.attn_bias:
+    layers["bq"] = _Spec((L, H, hd), ("layers", "heads", "head_dim"), "zeros")
+    layers["bk"] = _Spec((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+    layers["bv"] = _Spec((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+  if cfg.qk_norm:
+    layers["q_norm"] = _Spec((L, hd), ("layers", "head_dim"), "ones")
+    layers["k_norm"] = _Spec((L, hd), ("layers", "head_dim"), "ones")
+  specs = {
+      "embed": _Spec((V, D), ("vocab", "embed"), "normal"),
+      "layers": layers,
+      "final_norm": _Spec((D,), ("embed",), "ones"),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = _Spec((D, V), ("embed", "vocab"), "normal")
+  return specs
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, _Spec)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+  """Pytree shaped like the params whose leaves are tuples of logical axis names."""
+  return jax.tree.map(lambda s: s.axes, _param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+  """Pytree shaped like the params whose leaves are `jax.ShapeDtypeStruct`s (no allocation)."""
+  dtype = jnp.dtype(cfg.param_dtype)
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), _param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: Array) -> dict:
+  """Random parameters: normal(init_std) matrices, ones for norms, zeros for biases.
+
+  Each leaf's key is derived from its path, so adding an optional parameter (biases, qk-norm)
+  does not change the initial values of the others.
+  """
+  dtype = jnp.dtype(cfg.param_dtype)
+
+  def init_leaf(path, spec: _Spec) -> Array:
+    if spec.init == "ones":
+      return jnp.ones(spec.shape, dtype)
+    if spec.init == "zeros":
+      return jnp.zeros(spec.shape, dtype)
+    leaf_key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF)
+    return (cfg.init_std * jax.random.normal(leaf_key, spec.shape, jnp.float32)).astype(dtype)
+
+  return jax.tree_util.tree_map_with_path(init_leaf, _param_specs(cfg), is_leaf=_is_spec)
+
+
+def lm_head_weights(params: dict, cfg: ModelConfig) -> Array:
+  """The [D, V] output projection in compute dtype (the transposed embedding when tied)."""
+  w_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+  return w_DV.astype(cfg.compute_dtype)
+
+
+def logits_from_hidden(params: dict, h_BTD: Array, cfg: ModelConfig) -> Array:
+  """float32 logits [B, T, V] from final-normed hidden states (matmul accumulated in float32)."""
+  return jnp.einsum("btd,dv->btv", h_BTD.astype(cfg.compute_dtype), lm_head_weights(params, cfg),
+                    preferred_element_type=jnp.float32)
+
+
+def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig) -> tuple[Array, Array, Array]:
+  """Projects normed inputs to RoPE-rotated queries/keys and values."""
+  q_BTHd = jnp.einsum("btd,dhk->bthk", x_BTD, p["wq"])
+  k_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, p["wk"])
+  v_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, p["wv"])
+  if cfg.attn_bias:
+    q_BTHd, k_BTKd, v_BTKd = q_BTHd + p["bq"], k_BTKd + p["bk"], v_BTKd + p["bv"]
+  if cfg.qk_norm:
+    q_BTHd = rms_norm(q_BTHd, p["q_norm"], cfg.rms_eps)
+    k_BTKd = rms_norm(k_BTKd, p["k_norm"], cfg.rms_eps)
+  return rope(q_BTHd, positions_BT, cfg.rope_theta), rope(k_BTKd, positions_BT, cfg.rope_theta), v_BTKd
+
+
+def _finish_layer(h_BTD: Array, attn_BTHd: Array, p: dict, cfg: ModelConfig) -> Array:
+  """Attention output projection + residual, then the SwiGLU MLP block + residual."""
+  h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHd, p["wo"])
+  x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_eps)
+  return h_BTD + swiglu(x_BTD, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def _embed(params: dict, tokens_BT: Array) -> Array:
+  return jnp.take(params["embed"], tokens_BT, axis=0)
+
+
+def _cast(params: dict, cfg: ModelConfig) -> dict:
+  return jax.tree.map(lambda x: x.astype(cfg.compute_dtype), params)
+
+
+def _defaults(tokens_BT: Array, positions_BT, segment_ids_BT) -> tuple[Array, Array]:
+  B, T = tokens_BT.shape
+  if positions_BT is None:
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if segment_ids_BT is None:
+    segment_ids_BT = jnp.ones((B, T), jnp.int32)
+  return positions_BT, segment_ids_BT
+
+
+def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
+           segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None) -> Array:
+  """Final-normed hidden states [B, T, D] in compute dtype (what the lm-head consumes).
+
+  Args:
+    params: parameter pytree (any dtype; cast to cfg.dtype here).
+    tokens_BT: int token ids.
+    cfg: model config (static).
+    positions_BT: RoPE positions; default arange(T) in every row.
+    segment_ids_BT: attention segments (0 = padding); default all ones.
+    perturb: optional ALP noise `(log_sigma_L, key)`: before layer l's input norm the residual stream
+      gets `exp(log_sigma_L[l]) * normal(fold_in(key, l))`, differentiable in log_sigma_L.
+  """
+  positions_BT, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
+  p = _cast(params, cfg)
+  mask_BTT = cache_lib.attention_mask(segment_ids_BT, segment_ids_BT)
+
+  def layer(h_BTD, xs):
+    p_l, l = xs
+    if perturb is not None:
+      log_sigma_L, key = perturb
+      noise_BTD = jax.random.normal(jax.random.fold_in(key, l), h_BTD.shape, jnp.float32)
+      h_BTD = h_BTD + (jnp.exp(log_sigma_L[l]) * noise_BTD).astype(h_BTD.dtype)
+    q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
+    return _finish_layer(h_BTD, attention(q_BTHd, k_BTKd, v_BTKd, mask_BTT), p_l, cfg), None
+
+  if cfg.remat:
+    layer = jax.checkpoint(layer)
+  h_BTD, _ = jax.lax.scan(layer, _embed(p, tokens_BT), (p["layers"], jnp.arange(cfg.n_layers)))
+  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps)
+
+
+def forward(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
+            segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None) -> Array:
+  """Full-vocabulary float32 logits [B, T, V]; same arguments as `hidden`.
+
+  This materialises [B, T, V]: training uses `token_logprobs` (chunked lm-head) instead.
+  """
+  h_BTD = hidden(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                 perturb=perturb)
+  return logits_from_hidden(params, h_BTD, cfg)
+
+
+def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
+                      positions_BT: Array, segment_ids_BT: Array | None = None) -> tuple[Array, dict]:
+  """Appends T tokens at the cache's write index; returns their final-normed hidden states.
+
+  The new tokens attend to every earlier slot of their segment and causally within the chunk
+  (see `jaxrl_llm.models.cache`). Prefill is a call with the whole prompt, decode one with T=1.
+  """
+  _, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
+  p = _cast(params, cfg)
+  index = cache["index"]
+  cache = cache_lib.write_metadata(cache, positions_BT, segment_ids_BT)
+  mask_BTS = cache_lib.attention_mask(segment_ids_BT, cache["segment_ids_BS"], q_offset=index)
+
+  def layer(h_BTD, xs):
+    p_l, k_BSKd, v_BSKd = xs
+    q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
+    k_BSKd = jax.lax.dynamic_update_slice_in_dim(k_BSKd, k_BTKd.astype(k_BSKd.dtype), index, axis=1)
+    v_BSKd = jax.lax.dynamic_update_slice_in_dim(v_BSKd, v_BTKd.astype(v_BSKd.dtype), index, axis=1)
+    h_BTD = _finish_layer(h_BTD, attention(q_BTHd, k_BSKd, v_BSKd, mask_BTS), p_l, cfg)
+    return h_BTD, (k_BSKd, v_BSKd)
+
+  h_BTD, (k_LBSKd, v_LBSKd) = jax.lax.scan(layer, _embed(p, tokens_BT), (p["layers"], cache["k"], cache["v"]))
+  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), {**cache, "k": k_LBSKd, "v": v_LBSKd}
+
+
+def forward_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
+                       positions_BT: Array, segment_ids_BT: Array | None = None) -> tuple[Array, dict]:
+  """Like `hidden_with_cache` but returns float32 logits [B, T, V] and the updated cache."""
+  h_BTD, cache = hidden_with_cache(params, tokens_BT, cache, cfg, positions_BT=positions_BT,
+                                   segment_ids_BT=segment_ids_BT)
+  return logits_from_hidden(params, h_BTD, cfg), cache

@@ -1,0 +1,1 @@
+"""Pinned-version rollout engine: versioned parameter snapshots and batch collection."""

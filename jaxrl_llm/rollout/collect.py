@@ -1,0 +1,59 @@
+"""Host side of one rollout: prompts -> sampler (pinned snapshot) -> rewards -> advantages -> Batch.
+
+A GRPO group (all completions of one prompt) is generated together by one version, so group
+advantages never mix policies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import advantages
+from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.tasks.base import Task, prompt_ids
+from jaxrl_llm.tasks.reward import safe_reward_batch
+
+ADVANTAGE_FNS: dict[str, Callable] = {
+    "grpo": lambda r, g, n, std: advantages.grpo(r, g, n, std_normalize=std),
+    "dr_grpo": lambda r, g, n, std: advantages.dr_grpo(r, g, n),
+    "rloo": lambda r, g, n, std: advantages.rloo(r, g, n),
+    "reinforce_pp": lambda r, g, n, std: advantages.reinforce_pp(r, g, n),
+}
+
+
+class Prompts(NamedTuple):
+  tokens_BP: np.ndarray  # left-padded
+  len_B: np.ndarray
+  examples: list  # dicts with prompt / answer / example_id
+
+
+def encode_prompts(examples: list[dict], width: int) -> Prompts:
+  ids = [prompt_ids(ex["prompt"]) for ex in examples]
+  tokens, lens = tok.pad_left(ids, width)
+  return Prompts(tokens, lens, examples)
+
+
+def prompts_for_step(train_examples: list[dict], step: int, n: int, seed: int, width: int) -> Prompts:
+  """The prompts of learner step `step`: a pure function of (seed, step), so resume is exact."""
+  rng = np.random.default_rng([seed, 7, step])
+  idx = rng.choice(len(train_examples), size=n, replace=len(train_examples) < n)
+  return encode_prompts([train_examples[i] for i in idx], width)
+
+
+def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
+                      timeout_s: float = 5.0) -> tuple[np.ndarray, dict, list[str]]:
+  """Rewards of decoded completions; a reward fn that raises or hangs costs that sample (reward 0)."""
+  texts = [tok.decode(row) for row in tokens_BN]
+  args = [(ex["prompt"], ex["answer"], t) for ex, t in zip(examples, texts)]
+  rb = safe_reward_batch(task.reward, args, timeout_s)
+  return rb.reward_B.astype(np.float32), rb.counts, texts
+
+
+def group_advantages(reward_B: np.ndarray, group_size: int, name: str, std_normalize: bool) -> jax.Array:
+  B = reward_B.shape[0]
+  group_id_B = jnp.arange(B, dtype=jnp.int32) // group_size
+  return ADVANTAGE_FNS[name](jnp.asarray(reward_B), group_id_B, B // group_size, std_normalize)

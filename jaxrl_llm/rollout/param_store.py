@@ -1,0 +1,88 @@
+"""ParamStore: versioned, immutable, refcounted parameter snapshots.
+
+`publish(params)` copies the learner's parameters into the sampler's dtype (the learner step donates
+its buffers, so a snapshot must never alias them) and assigns the next version. `acquire(version)`
+pins a snapshot (refcount + 1); `release` unpins it. A snapshot is freed once it is unpinned and
+older than the retention window `keep_last` (what lagged generation / old-log-prob recompute need).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Snapshot(NamedTuple):
+  version: int
+  params: Any  # sampler layout/dtype copy; never aliased with learner buffers
+  learner_params: Any  # learner-dtype copy for exact old-log-prob recompute (None when not kept)
+
+
+def copy_tree(params, dtype=None):
+  """A real device copy (optionally cast). `jnp.array(x, copy=True)` never aliases a donated buffer."""
+  if dtype is None:
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+  return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else jnp.array(x, copy=True), params)
+
+
+class ParamStore:
+  """Holds snapshots by version. Thread-safe; holds only references and counters."""
+
+  def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False):
+    if keep_last < 1:
+      raise ValueError("keep_last must be >= 1")
+    self._keep_last = keep_last
+    self._sampler_dtype = sampler_dtype
+    self._keep_learner = keep_learner_copy
+    self._snaps: dict[int, Snapshot] = {}
+    self._refs: dict[int, int] = {}
+    self._next_version = 0
+    self._lock = threading.Lock()
+
+  @property
+  def latest_version(self) -> int:
+    return self._next_version - 1
+
+  def held_versions(self) -> list[int]:
+    with self._lock:
+      return sorted(self._snaps)
+
+  def publish(self, params, version: int | None = None) -> int:
+    """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it."""
+    sampler = copy_tree(params, self._sampler_dtype)
+    learner = copy_tree(params) if self._keep_learner else None
+    with self._lock:
+      v = self._next_version if version is None else version
+      if v < self._next_version:
+        raise ValueError(f"version {v} already published (next is {self._next_version})")
+      self._snaps[v] = Snapshot(v, sampler, learner)
+      self._refs.setdefault(v, 0)
+      self._next_version = v + 1
+      self._gc()
+    return v
+
+  def acquire(self, version: int | None = None) -> Snapshot:
+    """Pins and returns the snapshot of `version` (default: the newest)."""
+    with self._lock:
+      v = self.latest_version if version is None else version
+      if v not in self._snaps:
+        raise KeyError(f"version {v} is not held (held: {sorted(self._snaps)})")
+      self._refs[v] += 1
+      return self._snaps[v]
+
+  def release(self, snapshot: Snapshot) -> None:
+    with self._lock:
+      v = snapshot.version
+      if self._refs.get(v, 0) <= 0:
+        raise ValueError(f"release of version {v} that is not acquired")
+      self._refs[v] -= 1
+      self._gc()
+
+  def _gc(self) -> None:
+    oldest_kept = self._next_version - self._keep_last
+    for v in [v for v in self._snaps if v < oldest_kept and self._refs[v] == 0]:
+      del self._snaps[v], self._refs[v]

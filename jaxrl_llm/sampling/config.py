@@ -1,0 +1,39 @@
+"""SamplerConfig: how tokens are drawn (temperature, truncation, stopping)."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Static sampling settings (hashable: a static argument of the jitted `generate`).
+
+  Attributes:
+    max_new_tokens: N, completion width; generation stops earlier once every row hit EOS.
+    eos_id: token id that ends a completion (included in the completion mask).
+    temperature: softmax temperature; 0 means greedy (argmax).
+    top_k: keep only the k most likely tokens (0 = off).
+    top_p: nucleus sampling; keep the smallest set of most likely tokens with mass >= top_p (1 = off).
+    pad_id: id written at every position that is not a real token.
+  """
+
+  max_new_tokens: int
+  eos_id: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"sampler.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+    if not self.temperature >= 0:
+      raise ValueError(f"sampler.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"sampler.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"sampler.top_p must be in (0, 1], got {self.top_p!r}")
+
+  @property
+  def truncated(self) -> bool:
+    """Whether top-k or top-p removes tokens from the sampled distribution."""
+    return self.top_k > 0 or self.top_p < 1

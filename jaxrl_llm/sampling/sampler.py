@@ -1,0 +1,123 @@
+"""Jitted generation: one prefill call over left-padded prompts, then a decode loop over a KV cache.
+
+Shapes are static (one compilation per (B, P, N) bucket and pair of configs); the decode loop is a
+`lax.while_loop` that also stops once every row has emitted EOS.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache, logits_from_hidden
+from jaxrl_llm.sampling.config import SamplerConfig
+from jaxrl_llm.sampling.sample import sample_token
+
+Array = jax.Array
+
+
+def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
+  """(positions_BP, segment_ids_BP) of prompts left-padded to `width`.
+
+  Real tokens sit at the right end, positions count from the first real token, pads get
+  position 0 and segment 0.
+  """
+  first_B = width - prompt_len_B
+  col_P = jnp.arange(width, dtype=jnp.int32)
+  real_BP = col_P[None, :] >= first_B[:, None]
+  positions_BP = jnp.where(real_BP, col_P[None, :] - first_B[:, None], 0).astype(jnp.int32)
+  return positions_BP, real_BP.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"))
+def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
+             model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """Samples up to N = sampler_cfg.max_new_tokens tokens after each prompt.
+
+  Conventions:
+  - Prompts are **left-padded** to the bucket width P: row b's real tokens are
+    `prompt_tokens_BP[b, P - prompt_len_B[b]:]` (prompt_len_B >= 1); pad columns are ignored.
+  - The model runs in `model_cfg.dtype` (e.g. a bf16 sampler against an fp32 learner).
+  - Step n draws with key `fold_in(key, n)`: no key is reused across steps.
+  - A completion ends with its first EOS, which is included in the mask; later columns hold
+    pad_id with mask 0 and behaviour logp 0.
+  - `behavior_logp` follows `sampling.sample.sample_token` (temperature applied; renormalised
+    truncated distribution under top-k/top-p; temperature-1 log-softmax when greedy).
+
+  Returns a dict:
+    tokens_BN (int32), mask_BN (float32, 1 on completion tokens incl. EOS), behavior_logp_BN
+    (float32), lengths_B (int32, completion length incl. EOS), finished_B (bool, emitted EOS), and
+    the whole sequence for the learner, T = P + N:
+    sequence_BT (prompt with pads set to pad_id, then tokens_BN), positions_BT, segment_ids_BT
+    (1 on real tokens, 0 on pads), completion_mask_BT (mask_BN placed in columns P..P+N-1).
+    A learner call `token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg,
+    positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1],
+    temperature=sampler_cfg.temperature)["logp_BT"][:, P - 1:]` reproduces the sampler's context
+    and scores the same tokens as `behavior_logp_BN`.
+  """
+  B, P = prompt_tokens_BP.shape
+  N = sampler_cfg.max_new_tokens
+  positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
+  prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
+
+  cache = init_cache(model_cfg, B, P + N)
+  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
+                                   segment_ids_BT=segment_ids_BP)
+  # Left padding puts every row's last real prompt token in the last column.
+  first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+
+  def emit(carry: dict, logits_BV: Array) -> dict:
+    """Samples column `step`, masks rows that already finished, advances the step."""
+    step = carry["step"]
+    token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg)
+    live_B = ~carry["done_B"]
+    token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
+    return {
+        **carry,
+        "step": step + 1,
+        "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
+        "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
+        "mask_BN": carry["mask_BN"].at[:, step].set(live_B.astype(jnp.float32)),
+        "done_B": carry["done_B"] | (live_B & (token_B == sampler_cfg.eos_id)),
+    }
+
+  def decode(carry: dict) -> dict:
+    """Feeds the previous column's token through the cache, then samples the next column."""
+    prev = carry["step"] - 1
+    token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
+    live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
+    logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
+                                           positions_BT=(prompt_len_B + prev)[:, None].astype(jnp.int32),
+                                           segment_ids_BT=live_B1)
+    return emit({**carry, "cache": cache}, logits_B1V[:, 0])
+
+  def keep_going(carry: dict) -> Array:
+    return (carry["step"] < N) & ~jnp.all(carry["done_B"])
+
+  carry = {
+      "step": jnp.zeros((), jnp.int32),
+      "cache": cache,
+      "tokens_BN": jnp.full((B, N), sampler_cfg.pad_id, jnp.int32),
+      "logp_BN": jnp.zeros((B, N), jnp.float32),
+      "mask_BN": jnp.zeros((B, N), jnp.float32),
+      "done_B": jnp.zeros((B,), bool),
+  }
+  carry = jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV))
+
+  mask_BN = carry["mask_BN"]
+  positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  return {
+      "tokens_BN": carry["tokens_BN"],
+      "mask_BN": mask_BN,
+      "behavior_logp_BN": carry["logp_BN"],
+      "lengths_B": jnp.sum(mask_BN, axis=1).astype(jnp.int32),
+      "finished_B": carry["done_B"],
+      "sequence_BT": jnp.concatenate([prompt_BP, carry["tokens_BN"]], axis=1),
+      "positions_BT": jnp.concatenate([positions_BP, positions_BN], axis=1),
+      "segment_ids_BT": jnp.concatenate([segment_ids_BP, mask_BN.astype(jnp.int32)], axis=1),
+      "completion_mask_BT": jnp.concatenate([jnp.zeros((B, P), jnp.float32), mask_BN], axis=1),
+  }

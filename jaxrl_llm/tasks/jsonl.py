@@ -1,0 +1,167 @@
+"""User data as JSONL (``{"prompt": ..., "answer": ...}`` per line) with a math-verify reward.
+
+Loading never crashes on bad rows: invalid UTF-8, invalid JSON, a non-object row, a missing key or
+a wrong type skip the row and record ``(line_number, reason)`` in the report (1-based line
+numbers; blank lines are ignored). ``answer`` may be a string or a number (stored as text).
+
+The reward compares the completion with the answer using ``math_verify`` with **LaTeX extraction
+only**: math-verify's plain-expression path goes through ``sympy.parse_expr``, which evaluates
+Python code, and model output must never be executed. A completion without LaTeX falls back to
+its last plain number (``-3``, ``0.5``, ``1/2``), re-read as LaTeX. Each call runs under
+``reward.call_with_timeout``; math-verify's own ``signal.alarm`` timeouts are disabled because
+they only work on the main thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxrl_llm.tasks import reward as reward_lib
+from jaxrl_llm.tasks.base import Task
+
+# Completions are cut to their last characters before parsing: answers sit at the end, and
+# parsing cost grows with length.
+MAX_COMPLETION_CHARS = 4096
+_NUMBER_RE = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?", re.ASCII)
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlReport:
+  """What ``load_jsonl`` kept and skipped: ``bad_lines`` holds ``(line_number, reason)``."""
+  path: str
+  num_ok: int
+  bad_lines: tuple[tuple[int, str], ...]
+
+  @property
+  def num_bad(self) -> int:
+    return len(self.bad_lines)
+
+
+def _row_error(row: Any, prompt_key: str, answer_key: str) -> str | None:
+  if not isinstance(row, dict):
+    return f"row is a {type(row).__name__}, not an object"
+  for key in (prompt_key, answer_key):
+    if key not in row:
+      return f"missing key {key!r}"
+  if not isinstance(row[prompt_key], str) or not row[prompt_key]:
+    return f"{prompt_key!r} must be a non-empty string"
+  answer = row[answer_key]
+  if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+    return f"{answer_key!r} must be a string or a number, got {type(answer).__name__}"
+  return None
+
+
+def parse_jsonl_lines(lines: Sequence[bytes], *, prompt_key: str = "prompt",
+                      answer_key: str = "answer",
+                      path: str = "<lines>") -> tuple[list[dict[str, Any]], JsonlReport]:
+  """Parses raw lines; returns rows ``{"prompt", "answer", "line"}`` and the report."""
+  rows, bad = [], []
+  for line_no, raw in enumerate(lines, start=1):
+    try:
+      text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError:
+      bad.append((line_no, "invalid UTF-8"))
+      continue
+    if not text.strip():
+      continue
+    try:
+      row = json.loads(text)
+    except (ValueError, RecursionError) as e:
+      bad.append((line_no, f"invalid JSON: {str(e)[:80]}"))
+      continue
+    error = _row_error(row, prompt_key, answer_key)
+    if error is not None:
+      bad.append((line_no, error))
+      continue
+    rows.append({"prompt": row[prompt_key], "answer": str(row[answer_key]), "line": line_no})
+  return rows, JsonlReport(path=path, num_ok=len(rows), bad_lines=tuple(bad))
+
+
+def load_jsonl(path: str | os.PathLike, *, prompt_key: str = "prompt",
+               answer_key: str = "answer") -> tuple[list[dict[str, Any]], JsonlReport]:
+  """Reads a JSONL file; malformed rows are skipped, counted and logged (one warning)."""
+  with open(path, "rb") as f:
+    rows, report = parse_jsonl_lines(f.read().splitlines(), prompt_key=prompt_key,
+                                     answer_key=answer_key, path=os.fspath(path))
+  if report.bad_lines:
+    shown = ", ".join(f"line {n}: {why}" for n, why in report.bad_lines[:5])
+    logging.getLogger(__name__).warning("%s: skipped %d malformed rows (%s%s)", report.path,
+                                        report.num_bad, shown,
+                                        ", ..." if report.num_bad > 5 else "")
+  return rows, report
+
+
+def _parse_math(text: str) -> list:
+  """math-verify parse with LaTeX extraction only, falling back to the last plain number."""
+  from math_verify import LatexExtractionConfig, parse  # lazy: sympy import is slow
+  config = [LatexExtractionConfig()]
+  parsed = parse(text, extraction_config=config, parsing_timeout=None)
+  if not parsed:
+    numbers = _NUMBER_RE.findall(text)
+    if numbers:
+      parsed = parse(f"${numbers[-1]}$", extraction_config=config, parsing_timeout=None)
+  return parsed
+
+
+def _verify(answer: str, completion: str) -> float:
+  from math_verify import verify  # lazy: sympy import is slow
+  gold = _parse_math(answer)
+  pred = _parse_math(completion[-MAX_COMPLETION_CHARS:])
+  if not gold or not pred:
+    return 0.0
+  return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def math_verify_reward_with_status(answer: str, completion: str,
+                                   timeout_s: float = 5.0) -> tuple[float, str]:
+  """``(reward, status)``: 1.0 when math-verify finds the completion equal to ``answer``."""
+  if not isinstance(answer, str) or not isinstance(completion, str):
+    return 0.0, "error"
+  return reward_lib.call_with_timeout(_verify, (answer, completion), timeout_s)
+
+
+def math_verify_reward(prompt: str, answer: str, completion: str, *,
+                       timeout_s: float = 5.0) -> float:
+  """Task-style reward ``(prompt, answer, completion) -> {0.0, 1.0}``; never raises."""
+  del prompt
+  return math_verify_reward_with_status(answer, completion, timeout_s)[0]
+
+
+def math_verify_rewards(answers: Sequence[str], completions: Sequence[str],
+                        timeout_s: float = 5.0, max_workers: int = 8) -> reward_lib.RewardBatch:
+  """Batched math-verify rewards with per-status counts (errors and timeouts give 0)."""
+  return reward_lib.safe_reward_batch(_verify, list(zip(answers, completions)), timeout_s,
+                                      max_workers=max_workers)
+
+
+def _sample_row(rng: np.random.Generator, *, rows: tuple[dict[str, Any], ...]) -> dict[str, str]:
+  row = rows[int(rng.integers(len(rows)))]
+  return {"prompt": row["prompt"], "answer": row["answer"]}
+
+
+def make_task(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
+              timeout_s: float = 5.0) -> Task:
+  """A Task over the rows of a JSONL file (examples drawn uniformly), rewarded by math-verify.
+
+  Raises ValueError when the file holds no valid row.
+  """
+  rows, report = load_jsonl(path, prompt_key=prompt_key, answer_key=answer_key)
+  if not rows:
+    raise ValueError(f"{path}: no valid rows ({report.num_bad} malformed)")
+  return Task(
+      name="jsonl",
+      make_example=functools.partial(_sample_row, rows=tuple(rows)),
+      reward=functools.partial(math_verify_reward, timeout_s=timeout_s),
+      max_prompt_len=max(len(r["prompt"]) for r in rows),
+      max_answer_len=max(len(r["answer"]) for r in rows),
+      kwargs=(("answer_key", answer_key), ("path", os.fspath(path)),
+              ("prompt_key", prompt_key), ("timeout_s", timeout_s)),
+  )

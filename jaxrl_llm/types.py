@@ -1,0 +1,46 @@
+"""Dataclasses that cross module boundaries, and the dimension key.
+
+Dimension key used in every shape-suffixed name:
+  B batch (sequences), T time (tokens), V vocabulary, D model width, H query heads,
+  K key/value heads or top-k, G group size, E experts, L layers, S cache slots, P prompt width, N new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+from flax import struct
+
+Array = jax.Array
+
+
+@struct.dataclass
+class LossInputs:
+  """Everything a policy loss may read. Only `logp_BT` is differentiated.
+
+  Required fields are always present; optional ones are filled by the learner only when a loss
+  declares them in its `needs` (see `jaxrl_llm.losses.registry.NEED_FIELDS`).
+
+  Log-prob fields are log-probabilities of the sampled tokens, already shifted so that position t
+  scores token t of the response; padding may hold any value (including -inf): losses sanitise.
+  """
+
+  logp_BT: Array  # log π_θ(y_t | s_t), current policy, differentiable.
+  mask_BT: Array  # 1 for response tokens that count in the loss, 0 elsewhere.
+  adv_BT: Array  # advantage per token (sequence advantages broadcast over tokens).
+  prox_logp_BT: Optional[Array] = None  # log π_old: learner-side proximal/old policy (never differentiated).
+  behavior_logp_BT: Optional[Array] = None  # log μ: what the sampler actually drew from.
+  ref_logp_BT: Optional[Array] = None  # log π_ref for a KL-to-reference term.
+  entropy_BT: Optional[Array] = None  # entropy of π_θ at each position (differentiable when computed so).
+  versions_BT: Optional[Array] = None  # int: parameter version that generated each token.
+  current_version: Optional[Array] = None  # int scalar: version of the parameters being trained.
+  lag_B: Optional[Array] = None  # learner_version - behavior_version per sequence.
+  behavior_topk_ids_BTK: Optional[Array] = None  # top-k token ids of μ at each position.
+  behavior_topk_logp_BTK: Optional[Array] = None  # log μ of those ids.
+  topk_logp_BTK: Optional[Array] = None  # log π_θ at μ's top-k ids (for top-k divergences).
+  turn_BT: Optional[Array] = None  # int: turn index of each token (multi-turn agents, EPO).
+  teacher_logp_BT: Optional[Array] = None  # log π_teacher of the sampled token (distillation).
+  teacher_topk_ids_BTK: Optional[Array] = None
+  teacher_topk_logp_BTK: Optional[Array] = None
+  state: Any = None  # state carried across steps by a loss (R²VPO dual variable, EPO entropy history).

@@ -1,0 +1,305 @@
+"""Conformance suite: every registered loss obeys the library contract (losses/registry.py).
+
+Parametrised over `losses.names()`, so a new loss file is covered the moment it registers itself.
+Checks: jit == no-jit; finite values, metrics, state and gradients under -inf padding, empty masks,
+zero-length sequences and extreme log-ratios (|log r| up to 50); exactly zero gradient on masked
+tokens; on-policy gradient relation to vanilla PG (`ON_POLICY_COEF`); metadata (frozen Hparams,
+"On-policy" in the docstring); registry errors.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import losses
+from jaxrl_llm.losses import registry
+from jaxrl_llm.types import LossInputs
+
+B, T, K = 3, 5, 3
+NAMES = losses.names()
+
+# Mask: right padding, full, left padding (row layouts seen in practice).
+MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], np.float32)
+ADV_B = np.array([1.5, -0.7, 0.4], np.float32)
+
+
+def _rand_logp(rng, shape, lo=-3.0, hi=-0.05):
+  return rng.uniform(lo, hi, size=shape).astype(np.float32)
+
+
+def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_inf=True, hp=None):
+  """Valid LossInputs for every need of `name` (fields it does not need stay None).
+
+  on_policy: prox = behavior = current logp (same values), versions = current, lag 0, π_θ top-k = μ top-k.
+  extreme:   anchors drawn so that |logp - anchor| reaches ~50 (beyond the ±20 clamp).
+  pad_inf:   every log-prob field holds -inf outside the mask.
+  """
+  spec = losses.get(name)
+  hp = spec.Hparams() if hp is None else hp
+  rng = np.random.default_rng(seed)
+  mask = np.asarray(mask, np.float32)
+  logp = _rand_logp(rng, (B, T))
+  if extreme:
+    logp = np.where(rng.random((B, T)) < 0.5, -0.01, -50.0).astype(np.float32)
+
+  def anchor():
+    if on_policy:
+      return logp.copy()
+    if extreme:
+      return np.where(logp > -1.0, -50.0, -0.02).astype(np.float32)  # |log r| ≈ 50 on every token
+    return logp + rng.normal(0.0, 0.3, size=(B, T)).astype(np.float32)
+
+  def pad(x):
+    return np.where(mask > 0, x, -np.inf).astype(np.float32) if pad_inf else x
+
+  adv = np.where(mask > 0, ADV_B[:, None], 0.0).astype(np.float32)
+  f = {"logp_BT": pad(logp), "mask_BT": mask, "adv_BT": adv}
+  needs = spec.needs
+  if "prox_logp" in needs:
+    f["prox_logp_BT"] = pad(anchor())
+  if "behavior_logp" in needs:
+    f["behavior_logp_BT"] = pad(anchor())
+  if "ref_logp" in needs:
+    f["ref_logp_BT"] = pad(anchor())
+  if "entropy" in needs:
+    f["entropy_BT"] = np.where(mask > 0, rng.uniform(0.1, 2.0, (B, T)), 0.0).astype(np.float32)
+  if "versions" in needs:
+    cur = 7
+    stale = np.zeros((B, T), np.int32) if on_policy else rng.integers(0, 4, (B, T)).astype(np.int32)
+    f["versions_BT"] = (cur - stale).astype(np.int32)
+    f["current_version"] = np.asarray(cur, np.int32)
+  if "lag" in needs:
+    f["lag_B"] = np.zeros(B, np.int32) if on_policy else rng.integers(0, 4, B).astype(np.int32)
+  if "behavior_topk" in needs:
+    f["behavior_topk_ids_BTK"] = rng.integers(0, 11, (B, T, K)).astype(np.int32)
+    mu = np.log(np.sort(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K], -1)[..., ::-1]).astype(np.float32)
+    f["behavior_topk_logp_BTK"] = pad(mu.transpose(2, 0, 1)).transpose(1, 2, 0)
+    if on_policy:
+      f["topk_logp_BTK"] = f["behavior_topk_logp_BTK"].copy()
+    else:
+      shift = rng.normal(0.0, 30.0 if extreme else 0.3, (B, T, K)).astype(np.float32)
+      f["topk_logp_BTK"] = pad((np.minimum(mu + shift, -1e-3)).transpose(2, 0, 1)).transpose(1, 2, 0)
+  if "turn" in needs:
+    f["turn_BT"] = np.minimum(np.arange(T)[None, :] // 2, 3).repeat(B, 0).astype(np.int32)
+  if "teacher_logp" in needs:
+    f["teacher_logp_BT"] = pad(anchor())
+  if "teacher_topk" in needs:
+    f["teacher_topk_ids_BTK"] = rng.integers(0, 11, (B, T, K)).astype(np.int32)
+    tk = np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]).astype(np.float32)
+    f["teacher_topk_logp_BTK"] = pad(tk.transpose(2, 0, 1)).transpose(1, 2, 0)
+  if "state" in needs:
+    f["state"] = spec.init_state(hp)
+  inputs = LossInputs(**{k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in f.items()})
+  losses.check_needs(spec, inputs)
+  return spec, hp, inputs
+
+
+def loss_and_grad(spec, hp, inputs, mode="token-mean", jit=False):
+  """(reduced loss, loss_BT, aux, d loss / d logp_BT) for one aggregation mode."""
+  def total(lp):
+    loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
+    return losses.reduce(loss_BT, inputs.mask_BT, mode), (loss_BT, aux)
+
+  f = jax.value_and_grad(total, has_aux=True)
+  if jit:
+    f = jax.jit(f)
+  (val, (loss_BT, aux)), g = f(inputs.logp_BT)
+  return val, loss_BT, aux, g
+
+
+MODES_CHECKED = ("token-mean", "seq-mean-token-mean")
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(name):
+  """One compiled function per loss (default Hparams), reused by every case: fixtures share shapes."""
+  spec = losses.get(name)
+  hp = spec.Hparams()
+
+  def run(inputs):
+    out = {}
+    for mode in MODES_CHECKED:
+      def total(lp):
+        loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
+        return losses.reduce(loss_BT, inputs.mask_BT, mode), (loss_BT, aux)
+      out[mode] = jax.value_and_grad(total, has_aux=True)(inputs.logp_BT)
+    return out
+
+  return jax.jit(run)
+
+
+def _metric_leaves(aux):
+  return {k: v for k, v in aux.items() if k not in ("keep_BT", "state")}
+
+
+def assert_all_finite(val, loss_BT, aux, g, label):
+  assert np.isfinite(np.asarray(val)), f"{label}: loss not finite"
+  assert np.all(np.isfinite(np.asarray(loss_BT))), f"{label}: loss_BT not finite"
+  assert np.all(np.isfinite(np.asarray(g))), f"{label}: gradient not finite: {np.asarray(g)}"
+  for k, v in _metric_leaves(aux).items():
+    assert isinstance(v, tuple) and len(v) == 2, f"{label}: metric {k!r} must be a (sum, count) pair"
+    assert np.all(np.isfinite(np.asarray(v[0]))) and np.all(np.isfinite(np.asarray(v[1]))), f"{label}: metric {k} {v}"
+  for leaf in jax.tree_util.tree_leaves(aux.get("state")):
+    assert np.all(np.isfinite(np.asarray(leaf))), f"{label}: state not finite"
+  if "keep_BT" in aux:
+    keep = np.asarray(aux["keep_BT"])
+    assert keep.shape == (B, T) and set(np.unique(keep)) <= {0.0, 1.0}, f"{label}: keep_BT must be float {{0,1}} [B,T]"
+
+
+def assert_masked_grad_zero(g, mask, label):
+  g = np.asarray(g)
+  assert np.all(g[np.asarray(mask) == 0] == 0.0), f"{label}: masked tokens got gradient {g[np.asarray(mask) == 0]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jit_equals_nojit(name):
+  spec, hp, inputs = make_inputs(name, seed=1)
+  v0, l0, a0, g0 = loss_and_grad(spec, hp, inputs, "token-mean", jit=False)
+  (v1, (l1, a1)), g1 = jitted(name)(inputs)["token-mean"]
+  np.testing.assert_allclose(np.asarray(v1), np.asarray(v0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-5, atol=1e-6)
+  assert set(a0) == set(a1)
+  for x, y in zip(jax.tree_util.tree_leaves(a0), jax.tree_util.tree_leaves(a1)):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+CASES = {
+    "pad_inf": dict(mask=MASK),
+    "empty_mask": dict(mask=np.zeros((B, T), np.float32)),
+    "zero_length_row": dict(mask=np.array([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]], np.float32)),
+    "extreme_ratios": dict(mask=MASK, extreme=True),
+    "on_policy": dict(mask=MASK, on_policy=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
+def test_finite_and_masked_tokens_get_zero_grad(name, case):
+  _, _, inputs = make_inputs(name, seed=2, **CASES[case])
+  out = jitted(name)(inputs)
+  for mode in MODES_CHECKED:
+    (val, (loss_BT, aux)), g = out[mode]
+    label = f"{name}/{case}/{mode}"
+    assert_all_finite(val, loss_BT, aux, g, label)
+    assert_masked_grad_zero(g, inputs.mask_BT, label)
+    lb = np.asarray(loss_BT)
+    if lb.ndim == 2:
+      assert np.all(lb[np.asarray(inputs.mask_BT) == 0] == 0.0), f"{label}: loss_BT nonzero outside the mask"
+    if case == "empty_mask":
+      np.testing.assert_array_equal(np.asarray(g), 0.0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_round_trips(name):
+  spec = losses.get(name)
+  if "state" not in spec.needs:
+    return
+  spec, hp, inputs = make_inputs(name, seed=3)
+  _, aux = spec.fn(inputs, hp)
+  assert "state" in aux, f"{name} needs state but returns no aux['state']"
+  s0, s1 = spec.init_state(hp), aux["state"]
+  assert jax.tree_util.tree_structure(s0) == jax.tree_util.tree_structure(s1)
+  for a, b in zip(jax.tree_util.tree_leaves(s0), jax.tree_util.tree_leaves(s1)):
+    assert jnp.shape(a) == jnp.shape(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# On-policy: behaviour = prox = current (same values), lag 0. Under reduce(..., "token-mean") the
+# gradient of every importance-corrected loss must be -c_BT·m/N with c_BT = Â (vanilla PG). The
+# table lists the losses whose on-policy coefficient is *not* Â, with the exact expected formula.
+# Losses not listed must equal PG.
+#   delightful_pg: gated PG, c = σ(Â·(−log π)/η)·Â (addendum §6; no ratio, so "on-policy" changes nothing).
+#   r2vpo: r ≡ 1 so Var(r) = 0 and ∂Var/∂r_i = 2(r_i − r̄)/N = 0: equals PG (listed for the record).
+#   epo:   PPO part equals PG; the entropy term reads `entropy_BT`, which is not a function of logp_BT
+#          here, so d/d logp is PG (listed for the record).
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+ON_POLICY_COEF = {
+    "delightful_pg": lambda inp, hp: _sigmoid(np.asarray(inp.adv_BT) * -np.nan_to_num(
+        np.where(np.asarray(inp.mask_BT) > 0, np.asarray(inp.logp_BT), 0.0)) / hp.eta) * np.asarray(inp.adv_BT),
+    "r2vpo": lambda inp, hp: np.asarray(inp.adv_BT),
+    "epo": lambda inp, hp: np.asarray(inp.adv_BT),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_on_policy_gradient_relation_to_pg(name):
+  spec, hp, inputs = make_inputs(name, seed=4, on_policy=True)
+  _, g = jitted(name)(inputs)["token-mean"]
+  mask = np.asarray(inputs.mask_BT)
+  coef = ON_POLICY_COEF.get(name, lambda inp, hp: np.asarray(inp.adv_BT))(inputs, hp)
+  want = np.where(mask > 0, -coef / mask.sum(), 0.0)
+  np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7, err_msg=name)
+  # The reference itself: pg's gradient is exactly -Â·m/N.
+  _, _, pin = make_inputs("pg", seed=4, on_policy=True)
+  _, gpg = jitted("pg")(pin)["token-mean"]
+  np.testing.assert_allclose(np.asarray(gpg), np.where(mask > 0, -np.asarray(pin.adv_BT) / mask.sum(), 0.0), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata and registry behaviour.
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_metadata(name):
+  spec = losses.get(name)
+  assert spec.name == name
+  assert dataclasses.is_dataclass(spec.Hparams) and spec.Hparams.__dataclass_params__.frozen, name
+  hp = spec.Hparams()  # every field has a default (the paper's)
+  fields = dataclasses.fields(hp)
+  if fields:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(hp, fields[0].name, getattr(hp, fields[0].name))
+  assert "On-policy" in spec.doc, f"{name}: docstring must say what the loss reduces to On-policy"
+  assert set(spec.needs) <= set(registry.NEED_FIELDS)
+  assert ("state" in spec.needs) == (spec.init_state is not None)
+
+
+def test_unknown_name_lists_valid_names():
+  with pytest.raises(KeyError) as e:
+    losses.get("definitely_not_a_loss")
+  for n in NAMES:
+    assert n in str(e.value)
+
+
+def test_duplicate_registration_raises_and_unregister():
+  spec = losses.get("pg")
+  with pytest.raises(ValueError, match="already registered"):
+    losses.register("pg", spec.fn, spec.Hparams)
+  assert losses.get("pg") is spec  # the failed registration changed nothing
+  losses.register("_conformance_tmp", spec.fn, spec.Hparams)
+  try:
+    assert "_conformance_tmp" in losses.names()
+  finally:
+    losses.unregister("_conformance_tmp")
+  assert "_conformance_tmp" not in losses.names()
+
+
+def test_register_rejects_bad_declarations():
+  spec = losses.get("pg")
+  with pytest.raises(ValueError, match="unknown needs"):
+    losses.register("_bad_needs", spec.fn, spec.Hparams, needs=("nonsense",))
+  with pytest.raises(ValueError, match="init_state"):
+    losses.register("_bad_state", spec.fn, spec.Hparams, needs=("state",))
+  with pytest.raises(TypeError):
+    losses.register("_bad_hp", spec.fn, dict)
+  assert not {"_bad_needs", "_bad_state", "_bad_hp"} & set(losses.names())
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if losses.get(n).needs])
+def test_check_needs_names_the_missing_field(name):
+  spec, hp, inputs = make_inputs(name)
+  for need in sorted(spec.needs):
+    field = registry.NEED_FIELDS[need][0]
+    with pytest.raises(ValueError) as e:
+      losses.check_needs(spec, inputs.replace(**{field: None}))
+    assert field in str(e.value) and need in str(e.value)

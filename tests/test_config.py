@@ -1,0 +1,88 @@
+"""Config validation names the bad field; the CLI rejects unknown fields with their name."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_llm import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name="tiny"):
+  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def test_default_and_tiny_are_valid():
+  config_lib.validate(load("default"))
+  config_lib.validate(load("tiny"))
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("rollout.mode", "bogus", "config.rollout.mode='bogus'"),
+    ("rollout.lag", -1, "config.rollout.lag=-1"),
+    ("model.n_kv_heads", 3, "config.model.n_kv_heads=3"),
+    ("sampler.temperature", 0.0, "config.sampler.temperature=0.0"),
+    ("sampler.top_p", 1.5, "config.sampler.top_p=1.5"),
+    ("loss.agg_mode", "mean", "config.loss.agg_mode='mean'"),
+    ("task.name", "chess", "config.task.name='chess'"),
+    ("optim.lr", 0.0, "config.optim.lr=0.0"),
+    ("advantage.name", "gae", "config.advantage.name='gae'"),
+    ("loss.name", "nope", "unknown loss"),
+])
+def test_bad_values_name_the_field(field, value, needle):
+  c = load()
+  section, key = field.split(".")
+  c[section][key] = value
+  with pytest.raises(config_lib.ConfigError, match=None) as e:
+    config_lib.validate(c)
+  assert needle in str(e.value)
+  assert field.split(".")[-1] in str(e.value)
+
+
+def test_unknown_loss_lists_valid_names():
+  c = load()
+  c.loss.name = "nope"
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert "ppo_clip" in str(e.value) and "pg" in str(e.value)
+
+
+def test_unknown_loss_hparam_names_field():
+  c = load()
+  c.loss.hparams = {"eps_bogus": 0.1}
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert "loss.hparams.eps_bogus" in str(e.value)
+
+
+def test_staged_requires_stage_length():
+  c = load()
+  c.rollout.mode, c.rollout.lag = "staged", 0
+  with pytest.raises(config_lib.ConfigError, match="rollout.lag"):
+    config_lib.validate(c)
+
+
+def test_cli_rejects_unknown_field_and_bad_value(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  base = [sys.executable, "-m", "jaxrl_llm", "--config=configs/tiny.py", f"--workdir={tmp_path}"]
+  r = subprocess.run(base + ["--config.no_such_field=1"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert r.returncode != 0 and "no_such_field" in (r.stdout + r.stderr)
+  r = subprocess.run(base + ["--config.rollout.mode=bogus"], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert r.returncode == 2 and "config.rollout.mode='bogus'" in r.stderr
+
+
+def test_import_has_no_side_effects():
+  code = ("import logging, jax, jaxrl_llm, jaxrl_llm.losses, jaxrl_llm.models, jaxrl_llm.tasks, jaxrl_llm.sampling;"
+          "from jax._src import xla_bridge as xb;"
+          "assert not xb._backends, 'devices initialised at import';"
+          "assert not logging.getLogger().handlers, 'logging configured at import';"
+          "print('ok')")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr

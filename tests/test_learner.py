@@ -1,0 +1,82 @@
+"""The jitted train step: on-policy PPO equals PG, non-finite updates are skipped bitwise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import learner
+from jaxrl_llm.models import ModelConfig, init_params
+
+CFG = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, max_seq_len=16)
+P, N, B = 4, 3, 4
+
+
+def make_batch(params, adv=1.0):
+  key = jax.random.key(0)
+  seq = jax.random.randint(key, (B, P + N), 3, 16)
+  pos = jnp.broadcast_to(jnp.arange(P + N), (B, P + N))
+  seg = jnp.ones((B, P + N), jnp.int32)
+  mask = jnp.ones((B, N)).at[0, 2].set(0.0)
+  logp = learner.make_score_fn(CFG, 1.0)(params, seq, pos, seg, mask)
+  adv_BN = jnp.broadcast_to(jnp.array([1.0, -1.0, 0.5, 2.0])[:, None] * adv, (B, N)) * mask
+  return learner.Batch(sequence_BT=seq, positions_BT=pos, segment_ids_BT=seg, mask_BN=mask, adv_BN=adv_BN,
+                       behavior_logp_BN=logp, versions_BN=jnp.zeros((B, N), jnp.int32),
+                       lag_B=jnp.zeros((B,), jnp.int32), prox_logp_BN=logp)
+
+
+def copy(t):
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), t)
+
+
+def test_on_policy_ppo_update_equals_pg_update():
+  params = init_params(CFG, jax.random.key(1))
+  batch = make_batch(params)
+  tx = learner.make_optimizer(1e-2, grad_clip=0.0)
+  outs = {}
+  for name in ("pg", "ppo_clip"):
+    step = learner.make_train_step(CFG, tx, name, agg_mode="token-mean")
+    state, m = step(learner.init_state(copy(params), tx), batch, jax.random.key(0))
+    outs[name] = (state.params, m)
+  for a, b in zip(jax.tree.leaves(outs["pg"][0]), jax.tree.leaves(outs["ppo_clip"][0])):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert float(outs["ppo_clip"][1]["grad_norm"]) > 0
+  np.testing.assert_allclose(outs["pg"][1]["grad_norm"], outs["ppo_clip"][1]["grad_norm"], rtol=1e-5)
+
+
+def test_non_finite_loss_skips_update_bitwise():
+  params = init_params(CFG, jax.random.key(2))
+  batch = make_batch(params, adv=jnp.nan)
+  tx = learner.make_optimizer(1e-2)
+  step = learner.make_train_step(CFG, tx, "pg")
+  state0 = learner.init_state(copy(params), tx)
+  ref_params, ref_opt = copy(state0.params), copy(state0.opt_state)
+  state, m = step(state0, batch, jax.random.key(0))
+  assert int(m["update_skipped"]) == 1 and int(state.version) == 0 and int(state.step) == 1
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_opt)):
+    np.testing.assert_array_equal(a, b)
+  state, m = step(state, batch, jax.random.key(0))
+  assert int(m["skipped_consecutive"]) == 2
+  good = make_batch(params)
+  state, m = step(state, good, jax.random.key(0))
+  assert int(m["update_skipped"]) == 0 and int(state.version) == 1 and int(m["skipped_consecutive"]) == 0
+
+
+def test_train_step_compiles_once():
+  params = init_params(CFG, jax.random.key(3))
+  tx = learner.make_optimizer(1e-3)
+  step = learner.make_train_step(CFG, tx, "ppo_clip")
+  state = learner.init_state(params, tx)
+  for i in range(3):
+    state, _ = step(state, make_batch(state.params), jax.random.key(i))
+  assert step._cache_size() == 1
+
+
+def test_unknown_loss_and_bad_hparam():
+  tx = learner.make_optimizer(1e-3)
+  with pytest.raises(KeyError, match="valid names"):
+    learner.make_train_step(CFG, tx, "nope")
+  with pytest.raises(ValueError, match="loss.hparams.eps"):
+    learner.make_train_step(CFG, tx, "ppo_clip", {"eps": 0.1})

@@ -1,0 +1,164 @@
+"""Reward-safety wrapper (errors, timeouts, counts); JSONL loader with a math-verify reward."""
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import tasks
+from jaxrl_llm.tasks import jsonl
+from jaxrl_llm.tasks import reward as reward_lib
+
+
+def _raises(*args):
+  raise RuntimeError("user bug")
+
+
+def _sleeps(*args):
+  time.sleep(5.0)
+  return 1.0
+
+
+# --- safe_reward -------------------------------------------------------------------------------
+
+def test_safe_reward_statuses():
+  assert reward_lib.safe_reward(lambda a, b: a + b, 1.0)(0.25, 0.5) == (0.75, "ok")
+  assert reward_lib.safe_reward(_raises, 1.0)("x") == (0.0, "error")
+  assert reward_lib.safe_reward(_sleeps, 0.05)("x") == (0.0, "timeout")
+  # Returned values that are not finite numbers are errors too.
+  for bad in (None, "1.0", float("nan"), float("inf"), [1.0], 1j):
+    assert reward_lib.safe_reward(lambda v=bad: v, 1.0)() == (0.0, "error")
+  assert reward_lib.safe_reward(lambda: True, 1.0)() == (1.0, "ok")
+  assert reward_lib.safe_reward(lambda: np.float32(0.5), 1.0)() == (0.5, "ok")
+  assert reward_lib.safe_reward(lambda: np.array(2), 1.0)() == (2.0, "ok")
+
+
+def test_safe_reward_catches_base_exceptions():
+  def exits():
+    raise SystemExit(3)
+  def interrupts():
+    raise KeyboardInterrupt
+  assert reward_lib.safe_reward(exits, 1.0)() == (0.0, "error")
+  assert reward_lib.safe_reward(interrupts, 1.0)() == (0.0, "error")
+
+
+def test_safe_reward_batch_counts():
+  def fn(i):
+    if i % 4 == 1:
+      raise ValueError(i)
+    if i % 4 == 2:
+      time.sleep(5.0)
+    return i / 10
+  out = reward_lib.safe_reward_batch(fn, [(i,) for i in range(8)], timeout_s=0.2, max_workers=3)
+  np.testing.assert_allclose(out.reward_B, [0.0, 0.0, 0.0, 0.3, 0.4, 0.0, 0.0, 0.7])
+  assert out.reward_B.dtype == np.float32
+  assert out.status == ("ok", "error", "timeout", "ok", "ok", "error", "timeout", "ok")
+  assert out.counts == {"ok": 4, "error": 2, "timeout": 2}
+
+
+def test_timed_out_thread_is_a_daemon():
+  started, threads = threading.Event(), []
+  def hang():
+    threads.append(threading.current_thread())
+    started.set()
+    threading.Event().wait()  # never returns
+  assert reward_lib.call_with_timeout(hang, (), 0.05) == (0.0, "timeout")
+  assert started.wait(5.0)
+  # Left running (Python cannot kill it), but as a daemon it cannot block interpreter exit.
+  assert threads[0].is_alive() and threads[0].daemon
+
+
+def test_safe_reward_process_mode():
+  # Module-level builtins pickle under spawn; a sleeping child is killed at the deadline.
+  out = reward_lib.safe_reward_batch(
+      math.sqrt, [(0.25,), (-1.0,)], timeout_s=30.0, max_workers=2, use_process=True)
+  assert out.status == ("ok", "error") and out.reward_B.tolist() == [0.5, 0.0]
+  assert reward_lib.call_with_timeout(time.sleep, (60,), 0.5, use_process=True) == (0.0, "timeout")
+  # Unpicklable functions are errors, not crashes.
+  assert reward_lib.call_with_timeout(lambda: 1.0, (), 1.0, use_process=True) == (0.0, "error")
+
+
+# --- JSONL loading ------------------------------------------------------------------------------
+
+def test_jsonl_malformed_rows_counted_with_line_numbers(tmp_path):
+  lines = [
+      json.dumps({"prompt": "1+1?", "answer": "2"}),            # 1 ok
+      "{not json",                                              # 2 bad JSON
+      json.dumps({"prompt": "x"}),                              # 3 missing answer
+      "",                                                       # 4 blank: ignored
+      json.dumps({"prompt": 5, "answer": "1"}),                 # 5 prompt not a string
+      json.dumps(["prompt", "answer"]),                         # 6 not an object
+      json.dumps({"prompt": "half?", "answer": 0.5}),           # 7 ok, numeric answer
+      json.dumps({"prompt": "p", "answer": None}),              # 8 null answer
+      json.dumps({"prompt": "p", "answer": True}),              # 9 bool answer
+      json.dumps({"prompt": "", "answer": "1"}),                # 10 empty prompt
+      json.dumps({"question": "p", "answer": "1"}),             # 11 missing prompt
+      json.dumps({"prompt": "ünï", "answer": "\\frac{1}{2}", "extra": 1}),   # 12 ok
+  ]
+  path = tmp_path / "data.jsonl"
+  path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe bad utf8\n" + b"[[[" * 50000)
+  rows, report = jsonl.load_jsonl(path)
+  assert [r["line"] for r in rows] == [1, 7, 12]
+  assert [r["answer"] for r in rows] == ["2", "0.5", "\\frac{1}{2}"]
+  assert [n for n, _ in report.bad_lines] == [2, 3, 5, 6, 8, 9, 10, 11, 13, 14]
+  assert report.num_ok == 3 and report.num_bad == 10
+  reasons = dict(report.bad_lines)
+  assert "JSON" in reasons[2] and "'answer'" in reasons[3] and "UTF-8" in reasons[13]
+
+
+def test_jsonl_custom_keys_and_task(tmp_path):
+  path = tmp_path / "d.jsonl"
+  path.write_text(json.dumps({"q": "What is 1/2?", "a": "\\frac{1}{2}"}) + "\n")
+  rows, report = jsonl.load_jsonl(path, prompt_key="q", answer_key="a")
+  assert len(rows) == 1 and report.num_bad == 0
+  task = tasks.get_task("jsonl", path=str(path), prompt_key="q", answer_key="a")
+  ex = task.make_example(np.random.default_rng(0))
+  assert ex == {"prompt": "What is 1/2?", "answer": "\\frac{1}{2}"}
+  assert task.reward(ex["prompt"], ex["answer"], "so it is 0.5") == 1.0
+  assert task.reward(ex["prompt"], ex["answer"], "so it is 0.6") == 0.0
+  empty = tmp_path / "e.jsonl"
+  empty.write_text("oops\n")
+  with pytest.raises(ValueError, match="no valid rows"):
+    tasks.get_task("jsonl", path=str(empty))
+
+
+# --- math-verify reward --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer,completion,expected", [
+    ("\\frac{1}{2}", "0.5", 1.0),
+    ("\\frac{1}{2}", "The answer is $\\frac{1}{2}$.", 1.0),
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
+    ("0.5", "$\\frac{2}{4}$", 1.0),
+    ("\\frac{1}{2}", "1/2", 1.0),
+    ("-3", "x = -3", 1.0),
+    ("\\frac{1}{2}", "0.6", 0.0),
+    ("\\frac{1}{2}", "", 0.0),
+    ("\\frac{1}{2}", "1/0", 0.0),
+    ("\\frac{1}{2}", "__import__('os').system('touch /tmp/pwned_jaxrl')", 0.0),
+    ("\\frac{1}{2}", "💥" * 1000 + "{{{{(((", 0.0),
+])
+def test_math_verify_reward(answer, completion, expected):
+  assert jsonl.math_verify_reward("prompt", answer, completion, timeout_s=20.0) == expected
+
+
+def test_math_verify_never_executes_output(tmp_path):
+  marker = tmp_path / "pwned"
+  payload = f"__import__('pathlib').Path('{marker}').touch() or 1"
+  assert jsonl.math_verify_reward("p", "1", payload, timeout_s=20.0) in (0.0, 1.0)
+  assert not marker.exists()
+
+
+def test_math_verify_rewards_batch_counts_errors_and_timeouts(monkeypatch):
+  out = jsonl.math_verify_rewards(["\\frac{1}{2}", "2", "3"], ["0.5", "3", None], timeout_s=20.0)
+  assert out.reward_B.tolist() == [1.0, 0.0, 0.0]
+  assert out.counts == {"ok": 2, "error": 1, "timeout": 0}
+  assert jsonl.math_verify_reward_with_status("1", 5) == (0.0, "error")
+  # A verifier that hangs (as sympy can on adversarial input) is cut off and counted.
+  monkeypatch.setattr(jsonl, "_verify", _sleeps)
+  assert jsonl.math_verify_reward_with_status("\\frac{1}{2}", "0.5", timeout_s=0.1) == (
+      0.0, "timeout")
+  out = jsonl.math_verify_rewards(["1", "2"], ["1", "2"], timeout_s=0.1)
+  assert out.counts == {"ok": 0, "error": 0, "timeout": 2}
