@@ -47,7 +47,7 @@ def smooth_weight(step, hp: Hparams):
   p1 = k / max(half, 1)
   p2 = (k - half) / max(hp.schedule_steps - half, 1)
   w = jnp.where(k <= half, 1.0 - 0.2 * (1.0 - jnp.exp(-hp.schedule_slow * p1)), 0.8 * jnp.exp(-hp.schedule_fast * p2))
-  if hp.schedule_steps <= 0 or half == 0:
+  if hp.schedule_steps <= 0:  # code: no horizon → weight 1
     w = jnp.ones_like(w)
   return w
 
@@ -57,16 +57,17 @@ def smooth_penalty(ent_BT, hist_BT, has_hist_BT, hp: Hparams):
 
   indicator: out_range_penalty·1[H ∉ (lo·h, hi·h)], a constant without gradient (released code);
   hinge:     out_range_penalty·(relu(lo·h − H) + relu(H − hi·h)), whose gradient pushes H back in band.
+  Returns (P_BT, out_of_band_BT); the band is open (strict bounds, as in the code).
   """
   lo, hi = hp.band_low * hist_BT, hp.band_high * hist_BT
+  out = has_hist_BT & ~((ent_BT > lo) & (ent_BT < hi))
   if hp.smooth_penalty == "indicator":
-    out = ~((ent_BT > lo) & (ent_BT < hi))
     p = jnp.where(out, hp.out_range_penalty, 0.0)
   elif hp.smooth_penalty == "hinge":
     p = hp.out_range_penalty * (jax.nn.relu(lo - ent_BT) + jax.nn.relu(ent_BT - hi))
   else:
     raise ValueError(f"loss.hparams.smooth_penalty={hp.smooth_penalty!r}: must be one of {SMOOTH_PENALTIES}")
-  return jnp.where(has_hist_BT, p, 0.0)
+  return jnp.where(has_hist_BT, p, 0.0), out
 
 
 def update_history(state, ent_BT, turn_BT, mask_BT, hp: Hparams):
@@ -114,7 +115,8 @@ def epo(inputs, hp: Hparams):
   hist = state["ent_sum_N"][idx] / jnp.maximum(count, 1.0)
   active = ok & in_range & (count > 0) & (turn >= hp.smooth_from_turn)
   w_k = smooth_weight(state["step"], hp) if hp.smooth_schedule else jnp.ones((), jnp.float32)
-  pen = w_k * smooth_penalty(ent, hist, active, hp)
+  pen, out_band = smooth_penalty(ent, hist, active, hp)
+  pen = w_k * pen
 
   loss = ppo - hp.entropy_coef * (ent - hp.smooth_coef * pen)
   one = jnp.ones((), jnp.float32)
@@ -122,7 +124,7 @@ def epo(inputs, hp: Hparams):
       "clip_frac": core.metric(clipped, mask),
       "entropy": core.metric(ent, mask),
       "smooth_penalty": core.metric(pen, mask),
-      "out_of_band_frac": core.metric(active & (pen > 0), mask),
+      "out_of_band_frac": core.metric(out_band, mask),
       "smooth_weight": (w_k, one),
       **core.ratio_diagnostics(lr, mask, "ratio"),
       "state": update_history(state, ent, turn, ok, hp),

@@ -209,14 +209,19 @@ def test_state_round_trips(name):
 
 
 # ---------------------------------------------------------------------------------------------
-# On-policy: behaviour = prox = current (same values), lag 0. Under reduce(..., "token-mean") the
-# gradient of every importance-corrected loss must be -c_BT·m/N with c_BT = Â (vanilla PG). The
-# table lists the losses whose on-policy coefficient is *not* Â, with the exact expected formula.
-# Losses not listed must equal PG.
+# On-policy: behaviour = prox = current (same values), lag 0, versions = current. Under `reduce` the
+# gradient of every importance-corrected loss must be -c_BT·m/N (token-mean) and -c_BT·m/(L_b·B')
+# (seq-mean-token-mean) with c_BT = Â, the vanilla PG coefficient. This table lists the losses whose
+# on-policy coefficient is *not* Â, with the exact expected formula; every loss not listed must equal PG.
 #   delightful_pg: gated PG, c = σ(Â·(−log π)/η)·Â (addendum §6; no ratio, so "on-policy" changes nothing).
 #   r2vpo: r ≡ 1 so Var(r) = 0 and ∂Var/∂r_i = 2(r_i − r̄)/N = 0: equals PG (listed for the record).
-#   epo:   PPO part equals PG; the entropy term reads `entropy_BT`, which is not a function of logp_BT
-#          here, so d/d logp is PG (listed for the record).
+#   epo:   PPO part equals PG; the entropy terms read `entropy_BT`, not a function of logp_BT here,
+#          so d/d logp is PG (listed for the record; the entropy gradient is tested in test_epo.py).
+# Checked to equal PG at default Hparams, with the reason their docstrings give: gspo (s = 1 and the
+# GSPO-token form carries ∇log π per token, so token-mean too, despite ε = 3e-4), drpo (r = 1: the
+# penalty's gradient μ(r−1)/ε vanishes), vespo (log W = 0, φ(1) = 1), dppo/dppo_topk (D = 0, weight 1),
+# m2po (M2 = 0), mu_grpo (no trigger), sat/sat_gspo (d = 0), hispo, alp, a3po, ppo_ewma, tis, mis,
+# icepop, minirl, decoupled_ppo, cispo, ppo_clip (all ratios 1, nothing clipped or masked).
 
 
 def _sigmoid(x):
@@ -234,11 +239,16 @@ ON_POLICY_COEF = {
 @pytest.mark.parametrize("name", NAMES)
 def test_on_policy_gradient_relation_to_pg(name):
   spec, hp, inputs = make_inputs(name, seed=4, on_policy=True)
-  _, g = jitted(name)(inputs)["token-mean"]
+  out = jitted(name)(inputs)
+  _, g = out["token-mean"]
   mask = np.asarray(inputs.mask_BT)
   coef = ON_POLICY_COEF.get(name, lambda inp, hp: np.asarray(inp.adv_BT))(inputs, hp)
   want = np.where(mask > 0, -coef / mask.sum(), 0.0)
   np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7, err_msg=name)
+  _, g_seq = out["seq-mean-token-mean"]
+  L = mask.sum(-1, keepdims=True)
+  want_seq = np.where(mask > 0, -coef / np.maximum(L, 1.0), 0.0) / (L > 0).sum()
+  np.testing.assert_allclose(np.asarray(g_seq), want_seq, rtol=1e-5, atol=1e-7, err_msg=name)
   # The reference itself: pg's gradient is exactly -Â·m/N.
   _, _, pin = make_inputs("pg", seed=4, on_policy=True)
   _, gpg = jitted("pg")(pin)["token-mean"]

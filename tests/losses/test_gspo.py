@@ -51,7 +51,8 @@ def _golden(logp, prox, mask, adv, eps_l, eps_h, cap=10.0):
   for b in range(B):
     if L[b] == 0:
       continue
-    d = np.where(mask[b] > 0, np.nan_to_num(logp[b].astype(np.float64) - prox[b]), 0.0)
+    with np.errstate(invalid="ignore"):
+      d = np.where(mask[b] > 0, np.nan_to_num(logp[b].astype(np.float64) - prox[b]), 0.0)
     log_s = d.sum() / L[b]
     s = np.exp(min(log_s, cap))
     for t in range(T):
