@@ -17,7 +17,7 @@ def get_config():
   c.task.kwargs = ml_collections.ConfigDict({"num_digits": 2})
   c.task.source = "memory"  # "memory" (generated on the fly) or "tfds" (ArrayRecord built locally, read by grain)
   c.task.data_dir = ""  # TFDS data dir; "" = ~/.cache/jaxrl_llm/tfds
-  c.task.prompt_width = 16  # prompts are left-padded to this many tokens
+  c.task.prompt_width = 0  # prompts are left-padded to this many tokens (0 = the task's longest prompt + BOS)
 
   c.model = ml_collections.ConfigDict()
   c.model.d_model = 128

@@ -101,7 +101,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
         prox_logp_BT=batch.prox_logp_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
         entropy_BT=out.get("entropy_BT"), versions_BT=batch.versions_BN, current_version=state.version,
-        lag_B=batch.lag_B, state=state.loss_state)
+        lag_B=batch.lag_B, state=state.loss_state, tokens_BT=batch.sequence_BT[:, -n_new:])
     losses.check_needs(spec, inputs)
     loss_BT, aux = spec.fn(inputs, hp)
     aux = dict(aux)

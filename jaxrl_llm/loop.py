@@ -28,16 +28,21 @@ from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
-from jaxrl_llm.tasks import get_task, split_examples
+from jaxrl_llm.tasks import get_task
 from jaxrl_llm.tasks import tokenizer as tok
 
 
-def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+def prompt_width(c: ml_collections.ConfigDict, task) -> int:
+  """Bucket width P of left-padded prompts: the config's, or the task's bound + BOS when 0."""
+  return c.task.prompt_width or task.max_prompt_len + 1
+
+
+def model_config(c: ml_collections.ConfigDict, width: int) -> ModelConfig:
   m = c.model
   return ModelConfig(vocab_size=tok.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                      n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype,
-                     max_seq_len=c.task.prompt_width + c.sampler.max_new_tokens)
+                     max_seq_len=width + c.sampler.max_new_tokens)
 
 
 def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False) -> SamplerConfig:
@@ -61,25 +66,23 @@ def retention(mode: str, k: int) -> int:
   return {"sync": 1, "fixed_lag": k + 1, "staged": k + 1}[mode]
 
 
-def sft_warm_start(c, model_cfg: ModelConfig, params, task, key) -> tuple[Any, float]:
+def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int) -> tuple[Any, float]:
   """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy."""
   if c.sft.steps <= 0:
     return params, float("nan")
   tx = learner.make_optimizer(c.sft.lr, grad_clip=1.0, warmup_steps=min(20, c.sft.steps // 10))
   opt_state = tx.init(params)
   step_fn = learner.make_sft_step(model_cfg, tx)
-  train = split_examples(task, "train", seed=c.seed, num_train=4096)
-  N, P = c.sampler.max_new_tokens, c.task.prompt_width
+  N = c.sampler.max_new_tokens
   rng = np.random.default_rng([c.seed, 11])
   loss = float("nan")
   for _ in range(c.sft.steps):
-    exs = [train[i] for i in rng.choice(len(train), c.sft.batch_size)]
+    exs = [train[int(i)] for i in rng.choice(len(train), c.sft.batch_size)]
     p = collect.encode_prompts(exs, P)
     tgt, _ = tok.pad_right([tok.encode(ex["answer"], add_eos=True)[:N] for ex in exs], N)
     mask_BN = (np.arange(N)[None, :] < np.array([min(len(ex["answer"]) + 1, N) for ex in exs])[:, None])
     seq, pos, seg = full_sequence(p, tgt, mask_BN)
     params, opt_state, loss = step_fn(params, opt_state, seq, pos, seg, jnp.asarray(mask_BN, jnp.float32))
-  del key
   return params, float(loss)
 
 
@@ -112,15 +115,18 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     f.write(c.to_json_best_effort(indent=2, sort_keys=True))
 
   task = get_task(c.task.name, **dict(c.task.kwargs))
-  model_cfg = model_config(c)
+  P = prompt_width(c, task)
+  split = lambda name: collect.load_split(c.task.name, name, dict(c.task.kwargs), c.task.source, c.task.data_dir, c.seed)
+  train_examples = split("train")
+  model_cfg = model_config(c, P)
   sampler_model_cfg = dataclasses.replace(model_cfg, dtype=c.sampler.dtype)
   samp_cfg = sampler_config(c)
   root = jax.random.key(c.seed)
-  k_init, k_sft, k_sample, k_learn, k_eval = (jax.random.fold_in(root, i) for i in range(5))
+  k_init, k_sample, k_learn, k_eval = (jax.random.fold_in(root, i) for i in range(4))
 
   params = init_params(model_cfg, k_init)
   t0 = time.perf_counter()
-  params, sft_loss = sft_warm_start(c, model_cfg, params, task, k_sft)
+  params, sft_loss = sft_warm_start(c, model_cfg, params, train_examples, P)
   time_sft = time.perf_counter() - t0
 
   spec = losses.get(c.loss.name)
@@ -143,8 +149,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                      keep_learner_copy=sampler_dtype is not None and c.rollout.old_logp == "recompute")
   store.publish(state.params)
 
-  train_examples = split_examples(task, "train", seed=c.seed, num_train=4096)
-  test = collect.encode_prompts(split_examples(task, "test", seed=c.seed)[:c.eval.num_prompts], c.task.prompt_width)
+  test_split = split("test")
+  test = collect.encode_prompts([test_split[i] for i in range(min(c.eval.num_prompts, len(test_split)))], P)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
   rows: list[dict] = []
   B = c.rollout.prompts_per_step * c.rollout.group_size
@@ -163,7 +169,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     v_b = behavior_version(mode, k, version, stage_version)
     snap = store.acquire(v_b)
     try:
-      p = collect.prompts_for_step(train_examples, t, c.rollout.prompts_per_step, c.seed, c.task.prompt_width)
+      p = collect.prompts_for_step(train_examples, t, c.rollout.prompts_per_step, c.seed, P)
       p = collect.Prompts(np.repeat(p.tokens_BP, c.rollout.group_size, 0), np.repeat(p.len_B, c.rollout.group_size),
                           [ex for ex in p.examples for _ in range(c.rollout.group_size)])
       key = jax.random.fold_in(jax.random.fold_in(k_sample, v_b), t)

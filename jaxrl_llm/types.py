@@ -44,3 +44,4 @@ class LossInputs:
   teacher_topk_ids_BTK: Optional[Array] = None
   teacher_topk_logp_BTK: Optional[Array] = None
   state: Any = None  # state carried across steps by a loss (R²VPO dual variable, EPO entropy history).
+  tokens_BT: Optional[Array] = None  # int: the sampled token ids y_t (top-k membership tests, distillation).

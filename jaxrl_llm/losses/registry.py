@@ -28,6 +28,7 @@ NEED_FIELDS: dict[str, tuple[str, ...]] = {
     "teacher_logp": ("teacher_logp_BT",),
     "teacher_topk": ("teacher_topk_ids_BTK", "teacher_topk_logp_BTK"),
     "state": ("state",),
+    "tokens": ("tokens_BT",),
 }
 
 

@@ -37,11 +37,28 @@ def encode_prompts(examples: list[dict], width: int) -> Prompts:
   return Prompts(tokens, lens, examples)
 
 
-def prompts_for_step(train_examples: list[dict], step: int, n: int, seed: int, width: int) -> Prompts:
+def load_split(task_name: str, split: str, task_kwargs: dict, source: str, data_dir: str | None, seed: int,
+               num_train: int = 5000, num_test: int = 500):
+  """A random-access grain `MapDataset` of `{"prompt": str, "answer": str, "example_id": int}`.
+
+  `source="tfds"` builds the task's TFDS dataset locally (ArrayRecord) on first use and reads it
+  through grain; `source="memory"` generates the identical records in memory.
+  """
+  import grain
+  from jaxrl_llm.tasks import pipeline
+
+  records = pipeline.SOURCES[source](task_name, split, task_kwargs, data_dir=data_dir or None, seed=seed,
+                                     num_train=num_train, num_test=num_test)
+  text = lambda x: x.decode() if isinstance(x, bytes) else str(x)
+  return grain.MapDataset.source(records).map(
+      lambda r: {"prompt": text(r["prompt"]), "answer": text(r["answer"]), "example_id": int(r["example_id"])})
+
+
+def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int) -> Prompts:
   """The prompts of learner step `step`: a pure function of (seed, step), so resume is exact."""
   rng = np.random.default_rng([seed, 7, step])
   idx = rng.choice(len(train_examples), size=n, replace=len(train_examples) < n)
-  return encode_prompts([train_examples[i] for i in idx], width)
+  return encode_prompts([train_examples[int(i)] for i in idx], width)
 
 
 def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,

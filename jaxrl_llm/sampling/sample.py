@@ -42,4 +42,4 @@ def sample_token(logits_BV: Array, key: Array, cfg: SamplerConfig) -> tuple[Arra
     vals_BK = jnp.where(mass_before_BK < cfg.top_p, vals_BK, -jnp.inf)
   choice_B = jax.random.categorical(key, vals_BK, axis=-1)
   token_B = jnp.take_along_axis(ids_BK, choice_B[:, None], axis=-1)[:, 0]
-  return token_B, _logp_at(scaled_BV, token_B)
+  return token_B, _logp_at(vals_BK, choice_B)

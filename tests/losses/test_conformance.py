@@ -121,12 +121,15 @@ def jitted(name):
   hp = spec.Hparams()
 
   def run(inputs):
+    # One forward and one VJP for all modes: `reduce` is linear in loss_BT, so the gradient for a
+    # mode is the VJP of the loss applied to that mode's d reduce / d loss_BT.
+    (loss_BT, aux), vjp = jax.vjp(lambda lp: spec.fn(inputs.replace(logp_BT=lp), hp), inputs.logp_BT)
     out = {}
     for mode in MODES_CHECKED:
-      def total(lp):
-        loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
-        return losses.reduce(loss_BT, inputs.mask_BT, mode), (loss_BT, aux)
-      out[mode] = jax.value_and_grad(total, has_aux=True)(inputs.logp_BT)
+      val, ct = jax.value_and_grad(lambda l: losses.reduce(l, inputs.mask_BT, mode))(loss_BT)
+      ct_aux = jax.tree_util.tree_map(jnp.zeros_like, aux)
+      (g,) = vjp((ct, ct_aux))
+      out[mode] = ((val, (loss_BT, aux)), g)
     return out
 
   return jax.jit(run)
