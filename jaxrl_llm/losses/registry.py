@@ -29,6 +29,13 @@ NEED_FIELDS: dict[str, tuple[str, ...]] = {
     "teacher_topk": ("teacher_topk_ids_BTK", "teacher_topk_logp_BTK"),
     "state": ("state",),
     "tokens": ("tokens_BT",),
+    "student_logits": ("student_logits_BTV",),
+    "teacher_logits": ("teacher_logits_BTV",),
+    "student_topk": ("student_topk_logp_BTK",),
+    "teacher_ref_topk": ("teacher_ref_topk_logp_BTK",),
+    "mc": ("mc_ids_BTN", "mc_logp_BTN", "mc_behavior_logp_BTN", "mc_teacher_logp_BTN"),
+    "sup_drift": ("sup_drift_B",),
+    "eviction": ("eviction_mask_BT",),
 }
 
 

@@ -56,7 +56,8 @@ def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_
   def pad(x):
     return np.where(mask > 0, x, -np.inf).astype(np.float32) if pad_inf else x
 
-  adv = np.where(mask > 0, ADV_B[:, None], 0.0).astype(np.float32)
+  # Â is broadcast over padding too, so a loss that forgets the mask leaks gradient there and fails.
+  adv = np.broadcast_to(ADV_B[:, None], (B, T)).astype(np.float32)
   f = {"logp_BT": pad(logp), "mask_BT": mask, "adv_BT": adv}
   needs = spec.needs
   if "prox_logp" in needs:
@@ -246,6 +247,7 @@ def test_on_policy_gradient_relation_to_pg(name):
   _, g = out["token-mean"]
   mask = np.asarray(inputs.mask_BT)
   coef = ON_POLICY_COEF.get(name, lambda inp, hp: np.asarray(inp.adv_BT))(inputs, hp)
+  coef = np.where(mask > 0, coef, 0.0)
   want = np.where(mask > 0, -coef / mask.sum(), 0.0)
   np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7, err_msg=name)
   _, g_seq = out["seq-mean-token-mean"]

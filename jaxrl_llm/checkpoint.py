@@ -1,0 +1,282 @@
+"""Orbax checkpoints: save a run's state, keep the recent and the best, resume from the newest good one.
+
+One checkpoint step holds three Orbax items in one composite, committed atomically by Orbax (written to
+`<step>.orbax-checkpoint-tmp-*`, renamed to `<step>` when complete):
+  state      the array pytree (train state, parameter snapshots, RNG key data, loss state, ...): PyTreeSave
+  meta       the caller's JSON (resolved config, data-iterator state, controller counters, ...): JsonSave
+  integrity  format version, package version and a checksum per state leaf: JsonSave
+
+`Checkpointer.latest_valid(abstract_state)` walks the steps newest first and returns the first that
+passes every check below; each one that fails is reported with a `CheckpointWarning` naming the step
+and the reason, and (by default) moved to `<directory>/quarantine/` so the resumed run can save that
+step again. What is detected:
+  - partial saves: `*.orbax-checkpoint-tmp-*` directories (a save that never committed);
+  - missing or unreadable step metadata (`_CHECKPOINT_METADATA`);
+  - missing items, missing or unreadable item metadata (`state/_METADATA`, JSON files), truncated or
+    missing array files: anything that makes the Orbax restore raise;
+  - a tree structure, shape or dtype different from `abstract_state`;
+  - silent byte corruption of array data (same file sizes, different bytes): the per-leaf checksum
+    (two wrapping uint32 sums over the leaf's bit pattern, one position-weighted) no longer matches.
+Not detected: corruption of the caller's JSON that still parses to valid JSON.
+
+Leaves of `state` must be arrays (jax or numpy) or None; store PRNG keys as `jax.random.key_data`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_lib
+
+import jaxrl_llm
+
+FORMAT_VERSION = 1
+_ITEMS = ("state", "meta", "integrity")
+_TMP_STEP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+_QUARANTINE = "quarantine"
+
+
+class CheckpointWarning(UserWarning):
+  """A checkpoint step was found partial or corrupt and skipped."""
+
+
+class _Invalid(Exception):
+  """A checkpoint step failed a check; the message is the reason."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure helpers: checksums and restore targets.
+
+
+def _leaf_words(x):
+  """The bit pattern of `x` as a flat uint32 vector (bool/8-bit/16-bit widened, 64-bit split)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32).reshape(-1)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
+
+
+def _leaf_checksum(x):
+  """Two wrapping uint32 sums: plain and position-weighted (Fletcher-like), as a uint32[2]."""
+  w_N = _leaf_words(x)
+  weight_N = jnp.arange(1, w_N.shape[0] + 1, dtype=jnp.uint32)
+  return jnp.stack([jnp.sum(w_N, dtype=jnp.uint32), jnp.sum(w_N * weight_N, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _tree_checksums(leaves):
+  return [_leaf_checksum(jnp.asarray(x)) for x in leaves]
+
+
+def state_checksums(state) -> list[list[int]]:
+  """Per-leaf checksums of an array pytree, in `jax.tree.leaves` order (one jit over the whole tree)."""
+  leaves = jax.tree.leaves(state)
+  return [[int(a), int(b)] for a, b in jax.device_get(_tree_checksums(leaves))]
+
+
+def _restore_target(leaf):
+  """A concrete restore target: numpy stays numpy; jax arrays keep their sharding (default: device 0)."""
+  if isinstance(leaf, np.ndarray | np.generic):
+    return leaf
+  sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def _restore_args(abstract_state):
+  """Restore args with the target's shape and sharding but the *saved* dtype, so dtypes can be checked."""
+  target = jax.tree.map(_restore_target, abstract_state)
+  args = ocp.checkpoint_utils.construct_restore_args(target)
+  args = jax.tree.map(lambda a: dataclasses.replace(a, dtype=None), args,
+                      is_leaf=lambda a: isinstance(a, ocp.RestoreArgs))
+  return target, args
+
+
+def _check_against(restored, abstract_state) -> None:
+  """Raises `_Invalid` naming the first leaf whose shape or dtype differs from the target."""
+  got = jax.tree_util.tree_flatten_with_path(restored)[0]
+  want = jax.tree.leaves(abstract_state)
+  if len(got) != len(want):
+    raise _Invalid(f"tree has {len(got)} leaves, target has {len(want)}")
+  for (path, g), w in zip(got, want):
+    name = jax.tree_util.keystr(path)
+    if tuple(g.shape) != tuple(w.shape):
+      raise _Invalid(f"shape mismatch at {name}: saved {tuple(g.shape)}, target {tuple(w.shape)}")
+    # Canonicalised so that a numpy int64 leaf matches its jax.eval_shape (int32 without x64).
+    if jax.dtypes.canonicalize_dtype(g.dtype) != jax.dtypes.canonicalize_dtype(w.dtype):
+      raise _Invalid(f"dtype mismatch at {name}: saved {g.dtype}, target {w.dtype}")
+
+
+def _check_integrity(restored, integrity: dict) -> None:
+  """Raises `_Invalid` when the integrity record is unusable or a leaf's checksum differs."""
+  if not isinstance(integrity, dict) or integrity.get("format") != FORMAT_VERSION:
+    raise _Invalid(f"integrity record missing or of unknown format: {str(integrity)[:80]}")
+  saved = integrity.get("checksums")
+  got = state_checksums(restored)
+  if not isinstance(saved, list) or len(saved) != len(got):
+    raise _Invalid("integrity record does not match the number of state leaves")
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(restored)[0]]
+  for name, s, g in zip(paths, saved, got):
+    if list(s) != g:
+      raise _Invalid(f"checksum mismatch at {name} (array data corrupted)")
+
+
+def _retention(keep: int | None, best_metric: str | None, best_mode: str, keep_best: int):
+  """Any of: the `keep` newest, the `keep_best` best by `metrics[best_metric]` (unmetered ones don't count)."""
+  policies = [preservation_lib.LatestN(n=keep)]
+  if best_metric is not None:
+    policies.append(preservation_lib.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min",
+                                           n=keep_best, keep_checkpoints_without_metrics=False))
+  return preservation_lib.AnyPreservationPolicy(policies)
+
+
+# ----------------------------------------------------------------------------------------------
+# The shell: one CheckpointManager per run directory.
+
+
+class Checkpointer:
+  """A thin wrapper over `orbax.checkpoint.CheckpointManager` for one run directory.
+
+  Args:
+    directory: where step directories `<directory>/<step>` live (created if absent).
+    keep: how many of the most recent checkpoints to keep (None: all).
+    best_metric: a key of the `metrics` passed to `save`; when set, the `keep_best` best checkpoints by it
+      are also kept (a checkpoint is deleted only when it is neither recent enough nor best enough).
+    best_mode: "max" or "min".
+    keep_best: how many best checkpoints to keep.
+    async_save: Orbax async checkpointing (save returns after the device-to-host copy). Off by default so
+      that tests and resumes are deterministic.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, best_metric: str | None = None,
+               best_mode: str = "max", keep_best: int = 1, async_save: bool = False):
+    if best_mode not in ("max", "min"):
+      raise ValueError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+    if keep is not None and keep < 1:
+      raise ValueError(f"keep must be >= 1 or None, got {keep}")
+    self.directory = os.path.abspath(os.fspath(directory))
+    self._best_metric = best_metric
+    options = ocp.CheckpointManagerOptions(
+        # best_fn only makes Orbax write the metrics; retention is the explicit policy below.
+        best_fn=(lambda m: m[best_metric]) if best_metric else None,
+        best_mode=best_mode,
+        preservation_policy=_retention(keep, best_metric, best_mode, keep_best),
+        enable_async_checkpointing=async_save,
+        create=True)
+    self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+  def all_steps(self) -> list[int]:
+    """Committed steps on disk (not validated), ascending."""
+    return sorted(self._mngr.all_steps())
+
+  def save(self, step: int, state, meta: dict, metrics: dict | None = None, force: bool = False) -> bool:
+    """Saves `state` (array pytree) and `meta` (JSON) as checkpoint `step`; returns whether it saved.
+
+    A step already on disk is not rewritten (returns False): e.g. a SIGTERM save right after the cadence
+    save of the same step. `force` saves even when Orbax's save policy would skip the step.
+    `metrics` (name -> number) is required for best-checkpoint retention to consider this step.
+    """
+    step = int(step)
+    if step in self._mngr.all_steps():
+      return False
+    integrity = {"format": FORMAT_VERSION, "jaxrl_llm_version": jaxrl_llm.__version__,
+                 "checksums": state_checksums(state)}
+    args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta),
+                              integrity=ocp.args.JsonSave(integrity))
+    if metrics is not None:
+      metrics = {k: float(v) for k, v in metrics.items()}
+    return bool(self._mngr.save(step, args=args, metrics=metrics, force=force))
+
+  def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
+    """Restores checkpoint `step` into `abstract_state`'s structure, shapes, dtypes and shardings.
+
+    Raises ValueError with the reason when the step is corrupt or does not match the target.
+    """
+    self._mngr.wait_until_finished()
+    try:
+      return self._restore_checked(int(step), abstract_state)
+    except _Invalid as e:
+      raise ValueError(f"checkpoint step {step} in {self.directory}: {e}") from None
+
+  def latest_valid(self, abstract_state, *, quarantine: bool = True) -> tuple[int, Any, dict] | None:
+    """(step, state, meta) of the newest checkpoint that passes every check, or None when there is none.
+
+    `abstract_state` is the live state or `jax.eval_shape` of its initialiser (ShapeDtypeStructs; those
+    without a sharding go to the first local device). Each skipped step gets a `CheckpointWarning` naming
+    the step and the reason; with `quarantine` (default) it is moved to `<directory>/quarantine/` so the
+    resumed run can write that step again. Pass `quarantine=False` to inspect a directory read-only.
+    """
+    self._mngr.wait_until_finished()
+    for name in sorted(os.listdir(self.directory)):
+      match = _TMP_STEP_RE.match(name)
+      if match:
+        self._skip(int(match.group(1)), os.path.join(self.directory, name),
+                   "partial save (uncommitted Orbax tmp directory)", quarantine)
+    found = None
+    for step in sorted(self._mngr.all_steps(), reverse=True):
+      try:
+        state, meta = self._restore_checked(step, abstract_state)
+      except _Invalid as e:
+        self._skip(step, os.path.join(self.directory, str(step)), str(e), quarantine)
+        continue
+      found = (step, state, meta)
+      break
+    if quarantine:
+      self._mngr.reload()
+    return found
+
+  def wait(self) -> None:
+    """Blocks until an async save has been committed."""
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases Orbax resources."""
+    self._mngr.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # -- internals --------------------------------------------------------------------------------
+
+  def _restore_checked(self, step: int, abstract_state) -> tuple[Any, dict]:
+    step_dir = os.path.join(self.directory, str(step))
+    try:
+      with open(os.path.join(step_dir, "_CHECKPOINT_METADATA")) as f:
+        json.load(f)
+    except (OSError, ValueError) as e:
+      raise _Invalid(f"missing or unreadable step metadata: {type(e).__name__}: {e}") from None
+    target, restore_args = _restore_args(abstract_state)
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
+                              meta=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore())
+    try:
+      out = self._mngr.restore(step, args=args)
+    except Exception as e:  # noqa: BLE001 -- any failure to read a step means this step is unusable
+      raise _Invalid(f"restore failed: {type(e).__name__}: {str(e)[:300]}") from None
+    if out["meta"] is None or out["integrity"] is None:
+      raise _Invalid("missing meta or integrity item")
+    _check_against(out["state"], abstract_state)
+    _check_integrity(out["state"], out["integrity"])
+    return out["state"], out["meta"]
+
+  def _skip(self, step: int, path: str, reason: str, quarantine: bool) -> None:
+    where = ""
+    if quarantine and jax.process_index() == 0:
+      dest = os.path.join(self.directory, _QUARANTINE, f"{os.path.basename(path)}-{time.time_ns()}")
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      shutil.move(path, dest)
+      where = f"; moved to {dest}"
+    warnings.warn(f"checkpoint step {step} in {self.directory} skipped: {reason}{where}", CheckpointWarning,
+                  stacklevel=3)
