@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_lib
+from orbax.checkpoint import checkpoint_managers as preservation_lib
 
 import jaxrl_llm
 

@@ -1,0 +1,275 @@
+"""Asynchronous rollouts (DESIGN §3 `async(η)`): worker threads generate groups while the learner trains.
+
+Each worker loop: acquire the newest ParamStore snapshot → ask admission → take the next request id →
+generate one GRPO group (prompt and sampling key are functions of the request id and version) →
+score → put into the FIFO buffer → release the snapshot. The learner calls `next_batch`, which
+blocks until B groups are buffered, and re-raises any worker exception.
+
+Request ids are handed out in increasing order; ids that were in flight when a run stopped are
+handed out again first after a resume (`state()` / `from_state`), so none is lost or duplicated.
+Which version generates which id depends on thread timing: this mode is concurrent, not bitwise
+reproducible (use `fixed_lag` for that).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.rollout import collect
+from jaxrl_llm.rollout.admission import Admission
+from jaxrl_llm.rollout.buffer import Buffer, Trajectory, lag
+from jaxrl_llm.rollout.param_store import ParamStore, Snapshot
+from jaxrl_llm.sampling import generate
+from jaxrl_llm.sampling import partial as partial_lib
+
+RolloutFn = Callable[[Snapshot, int], Trajectory]
+
+
+def prompt_for_request(train_examples, request_id: int, seed: int) -> dict:
+  """The example of a request: a pure function of (seed, request id), so resume redraws it exactly."""
+  rng = np.random.default_rng([seed, 13, request_id])
+  return train_examples[int(rng.integers(len(train_examples)))]
+
+
+def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
+  """Sampling key of a request: derived from (root, generating version, request id), never shared."""
+  return jax.random.fold_in(jax.random.fold_in(root, version), request_id)
+
+
+def make_group_rollout(task, train_examples, *, width: int, group_size: int, seed: int, key_root: jax.Array,
+                       model_cfg, sampler_cfg, store: ParamStore | None = None,
+                       chunk_steps: int | None = None, reprefill: bool = False) -> RolloutFn:
+  """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
+
+  With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
+  snapshot of `store` between chunks (keeping the KV cache unless `reprefill`); `versions_GN`
+  records the version of every token. Otherwise the whole group uses the admitted snapshot.
+  """
+  if chunk_steps is not None and store is None:
+    raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
+
+  def rollout(snap: Snapshot, request_id: int) -> Trajectory:
+    example = prompt_for_request(train_examples, request_id, seed)
+    p = collect.encode_prompts([example] * group_size, width)
+    key = rollout_key(key_root, snap.version, request_id)
+    args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
+    if chunk_steps is None:
+      out = generate(snap.params, *args, model_cfg, sampler_cfg)
+      versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
+    else:
+      out = partial_lib.generate_partial(snap.version, snap.params, store_poller(store), *args, model_cfg,
+                                         sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
+      versions_GN = np.asarray(out["versions_BN"])
+    out = jax.tree.map(np.asarray, out)
+    reward_G, _, _ = collect.score_completions(task, p.examples, out["tokens_BN"])
+    return Trajectory(
+        request_id=request_id, group_id=int(example["example_id"]), start_version=snap.version,
+        sequence_GT=out["sequence_BT"], positions_GT=out["positions_BT"], segment_ids_GT=out["segment_ids_BT"],
+        tokens_GN=out["tokens_BN"], mask_GN=out["mask_BN"], behavior_logp_GN=out["behavior_logp_BN"],
+        versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example))
+
+  return rollout
+
+
+def store_poller(store: ParamStore) -> partial_lib.Poll:
+  """A `generate_partial` poll over a ParamStore: pins the newest snapshot when it is newer.
+
+  The snapshot pinned for the previous switch is released on the next switch or at the end; the
+  admitted snapshot stays the worker's to release.
+  """
+  held: list[Snapshot] = []
+
+  def poll(current_version: int | None):
+    if current_version is None:  # generation finished
+      for s in held:
+        store.release(s)
+      held.clear()
+      return None
+    if store.latest_version <= current_version:
+      return None
+    snap = store.acquire()
+    for s in held:
+      store.release(s)
+    held[:] = [snap]
+    return snap.version, snap.params
+
+  return poll
+
+
+class AsyncRollout:
+  """Rollout worker threads + admission + buffer; the learner only calls `next_batch`.
+
+  Args:
+    store: the ParamStore the learner publishes into (version 0 must be published before `start`).
+    rollout_fn: `(snapshot, request_id) -> Trajectory`, e.g. `make_group_rollout(...)`.
+    batch_groups: B, groups per learner step.
+    eta: staleness bound η (None = unbounded).
+    num_workers: rollout threads.
+    admission, buffer: restored state (default: fresh).
+    next_request_id, retry_request_ids: restored request-id cursor and ids to redo first.
+    poll_s: how often a worker refused by admission re-checks (it is also woken by the learner).
+  """
+
+  def __init__(self, store: ParamStore, rollout_fn: RolloutFn, *, batch_groups: int, eta: int | None,
+               num_workers: int = 1, admission: Admission | None = None, buffer: Buffer | None = None,
+               max_running: int | None = None, next_request_id: int = 0, retry_request_ids=(),
+               poll_s: float = 0.02):
+    self.store = store
+    self.rollout_fn = rollout_fn
+    self.batch_groups = batch_groups
+    self.eta = eta
+    self.admission = admission or Admission(batch_groups, eta, max_running)
+    self.buffer = buffer or Buffer()
+    self.num_workers = num_workers
+    self.poll_s = poll_s
+    self._next_id = next_request_id
+    self._retry = collections.deque(sorted(retry_request_ids))
+    self._in_flight: set[int] = set()
+    self._errors: list[BaseException] = []
+    self._stop = threading.Event()
+    self._wake = threading.Condition()
+    self._lock = threading.Lock()
+    self._threads: list[threading.Thread] = []
+    self.generated = 0  # groups put into the buffer by this engine
+
+  # ---- worker side ----
+
+  def _take_request_id(self) -> int:
+    with self._lock:
+      if self._retry:
+        rid = self._retry.popleft()
+      else:
+        rid, self._next_id = self._next_id, self._next_id + 1
+      self._in_flight.add(rid)
+      return rid
+
+  def _one_rollout(self) -> bool:
+    """Runs one admitted rollout; False when admission refused (nothing started)."""
+    snap = self.store.acquire()
+    try:
+      if not self.admission.try_start(snap.version):
+        return False
+      rid = self._take_request_id()
+      try:
+        group = self.rollout_fn(snap, rid)
+        self.buffer.put(group)  # put before finish: the group is counted as running until it is in the FIFO
+      except BaseException:
+        self.admission.finish(snap.version, accepted=False)
+        raise
+      self.admission.finish(snap.version, accepted=True)
+      with self._lock:
+        self._in_flight.discard(rid)
+        self.generated += 1
+      return True
+    finally:
+      self.store.release(snap)
+
+  def _work(self) -> None:
+    try:
+      while not self._stop.is_set():
+        if not self._one_rollout():
+          with self._wake:
+            self._wake.wait(self.poll_s)
+    except BaseException as e:  # surfaced to the learner by next_batch / stop
+      with self._lock:
+        self._errors.append(e)
+      self._stop.set()
+
+  # ---- learner side ----
+
+  def start(self) -> "AsyncRollout":
+    if self._threads:
+      raise RuntimeError("AsyncRollout already started")
+    if self.store.latest_version < 0:
+      raise RuntimeError("publish version 0 to the ParamStore before starting rollouts")
+    self._threads = [threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
+                     for i in range(self.num_workers)]
+    for t in self._threads:
+      t.start()
+    return self
+
+  def _raise_if_failed(self) -> None:
+    with self._lock:
+      if self._errors:
+        err = self._errors[0]
+        self._errors.clear()
+        raise RuntimeError(f"rollout worker failed: {err!r}") from err
+
+  def _notify_workers(self) -> None:
+    with self._wake:
+      self._wake.notify_all()
+
+  def next_batch(self, learner_version: int, timeout: float | None = None) -> tuple[list[Trajectory], dict]:
+    """Blocks until `batch_groups` groups with lag ≤ η are buffered; returns them (FIFO) and stats.
+
+    `learner_version` is the version of the parameters this batch will train (the newest published).
+    Raises the first worker exception (as the cause of a RuntimeError), or TimeoutError.
+    Stats: `time_learner_idle_s` (time spent waiting here), `lag_mean`, `lag_max`, counters.
+    """
+    t0 = time.perf_counter()
+    self.admission.set_version(learner_version)
+    self._notify_workers()
+    dropped = 0
+    while True:
+      self._raise_if_failed()
+      groups, n = self.buffer.get_batch(self.batch_groups, learner_version, self.eta)
+      dropped += n
+      if groups is not None:
+        break
+      if self._stop.is_set() and not self._errors:
+        raise RuntimeError("next_batch on a stopped AsyncRollout")
+      if timeout is not None and time.perf_counter() - t0 > timeout:
+        raise TimeoutError(f"no batch of {self.batch_groups} groups within {timeout} s")
+      self.buffer.wait(self.batch_groups, self.poll_s)
+    idle = time.perf_counter() - t0
+    self.admission.consume(len(groups) + dropped, learner_version)
+    self._notify_workers()
+    lags = [lag(g, learner_version) for g in groups]
+    return groups, {
+        "time_learner_idle_s": idle, "lag_mean": float(np.mean(lags)), "lag_max": int(max(lags)),
+        "dropped_stale": self.buffer.dropped, "buffered": len(self.buffer), "running": self.admission.running,
+        "accepted": self.admission.accepted, "rejected": self.admission.rejected,
+    }
+
+  def stop(self, timeout: float = 60.0) -> None:
+    """Stops the workers after their current rollout and joins them (at most `timeout` s each).
+
+    Raises a worker exception that `next_batch` has not surfaced yet, or RuntimeError when a worker
+    does not finish in time.
+    """
+    self._stop.set()
+    self._notify_workers()
+    for t in self._threads:
+      t.join(timeout)
+    alive = [t.name for t in self._threads if t.is_alive()]
+    self._raise_if_failed()
+    if alive:
+      raise RuntimeError(f"rollout workers did not stop within {timeout} s: {alive}")
+
+  def __enter__(self) -> "AsyncRollout":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  def state(self) -> dict:
+    """Resume state (take it when stopped): counters, buffered groups, request-id cursor, ids to redo."""
+    with self._lock:
+      ids = {"next_request_id": self._next_id, "retry_request_ids": sorted([*self._retry, *self._in_flight])}
+    return {"admission": self.admission.state(), "buffer": self.buffer.snapshot(), **ids}
+
+  @classmethod
+  def from_state(cls, state: dict, store: ParamStore, rollout_fn: RolloutFn, *, batch_groups: int,
+                 eta: int | None, **kw: Any) -> "AsyncRollout":
+    """An engine that continues from `state()`: same buffer, counters and request ids."""
+    adm = Admission.from_state(state["admission"], batch_groups, eta, kw.pop("max_running", None))
+    return cls(store, rollout_fn, batch_groups=batch_groups, eta=eta, admission=adm,
+               buffer=Buffer.restore(state["buffer"]), next_request_id=int(state["next_request_id"]),
+               retry_request_ids=state["retry_request_ids"], **kw)

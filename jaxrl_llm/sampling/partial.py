@@ -1,0 +1,174 @@
+"""Partial rollouts: resumable chunked decoding that can switch parameter versions between chunks.
+
+Between chunks of decode steps the driver asks whether a newer version was published; if so it
+continues the same sequences with the new parameters and records the version of every token in
+`versions_BN`. Two ways to treat the KV cache at a switch:
+  - keep it (PipelineRL): earlier keys/values stay those of the old parameters; cheap, and the
+    behaviour log-probs are those of the mixed computation that really produced each token;
+  - `reprefill=True` (AReaL): recompute the cache of the prefix under the new parameters, so every
+    token after the switch is exactly a sample of the new policy given its prefix.
+
+The jitted pieces (`prefill`, `decode_until`, `reprefill_cache`) follow `sampling.generate` line
+for line (left-padded prompts, key `fold_in(key, n)` for column n, EOS included in the mask, pads
+after it), so without a switch the result equals `generate`. Shapes are static: one compilation
+per (B, P, N) bucket and pair of configs, whatever the chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache, logits_from_hidden
+from jaxrl_llm.sampling.config import SamplerConfig
+from jaxrl_llm.sampling.sample import sample_token
+from jaxrl_llm.sampling.sampler import prompt_layout
+
+Array = jax.Array
+# poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
+Poll = Callable[[Any], Any]
+
+
+def _emit(carry: dict, logits_BV: Array, key: Array, version: Array, sampler_cfg: SamplerConfig) -> dict:
+  """Samples column `step` (as `generate` does), masks finished rows, records the version."""
+  step = carry["step"]
+  token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg)
+  live_B = ~carry["done_B"]
+  token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
+  return {
+      **carry,
+      "step": step + 1,
+      "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
+      "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
+      "mask_BN": carry["mask_BN"].at[:, step].set(live_B.astype(jnp.float32)),
+      "versions_BN": carry["versions_BN"].at[:, step].set(version),
+      "done_B": carry["done_B"] | (live_B & (token_B == sampler_cfg.eos_id)),
+  }
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"))
+def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, version: Array,
+            model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """Fills the cache with the prompts and samples completion column 0; returns the decode carry."""
+  B, P = prompt_tokens_BP.shape
+  N = sampler_cfg.max_new_tokens
+  positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
+  prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
+  cache = init_cache(model_cfg, B, P + N)
+  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
+                                   segment_ids_BT=segment_ids_BP)
+  first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+  carry = {
+      "step": jnp.zeros((), jnp.int32),
+      "cache": cache,
+      "prompt_BP": prompt_BP,
+      "positions_BP": positions_BP,
+      "segment_ids_BP": segment_ids_BP,
+      "prompt_len_B": prompt_len_B.astype(jnp.int32),
+      "tokens_BN": jnp.full((B, N), sampler_cfg.pad_id, jnp.int32),
+      "logp_BN": jnp.zeros((B, N), jnp.float32),
+      "mask_BN": jnp.zeros((B, N), jnp.float32),
+      "versions_BN": jnp.zeros((B, N), jnp.int32),
+      "done_B": jnp.zeros((B,), bool),
+  }
+  return _emit(carry, first_logits_BV, key, jnp.asarray(version, jnp.int32), sampler_cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"), donate_argnames=("carry",))
+def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Array,
+                 model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """Decodes with `params` until column `stop` (exclusive) is sampled or every row hit EOS."""
+  version = jnp.asarray(version, jnp.int32)
+
+  def decode(carry: dict) -> dict:
+    prev = carry["step"] - 1
+    token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
+    live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
+    logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
+                                           positions_BT=(carry["prompt_len_B"] + prev)[:, None].astype(jnp.int32),
+                                           segment_ids_BT=live_B1)
+    return _emit({**carry, "cache": cache}, logits_B1V[:, 0], key, version, sampler_cfg)
+
+  def keep_going(carry: dict) -> Array:
+    return (carry["step"] < jnp.minimum(stop, sampler_cfg.max_new_tokens)) & ~jnp.all(carry["done_B"])
+
+  return jax.lax.while_loop(keep_going, decode, carry)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg",), donate_argnames=("carry",))
+def reprefill_cache(params: dict, carry: dict, model_cfg: ModelConfig) -> dict:
+  """Recomputes the KV cache of everything decoded so far under `params` (AReaL's switch).
+
+  Slots 0..P+step-2 hold the prompt and the completion columns already fed to the model (column
+  step-1 is fed by the next decode step); later slots get segment 0 and are overwritten before any
+  query can attend to them.
+  """
+  B, P = carry["prompt_BP"].shape
+  N = carry["tokens_BN"].shape[1]
+  fed_BN = carry["mask_BN"] * (jnp.arange(N)[None, :] < carry["step"] - 1)
+  tokens_BT = jnp.concatenate([carry["prompt_BP"], carry["tokens_BN"]], axis=1)
+  positions_BT = jnp.concatenate(
+      [carry["positions_BP"], (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)], axis=1)
+  segment_ids_BT = jnp.concatenate([carry["segment_ids_BP"], fed_BN.astype(jnp.int32)], axis=1)
+  _, cache = hidden_with_cache(params, tokens_BT, init_cache(model_cfg, B, P + N), model_cfg,
+                               positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  return {**carry, "cache": {**cache, "index": (P + carry["step"] - 1).astype(jnp.int32)}}
+
+
+def finalize(carry: dict) -> dict:
+  """The outputs of `generate` (same keys and layout) plus `versions_BN` (int32)."""
+  mask_BN = carry["mask_BN"]
+  N = mask_BN.shape[1]
+  positions_BN = (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  P = carry["prompt_BP"].shape[1]
+  return {
+      "tokens_BN": carry["tokens_BN"],
+      "mask_BN": mask_BN,
+      "behavior_logp_BN": carry["logp_BN"],
+      "versions_BN": carry["versions_BN"],
+      "lengths_B": jnp.sum(mask_BN, axis=1).astype(jnp.int32),
+      "finished_B": carry["done_B"],
+      "sequence_BT": jnp.concatenate([carry["prompt_BP"], carry["tokens_BN"]], axis=1),
+      "positions_BT": jnp.concatenate([carry["positions_BP"], positions_BN], axis=1),
+      "segment_ids_BT": jnp.concatenate([carry["segment_ids_BP"], mask_BN.astype(jnp.int32)], axis=1),
+      "completion_mask_BT": jnp.concatenate([jnp.zeros((mask_BN.shape[0], P), jnp.float32), mask_BN], axis=1),
+  }
+
+
+def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: Array, prompt_len_B: Array,
+                     key: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, chunk_steps: int,
+                     reprefill: bool = False) -> dict:
+  """Generates like `sampling.generate`, polling for a newer version every `chunk_steps` columns.
+
+  Args:
+    version, params: the version the rollout was admitted at and its parameters.
+    poll: `poll(current_version)` returns `(newer_version, newer_params)` to switch to, or None;
+      it is called once more with None at the end (to release what it pinned).
+    chunk_steps: columns per chunk; the switch happens at column multiples of it.
+    reprefill: recompute the prefix's KV cache with the new parameters at a switch (else keep it).
+  Returns the `generate` dict plus `versions_BN`: the version that sampled each column.
+  """
+  if chunk_steps < 1:
+    raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+  N = sampler_cfg.max_new_tokens
+  try:
+    carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)
+    stop = min(chunk_steps, N)
+    while True:
+      carry = decode_until(params, carry, key, stop, version, model_cfg, sampler_cfg)
+      if int(carry["step"]) >= N or bool(jnp.all(carry["done_B"])):
+        break
+      newer = poll(version)
+      if newer is not None:
+        version, params = newer
+        if reprefill:
+          carry = reprefill_cache(params, carry, model_cfg)
+      stop = min(stop + chunk_steps, N)
+  finally:
+    poll(None)
+  return finalize(carry)

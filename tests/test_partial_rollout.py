@@ -1,0 +1,115 @@
+"""Partial rollouts: chunked decoding equals `generate`; a mid-generation switch scores with the new params."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.models import ModelConfig, init_params, token_logprobs
+from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.sampling import partial
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+B, P, N = 3, 5, 8
+EOS = 2
+SC = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.8)
+PROMPTS = jax.random.randint(jax.random.key(1), (B, P), 4, 64)
+PROMPT_LEN = jnp.array([5, 2, 3])
+KEY = jax.random.key(7)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def random_params(seed):
+  """Weights scaled up from init so next-token distributions are far from uniform."""
+  scale = lambda path, x: x if "norm" in jax.tree_util.keystr(path) else 8.0 * x
+  return jax.tree_util.tree_map_with_path(scale, init_params(CFG, jax.random.key(seed)))
+
+
+OLD = random_params(0)
+
+
+@jax.jit
+def learner_logp(params, out):
+  """Learner scores of the completion tokens given their prefix (recipe of the `generate` docstring)."""
+  seq = out["sequence_BT"]
+  return token_logprobs(params, seq[:, :-1], seq[:, 1:], CFG, positions_BT=out["positions_BT"][:, :-1],
+                        segment_ids_BT=out["segment_ids_BT"][:, :-1], temperature=SC.temperature)["logp_BT"][:, P - 1:]
+
+
+def switch_at_first_poll(version, params):
+  """A poll that offers (version, params) once, then nothing; records its calls."""
+  calls = []
+
+  def poll(current):
+    calls.append(current)
+    return (version, params) if len(calls) == 1 else None
+
+  return poll, calls
+
+
+@pytest.mark.parametrize("chunk", [1, 3, N])
+def test_without_publish_equals_generate(chunk):
+  ref = generate(OLD, PROMPTS, PROMPT_LEN, KEY, CFG, SC)
+  calls = []
+  out = partial.generate_partial(0, OLD, lambda v: calls.append(v), PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=chunk)
+  for name, value in ref.items():
+    np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(value), err_msg=name)
+  assert np.all(np.asarray(out["versions_BN"]) == 0)
+  assert calls[-1] is None and all(c == 0 for c in calls[:-1])
+  assert float(ref["mask_BN"].sum()) > B  # the test covers decode steps, not just the first token
+
+
+def test_one_compilation_for_every_chunking():
+  for chunk in (1, 2, 5):
+    partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=chunk)
+  assert partial.decode_until._cache_size() == 1 and partial.prefill._cache_size() == 1
+
+
+def post_switch_check(out, old, new, switch_col):
+  versions = np.asarray(out["versions_BN"])
+  mask = np.asarray(out["mask_BN"]) > 0
+  assert np.all(versions[:, :switch_col] == 0) and np.all(versions[:, switch_col:] == 1)
+  logp = np.asarray(out["behavior_logp_BN"])
+  before, after = mask & (versions == 0), mask & (versions == 1)
+  assert after.sum() >= B  # tokens were generated after the switch
+  np.testing.assert_allclose(logp[before], np.asarray(learner_logp(old, out))[before], rtol=0, atol=2e-5)
+  np.testing.assert_allclose(logp[after], np.asarray(learner_logp(new, out))[after], rtol=0, atol=2e-5)
+  # The old params would have scored the post-switch tokens differently: the check above can fail.
+  assert np.max(np.abs(logp[after] - np.asarray(learner_logp(old, out))[after])) > 1e-2
+
+
+def test_switch_keeping_kv_cache():
+  # New params differ only in the lm-head, so the kept KV cache is also the new params' cache: the
+  # behaviour logp after the switch must equal a learner forward with the new params on the prefix.
+  new = {**OLD, "lm_head": random_params(1)["lm_head"]}
+  poll, calls = switch_at_first_poll(1, new)
+  out = partial.generate_partial(0, OLD, poll, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=3)
+  post_switch_check(out, OLD, new, switch_col=3)
+  assert calls[0] == 0 and calls[1] == 1 and calls[-1] is None
+
+
+def test_switch_keeping_kv_cache_mixes_policies():
+  # With every weight changed, kept keys/values are the old policy's: the post-switch tokens are
+  # scored by neither policy alone (PipelineRL's "mixed" behaviour); reprefill removes the mix.
+  new = random_params(1)
+  poll, _ = switch_at_first_poll(1, new)
+  out = partial.generate_partial(0, OLD, poll, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=3)
+  after = (np.asarray(out["mask_BN"]) > 0) & (np.asarray(out["versions_BN"]) == 1)
+  logp = np.asarray(out["behavior_logp_BN"])
+  first_after = logp[:, 3][after[:, 3]]  # first token after the switch only sees the new params' query
+  assert first_after.size > 0
+  assert np.max(np.abs(logp[after] - np.asarray(learner_logp(new, out))[after])) > 1e-3
+
+
+def test_switch_with_reprefill_is_the_new_policy():
+  new = random_params(1)
+  poll, _ = switch_at_first_poll(1, new)
+  out = partial.generate_partial(0, OLD, poll, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=3, reprefill=True)
+  post_switch_check(out, OLD, new, switch_col=3)
+
+
+def test_bad_chunk():
+  with pytest.raises(ValueError, match="chunk_steps"):
+    partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=0)
