@@ -73,6 +73,7 @@ def get_config():
   c.sft.steps = 250  # a short warm start: the policy begins with non-zero (but low) accuracy
   c.sft.batch_size = 64
   c.sft.lr = 2e-3
+  c.sft.save_to = ""  # if set, the post-SFT policy is exported there (HF safetensors) for reuse via model.init_from
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 40

@@ -87,8 +87,8 @@ def state_checksums(state) -> list[list[int]]:
 
 def _restore_target(leaf):
   """A concrete restore target: numpy stays numpy; jax arrays keep their sharding (default: device 0)."""
-  if isinstance(leaf, np.ndarray | np.generic):
-    return leaf
+  if isinstance(leaf, np.ndarray | np.generic) or not hasattr(leaf, "shape"):
+    return np.asarray(leaf)
   sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
@@ -132,7 +132,7 @@ def _check_integrity(restored, integrity: dict) -> None:
 
 
 def _retention(keep: int | None, best_metric: str | None, best_mode: str, keep_best: int):
-  """Any of: the `keep` newest, the `keep_best` best by `metrics[best_metric]` (unmetered ones don't count)."""
+  """Any of: the `keep` newest, the `keep_best` best by `metrics[best_metric]` (steps saved without metrics never count as best)."""
   policies = [preservation_lib.LatestN(n=keep)]
   if best_metric is not None:
     policies.append(preservation_lib.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min",

@@ -66,6 +66,19 @@ def retention(mode: str, k: int) -> int:
   return {"sync": 1, "fixed_lag": k + 1, "staged": k + 1}[mode]
 
 
+def initial_policy(c, model_cfg: ModelConfig, key) -> tuple[ModelConfig, Any]:
+  """Random init, or a Hugging Face checkpoint folder (`model.init_from`) whose vocabulary must match."""
+  if not c.model.init_from:
+    return model_cfg, init_params(model_cfg, key)
+  from jaxrl_llm.models import load_hf
+  hf_cfg, params = load_hf(c.model.init_from)
+  if hf_cfg.vocab_size != model_cfg.vocab_size:
+    raise config_lib.ConfigError(
+        f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} does not match "
+        f"the task tokenizer's vocab_size={model_cfg.vocab_size}")
+  return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len)), params
+
+
 def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int) -> tuple[Any, float]:
   """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy."""
   if c.sft.steps <= 0:
@@ -124,10 +137,13 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   root = jax.random.key(c.seed)
   k_init, k_sample, k_learn, k_eval = (jax.random.fold_in(root, i) for i in range(4))
 
-  params = init_params(model_cfg, k_init)
+  model_cfg, params = initial_policy(c, model_cfg, k_init)
   t0 = time.perf_counter()
   params, sft_loss = sft_warm_start(c, model_cfg, params, train_examples, P)
   time_sft = time.perf_counter() - t0
+  if c.sft.save_to:
+    from jaxrl_llm.models import save_hf
+    save_hf(c.sft.save_to, model_cfg, params, family="qwen3" if model_cfg.qk_norm else "llama")
 
   spec = losses.get(c.loss.name)
   hp_over = dict(c.loss.hparams)

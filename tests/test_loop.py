@@ -30,7 +30,8 @@ def strip(rows):
 
 @pytest.mark.slow
 def test_fixed_lag_is_bitwise_repeatable_and_lags_are_exact(tmp_path):
-  c = tiny(rollout__mode="fixed_lag", rollout__lag=2)
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=2, optim__lr=1e-2, optim__warmup_steps=0)
+  c.loss.entropy_coef = 0.01  # a gradient even when every reward of the untrained policy is 0
   c.num_steps = 5
   a = loop.run(c, str(tmp_path / "a"))
   b = loop.run(c, str(tmp_path / "b"))
@@ -54,3 +55,28 @@ def test_staged_mode_and_bf16_sampler_mismatch(tmp_path):
   # bf16 sampler vs fp32 learner: a real, measured mismatch at lag 0.
   assert rows[0]["mismatch_abs_mean"] > 1e-4
   assert np.isfinite(rows[0]["mismatch_abs_max"])
+
+
+@pytest.mark.slow
+def test_sft_export_then_init_from_reproduces_the_policy(tmp_path):
+  c = tiny()
+  c.num_steps = 1
+  c.sft.save_to = str(tmp_path / "sft")
+  a = loop.run(c, str(tmp_path / "a"))
+  c2 = tiny()
+  c2.num_steps = 1
+  c2.sft.steps = 0
+  c2.model.init_from = str(tmp_path / "sft")
+  b = loop.run(c2, str(tmp_path / "b"))
+  assert strip(a) == strip(b)
+
+
+def test_init_from_with_wrong_vocab_names_the_field(tmp_path):
+  import jax
+  from jaxrl_llm.models import ModelConfig, init_params, save_hf
+  cfg = ModelConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+  save_hf(str(tmp_path / "m"), cfg, init_params(cfg, jax.random.key(0)))
+  c = tiny()
+  c.model.init_from = str(tmp_path / "m")
+  with pytest.raises(ValueError, match="config.model.init_from=.*vocab_size=100"):
+    loop.run(c, str(tmp_path / "run"))

@@ -62,9 +62,12 @@ def test_without_publish_equals_generate(chunk):
 
 
 def test_one_compilation_for_every_chunking():
-  for chunk in (1, 2, 5):
-    partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=chunk)
-  assert partial.decode_until._cache_size() == 1 and partial.prefill._cache_size() == 1
+  sizes = lambda: (partial.decode_until._cache_size(), partial.prefill._cache_size())
+  partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=1)
+  before = sizes()
+  for chunk, version in ((2, 4), (5, 9)):  # other chunk boundaries and versions: no new compilation
+    partial.generate_partial(version, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=chunk)
+  assert sizes() == before
 
 
 def post_switch_check(out, old, new, switch_col):

@@ -1,0 +1,140 @@
+"""SparseRL-Sync (addendum §8.3): lossless sparse weight sync to a low-precision sampler copy.
+
+Only a small fraction of the sampler-dtype (e.g. bf16) weights change bitwise per optimiser step.
+The trainer tracks, per step, which elements of the cast parameters changed (bitwise compare after
+the cast, so -0.0 vs 0.0 or a rounding flip counts, an fp32 change that rounds away does not),
+unions those index sets until the next sync, and sends `(flat int32 indices, current values)` per
+tensor. Values, not deltas, are sent, so the union may be a superset (an element that changed and
+changed back is resent) and the sampler copy is still bit-exact. A tensor whose changed fraction
+exceeds `max_density` (1/3: the break-even of 4-byte index + 2-byte value vs 2 bytes) goes dense.
+
+Trainer:  union = init_union(params); low = cast(params, dtype)
+          after every optimiser step: union, low = track_step(union, low, params, dtype)
+          at a sync: payload = pack(low, union); union = init_union(params)
+Sampler:  sampler_params = apply(sampler_params, payload)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def cast(params, dtype):
+  """The sampler copy: floating leaves cast to `dtype`, other leaves unchanged."""
+  return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, params)
+
+
+def bits(x: Array) -> Array:
+  """The bit pattern of `x` as unsigned ints of the same width (floats), or `x` itself (ints)."""
+  if not _is_float(x):
+    return x
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def changed(prev_low, new_low):
+  """Bool pytree: which elements differ bitwise between two sampler-dtype copies."""
+  return jax.tree.map(lambda a, b: bits(a) != bits(b), prev_low, new_low)
+
+
+def init_union(params):
+  """An empty changed-index set (all False) shaped like `params`."""
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, bool), params)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def track_step(union, prev_low, params, dtype):
+  """One optimiser step of Alg. 1: cast the new master params and add the changed elements to `union`.
+
+  Returns (union, new_low); `new_low` is the previous-step snapshot of the next call.
+  """
+  new_low = cast(params, dtype)
+  return jax.tree.map(jnp.logical_or, union, changed(prev_low, new_low)), new_low
+
+
+class Leaf(NamedTuple):
+  """Payload of one tensor: `indices` None means dense (`values` is the whole tensor)."""
+  indices: np.ndarray | None  # int32 flat indices, increasing
+  values: np.ndarray  # sampler dtype
+  shape: tuple[int, ...]
+
+
+class Payload(NamedTuple):
+  treedef: Any
+  leaves: list[Leaf]
+
+
+def pack(low, union, max_density: float = 1 / 3) -> Payload:
+  """Host-side packing (Alg. 2): per tensor, changed flat indices + current values, or dense."""
+  lows, treedef = jax.tree.flatten(low)
+  leaves = []
+  for w, u in zip(lows, jax.tree.leaves(union)):
+    w_flat, u_flat = np.asarray(w).reshape(-1), np.asarray(u).reshape(-1)
+    idx = np.flatnonzero(u_flat).astype(np.int32)
+    if idx.size > max_density * w_flat.size:
+      leaves.append(Leaf(None, np.asarray(w), tuple(w.shape)))
+    else:
+      leaves.append(Leaf(idx, w_flat[idx], tuple(w.shape)))
+  return Payload(treedef, leaves)
+
+
+@jax.jit
+def _scatter(w: Array, idx: Array, vals: Array) -> Array:
+  # Padding indices equal w.size and are dropped, so padded payloads stay exact.
+  return w.reshape(-1).at[idx].set(vals, mode="drop").reshape(w.shape)
+
+
+def _pad(n: int) -> int:
+  """Index-array length bucket (powers of two, at least 8) so the scatter compiles O(log n) times."""
+  return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+def apply(sampler_params, payload: Payload):
+  """Receiver side (Alg. 3): scatters the payload into a copy of the sampler's parameters.
+
+  Returns new arrays (no donation: the old copy may still be pinned by a ParamStore snapshot).
+  """
+  ws, treedef = jax.tree.flatten(sampler_params)
+  if treedef != payload.treedef:
+    raise ValueError(f"payload structure {payload.treedef} does not match the sampler params {treedef}")
+  out = []
+  for w, leaf in zip(ws, payload.leaves):
+    if tuple(w.shape) != leaf.shape:
+      raise ValueError(f"payload shape {leaf.shape} does not match the sampler tensor {w.shape}")
+    if leaf.indices is None:
+      out.append(jnp.asarray(leaf.values, dtype=w.dtype))
+      continue
+    n = _pad(leaf.indices.size)
+    idx = np.full((n,), w.size, np.int32)
+    idx[:leaf.indices.size] = leaf.indices
+    vals = np.zeros((n,), leaf.values.dtype)
+    vals[:leaf.values.size] = leaf.values
+    out.append(_scatter(w, jnp.asarray(idx), jnp.asarray(vals, dtype=w.dtype)))
+  return jax.tree.unflatten(treedef, out)
+
+
+def payload_bytes(payload: Payload) -> int:
+  """Bytes on the wire: indices + values of sparse tensors, values of dense ones (unpadded)."""
+  return sum(leaf.values.nbytes + (0 if leaf.indices is None else leaf.indices.nbytes) for leaf in payload.leaves)
+
+
+def payload_ratio(payload: Payload) -> float:
+  """Sparse bytes / dense bytes (the cost of sending every tensor whole in the sampler dtype)."""
+  dense = sum(int(np.prod(leaf.shape)) * leaf.values.dtype.itemsize for leaf in payload.leaves)
+  return payload_bytes(payload) / max(dense, 1)
+
+
+def density(union) -> float:
+  """Fraction of elements in the changed-index set."""
+  leaves = jax.tree.leaves(union)
+  return float(sum(int(jnp.sum(u)) for u in leaves)) / max(sum(u.size for u in leaves), 1)

@@ -1,0 +1,42 @@
+"""EWMA parameter copy: golden values, limits, geometric convergence, no recompilation, no aliasing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
+
+
+def test_golden_step():
+  e = {"w": jnp.array([1.0, -2.0]), "b": jnp.array(4.0)}
+  p = {"w": jnp.array([3.0, 2.0]), "b": jnp.array(0.0)}
+  out = ewma_update(e, p, 0.75)
+  np.testing.assert_allclose(out["w"], [0.75 * 1 + 0.25 * 3, 0.75 * -2 + 0.25 * 2])  # [1.5, -1.0]
+  np.testing.assert_allclose(out["b"], 3.0)
+
+
+def test_limits_and_geometric_convergence():
+  e0 = {"w": jnp.array([2.0, -1.0])}
+  p = {"w": jnp.array([0.0, 1.0])}
+  np.testing.assert_array_equal(ewma_update(e0, p, 0.0)["w"], p["w"])
+  np.testing.assert_array_equal(ewma_update(e0, p, 1.0)["w"], e0["w"])
+  beta, e = 0.9, e0
+  for _ in range(5):
+    e = ewma_update(e, p, beta)
+  # Constant params: ewma_k = β^k·e0 + (1 − β^k)·p.
+  np.testing.assert_allclose(e["w"], beta ** 5 * e0["w"] + (1 - beta ** 5) * p["w"], rtol=1e-6)
+  assert ewma_update._cache_size() >= 1
+  n = ewma_update._cache_size()
+  ewma_update(e0, p, 0.5)
+  assert ewma_update._cache_size() == n  # beta is traced
+
+
+def test_dtype_kept_and_init_is_a_copy():
+  p = {"w": jnp.ones(3, jnp.bfloat16), "step": jnp.array(3, jnp.int32)}
+  e = ewma_init(p)
+  out = ewma_update(e, {"w": jnp.zeros(3, jnp.bfloat16), "step": jnp.array(4, jnp.int32)}, 0.5)
+  assert out["w"].dtype == jnp.bfloat16 and int(out["step"]) == 4
+  np.testing.assert_array_equal(np.asarray(out["w"], np.float32), 0.5)
+  donate = jax.jit(lambda x: jax.tree.map(lambda a: a * 0 - 1, x), donate_argnums=0)
+  donate(p)  # the learner step donates its params: the EWMA copy must survive
+  np.testing.assert_array_equal(np.asarray(e["w"], np.float32), 1.0)
