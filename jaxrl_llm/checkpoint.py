@@ -132,7 +132,10 @@ def _check_integrity(restored, integrity: dict) -> None:
 
 
 def _retention(keep: int | None, best_metric: str | None, best_mode: str, keep_best: int):
-  """Any of: the `keep` newest, the `keep_best` best by `metrics[best_metric]` (steps saved without metrics never count as best)."""
+  """Keeps a step if it is among the `keep` newest or the `keep_best` best by `metrics[best_metric]`.
+
+  Steps saved without metrics (e.g. a SIGTERM save) never count as best.
+  """
   policies = [preservation_lib.LatestN(n=keep)]
   if best_metric is not None:
     policies.append(preservation_lib.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min",

@@ -30,6 +30,7 @@ class TrainState:
   version: Array  # optimiser updates applied (int32); skipped updates do not count
   loss_state: Any = None  # carried by stateful losses (R²VPO's dual variable, ...)
   skipped: Array = None  # consecutive non-finite updates skipped
+  hook_params: Any = None  # trainable non-policy params of a model hook (ALP's per-layer log σ), else None
 
 
 @struct.dataclass
@@ -68,10 +69,26 @@ def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: fl
   return optax.chain(optax.clip_by_global_norm(grad_clip), tx) if grad_clip > 0 else tx
 
 
-def init_state(params, tx: optax.GradientTransformation, loss_state=None) -> TrainState:
+def init_state(params, tx: optax.GradientTransformation, loss_state=None, hook_params=None) -> TrainState:
   z = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the step donates each of them
-  return TrainState(params=params, opt_state=tx.init(params), step=z(), version=z(), loss_state=loss_state,
-                    skipped=z())
+  opt_state = tx.init(params if hook_params is None else (params, hook_params))
+  return TrainState(params=params, opt_state=opt_state, step=z(), version=z(), loss_state=loss_state,
+                    skipped=z(), hook_params=hook_params)
+
+
+def perturb_hook(loss_name: str, model_cfg: ModelConfig, tx: optax.GradientTransformation, loss_hparams=None):
+  """(hook_params, tx) for a loss needing the ALP perturbation hook, else (None, tx).
+
+  ALP (addendum §5): one learnable log σ per layer, initialised at log(perturb_std), trained by the
+  same RL loss with its own AdamW learning rate (`perturb_lr`).
+  """
+  spec = losses.get(loss_name)
+  if "perturb" not in spec.needs:
+    return None, tx
+  hp = losses.make_hparams(spec, loss_hparams)
+  hook = {"log_sigma_L": jnp.full((model_cfg.n_layers,), jnp.log(hp.perturb_std), jnp.float32)}
+  joint = optax.multi_transform({"model": tx, "hook": optax.adamw(hp.perturb_lr)}, ("model", "hook"))
+  return hook, joint
 
 
 def _all_finite(tree) -> Array:
@@ -92,11 +109,15 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
   with_entropy = "entropy" in spec.needs or entropy_coef > 0
+  perturbed = "perturb" in spec.needs
 
-  def loss_fn(params, state: TrainState, batch: Batch):
+  def loss_fn(trainable, state: TrainState, batch: Batch, key: Array):
+    params, hook = trainable if perturbed else (trainable, None)
     n_new = batch.mask_BN.shape[1]
+    # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
+    perturb = (hook["log_sigma_L"], key) if perturbed else None
     out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                              model_cfg, temperature, with_entropy)
+                              model_cfg, temperature, with_entropy, perturb=perturb)
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
         prox_logp_BT=batch.prox_logp_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
@@ -122,13 +143,14 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     return loss, aux
 
   def train_step(state: TrainState, batch: Batch, key: Array):
-    del key  # the built-in losses are deterministic; kept in the signature for stochastic ones (ALP)
     if on_trace is not None:
       on_trace()
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state, batch)
+    trainable = (state.params, state.hook_params) if perturbed else state.params
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, state, batch, key)
     finite = jnp.isfinite(loss) & _all_finite(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trainable)
+    new_trainable = optax.apply_updates(trainable, updates)
+    params, hook_params = new_trainable if perturbed else (new_trainable, None)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_loss_state = aux.pop("state", state.loss_state)
     aux.pop("keep_BT", None)
@@ -136,7 +158,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state), step=state.step + 1,
         version=state.version + finite.astype(jnp.int32),
         loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
-        skipped=jnp.where(finite, 0, state.skipped + 1))
+        skipped=jnp.where(finite, 0, state.skipped + 1),
+        hook_params=keep(hook_params, state.hook_params) if perturbed else None)
+    if perturbed:
+      aux["alp_sigma_mean"] = (jnp.exp(new_state.hook_params["log_sigma_L"]).mean(), jnp.ones(()))
     metrics = {**losses.combine_metrics(aux), "loss": loss, "grad_norm": optax.global_norm(grads),
                "update_skipped": (~finite).astype(jnp.int32), "skipped_consecutive": new_state.skipped}
     return new_state, metrics

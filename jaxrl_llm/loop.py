@@ -151,7 +151,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                               c.optim.warmup_steps)
   loss_state = spec.init_state(losses.make_hparams(spec, hp_over)) if spec.init_state else None
   ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params) if c.loss.kl_coef > 0 else None
-  state = learner.init_state(params, tx, loss_state)
+  hook_params, tx = learner.perturb_hook(c.loss.name, model_cfg, tx, hp_over)
+  state = learner.init_state(params, tx, loss_state, hook_params)
   norm_len = c.loss.norm_len or float(c.sampler.max_new_tokens)
   train_step = learner.make_train_step(
       model_cfg, tx, c.loss.name, hp_over, temperature=c.sampler.temperature, agg_mode=c.loss.agg_mode,

@@ -1,7 +1,6 @@
 """AsyncRollout: lag ≤ η under real threads, no request id lost or duplicated, errors surface, resume."""
 
 import random
-import threading
 import time
 
 import jax

@@ -80,3 +80,23 @@ def test_unknown_loss_and_bad_hparam():
     learner.make_train_step(CFG, tx, "nope")
   with pytest.raises(ValueError, match="loss.hparams.eps"):
     learner.make_train_step(CFG, tx, "ppo_clip", {"eps": 0.1})
+
+
+def test_alp_trains_log_sigma_with_perturbed_numerator():
+  params = init_params(CFG, jax.random.key(4))
+  batch = make_batch(params)
+  tx = learner.make_optimizer(1e-3, grad_clip=0.0)
+  hook, joint = learner.perturb_hook("alp", CFG, tx, {"perturb_std": 0.05})
+  np.testing.assert_allclose(np.exp(hook["log_sigma_L"]), [0.05], rtol=1e-6)
+  step = learner.make_train_step(CFG, joint, "alp")
+  hook0 = copy(hook)
+  state = learner.init_state(copy(params), joint, hook_params=hook)
+  s1, m1 = step(state, batch, jax.random.key(0))
+  assert int(m1["update_skipped"]) == 0
+  assert float(s1.hook_params["log_sigma_L"][0]) != float(np.log(0.05))  # σ received a gradient
+  # Deterministic given the key; a different key draws different noise.
+  s2, m2 = step(learner.init_state(copy(params), joint, hook_params=copy(hook0)), batch, jax.random.key(0))
+  np.testing.assert_array_equal(m1["loss"], m2["loss"])
+  _, m3 = step(learner.init_state(copy(params), joint, hook_params=copy(hook0)), batch, jax.random.key(1))
+  assert float(m3["loss"]) != float(m1["loss"])
+  assert learner.perturb_hook("ppo_clip", CFG, tx)[0] is None

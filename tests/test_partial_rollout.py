@@ -101,8 +101,7 @@ def test_switch_keeping_kv_cache_mixes_policies():
   out = partial.generate_partial(0, OLD, poll, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=3)
   after = (np.asarray(out["mask_BN"]) > 0) & (np.asarray(out["versions_BN"]) == 1)
   logp = np.asarray(out["behavior_logp_BN"])
-  first_after = logp[:, 3][after[:, 3]]  # first token after the switch only sees the new params' query
-  assert first_after.size > 0
+  assert after.sum() >= B
   assert np.max(np.abs(logp[after] - np.asarray(learner_logp(new, out))[after])) > 1e-3
 
 

@@ -21,6 +21,8 @@ class Hparams:
   clip_low: float = 0.5  # ratio clipped to [1 - clip_low, 1 + clip_high] = [0.5, 4.0].
   clip_high: float = 3.0
   dual_clip: float = 3.0  # multi-turn recipe; the single-turn recipe uses 10.0.
+  perturb_std: float = 0.02  # initial σ_ℓ (single-turn script default); the learner owns log σ as trainable params.
+  perturb_lr: float = 5e-4  # σ's own AdamW learning rate (code: a separate param group).
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -75,4 +77,4 @@ def alp(inputs, hp: Hparams):
   return core.apply_mask(surr, mask), aux
 
 
-registry.register("alp", alp, Hparams, needs=("behavior_logp",))
+registry.register("alp", alp, Hparams, needs=("behavior_logp", "perturb"))

@@ -29,6 +29,9 @@ NEED_FIELDS: dict[str, tuple[str, ...]] = {
     "teacher_topk": ("teacher_topk_ids_BTK", "teacher_topk_logp_BTK"),
     "state": ("state",),
     "tokens": ("tokens_BT",),
+    # Not an input field: the learner computes logp_BT with the ALP perturbed forward and trains the
+    # per-layer log σ (`hp.perturb_std`, `hp.perturb_lr`) alongside the model (see learner.py).
+    "perturb": (),
     "student_logits": ("student_logits_BTV",),
     "teacher_logits": ("teacher_logits_BTV",),
     "student_topk": ("student_topk_logp_BTK",),

@@ -1,0 +1,99 @@
+"""Shared measurement helpers: wall-clock timing of jitted work, FLOP models, compile counting."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+from jaxrl_llm.models import ModelConfig
+
+# The duration event JAX records once per XLA backend compilation.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_count = [0]
+_listening = [False]
+
+
+def block(tree: Any) -> Any:
+  """Waits until every array in `tree` is computed (timings must include the device work)."""
+  return jax.block_until_ready(tree)
+
+
+def time_calls(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> dict:
+  """Wall seconds of `fn()` (blocked on its result) after `warmup` untimed calls: best and median."""
+  for _ in range(warmup):
+    block(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    block(fn())
+    times.append(time.perf_counter() - t0)
+  return {"best_s": min(times), "median_s": statistics.median(times), "repeats": repeats}
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  if event == _COMPILE_EVENT:
+    _compile_count[0] += 1
+
+
+def compile_events() -> int:
+  """XLA backend compilations seen in this process since the first call (a monotone counter)."""
+  if not _listening[0]:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    _listening[0] = True
+  return _compile_count[0]
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """`with count_compiles() as n: ...` then `n[0]` is the number of XLA compilations inside the block."""
+  out = [0]
+  start = compile_events()
+  try:
+    yield out
+  finally:
+    out[0] = compile_events() - start
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  """N: parameters that take part in a matmul per token (attention and MLP projections, lm-head).
+
+  The embedding lookup is a gather, not a matmul, so it is left out unless it doubles as the lm-head.
+  """
+  D, H, K, hd, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+  per_layer = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F  # q, k, v, o, SwiGLU gate/up/down
+  return cfg.n_layers * per_layer + D * cfg.vocab_size
+
+
+def attention_flops_per_token(cfg: ModelConfig, context: int, causal: bool = True) -> float:
+  """Forward FLOPs of q·kᵀ and p·v per token at `context` keys (halved when causal, mean over positions)."""
+  full = 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context
+  return full / 2 if causal else full
+
+
+def train_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
+  """Training FLOPs of one step over `batch` × `seq_len` tokens: 6·N·tokens + 3× causal attention."""
+  tokens = batch * seq_len
+  return tokens * (6.0 * matmul_params(cfg) + 3 * attention_flops_per_token(cfg, seq_len))
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, context: float, causal: bool = True) -> float:
+  """Forward FLOPs of `tokens` tokens each attending to `context` keys: 2·N·tokens + attention."""
+  return tokens * (2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, context, causal))
+
+
+def param_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+  """Bytes of all parameters (embedding included) at `dtype_bytes` per element."""
+  D, H, K, hd, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
+  per_layer = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F + 2 * D
+  head = 0 if cfg.tie_embeddings else D * cfg.vocab_size
+  return dtype_bytes * (L * per_layer + cfg.vocab_size * D + head + D)
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, length: int, dtype_bytes: int) -> int:
+  """Bytes of the K and V caches of every layer for `batch` rows of `length` positions."""
+  return dtype_bytes * 2 * cfg.n_layers * batch * length * cfg.n_kv_heads * cfg.head_dim

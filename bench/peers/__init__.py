@@ -1,0 +1,1 @@
+"""Peer-library workloads, each run as a subprocess from its own virtualenv (never the project's)."""

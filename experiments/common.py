@@ -1,0 +1,217 @@
+"""Shared plumbing of the experiment scripts: configs by path, warm starts, run summaries, result JSON.
+
+Every script writes one JSON file under `experiments/results/` with the command, git commit and
+machine next to the per-run summaries; `experiments/report.py` turns those files into
+docs/RESULTS.md. Nothing here is imported by `jaxrl_llm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
+
+# Tasks of the ablations: the default demo task and a second, harder one.
+TASKS = {
+    "arithmetic": {"task.name": "arithmetic", "task.kwargs": {"num_digits": 2}},
+    "countdown": {"task.name": "countdown", "task.kwargs": {"min_count": 3, "max_count": 3, "max_number": 9},
+                  "sampler.max_new_tokens": 10},
+}
+
+
+def load_config(name: str = "default"):
+  """`configs/<name>.py`'s `get_config()`, loaded by path (works from any working directory)."""
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"_exp_cfg_{name}", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def apply_overrides(c, overrides: dict):
+  """Sets dotted fields (`"rollout.lag": 8`); dict values replace whole sub-configs (`task.kwargs`)."""
+  import ml_collections
+  for dotted, value in overrides.items():
+    *path, leaf = dotted.split(".")
+    node = c
+    for p in path:
+      node = node[p]
+    node[leaf] = ml_collections.ConfigDict(dict(value)) if isinstance(value, dict) else value
+  return c
+
+
+def make_config(base: str, overrides: dict):
+  """A quiet config (no progress bar, no TensorBoard) with `overrides` applied."""
+  c = load_config(base)
+  c.log.progress = False
+  c.log.tensorboard = False
+  return apply_overrides(c, overrides)
+
+
+def enable_compile_cache(path: str) -> None:
+  """Persistent XLA cache: runs that differ only in lag or seed reuse the compiled steps."""
+  import jax
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def warm_start(base: str, overrides: dict, out_dir: str) -> str:
+  """Runs the SFT warm start once (0 RL steps) and exports it; returns the folder for `model.init_from`."""
+  from jaxrl_llm import loop
+  if os.path.exists(os.path.join(out_dir, "model", "config.json")):
+    return os.path.join(out_dir, "model")
+  c = make_config(base, {**overrides, "num_steps": 0, "sft.save_to": os.path.join(out_dir, "model")})
+  loop.run(c, os.path.join(out_dir, "sft_run"))
+  return os.path.join(out_dir, "model")
+
+
+def _finite(xs):
+  return [float(x) for x in xs if x is not None and isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+def _mean(xs):
+  xs = _finite(xs)
+  return sum(xs) / len(xs) if xs else None
+
+
+def _max(xs):
+  xs = _finite(xs)
+  return max(xs) if xs else None
+
+
+def summarize(rows: list[dict], info: dict) -> dict:
+  """Scalars of one run: final / best held-out accuracy, ratio tails, clip/mask fractions, KL, lag, timing."""
+  evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+  frac_keys = sorted({k for r in rows for k in r if k.endswith("_frac")})
+  steady = rows[1:] or rows  # the first step pays for compilation
+  out = {
+      "eval_accuracy_initial": info.get("eval_accuracy_initial"),
+      "eval_accuracy_final": evals[-1][1] if evals else None,
+      "eval_accuracy_best": max(a for _, a in evals) if evals else None,
+      "reward_mean_last": _mean([r["reward_mean"] for r in rows[-max(1, len(rows) // 5):]]),
+      "ratio_max": _max([r.get("ratio_max") for r in rows]),
+      "ratio_p99_max": _max([r.get("ratio_p99_max") for r in rows]),
+      "kl_mu_k1_mean": _mean([r.get("kl_mu_k1") for r in rows]),
+      "kl_mu_k3_mean": _mean([r.get("kl_mu_k3") for r in rows]),
+      "lag_mean": _mean([r.get("lag_mean") for r in rows]),
+      "lag_max": _max([r.get("lag_max") for r in rows]),
+      "mismatch_abs_mean": _mean([r.get("mismatch_abs_mean") for r in rows]),
+      "time_step_s": _mean([r.get("time_step_s") for r in steady]),
+      "time_generate_s": _mean([r.get("time_generate_s") for r in steady]),
+      "num_steps": len(rows),
+      "skipped_updates": sum(int(bool(r.get("update_skipped", False))) for r in rows),
+  }
+  for k in frac_keys:
+    out[f"{k}_mean"] = _mean([r.get(k) for r in rows])
+  return out
+
+
+def curves(rows: list[dict]) -> dict:
+  """Per-step series kept for plots (reward, held-out accuracy, ratio tail, KL)."""
+  return {
+      "step": [r["step"] for r in rows],
+      "reward_mean": [r["reward_mean"] for r in rows],
+      "ratio_p99_max": [r.get("ratio_p99_max") for r in rows],
+      "kl_mu_k3": [r.get("kl_mu_k3") for r in rows],
+      "eval_step": [r["step"] for r in rows if "eval_accuracy" in r],
+      "eval_accuracy": [r["eval_accuracy"] for r in rows if "eval_accuracy" in r],
+  }
+
+
+def run_one(base: str, overrides: dict, workdir: str) -> dict:
+  """One `loop.run`; returns {"summary", "curves", "wall_s"} (or {"error"} when the config is rejected)."""
+  from jaxrl_llm import config as config_lib, loop
+  c = make_config(base, overrides)
+  t0 = time.perf_counter()
+  try:
+    rows = loop.run(c, workdir)
+  except config_lib.ConfigError as e:
+    return {"error": str(e)}
+  with open(os.path.join(workdir, "run_info.json")) as f:
+    info = json.load(f)
+  return {"summary": summarize(rows, info), "curves": curves(rows), "wall_s": time.perf_counter() - t0}
+
+
+def check_config(base: str, overrides: dict) -> str | None:
+  """None when the config validates, else the validation message (used for 'not available' cells)."""
+  from jaxrl_llm import config as config_lib
+  try:
+    config_lib.validate(make_config(base, overrides))
+  except (config_lib.ConfigError, KeyError, AttributeError) as e:
+    return str(e)
+  return None
+
+
+def git_commit() -> str:
+  """HEAD's hash, suffixed `-dirty` when the working tree has uncommitted changes."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("-dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def machine() -> dict:
+  """CPU model, core count, platform and JAX backend (recorded beside every table)."""
+  cpu = platform.processor() or "unknown"
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  import jax
+  return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+          "jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": [d.device_kind for d in jax.devices()]}
+
+
+def command_line() -> str:
+  return " ".join(["python", "-m", f"experiments.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"]
+                  + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+def write_results(name: str, payload: dict, out_dir: str | None = None) -> str:
+  """Writes `payload` + provenance (command, commit, machine, time) to `<out_dir>/<name>.json`."""
+  out_dir = out_dir or RESULTS_DIR
+  os.makedirs(out_dir, exist_ok=True)
+  doc = {"experiment": name, "command": command_line(), "commit": git_commit(), "machine": machine(),
+         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+  path = os.path.join(out_dir, f"{name}.json")
+  with open(path, "w") as f:
+    json.dump(doc, f, indent=1, sort_keys=False)
+  return path
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+  """Flags every script shares: --full, --seeds, --steps, --out, --workdir, --dry-run."""
+  p = argparse.ArgumentParser(description=description)
+  p.add_argument("--full", action="store_true", help="the real-hardware setting (hours on a CPU; use an accelerator)")
+  p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 1 CI, 3 full)")
+  p.add_argument("--steps", type=int, default=None, help="learner steps per run (default: setting's)")
+  p.add_argument("--out", default=RESULTS_DIR, help="folder of the results JSON")
+  p.add_argument("--workdir", default=os.path.join("/tmp", "jaxrl_llm_experiments"),
+                 help="scratch folder for runs, warm starts and the XLA cache")
+  p.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
+  return p
+
+
+def log(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
