@@ -30,6 +30,9 @@ def get_config():
   c.model.tie_embeddings = False
   c.model.qk_norm = False
   c.model.dtype = "float32"  # learner compute dtype
+  c.model.num_experts = 0  # > 0: MoE MLP in every layer (top-k routing)
+  c.model.experts_per_token = 2
+  c.model.remat = False  # rematerialise each layer in the backward pass
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
 
   c.sampler = ml_collections.ConfigDict()
@@ -40,11 +43,14 @@ def get_config():
   c.sampler.dtype = "float32"  # "bfloat16" produces a real train/inference mismatch
 
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.mode = "sync"  # sync | fixed_lag | staged  (async: see the rollout-engine issue)
-  c.rollout.lag = 0  # k for fixed_lag, stage length for staged
+  c.rollout.mode = "sync"  # sync | fixed_lag | staged | async
+  c.rollout.lag = 0  # k for fixed_lag, stage length for staged, staleness bound η for async
   c.rollout.prompts_per_step = 16
   c.rollout.group_size = 8
-  c.rollout.old_logp = "recompute"  # recompute | behavior | step_start
+  c.rollout.old_logp = "recompute"  # recompute | behavior | step_start | ewma | a3po
+  c.rollout.ewma_beta = 0.9  # EWMA decay of the proximal parameter copy (old_logp = ewma)
+  c.rollout.num_workers = 1  # rollout worker threads (async)
+  c.rollout.partial_chunk = 0  # async partial rollouts: decode steps between version checks (0 = off)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "ppo_clip"
@@ -78,6 +84,16 @@ def get_config():
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 40
   c.eval.num_prompts = 256
+
+  c.mesh = ml_collections.ConfigDict()  # axis sizes; their product is the device count (all 1 = one device)
+  c.mesh.data = 1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  c.mesh.expert = 1
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 50  # learner steps between checkpoints (0 = only on SIGTERM / at the end)
+  c.checkpoint.keep = 3
 
   c.log = ml_collections.ConfigDict()
   c.log.every = 1

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -55,6 +56,8 @@ def make_config(base: str, overrides: dict):
   c = load_config(base)
   c.log.progress = False
   c.log.tensorboard = False
+  if "checkpoint" in c:
+    c.checkpoint.every = 0  # ablation runs are short and never resumed
   return apply_overrides(c, overrides)
 
 
@@ -100,6 +103,8 @@ def summarize(rows: list[dict], info: dict) -> dict:
       "eval_accuracy_initial": info.get("eval_accuracy_initial"),
       "eval_accuracy_final": evals[-1][1] if evals else None,
       "eval_accuracy_best": max(a for _, a in evals) if evals else None,
+      # Mean of the last three evaluations: one greedy eval on a few hundred prompts is noisy.
+      "eval_accuracy_late": _mean([a for _, a in evals[-3:]]),
       "reward_mean_last": _mean([r["reward_mean"] for r in rows[-max(1, len(rows) // 5):]]),
       "ratio_max": _max([r.get("ratio_max") for r in rows]),
       "ratio_p99_max": _max([r.get("ratio_p99_max") for r in rows]),
@@ -134,6 +139,8 @@ def run_one(base: str, overrides: dict, workdir: str) -> dict:
   """One `loop.run`; returns {"summary", "curves", "wall_s"} (or {"error"} when the config is rejected)."""
   from jaxrl_llm import config as config_lib, loop
   c = make_config(base, overrides)
+  # A workdir holding checkpoints would be resumed: every run starts from an empty one.
+  shutil.rmtree(workdir, ignore_errors=True)
   t0 = time.perf_counter()
   try:
     rows = loop.run(c, workdir)

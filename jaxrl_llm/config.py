@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
-ROLLOUT_MODES = ("sync", "fixed_lag", "staged")
-OLD_LOGP = ("recompute", "behavior", "step_start")
+ROLLOUT_MODES = ("sync", "fixed_lag", "staged", "async")
+OLD_LOGP = ("recompute", "behavior", "step_start", "ewma", "a3po")
 DTYPES = ("float32", "bfloat16", "float16")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
@@ -51,6 +51,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(c.rollout.prompts_per_step > 0, "rollout.prompts_per_step", c.rollout.prompts_per_step, "must be > 0")
   _need(c.rollout.group_size > 0, "rollout.group_size", c.rollout.group_size, "must be > 0")
   _need(c.rollout.old_logp in OLD_LOGP, "rollout.old_logp", c.rollout.old_logp, f"must be one of {OLD_LOGP}")
+  _need(c.rollout.num_workers >= 1, "rollout.num_workers", c.rollout.num_workers, "must be >= 1")
+  _need(c.rollout.partial_chunk >= 0, "rollout.partial_chunk", c.rollout.partial_chunk, "must be >= 0 (0 = off)")
+  if c.rollout.partial_chunk and c.rollout.mode != "async":
+    raise ConfigError(f"config.rollout.partial_chunk={c.rollout.partial_chunk}: partial rollouts need rollout.mode='async'")
+  _need(0.0 <= c.rollout.ewma_beta < 1.0, "rollout.ewma_beta", c.rollout.ewma_beta, "must be in [0, 1)")
+  _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
+  _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
   if c.loss.name not in losses.names():
     raise ConfigError(f"config.loss.name={c.loss.name!r}: unknown loss; valid names: {', '.join(losses.names())}")
   spec = losses.get(c.loss.name)

@@ -5,6 +5,8 @@ The cache is a plain dict pytree:
   positions_BS:    int32 RoPE position of the token in each slot.
   segment_ids_BS:  int32 segment id of each slot; 0 = empty slot or padding token.
   index:           int32 scalar, the next slot to write (shared by all rows, so slot order is time order).
+  routes_LBSk:     MoE only: int32 expert ids each layer routed the slot's token to (routing replay, R3).
+                   Unwritten slots hold experts 0..k-1 (valid ids; they belong to padding).
 
 A query may attend to a slot when the slot is not later than the query's own slot and both carry the
 same segment id. This is exactly the rule of the full forward pass, so prefill + decode reproduces it.
@@ -23,13 +25,17 @@ Array = jax.Array
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
   """An empty cache with `max_len` slots per row, in the model's compute dtype."""
   kv_shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-  return {
+  cache = {
       "k": jnp.zeros(kv_shape, cfg.compute_dtype),
       "v": jnp.zeros(kv_shape, cfg.compute_dtype),
       "positions_BS": jnp.zeros((batch, max_len), jnp.int32),
       "segment_ids_BS": jnp.zeros((batch, max_len), jnp.int32),
       "index": jnp.zeros((), jnp.int32),
   }
+  if cfg.num_experts > 0:
+    k = cfg.experts_per_token
+    cache["routes_LBSk"] = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (cfg.n_layers, batch, max_len, k))
+  return cache
 
 
 def attention_mask(segment_ids_q_BT: Array, segment_ids_k_BS: Array, q_offset: Array | int = 0) -> Array:

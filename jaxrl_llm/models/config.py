@@ -10,6 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_REMAT = (False, True, "none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,13 @@ class ModelConfig:
     dtype: compute dtype; params are cast to it inside `forward`. Logits are always float32.
     max_seq_len: longest sequence the model is meant for (sizes caches by default).
     init_std: std of the normal initialiser of weight matrices.
-    remat: wrap each layer in `jax.checkpoint` (recompute activations in the backward pass).
+    remat: rematerialisation of each layer in the backward pass: False / "none" (store
+      activations), True / "full" (recompute everything; `jax.checkpoint`), "dots" (save the
+      matmul outputs, recompute the cheap elementwise ops; `checkpoint_dots`).
+    num_experts: E; 0 = dense SwiGLU MLP, > 0 = a mixture-of-experts MLP in every layer
+      (`jaxrl_llm.models.moe`).
+    experts_per_token: k, experts each token is routed to (MoE only).
+    capacity_factor: expert capacity per batch row, 0 = dropless (see `jaxrl_llm.models.moe`).
   """
 
   vocab_size: int
@@ -52,7 +59,10 @@ class ModelConfig:
   dtype: str = "float32"
   max_seq_len: int = 2048
   init_std: float = 0.02
-  remat: bool = False
+  remat: bool | str = False
+  num_experts: int = 0
+  experts_per_token: int = 2
+  capacity_factor: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
@@ -70,6 +80,21 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _FLOAT_DTYPES:
         raise ValueError(f"model.{name} must be one of {_FLOAT_DTYPES}, got {getattr(self, name)!r}")
+
+    if self.remat not in _REMAT:
+      raise ValueError(f"model.remat must be one of {_REMAT}, got {self.remat!r}")
+    if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
+      raise ValueError(f"model.num_experts must be an int >= 0 (0 = dense), got {self.num_experts!r}")
+    if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+      raise ValueError(f"model.experts_per_token={self.experts_per_token!r} must be in [1, "
+                       f"model.num_experts={self.num_experts}]")
+    if not self.capacity_factor >= 0:
+      raise ValueError(f"model.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor!r}")
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether every layer's MLP is a mixture of experts."""
+    return self.num_experts > 0
 
   @property
   def compute_dtype(self) -> jnp.dtype:

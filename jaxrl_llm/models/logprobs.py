@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import hidden, lm_head_weights
+from jaxrl_llm.models.transformer import hidden_with_routing, lm_head_weights
 
 Array = jax.Array
 
@@ -45,14 +45,16 @@ def _head_stats(logits_BCV: Array, targets_BC: Array, temperature: float, with_e
 def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: ModelConfig, *,
                    positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
                    temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
-                   topk: int = 0, perturb: tuple[Array, Array] | None = None) -> dict:
+                   topk: int = 0, perturb: tuple[Array, Array] | None = None,
+                   routes_BTLk: Array | None = None) -> dict:
   """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
 
   The distribution is softmax(logits / temperature): use the sampler's temperature so the learner
   scores tokens under the distribution they were drawn from.
 
   Args:
-    params, tokens_BT, cfg, positions_BT, segment_ids_BT, perturb: as in `models.hidden`.
+    params, tokens_BT, cfg, positions_BT, segment_ids_BT, perturb, routes_BTLk: as in
+      `models.hidden_with_routing` (routes_BTLk replays MoE expert ids, aligned with tokens_BT).
     targets_BT: int ids whose log-probs are returned (any value at padding positions).
     temperature: > 0.
     chunk_size: positions per lm-head chunk; T need not be a multiple (padded internally).
@@ -60,12 +62,13 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     topk: if > 0, also return the k most likely ids and their log-probs.
 
   Returns:
-    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK".
+    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK"; for an
+    MoE model also "routes_BTLk" (expert ids used) and the scalar "router_aux_loss".
   """
   if isinstance(temperature, (int, float)) and temperature <= 0:
     raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
-  h_BTD = hidden(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-                 perturb=perturb)
+  h_BTD, routing = hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT,
+                                      segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk)
   w_DV = lm_head_weights(params, cfg)
   B, T, D = h_BTD.shape
   C = max(1, min(chunk_size, T))
@@ -81,4 +84,5 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
 
   out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), (h_NBCD, targets_NBC))
   # [N, B, C, ...] -> [B, N*C, ...] -> drop the padded tail.
-  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
+  out = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
+  return {**out, **routing}

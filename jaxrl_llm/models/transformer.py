@@ -8,13 +8,20 @@ Parameter layout (layers stacked on a leading L axis so one compiled body is sca
           bq [L, H, hd]      bk, bv [L, K, hd]        (only when cfg.attn_bias, Qwen2)
           q_norm, k_norm [L, hd]                      (only when cfg.qk_norm, Qwen3)
           mlp_norm [L, D]
-          w_gate, w_up [L, D, F]   w_down [L, F, D]
+          w_gate, w_up [L, D, F]   w_down [L, F, D]      (dense MLP, cfg.num_experts == 0)
+          router [L, D, E]                            (MoE, cfg.num_experts == E > 0, instead:)
+          w_gate, w_up [L, E, D, F]   w_down [L, E, F, D]
   final_norm [D]
   lm_head [D, V]                                      (absent when cfg.tie_embeddings)
 
 Segment ids: equal ids attend to each other (causally); 0 marks padding. Positions are the RoPE
 positions, so left-padded prompts (positions counted from the first real token) and packed rows
 (positions restarting per segment) are both expressed by (positions_BT, segment_ids_BT).
+
+MoE routing: `hidden_with_routing` also returns the expert ids each (token, layer) used,
+`routes_BTLk`, and the load-balancing loss; passing `routes_BTLk` replays recorded ids (R3) instead
+of routing natively. The cached path records the ids in the cache (`routes_LBSk`), so a sampler gets
+the routes of every token it fed through the model.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import cache as cache_lib
+from jaxrl_llm.models import moe as moe_lib
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import attention, rms_norm, rope, swiglu
 
@@ -51,10 +59,17 @@ def _param_specs(cfg: ModelConfig) -> dict:
       "wv": _Spec((L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
       "wo": _Spec((L, H, hd, D), ("layers", "heads", "head_dim", "embed"), "normal"),
       "mlp_norm": _Spec((L, D), ("layers", "embed"), "ones"),
-      "w_gate": _Spec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-      "w_up": _Spec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-      "w_down": _Spec((L, F, D), ("layers", "mlp", "embed"), "normal"),
   }
+  if cfg.is_moe:
+    E = cfg.num_experts
+    layers["router"] = _Spec((L, D, E), ("layers", "embed", "experts"), "normal")
+    layers["w_gate"] = _Spec((L, E, D, F), ("layers", "experts", "embed", "mlp"), "normal")
+    layers["w_up"] = _Spec((L, E, D, F), ("layers", "experts", "embed", "mlp"), "normal")
+    layers["w_down"] = _Spec((L, E, F, D), ("layers", "experts", "mlp", "embed"), "normal")
+  else:
+    layers["w_gate"] = _Spec((L, D, F), ("layers", "embed", "mlp"), "normal")
+    layers["w_up"] = _Spec((L, D, F), ("layers", "embed", "mlp"), "normal")
+    layers["w_down"] = _Spec((L, F, D), ("layers", "mlp", "embed"), "normal")
   if cfg.attn_bias:
     layers["bq"] = _Spec((L, H, hd), ("layers", "heads", "head_dim"), "zeros")
     layers["bk"] = _Spec((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -134,11 +149,44 @@ def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig) -> tuple[
   return rope(q_BTHd, positions_BT, cfg.rope_theta), rope(k_BTKd, positions_BT, cfg.rope_theta), v_BTKd
 
 
-def _finish_layer(h_BTD: Array, attn_BTHd: Array, p: dict, cfg: ModelConfig) -> Array:
-  """Attention output projection + residual, then the SwiGLU MLP block + residual."""
+def _mlp(x_BTD: Array, p: dict, cfg: ModelConfig, forced_ids_BTk: Array | None,
+         real_BT: Array) -> tuple[Array, dict]:
+  """The MLP block: dense SwiGLU, or MoE returning its routing ({"ids_BTk", "aux"})."""
+  if not cfg.is_moe:
+    return swiglu(x_BTD, p["w_gate"], p["w_up"], p["w_down"]), {}
+  y_BTD, ids_BTk, aux = moe_lib.moe_mlp(x_BTD, p, k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor,
+                                        forced_ids_BTk=forced_ids_BTk, real_BT=real_BT)
+  return y_BTD, {"ids_BTk": ids_BTk, "aux": aux}
+
+
+def _finish_layer(h_BTD: Array, attn_BTHd: Array, p: dict, cfg: ModelConfig, forced_ids_BTk: Array | None = None,
+                  real_BT: Array | None = None) -> tuple[Array, dict]:
+  """Attention output projection + residual, then the MLP block + residual; returns (h, routing)."""
   h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHd, p["wo"])
   x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_eps)
-  return h_BTD + swiglu(x_BTD, p["w_gate"], p["w_up"], p["w_down"])
+  y_BTD, routing = _mlp(x_BTD, p, cfg, forced_ids_BTk, real_BT)
+  return h_BTD + y_BTD, routing
+
+
+def _remat(fn, cfg: ModelConfig):
+  """Wraps a layer body per `cfg.remat`; replayed routes are scan inputs, so recompute reuses them."""
+  if cfg.remat in (True, "full"):
+    return jax.checkpoint(fn)
+  if cfg.remat == "dots":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots)
+  return fn
+
+
+def _layer_routes(routes_BTLk: Array | None) -> Array | None:
+  """[B, T, L, k] -> [L, B, T, k] so the layer scan slices one layer's ids."""
+  return None if routes_BTLk is None else jnp.moveaxis(routes_BTLk, 2, 0)
+
+
+def _routing_out(routing_L: dict) -> dict:
+  """Per-layer routing stacked by the scan -> {"routes_BTLk", "router_aux_loss" (mean over layers)}."""
+  if not routing_L:
+    return {}
+  return {"routes_BTLk": jnp.moveaxis(routing_L["ids_BTk"], 0, 2), "router_aux_loss": jnp.mean(routing_L["aux"])}
 
 
 def _embed(params: dict, tokens_BT: Array) -> Array:
@@ -158,9 +206,10 @@ def _defaults(tokens_BT: Array, positions_BT, segment_ids_BT) -> tuple[Array, Ar
   return positions_BT, segment_ids_BT
 
 
-def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
-           segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None) -> Array:
-  """Final-normed hidden states [B, T, D] in compute dtype (what the lm-head consumes).
+def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
+                        segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
+                        routes_BTLk: Array | None = None) -> tuple[Array, dict]:
+  """Final-normed hidden states [B, T, D] in compute dtype, and the MoE routing.
 
   Args:
     params: parameter pytree (any dtype; cast to cfg.dtype here).
@@ -170,34 +219,52 @@ def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Ar
     segment_ids_BT: attention segments (0 = padding); default all ones.
     perturb: optional ALP noise `(log_sigma_L, key)`: before layer l's input norm the residual stream
       gets `exp(log_sigma_L[l]) * normal(fold_in(key, l))`, differentiable in log_sigma_L.
+    routes_BTLk: MoE only: int expert ids to replay (R3) for every token and layer; None = route
+      natively. Gates are the current router's softmax at these ids (the router keeps its gradient).
+
+  Returns:
+    (h_BTD, routing): routing is {} for a dense model, else {"routes_BTLk": ids used (int32),
+    "router_aux_loss": Switch load-balancing loss over non-padding tokens, mean over layers}.
   """
   positions_BT, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
   mask_BTT = cache_lib.attention_mask(segment_ids_BT, segment_ids_BT)
+  real_BT = segment_ids_BT > 0
 
   def layer(h_BTD, xs):
-    p_l, l = xs
+    p_l, l, forced_ids_BTk = xs
     if perturb is not None:
       log_sigma_L, key = perturb
       noise_BTD = jax.random.normal(jax.random.fold_in(key, l), h_BTD.shape, jnp.float32)
       h_BTD = h_BTD + (jnp.exp(log_sigma_L[l]) * noise_BTD).astype(h_BTD.dtype)
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    return _finish_layer(h_BTD, attention(q_BTHd, k_BTKd, v_BTKd, mask_BTT), p_l, cfg), None
+    return _finish_layer(h_BTD, attention(q_BTHd, k_BTKd, v_BTKd, mask_BTT), p_l, cfg, forced_ids_BTk, real_BT)
 
-  if cfg.remat:
-    layer = jax.checkpoint(layer)
-  h_BTD, _ = jax.lax.scan(layer, _embed(p, tokens_BT), (p["layers"], jnp.arange(cfg.n_layers)))
-  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps)
+  xs = (p["layers"], jnp.arange(cfg.n_layers), _layer_routes(routes_BTLk))
+  h_BTD, routing_L = jax.lax.scan(_remat(layer, cfg), _embed(p, tokens_BT), xs)
+  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), _routing_out(routing_L)
+
+
+def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
+           segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
+           routes_BTLk: Array | None = None) -> Array:
+  """Final-normed hidden states [B, T, D] in compute dtype (what the lm-head consumes).
+
+  Same arguments as `hidden_with_routing`, which also returns the MoE routing.
+  """
+  return hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                             perturb=perturb, routes_BTLk=routes_BTLk)[0]
 
 
 def forward(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
-            segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None) -> Array:
+            segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
+            routes_BTLk: Array | None = None) -> Array:
   """Full-vocabulary float32 logits [B, T, V]; same arguments as `hidden`.
 
   This materialises [B, T, V]: training uses `token_logprobs` (chunked lm-head) instead.
   """
   h_BTD = hidden(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-                 perturb=perturb)
+                 perturb=perturb, routes_BTLk=routes_BTLk)
   return logits_from_hidden(params, h_BTD, cfg)
 
 
@@ -219,11 +286,16 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
     k_BSKd = jax.lax.dynamic_update_slice_in_dim(k_BSKd, k_BTKd.astype(k_BSKd.dtype), index, axis=1)
     v_BSKd = jax.lax.dynamic_update_slice_in_dim(v_BSKd, v_BTKd.astype(v_BSKd.dtype), index, axis=1)
-    h_BTD = _finish_layer(h_BTD, attention(q_BTHd, k_BSKd, v_BSKd, mask_BTS), p_l, cfg)
-    return h_BTD, (k_BSKd, v_BSKd)
+    h_BTD, routing = _finish_layer(h_BTD, attention(q_BTHd, k_BSKd, v_BSKd, mask_BTS), p_l, cfg,
+                                   real_BT=segment_ids_BT > 0)
+    return h_BTD, (k_BSKd, v_BSKd, routing.get("ids_BTk"))
 
-  h_BTD, (k_LBSKd, v_LBSKd) = jax.lax.scan(layer, _embed(p, tokens_BT), (p["layers"], cache["k"], cache["v"]))
-  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), {**cache, "k": k_LBSKd, "v": v_LBSKd}
+  h_BTD, (k_LBSKd, v_LBSKd, ids_LBTk) = jax.lax.scan(layer, _embed(p, tokens_BT),
+                                                      (p["layers"], cache["k"], cache["v"]))
+  cache = {**cache, "k": k_LBSKd, "v": v_LBSKd}
+  if ids_LBTk is not None:  # MoE: record the routes of the new tokens (R3)
+    cache["routes_LBSk"] = jax.lax.dynamic_update_slice_in_dim(cache["routes_LBSk"], ids_LBTk, index, axis=2)
+  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), cache
 
 
 def forward_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,

@@ -44,6 +44,24 @@ class ParamStore:
     self._lock = threading.Lock()
 
   @property
+  def keeps_learner_copy(self) -> bool:
+    return self._keep_learner
+
+  def sampler_copy(self, params):
+    """`params` as a snapshot holds them (the sampler's dtype)."""
+    return copy_tree(params, self._sampler_dtype)
+
+  def restore(self, version: int, params, learner_params=None) -> None:
+    """Puts back a checkpointed snapshot as is (no cast), e.g. on resume; versions must increase."""
+    with self._lock:
+      if version < self._next_version:
+        raise ValueError(f"version {version} already held (next is {self._next_version})")
+      self._snaps[version] = Snapshot(version, params, learner_params if self._keep_learner else None)
+      self._refs.setdefault(version, 0)
+      self._next_version = version + 1
+      self._gc()
+
+  @property
   def latest_version(self) -> int:
     return self._next_version - 1
 

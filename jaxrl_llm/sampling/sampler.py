@@ -58,6 +58,10 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1],
     temperature=sampler_cfg.temperature)["logp_BT"][:, P - 1:]` reproduces the sampler's context
     and scores the same tokens as `behavior_logp_BN`.
+    MoE models (model_cfg.num_experts > 0) also return routes_BTLk (int32 [B, T, L, k]): the expert
+    ids every layer used for each token of sequence_BT when it was fed through the model, prompt
+    included (routing replay, R3). The last column was never fed (it holds experts 0..k-1); the
+    learner replays `routes_BTLk[:, :-1]` with the inputs `sequence_BT[:, :-1]`.
   """
   B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
@@ -110,7 +114,9 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
 
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  routes = {"routes_BTLk": jnp.moveaxis(carry["cache"]["routes_LBSk"], 0, 2)} if model_cfg.is_moe else {}
   return {
+      **routes,
       "tokens_BN": carry["tokens_BN"],
       "mask_BN": mask_BN,
       "behavior_logp_BN": carry["logp_BN"],

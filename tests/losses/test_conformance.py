@@ -31,6 +31,31 @@ def _rand_logp(rng, shape, lo=-3.0, hi=-0.05):
   return rng.uniform(lo, hi, size=shape).astype(np.float32)
 
 
+def _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, T, K, V=11, N=4):
+  if "student_logits" in needs:
+    f["student_logits_BTV"] = np.where(mask[..., None] > 0, rng.normal(0, 30 if extreme else 1, (B, T, V)), np.nan).astype(np.float32)
+  if "teacher_logits" in needs:
+    zt = rng.normal(0, 30 if extreme else 1, (B, T, V)).astype(np.float32)
+    zt[..., 0] = -np.inf  # teacher zero entries
+    f["teacher_logits_BTV"] = np.where(mask[..., None] > 0, zt, -np.inf).astype(np.float32)
+  def padk(x):
+    return np.where(mask[..., None] > 0, x, -np.inf).astype(np.float32)
+  if "student_topk" in needs:
+    f["student_topk_logp_BTK"] = padk(np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]) * (5 if extreme else 1))
+  if "teacher_ref_topk" in needs:
+    f["teacher_ref_topk_logp_BTK"] = padk(np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]))
+  if "mc" in needs:
+    f["mc_ids_BTN"] = rng.integers(0, 11, (B, T, N)).astype(np.int32)
+    lq = np.log(rng.uniform(0.01, 0.9, (B, T, N)))
+    f["mc_logp_BTN"] = padk(lq)
+    f["mc_behavior_logp_BTN"] = padk(lq if on_policy else lq + rng.normal(0, 30 if extreme else 0.3, (B, T, N)))
+    f["mc_teacher_logp_BTN"] = padk(np.log(rng.uniform(0.01, 0.9, (B, T, N))))
+  if "sup_drift" in needs:
+    f["sup_drift_B"] = np.zeros(B, np.float32) if on_policy else rng.uniform(0, 0.5, B).astype(np.float32)
+  if "eviction" in needs:
+    f["eviction_mask_BT"] = (rng.random((B, T)) < 0.5).astype(np.float32)
+
+
 def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_inf=True, hp=None):
   """Valid LossInputs for every need of `name` (fields it does not need stay None).
 
@@ -92,6 +117,7 @@ def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_
     f["teacher_topk_ids_BTK"] = rng.integers(0, 11, (B, T, K)).astype(np.int32)
     tk = np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]).astype(np.float32)
     f["teacher_topk_logp_BTK"] = pad(tk.transpose(2, 0, 1)).transpose(1, 2, 0)
+  _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, T, K)
   if "state" in needs:
     f["state"] = spec.init_state(hp)
   inputs = LossInputs(**{k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in f.items()})
@@ -237,6 +263,13 @@ ON_POLICY_COEF = {
         np.where(np.asarray(inp.mask_BT) > 0, np.asarray(inp.logp_BT), 0.0)) / hp.eta) * np.asarray(inp.adv_BT),
     "r2vpo": lambda inp, hp: np.asarray(inp.adv_BT),
     "epo": lambda inp, hp: np.asarray(inp.adv_BT),
+    # Distillation losses have no advantage term: on-policy here means teacher = reference = student
+    # on the sampled tokens, so the sampled-token losses' signal (teacher − student) is 0, and the
+    # full-vocabulary / top-k / Monte-Carlo losses differentiate other fields (student logits, top-k
+    # or MC log-probs), not `logp_BT`. Their gradients are tested in their own files.
+    **{n: (lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BT)))
+       for n in ("opd_reverse_kl", "opd_reverse_kl_full", "opd_forward_kl", "opd_topk_kl", "gkd_jsd",
+                 "opd_reverse_kl_mc", "s2d_opd", "f_opd")},
 }
 
 

@@ -42,7 +42,7 @@ def test_golden_values_and_gradients(hp):
   np.testing.assert_allclose(_grad(inputs, hp), grad, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(float(aux["freshness"][0]) / 3, f.mean(), rtol=1e-5)
   assert w[0] > max(w[1], w[2])  # the fresh row outweighs stale, drifted ones
-  assert hp.xi > 0.15 or w[1] > 0  # default ξ gates row 1 out entirely; ξ = 0.1 keeps it
+  assert (w[1] == 0.0) == (hp.xi == 0.2)  # row 1 (f ≈ 0.12) is gated out at ξ = 0.2, kept at ξ = 0.1
 
 
 def test_on_policy_fresh_equals_opd_reverse_kl():

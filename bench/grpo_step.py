@@ -1,0 +1,97 @@
+"""Our full colocated GRPO step, timed piece by piece: generate → reward → advantages → reference
+log-probs (KL β) → train step. The same workload as `bench/peers/tunix_grpo.py`.
+
+Host overhead = step wall time − the blocked jitted parts (generate, reference scoring, train step);
+it covers decoding text, rewards, advantages and building the batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common, workloads
+from jaxrl_llm import learner
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.rollout import collect
+from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.tasks import get_task
+from jaxrl_llm.tasks import tokenizer as tok
+
+
+def build(model: dict, run: dict = workloads.GRPO_RUN) -> dict:
+  """Everything one GRPO step needs: configs, jitted functions, train state, frozen reference params."""
+  task = get_task("arithmetic", num_digits=run["num_digits"])
+  P = task.max_prompt_len + 1  # BOS + "ab+cd="
+  N = run["max_new_tokens"]
+  cfg = ModelConfig(**model, qk_norm=True, max_seq_len=P + N)
+  params = init_params(cfg, jax.random.key(run["seed"]))
+  tx = learner.make_optimizer(run["lr"], grad_clip=1.0)
+  return {
+      "task": task, "P": P, "cfg": cfg, "run": run,
+      "sampler_cfg": SamplerConfig(max_new_tokens=N, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                   temperature=run["temperature"]),
+      "state": learner.init_state(params, tx),
+      "ref_params": jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+      "train_step": learner.make_train_step(cfg, tx, "ppo_clip", {"eps_low": run["epsilon"], "eps_high": run["epsilon"]},
+                                            temperature=run["temperature"], agg_mode="seq-mean-token-mean",
+                                            kl_coef=run["beta"], kl_estimator="k3"),
+      "score": learner.make_score_fn(cfg, run["temperature"]),
+      "rng": np.random.default_rng(run["seed"]),
+  }
+
+
+def step(ctx: dict, t: int) -> dict:
+  """Runs GRPO step `t` in place on `ctx["state"]`; returns the wall seconds of each piece."""
+  run, G = ctx["run"], ctx["run"]["group_size"]
+  t0 = time.perf_counter()
+  examples = [ctx["task"].make_example(ctx["rng"]) for _ in range(run["prompts_per_step"])]
+  p = collect.encode_prompts([ex for ex in examples for _ in range(G)], ctx["P"])
+  key = jax.random.fold_in(jax.random.key(run["seed"] + 1), t)
+
+  t_gen = time.perf_counter()
+  out = common.block(generate(ctx["state"].params, jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key, ctx["cfg"],
+                              ctx["sampler_cfg"]))
+  gen_s = time.perf_counter() - t_gen
+  reward_B, _, _ = collect.score_completions(ctx["task"], p.examples, np.asarray(out["tokens_BN"]))
+  adv_B = collect.group_advantages(reward_B, G, "grpo", True)
+  mask_BN = out["mask_BN"]
+  seq = (out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"])
+
+  t_ref = time.perf_counter()
+  ref_logp_BN = common.block(ctx["score"](ctx["ref_params"], *seq, mask_BN))
+  ref_s = time.perf_counter() - t_ref
+  B = mask_BN.shape[0]
+  batch = learner.Batch(
+      sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask_BN,
+      adv_BN=adv_B[:, None] * mask_BN, behavior_logp_BN=out["behavior_logp_BN"],
+      versions_BN=jnp.zeros(mask_BN.shape, jnp.int32), lag_B=jnp.zeros((B,), jnp.int32),
+      # One iteration per batch, sampler = learner dtype: the sampler's log-probs are π_old (as Tunix).
+      prox_logp_BN=out["behavior_logp_BN"], ref_logp_BN=ref_logp_BN)
+
+  t_train = time.perf_counter()
+  ctx["state"], metrics = ctx["train_step"](ctx["state"], batch, key)
+  common.block(metrics)
+  train_s = time.perf_counter() - t_train
+  total = time.perf_counter() - t0
+  return {"total_s": total, "generate_s": gen_s, "ref_s": ref_s, "train_s": train_s,
+          "host_s": total - gen_s - ref_s - train_s, "reward_mean": float(reward_B.mean())}
+
+
+def measure(model: dict, warmup: int = 2, steps: int = 5, run: dict = workloads.GRPO_RUN) -> dict:
+  """Median seconds per GRPO step (and per piece) after `warmup` steps; compilations while timing."""
+  t0 = time.perf_counter()
+  ctx = build(model, run)
+  for t in range(warmup):
+    step(ctx, t)
+  first_s = time.perf_counter() - t0
+  with common.count_compiles() as n_compiles:
+    rows = [step(ctx, warmup + t) for t in range(steps)]
+  med = {k: statistics.median(r[k] for r in rows) for k in ("total_s", "generate_s", "ref_s", "train_s", "host_s")}
+  return {**med, "steps": steps, "warmup": warmup, "setup_and_warmup_s": first_s,
+          "compiles_after_warmup": n_compiles[0],
+          "train_step_cache_size": ctx["train_step"]._cache_size(), "generate_cache_size": generate._cache_size()}

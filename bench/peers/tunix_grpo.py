@@ -1,0 +1,151 @@
+"""Tunix's GRPOLearner on the bench GRPO workload; prints one JSON line (the last line of stdout).
+
+Runs ONLY under the bench virtualenv (`bench/.venv-bench`, where `google-tunix` is installed), as a
+subprocess of `bench/run.py`. Workload = `bench.workloads.GRPO[<name>]` + `GRPO_RUN`, the same as
+`bench/grpo_step.py`: Tunix's Qwen3 model (q/k RMSNorm) built from the config below with random
+init (no hub), the project's character tokenizer, 2-digit "ab+cd=" prompts, 8 prompts × 4
+generations, 16 new tokens, β = 0.04, colocated (actor, reference and rollout on one mesh),
+vanilla rollout engine, one iteration per batch, AdamW + global-norm clip 1.0.
+
+Timing: wall time between the ends of consecutive global steps (each end blocks on the actor's
+parameters), median over the steps after `--warmup`.
+
+Usage: bench/.venv-bench/bin/python bench/peers/tunix_grpo.py --workload 2L-d128 [--warmup 2 --steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _emit(result: dict) -> None:
+  print(json.dumps(result), flush=True)
+
+
+def _tokenizer(tok, vocab_size: int):
+  """The project's character tokenizer behind the methods Tunix's TokenizerAdapter requires."""
+
+  class CharTokenizer:
+    def encode(self, text, **kwargs):
+      del kwargs
+      return tok.encode(text)  # Tunix's sampler prepends BOS itself
+
+    def decode(self, ids, **kwargs):
+      del kwargs
+      return tok.decode([i for i in ids if 0 <= int(i) < vocab_size])
+
+    def bos_id(self):
+      return tok.bos_id
+
+    def eos_id(self):
+      return tok.eos_id
+
+    def pad_id(self):
+      return tok.pad_id
+
+  return CharTokenizer()
+
+
+def run(workload: str, warmup: int, steps: int) -> dict:
+  sys.path.insert(0, _ROOT)
+  from bench import workloads
+  from jaxrl_llm.tasks import arithmetic
+  from jaxrl_llm.tasks import tokenizer as tok
+
+  import jax
+  import numpy as np
+  import optax
+  from flax import nnx
+  import tunix
+  from tunix.models.qwen3 import model as qwen3
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+
+  m, r = workloads.GRPO[workload], workloads.GRPO_RUN
+  task = arithmetic.make_task(num_digits=r["num_digits"])
+  P, N = task.max_prompt_len + 1, r["max_new_tokens"]
+  cfg = qwen3.ModelConfig(num_layers=m["n_layers"], vocab_size=m["vocab_size"], embed_dim=m["d_model"],
+                          hidden_dim=m["d_ff"], num_heads=m["n_heads"], head_dim=m["head_dim"],
+                          num_kv_heads=m["n_kv_heads"], rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False)
+  # Auto axes: Tunix's models annotate logical shardings for the classic (non-explicit) mode.
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with mesh:
+    actor = qwen3.Qwen3(cfg, rngs=nnx.Rngs(r["seed"]))
+    reference = qwen3.Qwen3(cfg, rngs=nnx.Rngs(r["seed"]))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(r["lr"], b1=0.9, b2=0.98, weight_decay=0.0))
+  cluster_config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                    rl_cluster_lib.Role.ROLLOUT: mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10 ** 9,
+                                                      max_steps=warmup + steps),
+      rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=N, max_prompt_length=P, kv_cache_size=P + N,
+                                                temperature=r["temperature"], top_p=1.0, top_k=None))
+  cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference,
+                                     tokenizer=_tokenizer(tok, m["vocab_size"]), cluster_config=cluster_config)
+
+  def reward(prompts, completions, answer, **kwargs):
+    del kwargs
+    return [task.reward(p, a, c) for p, a, c in zip(prompts, answer, completions)]
+
+  algo = grpo_learner.GRPOConfig(num_generations=r["group_size"], num_iterations=1, beta=r["beta"],
+                                 epsilon=r["epsilon"])
+  learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=reward)
+
+  rng = np.random.default_rng(r["seed"])
+
+  def batches():
+    while True:
+      exs = [task.make_example(rng) for _ in range(r["prompts_per_step"])]
+      yield {"prompts": [e["prompt"] for e in exs], "answer": [e["answer"] for e in exs]}
+
+  ends = []
+  inner = learner._run_global_step  # one global step = generate, reward, ref log-probs, one update
+
+  def timed_global_step(*args, **kwargs):
+    out = inner(*args, **kwargs)
+    jax.block_until_ready(nnx.state(cluster.actor_trainer.model, nnx.Param))
+    ends.append(time.perf_counter())
+    return out
+
+  learner._run_global_step = timed_global_step
+  t0 = time.perf_counter()
+  learner.train(batches())
+  per_step = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup >= 1 else []
+  if not per_step:
+    return {"status": f"error: only {len(ends)} global steps completed", "tunix_version": tunix.__version__}
+  return {"status": "ok", "total_s": statistics.median(per_step), "steps": len(per_step), "warmup": warmup,
+          "setup_and_warmup_s": ends[warmup - 1] - t0, "tunix_version": getattr(tunix, "__version__", "?"),
+          "jax_version": jax.__version__}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--workload", required=True)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--steps", type=int, default=5)
+  args = ap.parse_args()
+  try:
+    import tunix  # noqa: F401
+  except Exception as e:  # noqa: BLE001 -- any import failure is reported, not raised
+    _emit({"status": f"tunix not importable: {type(e).__name__}: {e}"[:300]})
+    return
+  try:
+    result = run(args.workload, max(args.warmup, 1), args.steps)
+  except Exception as e:  # noqa: BLE001 -- the table shows why the peer could not run
+    traceback.print_exc(file=sys.stderr)
+    result = {"status": f"tunix run failed: {type(e).__name__}: {e}"[:300]}
+  _emit(result)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,82 @@
+"""Wall-clock per learner step and learner idle fraction: sync vs fixed_lag vs staged (vs async).
+
+Idle time is the part of a learner step spent waiting for rollouts: `time_generate_s` in the
+single-threaded modes (the learner thread generates the batch itself), `time_learner_idle_s` in
+async mode (the learner waits on the rollout buffer while worker threads generate). The first
+`--skip` steps (compilation) are left out of every mean.
+
+    python -m experiments.async_throughput              # CI-sized
+    python -m experiments.async_throughput --full
+"""
+
+from __future__ import annotations
+
+import os
+
+from experiments import common
+
+BASE = {"optim.lr": 1e-4, "rollout.prompts_per_step": 16, "rollout.group_size": 8, "eval.every": 0,
+        "loss.name": "ppo_clip"}
+
+MODES = {
+    "sync": {"rollout.mode": "sync", "rollout.lag": 0},
+    "fixed_lag": {"rollout.mode": "fixed_lag", "rollout.lag": 4},
+    "staged": {"rollout.mode": "staged", "rollout.lag": 4},
+    "async": {"rollout.mode": "async", "rollout.lag": 4},
+}
+
+SETTINGS = {"ci": {"steps": 40, "skip": 5, "repeats": 1}, "full": {"steps": 200, "skip": 10, "repeats": 3}}
+
+
+def timing(rows: list[dict], skip: int) -> dict:
+  """Mean step time, idle time and idle fraction over rows[skip:]."""
+  rows = rows[skip:] or rows
+  step = [r["time_step_s"] for r in rows]
+  idle = [r.get("time_learner_idle_s", r.get("time_generate_s", 0.0)) for r in rows]
+  total = sum(step)
+  return {"time_step_s": total / len(step), "time_idle_s": sum(idle) / len(idle),
+          "idle_frac": sum(idle) / total if total > 0 else None,
+          "steps_per_s": len(step) / total if total > 0 else None, "timed_steps": len(step)}
+
+
+def main(argv=None) -> str:
+  p = common.base_parser(__doc__.splitlines()[0])
+  p.add_argument("--lag", type=int, default=None, help="k / stage length / η of the non-sync modes")
+  args = p.parse_args(argv)
+  name = "full" if args.full else "ci"
+  setting = SETTINGS[name]
+  steps = args.steps or setting["steps"]
+  skip = min(setting["skip"], max(0, steps - 1))
+  repeats = args.seeds or setting["repeats"]
+  modes = {m: {**o, **({"rollout.lag": args.lag} if args.lag and m != "sync" else {})} for m, o in MODES.items()}
+  task = common.TASKS["arithmetic"]
+  avail = {m: common.check_config("default", {**BASE, **task, **o}) for m, o in modes.items()}
+  if args.dry_run:
+    print(avail)
+    return ""
+
+  import json
+  from jaxrl_llm import metrics as metrics_lib
+  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  warm = common.warm_start("default", {**BASE, **task, "seed": 0}, os.path.join(args.workdir, "warm", "arithmetic_s0"))
+  results = []
+  for rep in range(repeats):
+    for m, o in modes.items():
+      if avail[m] is not None:
+        continue
+      wd = os.path.join(args.workdir, "throughput", f"{m}_r{rep}")
+      out = common.run_one("default", {**BASE, **task, **o, "seed": 0, "num_steps": steps, "model.init_from": warm,
+                                       "sft.steps": 0}, wd)
+      if "error" not in out:
+        out["timing"] = timing(metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")), skip)
+        out.pop("curves", None)
+      results.append({"mode": m, "lag": o["rollout.lag"], "repeat": rep, **out})
+      common.log(f"{m} rep {rep}: {json.dumps(out.get('timing', out.get('error')))}")
+  return common.write_results("async_throughput", {
+      "setting": name, "steps": steps, "skip": skip, "repeats": repeats, "base_overrides": BASE, "modes": modes,
+      "availability": {m: ("available" if a is None else f"not available: {a}") for m, a in avail.items()},
+      "runs": results}, args.out)
+
+
+if __name__ == "__main__":
+  print(main())
