@@ -82,14 +82,20 @@ def checkpoint_io(model: dict) -> dict:
           "save_bytes_per_s": nbytes / save_s, "restore_bytes_per_s": nbytes / restore_s}
 
 
-def sparse_sync(model: dict, sync_every: tuple[int, ...] = (1, 4)) -> dict:
-  """bf16 sparse-sync payload / dense bf16 bytes after k real GRPO optimiser steps, for each k in `sync_every`."""
+def sparse_sync(model: dict, sync_every: tuple[int, ...] = (1, 4), warmup: int = 2) -> dict:
+  """bf16 sparse-sync payload / dense bf16 bytes after k real GRPO optimiser steps, for each k in `sync_every`.
+
+  The first `warmup` steps are skipped: at step 0 the policy equals the reference, so the KL gradient is
+  exactly zero and almost nothing changes, which would flatter the payload.
+  """
   if importlib.util.find_spec("jaxrl_llm.rollout.sparse_sync") is None:
     return {"status": "skipped: jaxrl_llm/rollout/sparse_sync.py not present"}
   from jaxrl_llm.rollout import sparse_sync as ss
   ctx = grpo_step.build(model)
-  out = {"status": "ok", "dtype": "bfloat16"}
-  t = 0
+  out = {"status": "ok", "dtype": "bfloat16", "warmup_steps": warmup}
+  for t in range(warmup):
+    grpo_step.step(ctx, t)
+  t = warmup
   for k in sync_every:
     union, low = ss.init_union(ctx["state"].params), ss.cast(ctx["state"].params, jnp.bfloat16)
     for _ in range(k):

@@ -36,7 +36,7 @@ def main(argv=None) -> str:
   etas = [int(x) for x in args.etas.split(",")] if args.etas else setting["etas"]
   ms = args.methods.split(",") if args.methods else setting["methods"]
   task = common.TASKS["arithmetic"]
-  rejected = common.check_config("default", {**BASE, **task, "rollout.mode": "async", "rollout.lag": max(etas)})
+  rejected = common.check_config(args.base, {**BASE, **task, "rollout.mode": "async", "rollout.lag": max(etas)})
   runs = [{"task": "arithmetic", "method": m, "eta": eta, "seed": s} for s in range(seeds) for m in ms for eta in etas]
   if args.dry_run:
     print("async:", "available" if rejected is None else f"not available: {rejected}")
@@ -46,25 +46,25 @@ def main(argv=None) -> str:
   if rejected is not None:
     common.log(f"async mode not available: {rejected}")
     return common.write_results("async_staleness", {
-        "setting": name, "available": False, "reason": f"not available: {rejected}", "runs": []}, args.out)
+        "setting": name, "available": False, "reason": f"not available: {rejected}", "runs": []}, args.out, argv)
 
   common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
   results = []
   for r in runs:
-    warm = common.warm_start("default", {**BASE, **task, "seed": r["seed"]},
+    warm = common.warm_start(args.base, {**BASE, **task, "seed": r["seed"]},
                              os.path.join(args.workdir, "warm", f"arithmetic_s{r['seed']}"))
     over = {**BASE, **task, **methods.overrides(r["method"]), "seed": r["seed"], "num_steps": steps,
             "eval.every": eval_every, "rollout.mode": "async", "rollout.lag": r["eta"],
             "model.init_from": warm, "sft.steps": 0}
     wd = os.path.join(args.workdir, "async", f"{r['method']}_eta{r['eta']}_s{r['seed']}")
-    out = common.run_one("default", over, wd)
+    out = common.run_one(args.base, over, wd)
     results.append({**r, **out})
     s = out.get("summary", {})
     common.log(f"{r} acc -> {s.get('eval_accuracy_late')} lag_max {s.get('lag_max')} ({out.get('wall_s', 0):.0f}s)"
                f"{' ' + out['error'] if 'error' in out else ''}")
   return common.write_results("async_staleness", {
       "setting": name, "available": True, "steps": steps, "seeds": seeds, "etas": etas, "base_overrides": BASE,
-      "methods": {m: methods.overrides(m) for m in ms}, "runs": results}, args.out)
+      "methods": {m: methods.overrides(m) for m in ms}, "runs": results}, args.out, argv)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main(argv=None) -> str:
   repeats = args.seeds or setting["repeats"]
   modes = {m: {**o, **({"rollout.lag": args.lag} if args.lag and m != "sync" else {})} for m, o in MODES.items()}
   task = common.TASKS["arithmetic"]
-  avail = {m: common.check_config("default", {**BASE, **task, **o}) for m, o in modes.items()}
+  avail = {m: common.check_config(args.base, {**BASE, **task, **o}) for m, o in modes.items()}
   if args.dry_run:
     print(avail)
     return ""
@@ -58,14 +58,14 @@ def main(argv=None) -> str:
   import json
   from jaxrl_llm import metrics as metrics_lib
   common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
-  warm = common.warm_start("default", {**BASE, **task, "seed": 0}, os.path.join(args.workdir, "warm", "arithmetic_s0"))
+  warm = common.warm_start(args.base, {**BASE, **task, "seed": 0}, os.path.join(args.workdir, "warm", "arithmetic_s0"))
   results = []
   for rep in range(repeats):
     for m, o in modes.items():
       if avail[m] is not None:
         continue
       wd = os.path.join(args.workdir, "throughput", f"{m}_r{rep}")
-      out = common.run_one("default", {**BASE, **task, **o, "seed": 0, "num_steps": steps, "model.init_from": warm,
+      out = common.run_one(args.base, {**BASE, **task, **o, "seed": 0, "num_steps": steps, "model.init_from": warm,
                                        "sft.steps": 0}, wd)
       if "error" not in out:
         out["timing"] = timing(metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")), skip)
@@ -75,7 +75,7 @@ def main(argv=None) -> str:
   return common.write_results("async_throughput", {
       "setting": name, "steps": steps, "skip": skip, "repeats": repeats, "base_overrides": BASE, "modes": modes,
       "availability": {m: ("available" if a is None else f"not available: {a}") for m, a in avail.items()},
-      "runs": results}, args.out)
+      "runs": results}, args.out, argv)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def enable_compile_cache(path: str) -> None:
 def warm_start(base: str, overrides: dict, out_dir: str) -> str:
   """Runs the SFT warm start once (0 RL steps) and exports it; returns the folder for `model.init_from`."""
   from jaxrl_llm import loop
+  out_dir = out_dir if base == "default" else f"{out_dir}_{base}"
   if os.path.exists(os.path.join(out_dir, "model", "config.json")):
     return os.path.join(out_dir, "model")
   c = make_config(base, {**overrides, "num_steps": 0, "sft.save_to": os.path.join(out_dir, "model")})
@@ -115,6 +116,7 @@ def summarize(rows: list[dict], info: dict) -> dict:
       "mismatch_abs_mean": _mean([r.get("mismatch_abs_mean") for r in rows]),
       "time_step_s": _mean([r.get("time_step_s") for r in steady]),
       "time_generate_s": _mean([r.get("time_generate_s") for r in steady]),
+      "time_learner_idle_s": _mean([r.get("time_learner_idle_s") for r in steady]),
       "num_steps": len(rows),
       "skipped_updates": sum(int(bool(r.get("update_skipped", False))) for r in rows),
   }
@@ -190,16 +192,17 @@ def machine() -> dict:
           "devices": [d.device_kind for d in jax.devices()]}
 
 
-def command_line() -> str:
-  return " ".join(["python", "-m", f"experiments.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"]
-                  + [shlex.quote(a) for a in sys.argv[1:]])
+def command_line(name: str, argv: list[str] | None) -> str:
+  """The command that reproduces a results file: `python -m experiments.<name> <args>`."""
+  args = sys.argv[1:] if argv is None else argv
+  return " ".join(["python", "-m", f"experiments.{name}"] + [shlex.quote(a) for a in args])
 
 
-def write_results(name: str, payload: dict, out_dir: str | None = None) -> str:
+def write_results(name: str, payload: dict, out_dir: str | None = None, argv: list[str] | None = None) -> str:
   """Writes `payload` + provenance (command, commit, machine, time) to `<out_dir>/<name>.json`."""
   out_dir = out_dir or RESULTS_DIR
   os.makedirs(out_dir, exist_ok=True)
-  doc = {"experiment": name, "command": command_line(), "commit": git_commit(), "machine": machine(),
+  doc = {"experiment": name, "command": command_line(name, argv), "commit": git_commit(), "machine": machine(),
          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
   path = os.path.join(out_dir, f"{name}.json")
   with open(path, "w") as f:
@@ -217,6 +220,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
   p.add_argument("--workdir", default=os.path.join("/tmp", "jaxrl_llm_experiments"),
                  help="scratch folder for runs, warm starts and the XLA cache")
   p.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
+  p.add_argument("--base", default="default", help="base config, configs/<base>.py (tests use 'tiny')")
   return p
 
 

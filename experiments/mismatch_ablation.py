@@ -42,12 +42,12 @@ SETTINGS = {
 }
 
 
-def sampler_availability(task: str) -> dict:
+def sampler_availability(task: str, base: str = "default") -> dict:
   """Sampler variant -> None (available) or the reason it is not, from the config schema + validation."""
   out = {}
   for name, over in SAMPLERS.items():
     try:
-      c = common.make_config("default", {**common.TASKS[task]})
+      c = common.make_config(base, {**common.TASKS[task]})
       for dotted in over:
         *path, leaf = dotted.split(".")
         node = c
@@ -55,7 +55,7 @@ def sampler_availability(task: str) -> dict:
           node = node[part]
         if leaf not in node:
           raise KeyError(f"config.{dotted} does not exist in configs/default.py / jaxrl_llm/config.py")
-      out[name] = common.check_config("default", {**common.TASKS[task], **over})
+      out[name] = common.check_config(base, {**common.TASKS[task], **over})
     except KeyError as e:
       out[name] = f"not available yet: {e.args[0]}"
   return out
@@ -71,7 +71,7 @@ def main(argv=None) -> str:
   steps = args.steps or setting["steps"]
   eval_every = min(setting["eval_every"], max(1, steps))
   ms = args.methods.split(",") if args.methods else list(METHODS)
-  avail = {t: sampler_availability(t) for t in setting["tasks"]}
+  avail = {t: sampler_availability(t, args.base) for t in setting["tasks"]}
   runs = [{"task": t, "sampler": s, "method": m, "seed": seed}
           for t in setting["tasks"] for seed in range(seeds) for s in SAMPLERS if avail[t][s] is None for m in ms]
   if args.dry_run:
@@ -89,7 +89,7 @@ def main(argv=None) -> str:
     arch = {k: v for k, v in SAMPLERS[r["sampler"]].items() if k.startswith("model.")}
     tag = "".join(f"_{k.split('.')[-1]}{v}" for k, v in arch.items())
     try:
-      warm = common.warm_start("default", {**BASE, **common.TASKS[r["task"]], **arch, "seed": r["seed"]},
+      warm = common.warm_start(args.base, {**BASE, **common.TASKS[r["task"]], **arch, "seed": r["seed"]},
                                os.path.join(args.workdir, "warm", f"{r['task']}{tag}_s{r['seed']}"))
     except Exception as e:  # noqa: BLE001 -- an unsupported variant is reported, not fatal
       avail[r["task"]][r["sampler"]] = f"not available yet: warm start failed: {type(e).__name__}: {e}"
@@ -98,14 +98,14 @@ def main(argv=None) -> str:
     over = {**BASE, **common.TASKS[r["task"]], **METHODS[r["method"]], **SAMPLERS[r["sampler"]],
             "seed": r["seed"], "num_steps": steps, "eval.every": eval_every, "model.init_from": warm, "sft.steps": 0}
     wd = os.path.join(args.workdir, "mismatch", f"{r['task']}_{r['sampler']}_{r['method']}_s{r['seed']}")
-    out = common.run_one("default", over, wd)
+    out = common.run_one(args.base, over, wd)
     results.append({**r, **out})
     s = out.get("summary", {})
     common.log(f"{i + 1}/{len(runs)} {r} acc -> {s.get('eval_accuracy_late')} "
                f"mismatch {s.get('mismatch_abs_mean')} ({out.get('wall_s', 0):.0f}s)")
   return common.write_results("mismatch_ablation", {
       "setting": name, "steps": steps, "seeds": seeds, "base_overrides": BASE, "methods": METHODS,
-      "samplers": SAMPLERS, "availability": avail, "runs": results}, args.out)
+      "samplers": SAMPLERS, "availability": avail, "runs": results}, args.out, argv)
 
 
 if __name__ == "__main__":

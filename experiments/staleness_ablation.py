@@ -91,17 +91,17 @@ def main(argv=None) -> str:
   common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
   results = []
   for i, r in enumerate(runs):
-    warm = common.warm_start("default", {**BASE, **common.TASKS[r["task"]], "seed": r["seed"]},
+    warm = common.warm_start(args.base, {**BASE, **common.TASKS[r["task"]], "seed": r["seed"]},
                              os.path.join(args.workdir, "warm", f"{r['task']}_s{r['seed']}"))
     wd = os.path.join(args.workdir, "staleness", f"{r['task']}_{r['method']}_lag{r['lag']}_s{r['seed']}")
-    out = common.run_one("default", run_overrides(r, steps, eval_every, warm), wd)
+    out = common.run_one(args.base, run_overrides(r, steps, eval_every, warm), wd)
     results.append({**r, **out})
     s = out.get("summary", {})
     common.log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
                f"({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
   return common.write_results("staleness_ablation", {
       "setting": name, "steps": steps, "seeds": seeds, "base_overrides": BASE, "tasks": common.TASKS,
-      "methods": methods.METHODS, "baseline": methods.BASELINE, "runs": results}, args.out)
+      "methods": methods.METHODS, "baseline": methods.BASELINE, "runs": results}, args.out, argv)
 
 
 if __name__ == "__main__":

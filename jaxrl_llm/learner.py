@@ -3,6 +3,13 @@
 Functional core: `train_step(state, batch, key) -> (state, metrics)` is pure and donates `state`.
 The loss is looked up by name once, outside the jitted function, so switching losses never adds a
 branch inside the step.
+
+Gradient accumulation (`grad_accum = M`): the batch is cut into M micro-batches along B and scanned.
+Each micro-batch gives the (numerator, denominator) of the aggregate (`losses.reduce_parts`); the
+numerators' gradients and the denominators are summed and divided once, so the accumulated gradient
+equals the full-batch gradient (up to float summation order) for every aggregation mode, as long as a
+token's loss depends only on its own sequence. Losses that couple the whole batch (batch statistics,
+e.g. M2PO's second-moment mask) see each micro-batch separately; stateful losses are refused.
 """
 
 from __future__ import annotations
@@ -46,20 +53,24 @@ class Batch:
   lag_B: Array
   prox_logp_BN: Optional[Array] = None
   ref_logp_BN: Optional[Array] = None
+  routes_BTLk: Optional[Array] = None  # MoE routing replay (R3): the sampler's expert ids, aligned with sequence_BT
 
 
 def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
-                        temperature: float, with_entropy: bool = False, perturb=None) -> dict:
+                        temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None) -> dict:
   """Log-probs (and entropy) of the last `n_new` tokens of each sequence under `params`.
 
   Position j of the result scores completion token j given everything before it, exactly the
-  context the sampler used (see `sampling.generate`).
+  context the sampler used (see `sampling.generate`). `routes_BTLk` (MoE) replays the sampler's
+  expert ids for every input token; the result then also holds the scalar "router_aux_loss".
   """
+  routes = None if routes_BTLk is None else routes_BTLk[:, :-1]
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       perturb=perturb)
+                       perturb=perturb, routes_BTLk=routes)
+  out.pop("routes_BTLk", None)
   P = sequence_BT.shape[1] - n_new
-  return {k: v[:, P - 1:] for k, v in out.items()}
+  return {k: v if k == "router_aux_loss" else v[:, P - 1:] for k, v in out.items()}
 
 
 def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.98,
@@ -96,28 +107,54 @@ def _all_finite(tree) -> Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
+def _split_micro(batch: Batch, m: int) -> Batch:
+  """[B, ...] -> [m, B/m, ...] on every field (all Batch fields lead with B)."""
+  B = batch.mask_BN.shape[0]
+  if B % m:
+    raise ValueError(f"optim.grad_accum={m} must divide the batch size B={B}")
+  return jax.tree.map(lambda x: x.reshape(m, B // m, *x.shape[1:]), batch)
+
+
+def _combine_micro(aux_M: dict) -> dict:
+  """Per-micro-batch (sum, count) metrics stacked on a leading M axis -> one (sum, count) each."""
+  return {k: (jnp.max(s), jnp.sum(c)) if k.endswith("_max") else (jnp.sum(s), jnp.sum(c))
+          for k, (s, c) in aux_M.items()}
+
+
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, loss_name: str,
                     loss_hparams: dict | None = None, *, temperature: float = 1.0,
                     agg_mode: str = "token-mean", drop_rejected: bool = False, norm_len: float | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
+                    router_aux_coef: float = 0.0, grad_accum: int = 1, in_shardings=None, out_shardings=None,
                     on_trace: Callable[[], None] | None = None):
   """Builds the jitted `train_step(state, batch, key) -> (state, metrics)` for one loss.
 
   A non-finite loss or gradient skips the update: parameters and optimiser state stay bitwise
   unchanged, `version` does not advance, and `update_skipped` / `skipped_consecutive` say so.
+
+  MoE: `router_aux_coef` weights the load-balancing loss (token-weighted over micro-batches); a
+  batch with `routes_BTLk` replays the sampler's expert ids (R3). `grad_accum` micro-batches: see the
+  module docstring. `in_shardings` / `out_shardings` are passed to `jax.jit` (see
+  `jaxrl_llm.sharding.train_step_shardings`); None keeps the single-device default.
   """
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
   with_entropy = "entropy" in spec.needs or entropy_coef > 0
   perturbed = "perturb" in spec.needs
+  if not isinstance(grad_accum, int) or grad_accum < 1:
+    raise ValueError(f"optim.grad_accum must be an int >= 1, got {grad_accum!r}")
+  if grad_accum > 1 and spec.init_state is not None:
+    raise ValueError(f"optim.grad_accum={grad_accum}: loss {loss_name!r} carries state across steps; "
+                     "micro-batching it is not supported")
 
-  def loss_fn(trainable, state: TrainState, batch: Batch, key: Array):
+  def loss_parts(trainable, state: TrainState, batch: Batch, key: Array):
+    """(objective numerator, (numerator, denominator, aux)); the gradient is ∇objective / denominator."""
     params, hook = trainable if perturbed else (trainable, None)
     n_new = batch.mask_BN.shape[1]
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
     perturb = (hook["log_sigma_L"], key) if perturbed else None
     out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                              model_cfg, temperature, with_entropy, perturb=perturb)
+                              model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk)
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
         prox_logp_BT=batch.prox_logp_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
@@ -132,28 +169,54 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     if entropy_coef > 0:
       term, m = core.entropy_term(inputs, entropy_coef)
       loss_BT, aux = loss_BT + term, {**aux, **m}
-    loss = losses.reduce(loss_BT, batch.mask_BN, agg_mode, keep_BT=aux.get("keep_BT"), drop_rejected=drop_rejected,
-                         norm_len=norm_len)
+    num, den = losses.reduce_parts(loss_BT, batch.mask_BN, agg_mode, keep_BT=aux.pop("keep_BT", None),
+                                   drop_rejected=drop_rejected, norm_len=norm_len)
+    objective = num
+    if "router_aux_loss" in out:
+      # Weighted by this micro-batch's denominator so that objective / Σ den = loss + coef · aux.
+      den_sg = jax.lax.stop_gradient(den)
+      objective = objective + router_aux_coef * out["router_aux_loss"] * den_sg
+      aux["router_aux_loss"] = (out["router_aux_loss"] * den_sg, den_sg)
     # Divergence between the behaviour policy μ and π_θ on the sampled tokens (samples from μ).
     lr = core.safe_log_ratio(out["logp_BT"], batch.behavior_logp_BN, batch.mask_BN)
     aux["kl_mu_k1"] = core.metric(-lr, batch.mask_BN)
     aux["kl_mu_k3"] = core.metric(jnp.exp(lr) - lr - 1.0, batch.mask_BN)
     if "entropy_BT" in out and "entropy" not in aux:
       aux["entropy"] = core.metric(out["entropy_BT"], batch.mask_BN)
-    return loss, aux
+    return objective, (num, den, aux)
+
+  parts_and_grad = jax.value_and_grad(loss_parts, has_aux=True)
+
+  def accumulate(trainable, state: TrainState, batch: Batch, key: Array):
+    """(loss, aux, grads) of the whole batch from `grad_accum` sequential micro-batches."""
+    if grad_accum == 1:
+      (_, (num, den, aux)), g = parts_and_grad(trainable, state, batch, key)
+    else:
+      def micro(g_acc, xs):
+        mb, i = xs
+        (_, (num, den, aux)), g = parts_and_grad(trainable, state, mb, jax.random.fold_in(key, i))
+        return jax.tree.map(jnp.add, g_acc, g), (num, den, aux)
+
+      zeros = jax.tree.map(jnp.zeros_like, trainable)
+      g, (num_M, den_M, aux_M) = jax.lax.scan(micro, zeros, (_split_micro(batch, grad_accum), jnp.arange(grad_accum)))
+      new_loss_state = aux_M.pop("state", None)
+      num, den, aux = num_M.sum(), den_M.sum(), _combine_micro(aux_M)
+      if new_loss_state is not None:
+        aux["state"] = new_loss_state
+    scale = 1.0 / jnp.maximum(den, 1.0)
+    return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
 
   def train_step(state: TrainState, batch: Batch, key: Array):
     if on_trace is not None:
       on_trace()
     trainable = (state.params, state.hook_params) if perturbed else state.params
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, state, batch, key)
+    loss, aux, grads = accumulate(trainable, state, batch, key)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     updates, opt_state = tx.update(grads, state.opt_state, trainable)
     new_trainable = optax.apply_updates(trainable, updates)
     params, hook_params = new_trainable if perturbed else (new_trainable, None)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_loss_state = aux.pop("state", state.loss_state)
-    aux.pop("keep_BT", None)
     new_state = TrainState(
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state), step=state.step + 1,
         version=state.version + finite.astype(jnp.int32),
@@ -166,16 +229,18 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                "update_skipped": (~finite).astype(jnp.int32), "skipped_consecutive": new_state.skipped}
     return new_state, metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
+  return jax.jit(train_step, donate_argnums=0, **shardings)
 
 
 def make_score_fn(model_cfg: ModelConfig, temperature: float):
-  """Jitted no-grad scorer `(params, batch_fields...) -> logp_BN` (old-log-prob recompute, reference)."""
+  """Jitted no-grad scorer `(params, batch_fields..., routes_BTLk=None) -> logp_BN` (old-log-prob
+  recompute, reference). `routes_BTLk` replays an MoE sampler's expert ids (R3)."""
 
   @jax.jit
-  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN):
+  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
     out = completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
-                              temperature)
+                              temperature, routes_BTLk=routes_BTLk)
     return jnp.where(mask_BN > 0, out["logp_BT"], 0.0)
 
   return score

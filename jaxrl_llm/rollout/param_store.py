@@ -1,7 +1,9 @@
 """ParamStore: versioned, immutable, refcounted parameter snapshots.
 
-`publish(params)` copies the learner's parameters into the sampler's dtype (the learner step donates
-its buffers, so a snapshot must never alias them) and assigns the next version. `acquire(version)`
+`publish(params)` copies the learner's parameters into the sampler's dtype, and into the sampler's
+layout when `sampler_shardings` is given (`jaxrl_llm.sharding.reshard`: e.g. FSDP-sharded learner ->
+tensor-parallel sampler), and assigns the next version. The learner step donates its buffers, so a
+snapshot must never alias them: publish always copies. `acquire(version)`
 pins a snapshot (refcount + 1); `release` unpins it. A snapshot is freed once it is unpinned and
 older than the retention window `keep_last` (what lagged generation / old-log-prob recompute need).
 """
@@ -32,11 +34,12 @@ def copy_tree(params, dtype=None):
 class ParamStore:
   """Holds snapshots by version. Thread-safe; holds only references and counters."""
 
-  def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False):
+  def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False, sampler_shardings=None):
     if keep_last < 1:
       raise ValueError("keep_last must be >= 1")
     self._keep_last = keep_last
     self._sampler_dtype = sampler_dtype
+    self._sampler_shardings = sampler_shardings  # None: keep the learner's layout
     self._keep_learner = keep_learner_copy
     self._snaps: dict[int, Snapshot] = {}
     self._refs: dict[int, int] = {}
@@ -71,7 +74,11 @@ class ParamStore:
 
   def publish(self, params, version: int | None = None) -> int:
     """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it."""
-    sampler = copy_tree(params, self._sampler_dtype)
+    if self._sampler_shardings is None:
+      sampler = copy_tree(params, self._sampler_dtype)
+    else:
+      from jaxrl_llm.sharding import reshard  # local: the store stays importable without the sharding module
+      sampler = reshard(params, self._sampler_shardings, self._sampler_dtype)
     learner = copy_tree(params) if self._keep_learner else None
     with self._lock:
       v = self._next_version if version is None else version

@@ -1,0 +1,272 @@
+"""`make bench` entry point: runs every benchmark once, prints Markdown tables, writes JSON (+ README).
+
+  python -m bench.run [--quick] [--no-peers] [--out bench/results.json] [--readme bench/README.md]
+
+Order: machine references (matmul peak, copy bandwidth) → learner MFU (S, M) → sampler throughput →
+full GRPO step, ours then Tunix's (a subprocess of the bench virtualenv; never both at once) → loop
+and system costs. `--quick` shrinks every shape (a smoke run, numbers meaningless) and skips peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_PYTHON = os.path.join(ROOT, "bench", ".venv-bench", "bin", "python")
+TUNIX_SCRIPT = os.path.join(ROOT, "bench", "peers", "tunix_grpo.py")
+COMMAND = "make bench"
+
+# --quick: tiny shapes so the whole harness runs in seconds (the smoke test).
+_TINY = dict(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, vocab_size=64)
+QUICK = {
+    "learner": {"S": {"model": _TINY, "batch": 4, "seq_len": 12, "prompt_len": 4}},
+    "grpo": {"tiny": _TINY},
+    "grpo_steps": (1, 1),
+    "sampler": dict(batches=(2,), new_tokens=(3,), model=_TINY, P=4, repeats=1),
+}
+
+
+def _git(*args: str) -> str:
+  try:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+
+
+def machine_info() -> dict:
+  """What the numbers were measured on: cores, load, JAX backend and versions, commit."""
+  import jax
+  dev = jax.devices()[0]
+  return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+          "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+          "device_kind": dev.device_kind, "device_count": jax.device_count(),
+          "loadavg_start": list(os.getloadavg()), "commit": _git("rev-parse", "--short", "HEAD"),
+          "dirty": bool(_git("status", "--porcelain")),
+          "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def run_peer(workload: str, warmup: int, steps: int, python: str = BENCH_PYTHON, timeout_s: float = 420) -> dict:
+  """Tunix's GRPO step in the bench virtualenv; a dict with `status` (and `total_s` when it ran)."""
+  if not os.path.exists(python):
+    return {"status": f"bench venv missing ({os.path.relpath(python, ROOT)}); `make bench` creates it"}
+  cmd = [python, TUNIX_SCRIPT, "--workload", workload, "--warmup", str(warmup), "--steps", str(steps)]
+  env = {**os.environ, "PYTHONPATH": ""}  # the peer must not see the project venv's packages
+  try:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
+  except subprocess.TimeoutExpired:
+    return {"status": f"timed out after {timeout_s:.0f} s"}
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"status": f"no result (exit {proc.returncode}): {tail[0][:200]}"}
+  return json.loads(lines[-1])
+
+
+def collect(quick: bool, peers: bool, log=print) -> dict:
+  """Runs every section; returns the results dict written to results.json."""
+  from bench import grpo_step, learner_mfu, peak, sampler_tput, system, workloads
+
+  t_start = time.perf_counter()
+  res: dict = {"command": COMMAND if not quick else "python -m bench.run --quick", "quick": quick,
+               "machine": machine_info()}
+  log("[bench] matmul peak and copy bandwidth")
+  res["peak"] = peak.measure(quick)
+  peak_fp32 = res["peak"]["matmul_fp32"]["flops_per_s"]
+  bandwidth = res["peak"]["copy"]["bytes_per_s"]
+
+  res["learner"] = {}
+  for name, spec in (QUICK["learner"] if quick else workloads.LEARNER).items():
+    log(f"[bench] learner {name}")
+    res["learner"][name] = {"model": spec["model"], **learner_mfu.measure(spec, peak_fp32, repeats=1 if quick else 3)}
+
+  log("[bench] sampler")
+  res["sampler"] = sampler_tput.measure(peak_fp32, bandwidth, **(QUICK["sampler"] if quick else {"repeats": 1}))
+
+  warmup, steps = QUICK["grpo_steps"] if quick else (2, 5)
+  res["grpo"] = {}
+  for name, model in (QUICK["grpo"] if quick else workloads.GRPO).items():
+    log(f"[bench] GRPO step {name}: ours")
+    ours = grpo_step.measure(model, warmup=warmup, steps=steps)
+    if peers and not quick:
+      log(f"[bench] GRPO step {name}: Tunix (bench venv)")
+      theirs = run_peer(name, warmup, steps)
+    else:
+      theirs = {"status": "skipped (--quick / --no-peers)"}
+    ratio = theirs["total_s"] / ours["total_s"] if "total_s" in theirs else None
+    res["grpo"][name] = {"model": model, "ours": ours, "tunix": theirs, "tunix_over_ours": ratio}
+
+  sys_model = QUICK["grpo"]["tiny"] if quick else workloads.GRPO["2L-d128"]
+  res["system"] = {}
+  if not quick:
+    log("[bench] loop.run")
+    res["system"]["loop_run"] = _guard(system.loop_run)
+  log("[bench] checkpoint save/restore")
+  res["system"]["checkpoint"] = _guard(
+      lambda: system.checkpoint_io(_TINY if quick else workloads.LEARNER["M"]["model"]))
+  log("[bench] sparse sync")
+  res["system"]["sparse_sync"] = _guard(
+      lambda: system.sparse_sync(sys_model, sync_every=(1,) if quick else (1, 4), warmup=1 if quick else 2))
+  res["machine"]["loadavg_end"] = list(os.getloadavg())
+  res["wall_s"] = time.perf_counter() - t_start
+  return res
+
+
+def _guard(fn) -> dict:
+  """A system measurement that fails (e.g. a module mid-rewrite) is reported, not fatal."""
+  try:
+    return fn()
+  except Exception as e:  # noqa: BLE001 -- the table shows the failure instead
+    return {"status": f"failed: {type(e).__name__}: {str(e)[:200]}"}
+
+
+def _g(x: float, unit: str = "") -> str:
+  """Three significant digits with an SI prefix: 1.23 G, 456 k."""
+  if x is None or not math.isfinite(x):
+    return "–"
+  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.3g} {prefix}{unit}"
+  return f"{x:.3g} {unit}".rstrip()
+
+
+def _ms(x: float) -> str:
+  return f"{1e3 * x:.1f} ms" if x < 10 else f"{x:.2f} s"
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f} %"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _shape(m: dict) -> str:
+  return f"L{m['n_layers']} d{m['d_model']} F{m['d_ff']} V{m['vocab_size']} H{m['n_heads']}/K{m['n_kv_heads']}"
+
+
+def format_tables(res: dict) -> str:
+  """The Markdown tables printed on stdout and embedded in bench/README.md."""
+  m, p = res["machine"], res["peak"]
+  out = [f"Command: `{res['command']}` · commit {m['commit']}{' (dirty)' if m['dirty'] else ''} · {m['date_utc']} · "
+         f"{m['cpu_count']} CPU cores, JAX {m['jax']} ({m['backend']}, {m['device_kind']}) · load average "
+         f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end · bench wall {res['wall_s']:.0f} s", ""]
+  out += ["**Machine references** (measured with JAX in this run)", "",
+          _table(["fp32 matmul peak", "bf16 matmul peak", "copy bandwidth (x + 1)"],
+                 [[f"{_g(p['matmul_fp32']['flops_per_s'], 'FLOP/s')} (n={p['matmul_fp32']['n']})",
+                   f"{_g(p['matmul_bf16']['flops_per_s'], 'FLOP/s')} (n={p['matmul_bf16']['n']})",
+                   _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
+  rows = []
+  for name, r in res["learner"].items():
+    rows.append([name, _shape(r["model"]), f"{r['batch']}×{r['seq_len']}", _ms(r["step_s"]), _g(r["tokens_per_s"]),
+                 _g(r["achieved_flops_per_s"], "FLOP/s"), _pct(r["mfu"]), str(r["compiles_after_warmup"])])
+  out += ["**Learner step** (`learner.make_train_step`, ppo_clip; MFU = (6·N·tokens + attention) / time / fp32 peak)", "",
+          _table(["config", "model", "B×T", "step (median)", "tokens/s", "achieved", "MFU",
+                  "compiles after warm-up"], rows), ""]
+  rows = []
+  for r in res["sampler"]:
+    rows.append([str(r["batch"]), str(r["new_tokens"]), _g(r["prefill_tokens_per_s"]), _pct(r["prefill_frac_of_bound"]),
+                 _g(r["decode_tokens_per_s"]), f"{_pct(r['decode_frac_of_bound'])} ({r['decode_bound_kind']})"])
+  s0 = res["sampler"][0]
+  out += [f"**Sampler** (`sampling.generate`, prompt {s0['prompt_len']} tokens, fp32; bound = compute for prefill, "
+          "max(compute, bytes / bandwidth) per decode step)", "",
+          _table(["batch", "new tokens", "prefill tok/s", "of bound", "decode tok/s", "of bound"], rows), ""]
+  rows = []
+  for name, r in res["grpo"].items():
+    o, t = r["ours"], r["tunix"]
+    rows.append([name, _ms(o["total_s"]), _ms(t["total_s"]) if "total_s" in t else "–",
+                 f"{r['tunix_over_ours']:.2f}×" if r["tunix_over_ours"] else "–",
+                 f"{_ms(o['generate_s'])} / {_ms(o['ref_s'])} / {_ms(o['train_s'])} / {_ms(o['host_s'])}",
+                 str(o["compiles_after_warmup"]),
+                 t["status"] + (f" (tunix {t.get('tunix_version')})" if t["status"] == "ok" else "")])
+  out += ["**Full GRPO step vs Tunix** (Qwen3-style, 8 prompts × 4, 16 new tokens, β = 0.04, colocated, char "
+          "tokenizer, \"ab+cd=\"; median s/step after warm-up; Tunix/ours > 1 means ours is faster)", "",
+          _table(["workload", "ours", "Tunix", "Tunix / ours", "ours: generate / ref / train / host",
+                  "compiles after warm-up", "Tunix status"], rows), ""]
+  rows = []
+  for name, r in res["grpo"].items():
+    o = r["ours"]
+    rows.append([f"GRPO step {name}: host time outside jitted work", f"{_ms(o['host_s'])} of {_ms(o['total_s'])} "
+                 f"({_pct(o['host_s'] / o['total_s'])})"])
+  sysr = res["system"]
+  if "loop_run" in sysr:
+    lr = sysr["loop_run"]
+    rows.append(["`loop.run` step (default config, 8×4, 16 new tokens, β = 0.04)",
+                 (f"time_step_s {_ms(lr['time_step_s'])}, time_generate_s {_ms(lr['time_generate_s'])}, "
+                  f"compiles train/generate/score {lr['compiles_train_step']}/{lr['compiles_generate']}/"
+                  f"{lr['compiles_score']}") if "time_step_s" in lr else lr.get("status", "?")])
+  ck = sysr.get("checkpoint", {})
+  rows.append(["checkpoint save / restore (train state, config M)",
+               f"{_g(ck['state_bytes'], 'B')}: save {_ms(ck['save_s'])} ({_g(ck['save_bytes_per_s'], 'B/s')}), "
+               f"restore {_ms(ck['restore_s'])} ({_g(ck['restore_bytes_per_s'], 'B/s')})"
+               if ck.get("status") == "ok" else ck.get("status", "?")])
+  sp = sysr.get("sparse_sync", {})
+  if sp.get("status") == "ok":
+    for k, v in sp.items():
+      if k.startswith("every_"):
+        rows.append([f"sparse sync bf16 payload / dense, sync every {k[6:]} step(s)",
+                     f"{_pct(v['payload_ratio'])} (changed elements {_pct(v['density'])})"])
+  else:
+    rows.append(["sparse sync", sp.get("status", "?")])
+  out += ["**Loop and system**", "", _table(["measure", "value"], rows)]
+  return "\n".join(out)
+
+
+README_HEAD = """# Benchmarks
+
+Generated by `{command}` (do not edit by hand: the harness rewrites this file and `bench/results.json`).
+Benchmarks are not tests; timings on a shared machine are noisy, so read the ratios (MFU against the
+peak measured in the same run, fraction of the sampler bounds, Tunix / ours measured back to back).
+
+What each number is:
+- matmul peak: best FLOP/s of square `n×n @ n×n` (2·n³ FLOPs) in JAX; copy bandwidth: `x + 1` over 128 MiB.
+- learner: one `learner.make_train_step` (ppo_clip, token-mean, AdamW) on synthetic full-length rows; N counts
+  the parameters used in matmuls (embedding lookup excluded, lm-head included); attention adds
+  3 · 2·L·H·hd·T FLOPs per token (causal). Compiles after warm-up come from the jitted step's cache
+  and `jax.monitoring` compile events (target 0).
+- sampler: `sampling.generate` on config M with EOS disabled; prefill = a call with one new token,
+  decode = (time(N) − time(1)) / (B·(N − 1)).
+- GRPO step: ours is `bench/grpo_step.py` (generate → reward → GRPO advantages → reference log-probs
+  → train step with k3 KL, β = 0.04; π_old = sampler log-probs, one iteration per batch); Tunix's is
+  `bench/peers/tunix_grpo.py` (`GRPOLearner`, vanilla rollout, same model shape and data, run from the
+  separate `bench/.venv-bench`). Both use random-init weights (no hub).
+- loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step).
+
+"""
+
+
+def write_readme(path: str, res: dict, tables: str) -> None:
+  with open(path, "w") as f:
+    f.write(README_HEAD.format(command=res["command"]) + "## Latest results\n\n" + tables + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+  ap = argparse.ArgumentParser(description="jaxrl_llm benchmarks (see bench/README.md)")
+  ap.add_argument("--quick", action="store_true", help="tiny shapes, no peers: a smoke run")
+  ap.add_argument("--no-peers", action="store_true", help="skip the Tunix comparison")
+  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
+  ap.add_argument("--readme", default="", help="rewrite this README with the tables")
+  args = ap.parse_args(argv)
+  t0 = time.perf_counter()
+  res = collect(args.quick, peers=not args.no_peers,
+                log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
+  tables = format_tables(res)
+  print(tables)
+  with open(args.out, "w") as f:
+    json.dump(res, f, indent=2, sort_keys=True)
+  if args.readme:
+    write_readme(args.readme, res, tables)
+  return res
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Experiment scripts: each regenerates one results file under experiments/results/ (see report.py)."""
