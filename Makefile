@@ -39,3 +39,19 @@ docs: $(VENV)/.base
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Benchmarks. Tunix (the peer in the GRPO comparison) is installed ONLY into its own virtualenv,
+# bench/.venv-bench, never into $(VENV); if it cannot be installed, the table says so.
+BENCH_VENV := bench/.venv-bench
+.PHONY: bench
+
+$(BENCH_VENV)/.tunix:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/pip install -q google-tunix > $(BENCH_VENV)/install.log 2>&1 \
+	  || echo "google-tunix install failed (see $(BENCH_VENV)/install.log); the bench reports it" >&2
+	touch $@
+
+## Benchmarks (≈ 10 min on a 2-core CPU): prints tables, writes bench/results.json and bench/README.md.
+bench: $(VENV)/.base $(BENCH_VENV)/.tunix
+	$(PY) -m bench.run --out bench/results.json --readme bench/README.md

@@ -86,6 +86,13 @@ def forward_flops(cfg: ModelConfig, tokens: int, context: float, causal: bool = 
   return tokens * (2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, context, causal))
 
 
+def prefill_flops(cfg: ModelConfig, batch: int, prompt_len: int) -> float:
+  """Forward FLOPs of a prefill: every prompt position through the layers, the lm-head on the last one only."""
+  head = cfg.d_model * cfg.vocab_size
+  body = batch * prompt_len * (2.0 * (matmul_params(cfg) - head) + attention_flops_per_token(cfg, prompt_len))
+  return body + batch * 2.0 * head
+
+
 def param_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
   """Bytes of all parameters (embedding included) at `dtype_bytes` per element."""
   D, H, K, hd, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers

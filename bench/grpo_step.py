@@ -79,19 +79,25 @@ def step(ctx: dict, t: int) -> dict:
   train_s = time.perf_counter() - t_train
   total = time.perf_counter() - t0
   return {"total_s": total, "generate_s": gen_s, "ref_s": ref_s, "train_s": train_s,
-          "host_s": total - gen_s - ref_s - train_s, "reward_mean": float(reward_B.mean())}
+          "host_s": total - gen_s - ref_s - train_s, "reward_mean": float(reward_B.mean()),
+          "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean())}
 
 
-def measure(model: dict, warmup: int = 2, steps: int = 5, run: dict = workloads.GRPO_RUN) -> dict:
-  """Median seconds per GRPO step (and per piece) after `warmup` steps; compilations while timing."""
+def measure(ctx: dict, warmup: int = 2, steps: int = 5) -> dict:
+  """Median seconds per GRPO step (and per piece) after `warmup` steps of `ctx` (from `build`).
+
+  Also the compilations seen while timing (target 0) and the jitted functions' cache sizes.
+  """
   t0 = time.perf_counter()
-  ctx = build(model, run)
+  done = ctx.setdefault("steps_done", 0)
   for t in range(warmup):
-    step(ctx, t)
+    step(ctx, done + t)
   first_s = time.perf_counter() - t0
   with common.count_compiles() as n_compiles:
-    rows = [step(ctx, warmup + t) for t in range(steps)]
+    rows = [step(ctx, done + warmup + t) for t in range(steps)]
+  ctx["steps_done"] = done + warmup + steps
   med = {k: statistics.median(r[k] for r in rows) for k in ("total_s", "generate_s", "ref_s", "train_s", "host_s")}
-  return {**med, "steps": steps, "warmup": warmup, "setup_and_warmup_s": first_s,
-          "compiles_after_warmup": n_compiles[0],
+  med["best_total_s"] = min(r["total_s"] for r in rows)
+  med["completion_len_mean"] = statistics.mean(r["completion_len_mean"] for r in rows)
+  return {**med, "rollouts_per_step": rows[0]["rollouts"], "steps": steps, "warmup": warmup, "warmup_s": first_s, "compiles_after_warmup": n_compiles[0],
           "train_step_cache_size": ctx["train_step"]._cache_size(), "generate_cache_size": generate._cache_size()}

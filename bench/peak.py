@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from bench import common
 
 
-def matmul_peak(dtype: str, sizes: tuple[int, ...], repeats: int = 3) -> dict:
+def matmul_peak(dtype: str, sizes: tuple[int, ...], repeats: int = 5) -> dict:
   """Best FLOP/s of square matmuls `n×n @ n×n` (2·n³ FLOPs) over `sizes`, best of `repeats` each."""
   mm = jax.jit(jnp.matmul)
   best = {"flops_per_s": 0.0, "n": 0}

@@ -92,9 +92,11 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
 
   warmup, steps = QUICK["grpo_steps"] if quick else (2, 5)
   res["grpo"] = {}
+  ctxs = {}
   for name, model in (QUICK["grpo"] if quick else workloads.GRPO).items():
     log(f"[bench] GRPO step {name}: ours")
-    ours = grpo_step.measure(model, warmup=warmup, steps=steps)
+    ctxs[name] = grpo_step.build(model)
+    ours = grpo_step.measure(ctxs[name], warmup=warmup, steps=steps)
     if peers and not quick:
       log(f"[bench] GRPO step {name}: Tunix (bench venv)")
       theirs = run_peer(name, warmup, steps)
@@ -103,7 +105,7 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
     ratio = theirs["total_s"] / ours["total_s"] if "total_s" in theirs else None
     res["grpo"][name] = {"model": model, "ours": ours, "tunix": theirs, "tunix_over_ours": ratio}
 
-  sys_model = QUICK["grpo"]["tiny"] if quick else workloads.GRPO["2L-d128"]
+  sys_ctx = ctxs["tiny" if quick else "2L-d128"]  # already compiled and past its first steps
   res["system"] = {}
   if not quick:
     log("[bench] loop.run")
@@ -111,9 +113,10 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
   log("[bench] checkpoint save/restore")
   res["system"]["checkpoint"] = _guard(
       lambda: system.checkpoint_io(_TINY if quick else workloads.LEARNER["M"]["model"]))
+  res["system"]["checkpoint_model"] = "tiny" if quick else "learner M"
   log("[bench] sparse sync")
-  res["system"]["sparse_sync"] = _guard(
-      lambda: system.sparse_sync(sys_model, sync_every=(1,) if quick else (1, 4), warmup=1 if quick else 2))
+  res["system"]["sparse_sync"] = _guard(lambda: system.sparse_sync(sys_ctx, sync_every=(1,) if quick else (1, 4)))
+  res["system"]["sparse_sync_model"] = "tiny" if quick else "2L-d128"
   res["machine"]["loadavg_end"] = list(os.getloadavg())
   res["wall_s"] = time.perf_counter() - t_start
   return res
@@ -185,12 +188,15 @@ def format_tables(res: dict) -> str:
     o, t = r["ours"], r["tunix"]
     rows.append([name, _ms(o["total_s"]), _ms(t["total_s"]) if "total_s" in t else "–",
                  f"{r['tunix_over_ours']:.2f}×" if r["tunix_over_ours"] else "–",
+                 f"{o['rollouts_per_step']} × {o['completion_len_mean']:.1f} | "
+                 + (f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–"),
                  f"{_ms(o['generate_s'])} / {_ms(o['ref_s'])} / {_ms(o['train_s'])} / {_ms(o['host_s'])}",
                  str(o["compiles_after_warmup"]),
                  t["status"] + (f" (tunix {t.get('tunix_version')})" if t["status"] == "ok" else "")])
   out += ["**Full GRPO step vs Tunix** (Qwen3-style, 8 prompts × 4, 16 new tokens, β = 0.04, colocated, char "
           "tokenizer, \"ab+cd=\"; median s/step after warm-up; Tunix/ours > 1 means ours is faster)", "",
-          _table(["workload", "ours", "Tunix", "Tunix / ours", "ours: generate / ref / train / host",
+          _table(["workload", "ours", "Tunix", "Tunix / ours", "rollouts × mean length (ours | Tunix)",
+                  "ours: generate / ref / train / host",
                   "compiles after warm-up", "Tunix status"], rows), ""]
   rows = []
   for name, r in res["grpo"].items():
@@ -200,12 +206,12 @@ def format_tables(res: dict) -> str:
   sysr = res["system"]
   if "loop_run" in sysr:
     lr = sysr["loop_run"]
-    rows.append(["`loop.run` step (default config, 8×4, 16 new tokens, β = 0.04)",
+    rows.append(["`loop.run` step (2L-d128 shape, vocab 64, 8×4, 16 new tokens, β = 0.04)",
                  (f"time_step_s {_ms(lr['time_step_s'])}, time_generate_s {_ms(lr['time_generate_s'])}, "
                   f"compiles train/generate/score {lr['compiles_train_step']}/{lr['compiles_generate']}/"
                   f"{lr['compiles_score']}") if "time_step_s" in lr else lr.get("status", "?")])
   ck = sysr.get("checkpoint", {})
-  rows.append(["checkpoint save / restore (train state, config M)",
+  rows.append([f"checkpoint save / restore (params + AdamW state, {sysr.get('checkpoint_model', '?')})",
                f"{_g(ck['state_bytes'], 'B')}: save {_ms(ck['save_s'])} ({_g(ck['save_bytes_per_s'], 'B/s')}), "
                f"restore {_ms(ck['restore_s'])} ({_g(ck['restore_bytes_per_s'], 'B/s')})"
                if ck.get("status") == "ok" else ck.get("status", "?")])
@@ -213,7 +219,7 @@ def format_tables(res: dict) -> str:
   if sp.get("status") == "ok":
     for k, v in sp.items():
       if k.startswith("every_"):
-        rows.append([f"sparse sync bf16 payload / dense, sync every {k[6:]} step(s)",
+        rows.append([f"sparse sync bf16 payload / dense ({sysr['sparse_sync_model']}), sync every {k[6:]} step(s)",
                      f"{_pct(v['payload_ratio'])} (changed elements {_pct(v['density'])})"])
   else:
     rows.append(["sparse sync", sp.get("status", "?")])
@@ -239,7 +245,12 @@ What each number is:
   → train step with k3 KL, β = 0.04; π_old = sampler log-probs, one iteration per batch); Tunix's is
   `bench/peers/tunix_grpo.py` (`GRPOLearner`, vanilla rollout, same model shape and data, run from the
   separate `bench/.venv-bench`). Both use random-init weights (no hub).
-- loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step).
+- loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step);
+  `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
+
+Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
+`bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
+Tunix, or `python -m bench.run --quick` for a seconds-long smoke run (meaningless numbers).
 
 """
 

@@ -3,7 +3,8 @@
 prefill: `generate` with one new token (the prefill plus one sampled column), B·P / time.
 decode:  (time(N) − time(1)) per B·(N − 1) decoded tokens. EOS is disabled (eos_id = −1) so every row
 decodes all N tokens.
-Bounds: prefill is compute bound (2·N_params·tokens + attention at the matmul peak); a decode step
+Bounds: prefill is compute bound (2·N_params·tokens + attention, lm-head on the last position only,
+at the matmul peak); a decode step
 is bound by max(FLOPs / peak, bytes / copy bandwidth), the bytes being every weight and the whole
 KV cache read once per step.
 """
@@ -39,7 +40,7 @@ def measure(peak_flops: float, bandwidth: float, batches=workloads.SAMPLER_BATCH
       t1 = _time_generate(params, cfg, B, P, 1, repeats)
       tN = _time_generate(params, cfg, B, P, N, repeats)
       prefill_tps = B * P / t1
-      prefill_bound = B * P * peak_flops / common.forward_flops(cfg, B * P, P, causal=True)
+      prefill_bound = B * P * peak_flops / common.prefill_flops(cfg, B, P)
       step_flops = common.forward_flops(cfg, B, P + N, causal=False)  # one new token per row, full cache
       step_bytes = common.param_bytes(cfg, 4) + common.kv_cache_bytes(cfg, B, P + N, 4)
       decode_step_bound_s = max(step_flops / peak_flops, step_bytes / bandwidth)

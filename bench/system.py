@@ -18,12 +18,15 @@ from jaxrl_llm.models import ModelConfig, init_params
 
 
 def loop_run(steps: int = 6) -> dict:
-  """`jaxrl_llm.loop.run` on configs/default.py with the GRPO bench shapes (8×4, 16 new tokens), no SFT or eval.
+  """`jaxrl_llm.loop.run` on configs/default.py set to the 2L-d128 GRPO workload, no SFT or eval.
 
-  Reports the medians of the loop's own metrics over the steps after the first (which compiles).
+  Same model shape, qk-norm, 8×4 rollouts, 16 new tokens and β as `bench/grpo_step.py`, but the task
+  tokenizer's vocabulary (64). Reports the medians of the loop's own metrics over the steps after the
+  first (which compiles); compile counts are those of this run (`generate` is shared process-wide).
   """
   import importlib.machinery
   from jaxrl_llm import loop
+  from jaxrl_llm.sampling import generate
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py")
   spec = importlib.util.spec_from_loader("bench_default_config", importlib.machinery.SourceFileLoader(
       "bench_default_config", path))
@@ -39,6 +42,11 @@ def loop_run(steps: int = 6) -> dict:
   c.rollout.prompts_per_step, c.rollout.group_size = r["prompts_per_step"], r["group_size"]
   c.sampler.max_new_tokens = r["max_new_tokens"]
   c.loss.kl_coef = r["beta"]
+  m = workloads.GRPO["2L-d128"]
+  for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+    c.model[k] = m[k]
+  c.model.qk_norm = True
+  generate_before = generate._cache_size()
   with tempfile.TemporaryDirectory() as d:
     rows = loop.run(c, d)
     import json
@@ -49,7 +57,8 @@ def loop_run(steps: int = 6) -> dict:
   gen_s = statistics.median(x["time_generate_s"] for x in later)
   return {"steps_timed": len(later), "time_step_s": step_s, "time_generate_s": gen_s,
           "time_step_minus_generate_s": step_s - gen_s,
-          **{k: v for k, v in info.items() if k.startswith("compiles_")}}
+          **{k: v for k, v in info.items() if k.startswith("compiles_")},
+          "compiles_generate": generate._cache_size() - generate_before}
 
 
 def _tree_bytes(tree) -> int:
@@ -82,20 +91,17 @@ def checkpoint_io(model: dict) -> dict:
           "save_bytes_per_s": nbytes / save_s, "restore_bytes_per_s": nbytes / restore_s}
 
 
-def sparse_sync(model: dict, sync_every: tuple[int, ...] = (1, 4), warmup: int = 2) -> dict:
-  """bf16 sparse-sync payload / dense bf16 bytes after k real GRPO optimiser steps, for each k in `sync_every`.
+def sparse_sync(ctx: dict, sync_every: tuple[int, ...] = (1, 4)) -> dict:
+  """bf16 sparse-sync payload / dense bf16 bytes after k more GRPO optimiser steps of `ctx`, for each k.
 
-  The first `warmup` steps are skipped: at step 0 the policy equals the reference, so the KL gradient is
-  exactly zero and almost nothing changes, which would flatter the payload.
+  `ctx` (from `grpo_step.build`) should be past its first step: at step 0 the policy equals the
+  reference, the KL gradient is exactly zero and almost nothing changes, which would flatter the payload.
   """
   if importlib.util.find_spec("jaxrl_llm.rollout.sparse_sync") is None:
     return {"status": "skipped: jaxrl_llm/rollout/sparse_sync.py not present"}
   from jaxrl_llm.rollout import sparse_sync as ss
-  ctx = grpo_step.build(model)
-  out = {"status": "ok", "dtype": "bfloat16", "warmup_steps": warmup}
-  for t in range(warmup):
-    grpo_step.step(ctx, t)
-  t = warmup
+  t = ctx.get("steps_done", 0)
+  out = {"status": "ok", "dtype": "bfloat16", "after_steps": t}
   for k in sync_every:
     union, low = ss.init_union(ctx["state"].params), ss.cast(ctx["state"].params, jnp.bfloat16)
     for _ in range(k):
@@ -105,4 +111,5 @@ def sparse_sync(model: dict, sync_every: tuple[int, ...] = (1, 4), warmup: int =
     payload = ss.pack(low, union)
     out[f"every_{k}"] = {"density": ss.density(union), "payload_bytes": ss.payload_bytes(payload),
                          "payload_ratio": ss.payload_ratio(payload)}
+  ctx["steps_done"] = t
   return out

@@ -55,10 +55,21 @@ def sampler_availability(task: str, base: str = "default") -> dict:
           node = node[part]
         if leaf not in node:
           raise KeyError(f"config.{dotted} does not exist in configs/default.py / jaxrl_llm/config.py")
-      out[name] = common.check_config(base, {**common.TASKS[task], **over})
+      out[name] = common.check_config(base, {**common.TASKS[task], **over}) or _unwired_model_fields(base, task, over)
     except KeyError as e:
       out[name] = f"not available yet: {e.args[0]}"
   return out
+
+
+def _unwired_model_fields(base: str, task: str, over: dict) -> str | None:
+  """A reason when a `model.*` override validates but does not reach the model the loop builds."""
+  from jaxrl_llm import loop
+  c = common.make_config(base, {**common.TASKS[task], **over})
+  mc = loop.model_config(c, 8)
+  for dotted, value in over.items():
+    if dotted.startswith("model.") and getattr(mc, dotted.split(".", 1)[1], None) != value:
+      return f"not available yet: config.{dotted} is accepted but jaxrl_llm.loop.model_config does not pass it on"
+  return None
 
 
 def main(argv=None) -> str:

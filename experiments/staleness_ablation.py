@@ -54,8 +54,8 @@ def plan(setting: dict, seeds: int) -> list[dict]:
   return runs
 
 
-def run_overrides(r: dict, steps: int, eval_every: int, init_from: str) -> dict:
-  return {**BASE, **common.TASKS[r["task"]], **methods.overrides(r["method"]),
+def run_overrides(r: dict, steps: int, eval_every: int, init_from: str, shared: dict = BASE) -> dict:
+  return {**shared, **common.TASKS[r["task"]], **methods.overrides(r["method"]),
           "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
           "rollout.mode": "fixed_lag", "rollout.lag": r["lag"],
           "model.init_from": init_from, "sft.steps": 0}
@@ -66,7 +66,9 @@ def main(argv=None) -> str:
   p.add_argument("--methods", default="", help="comma-separated subset of methods (default: the setting's)")
   p.add_argument("--lags", default="", help="comma-separated lags replacing the setting's")
   p.add_argument("--tasks", default="", help="comma-separated subset of tasks")
+  p.add_argument("--lr", type=float, default=None, help=f"learner learning rate (default {BASE['optim.lr']})")
   args = p.parse_args(argv)
+  shared = {**BASE, **({"optim.lr": args.lr} if args.lr else {})}
   name = "full" if args.full else "ci"
   setting = dict(SETTINGS[name])
   seeds = args.seeds or setting["seeds"]
@@ -91,16 +93,16 @@ def main(argv=None) -> str:
   common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
   results = []
   for i, r in enumerate(runs):
-    warm = common.warm_start(args.base, {**BASE, **common.TASKS[r["task"]], "seed": r["seed"]},
+    warm = common.warm_start(args.base, {**shared, **common.TASKS[r["task"]], "seed": r["seed"]},
                              os.path.join(args.workdir, "warm", f"{r['task']}_s{r['seed']}"))
     wd = os.path.join(args.workdir, "staleness", f"{r['task']}_{r['method']}_lag{r['lag']}_s{r['seed']}")
-    out = common.run_one(args.base, run_overrides(r, steps, eval_every, warm), wd)
+    out = common.run_one(args.base, run_overrides(r, steps, eval_every, warm, shared), wd)
     results.append({**r, **out})
     s = out.get("summary", {})
     common.log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
                f"({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
   return common.write_results("staleness_ablation", {
-      "setting": name, "steps": steps, "seeds": seeds, "base_overrides": BASE, "tasks": common.TASKS,
+      "setting": name, "steps": steps, "seeds": seeds, "base_overrides": shared, "tasks": common.TASKS,
       "methods": methods.METHODS, "baseline": methods.BASELINE, "runs": results}, args.out, argv)
 
 

@@ -78,14 +78,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:
-  """Loss needs this run can satisfy; the learner computes only those the chosen loss declares."""
-  need = {"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag"}
-  spec_needs = _loss_needs(c)
-  if "state" in spec_needs:
-    need.add("state")
+  """Loss needs an RL run can satisfy; the learner computes only those the chosen loss declares.
+
+  Distillation needs (teacher scores, student logits/top-k, Monte-Carlo samples, eviction masks) are
+  provided by the distillation runs, not by this RL loop.
+  """
+  need = {"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag", "tokens", "state", "perturb"}
+  if c.get("distill") and c.distill.teacher:
+    from jaxrl_llm.distill import opd
+    need |= set(opd.PROVIDED_NEEDS)
   return need
-
-
-def _loss_needs(c) -> frozenset[str]:
-  from jaxrl_llm import losses
-  return losses.get(c.loss.name).needs if c.loss.name in losses.names() else frozenset()

@@ -53,6 +53,9 @@ class Batch:
   lag_B: Array
   prox_logp_BN: Optional[Array] = None
   ref_logp_BN: Optional[Array] = None
+  # Extra per-sample loss inputs fixed at rollout time, keyed by `LossInputs` field name (e.g. a
+  # teacher's `teacher_logp_BT`, `teacher_topk_ids_BTK`, ... for distillation).
+  extra: Optional[dict] = None
   routes_BTLk: Optional[Array] = None  # MoE routing replay (R3): the sampler's expert ids, aligned with sequence_BT
 
 
@@ -71,6 +74,24 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   out.pop("routes_BTLk", None)
   P = sequence_BT.shape[1] - n_new
   return {k: v if k == "router_aux_loss" else v[:, P - 1:] for k, v in out.items()}
+
+
+def student_distribution_inputs(params, batch: Batch, cfg: ModelConfig, temperature: float, n_new: int) -> dict:
+  """Differentiable student distributions over the completion positions, for distillation losses.
+
+  `student_logits_BTV`: tempered logits [B, N, V]; `student_topk_logp_BTK`: the student's log-probs at
+  the teacher's top-k ids (when the batch carries them). This is the plain full-vocabulary path, fine
+  for the small vocabularies of the built-in tasks; large vocabularies want a chunked gather.
+  """
+  from jaxrl_llm.models import forward
+  P = batch.sequence_BT.shape[1] - n_new
+  logits = forward(params, batch.sequence_BT[:, :-1], cfg, positions_BT=batch.positions_BT[:, :-1],
+                   segment_ids_BT=batch.segment_ids_BT[:, :-1])[:, P - 1:] / temperature
+  out = {"student_logits_BTV": logits}
+  ids = (batch.extra or {}).get("teacher_topk_ids_BTK")
+  if ids is not None:
+    out["student_topk_logp_BTK"] = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), ids, axis=-1)
+  return out
 
 
 def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.98,
@@ -141,6 +162,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   hp = losses.make_hparams(spec, loss_hparams)
   with_entropy = "entropy" in spec.needs or entropy_coef > 0
   perturbed = "perturb" in spec.needs
+  student_dense = bool({"student_logits", "student_topk"} & spec.needs)
   if not isinstance(grad_accum, int) or grad_accum < 1:
     raise ValueError(f"optim.grad_accum must be an int >= 1, got {grad_accum!r}")
   if grad_accum > 1 and spec.init_state is not None:
@@ -160,6 +182,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
         prox_logp_BT=batch.prox_logp_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
         entropy_BT=out.get("entropy_BT"), versions_BT=batch.versions_BN, current_version=state.version,
         lag_B=batch.lag_B, state=state.loss_state, tokens_BT=batch.sequence_BT[:, -n_new:])
+    if batch.extra:
+      inputs = inputs.replace(**batch.extra)
+    if student_dense:
+      inputs = inputs.replace(**student_distribution_inputs(params, batch, model_cfg, temperature, n_new))
     losses.check_needs(spec, inputs)
     loss_BT, aux = spec.fn(inputs, hp)
     aux = dict(aux)

@@ -152,6 +152,7 @@ class Run(NamedTuple):
   train_step: Any
   score: Any
   hook_params: Any
+  batch_extras: Any  # None, or (ro, seq, mask) -> dict of extra LossInputs fields (distillation teachers)
 
 
 def setup(c: ml_collections.ConfigDict) -> Run:
@@ -174,7 +175,12 @@ def setup(c: ml_collections.ConfigDict) -> Run:
       model_cfg, tx, c.loss.name, hp_over, temperature=c.sampler.temperature, agg_mode=c.loss.agg_mode,
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef)
-  return Run(c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=dataclasses.replace(model_cfg, dtype=c.sampler.dtype),
+  batch_extras = None
+  if c.get("distill") and c.distill.teacher:
+    from jaxrl_llm.distill import opd
+    batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,
+                                         student_cfg=model_cfg)
+  return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=dataclasses.replace(model_cfg, dtype=c.sampler.dtype),
              samp_cfg=sampler_config(c), k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step,
              score=learner.make_score_fn(model_cfg, c.sampler.temperature), hook_params=hook_params)
@@ -269,7 +275,8 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
   batch = learner.Batch(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask, adv_BN=adv_B[:, None] * mask,
       behavior_logp_BN=behav, versions_BN=jnp.asarray(ro["versions_BN"]), lag_B=jnp.asarray(ro["lag_B"]),
-      prox_logp_BN=prox, ref_logp_BN=run.score(extra["ref"], *seq, mask) if extra["ref"] is not None else None)
+      prox_logp_BN=prox, ref_logp_BN=run.score(extra["ref"], *seq, mask) if extra["ref"] is not None else None,
+      extra=run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None)
   # Mismatch between π_old and μ at the same version (precision / kernel), meaningful under `recompute`.
   mism = jnp.where(mask > 0, jnp.abs(prox - behav), 0.0)
   info = {"mismatch_abs_mean": float(mism.sum() / jnp.maximum(mask.sum(), 1)), "mismatch_abs_max": float(mism.max())}
@@ -343,8 +350,12 @@ def _restore(ckpt, run: Run, store: ParamStore, slots: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
-  """Runs (or resumes) the configured job; returns the metric rows this call wrote."""
+def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
+  """Runs (or resumes) the configured job; returns the metric rows this call wrote.
+
+  `on_step(row, store)`, if given, is called on the host after every learner step (soak tests and
+  notebooks observe the run without adding non-deterministic fields to the metrics stream).
+  """
   config_lib.validate(c)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -424,6 +435,8 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
       row["time_step_s"] = time.perf_counter() - t_step
       writer.write(row)
       rows.append(row)
+      if on_step is not None:
+        on_step(row, store)
       if bar is not None:
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", eval=row.get("eval_accuracy", ""))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.models import ModelConfig, init_params, param_axes
+from jaxrl_llm.models import ModelConfig, init_params_per_leaf, param_axes, param_shapes
 
 Array = jax.Array
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -108,7 +108,7 @@ def logical_to_spec(logical: tuple, shape: tuple, mesh, rules: Rules) -> Partiti
 def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> dict:
   """Pytree of NamedShardings shaped like the params of `cfg` under `rules`."""
   is_axes = lambda x: isinstance(x, tuple)
-  shapes = jax.tree.map(lambda s: s.shape, jax.eval_shape(init_params, cfg, jax.random.key(0)))
+  shapes = jax.tree.map(lambda s: s.shape, param_shapes(cfg))
   return jax.tree.map(lambda ax, shp: NamedSharding(mesh, logical_to_spec(ax, shp, mesh, rules)),
                       param_axes(cfg), shapes, is_leaf=is_axes)
 
@@ -124,12 +124,14 @@ def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int) -> NamedSharding:
 
 
 def init_params_sharded(cfg: ModelConfig, key: Array, shardings: dict) -> dict:
-  """`init_params(cfg, key)` computed directly into `shardings` (same values).
+  """Random parameters generated directly into `shardings` (`models.init_params_per_leaf`).
 
-  The init program is jitted with `out_shardings`, so XLA partitions it and each device only
-  allocates its shards of the parameters (checked in tests through the compiled memory analysis).
+  The init program is jitted with `out_shardings` and draws every leaf separately, so XLA
+  partitions it and each device only allocates its shards (checked in tests through the compiled
+  memory analysis). The values do not depend on the mesh (1 device or a pod: same parameters), but
+  differ from `models.init_params`, whose single sliced draw cannot be partitioned.
   """
-  return jax.jit(lambda k: init_params(cfg, k), out_shardings=shardings)(key)
+  return jax.jit(lambda k: init_params_per_leaf(cfg, k), out_shardings=shardings)(key)
 
 
 def state_shardings(state_shapes, params_sh, tx, mesh: Mesh):

@@ -86,3 +86,21 @@ def test_import_has_no_side_effects():
           "print('ok')")
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
+
+
+def test_unmet_loss_needs_fail_at_startup():
+  c = load()
+  c.loss.name = "opd_forward_kl"  # needs teacher/student logits, which the RL loop does not compute
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  msg = str(e.value)
+  assert "config.loss.name='opd_forward_kl'" in msg and "student_logits" in msg and "does not provide" in msg
+
+
+def test_every_rl_loss_is_runnable_by_the_loop():
+  from jaxrl_llm import losses
+  rl = [n for n in losses.names() if not losses.missing_needs(losses.get(n), config_lib.available_needs(load()))]
+  for name in ("pg", "ppo_clip", "gspo", "cispo", "tis", "mis", "icepop", "minirl", "decoupled_ppo", "a3po",
+               "ppo_ewma", "vespo", "m2po", "sat", "sat_gspo", "dppo", "drpo", "mu_grpo", "delightful_pg", "r2vpo",
+               "hispo", "alp"):
+    assert name in rl

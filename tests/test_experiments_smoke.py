@@ -90,6 +90,7 @@ def test_argument_parsing_and_plans(capsys):
   assert "async:" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_two_step_staleness_run_writes_results(tmp_path):
   path = staleness_ablation.main(["--base", "tiny", "--methods", "grpo", "--lags", "1", "--tasks", "arithmetic",
                                   "--steps", "2", "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])

@@ -106,8 +106,21 @@ def run(workload: str, warmup: int, steps: int) -> dict:
   def batches():
     while True:
       exs = [task.make_example(rng) for _ in range(r["prompts_per_step"])]
-      yield {"prompts": [e["prompt"] for e in exs], "answer": [e["answer"] for e in exs]}
+      # numpy arrays, not lists: Tunix repeats each batch G times with a tree map (a list's strings
+      # would be leaves), as its grain-batched datasets are.
+      yield {"prompts": np.array([e["prompt"] for e in exs]), "answer": np.array([e["answer"] for e in exs])}
 
+  # Record what the rollout really produced, so a workload mismatch shows up in the result.
+  rollout_sizes, completion_lens = [], []
+  generate = cluster.generate
+
+  def counted_generate(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    rollout_sizes.append(len(out.tokens))
+    completion_lens.extend(len(t) for t in out.tokens)
+    return out
+
+  cluster.generate = counted_generate
   ends = []
   inner = learner._run_global_step  # one global step = generate, reward, ref log-probs, one update
 
@@ -123,7 +136,11 @@ def run(workload: str, warmup: int, steps: int) -> dict:
   per_step = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup >= 1 else []
   if not per_step:
     return {"status": f"error: only {len(ends)} global steps completed", "tunix_version": tunix.__version__}
-  return {"status": "ok", "total_s": statistics.median(per_step), "steps": len(per_step), "warmup": warmup,
+  expected = r["prompts_per_step"] * r["group_size"]
+  if set(rollout_sizes) != {expected}:
+    return {"status": f"workload mismatch: rollout batch sizes {sorted(set(rollout_sizes))}, expected {expected}"}
+  return {"status": "ok", "total_s": statistics.median(per_step), "best_total_s": min(per_step), "rollouts_per_step": expected,
+          "completion_len_mean": float(np.mean(completion_lens)), "steps": len(per_step), "warmup": warmup,
           "setup_and_warmup_s": ends[warmup - 1] - t0, "tunix_version": getattr(tunix, "__version__", "?"),
           "jax_version": jax.__version__}
 

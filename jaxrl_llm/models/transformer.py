@@ -124,6 +124,26 @@ def init_params(cfg: ModelConfig, key: Array) -> dict:
   return jax.tree.unflatten(treedef, leaves)
 
 
+def init_params_per_leaf(cfg: ModelConfig, key: Array) -> dict:
+  """Random parameters like `init_params`, but leaf i is drawn from `fold_in(key, i)` (pytree order).
+
+  Each leaf is its own (counter-based, partitionable) random program, so under
+  `jax.jit(..., out_shardings=...)` every device generates only its shard: this is the sharded
+  init (`jaxrl_llm.sharding.init_params_sharded`). Its values are the same on every mesh, but
+  differ from `init_params` (one draw sliced into leaves, which the partitioner must replicate).
+  """
+  dtype = jnp.dtype(cfg.param_dtype)
+  specs, treedef = jax.tree.flatten(_param_specs(cfg), is_leaf=_is_spec)
+  leaves = []
+  for i, spec in enumerate(specs):
+    if spec.init == "normal":
+      draw = cfg.init_std * jax.random.normal(jax.random.fold_in(key, i), spec.shape, jnp.float32)
+      leaves.append(draw.astype(dtype))
+    else:
+      leaves.append((jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, dtype))
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def lm_head_weights(params: dict, cfg: ModelConfig) -> Array:
   """The [D, V] output projection in compute dtype (the transposed embedding when tied)."""
   w_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]

@@ -1,0 +1,29 @@
+"""Tiny mixture-of-experts run with routing replay (R3): the MoE delta over configs/tiny.py.
+
+Run:  python -m jaxrl_llm --config=configs/moe_tiny.py --workdir=/tmp/moe_tiny
+Every layer's MLP is 4 SwiGLU experts, top-2 routing, dropless; the sampler records the expert ids of
+every token and the learner replays them (old and current log-prob forwards). For the routing part of a
+real train/inference mismatch add --config.sampler.dtype=bfloat16 (and compare with
+--config.model.routing_replay=False).
+"""
+
+import importlib.util
+import pathlib
+
+
+def _base():
+  # Loaded by path so the config works from any working directory (config_flags loads files by path).
+  spec = importlib.util.spec_from_file_location("_jaxrl_tiny_config", pathlib.Path(__file__).with_name("tiny.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def get_config():
+  c = _base()
+  c.model.num_experts = 4
+  c.model.experts_per_token = 2
+  c.model.capacity_factor = 0.0  # 0 = dropless (see jaxrl_llm/models/moe.py)
+  c.model.router_aux_coef = 0.01  # Switch load-balancing loss weight
+  c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids
+  return c

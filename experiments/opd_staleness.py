@@ -1,0 +1,273 @@
+"""OPD staleness (AsyncOPD, arXiv 2606.24143): forward KL vs reverse KL vs reverse KL recomputed, over lags.
+
+Claim under test: with stale rollouts the teacher-weighted forward KL stays robust, the sampled-token
+reverse KL with the rollout-time advantage log p − log μ degrades, and recomputing that advantage
+under the current student (log p − log π_θ, `opd_reverse_kl` with `online_advantage=True`) fixes it.
+
+Every run distils the same frozen SFT teacher (trained once, cached) into the same weak student (one
+SFT warm start per seed, exported and reused through `model.init_from`) under `rollout.mode=fixed_lag`:
+the batch of learner step t is generated *and teacher-scored* by version max(0, t − lag). The three arms
+share everything else (optimizer, batch, PPO clip 0.2 with π_old recomputed at the behaviour version):
+  forward_kl            opd_forward_kl (full-vocabulary KL(p ‖ π_θ) on the visited states)
+  reverse_kl            opd_reverse_kl, advantage log p(y) − log μ(y) (scored at rollout time)
+  reverse_kl_recompute  opd_reverse_kl, online_advantage=True: advantage log p(y) − log π_θ(y)
+
+    python -m experiments.opd_staleness            # CI-sized (≈10 min on 2 shared CPU cores)
+    python -m experiments.opd_staleness --full     # the demo model sizes, 3 seeds, lags up to 64
+
+Writes experiments/results/opd_staleness.json, experiments/results/opd_staleness.md (table) and
+docs/figures/opd_staleness.png.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common
+
+ARMS: dict[str, dict] = {
+    "forward_kl": {"loss.name": "opd_forward_kl", "loss.hparams": {}},
+    "reverse_kl": {"loss.name": "opd_reverse_kl", "loss.hparams": {}},
+    "reverse_kl_recompute": {"loss.name": "opd_reverse_kl", "loss.hparams": {"online_advantage": True}},
+}
+
+# A weak student (short SFT) and a strong teacher; the learning rate is high enough that 16 stale
+# versions are a real distance in parameter space within a CPU budget.
+SETTINGS = {
+    "ci": {
+        "base": "opd_default", "steps": 150, "eval_every": 25, "seeds": 1, "lags": [0, 4, 16],
+        "overrides": {
+            "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 2, "model.n_kv_heads": 1,
+            "model.head_dim": 32, "model.d_ff": 192, "sft.steps": 100,
+            "distill.teacher_d_model": 128, "distill.teacher_n_layers": 2, "distill.teacher_sft_steps": 700,
+            "optim.lr": 1e-3, "optim.warmup_steps": 0, "rollout.prompts_per_step": 16, "rollout.group_size": 4,
+            "eval.num_prompts": 256,
+        },
+    },
+    "full": {
+        "base": "opd_default", "steps": 300, "eval_every": 25, "seeds": 3, "lags": [0, 4, 16, 64],
+        "overrides": {"optim.lr": 1e-3, "optim.warmup_steps": 0, "rollout.prompts_per_step": 16,
+                      "rollout.group_size": 4, "eval.num_prompts": 512},
+    },
+}
+
+
+def plan(arms: list[str], lags: list[int], seeds: int) -> list[dict]:
+  """(arm, lag, seed) runs, arm-major so each loss's compiled steps are reused across lags."""
+  return [{"arm": a, "lag": lag, "seed": s} for s in range(seeds) for a in arms for lag in lags]
+
+
+def run_overrides(setting: dict, r: dict, steps: int, init_from: str, teacher_cache: str) -> dict:
+  return {**setting["overrides"], **ARMS[r["arm"]], "seed": r["seed"], "num_steps": steps,
+          "eval.every": min(setting["eval_every"], steps), "rollout.mode": "fixed_lag", "rollout.lag": r["lag"],
+          "model.init_from": init_from, "sft.steps": 0, "distill.teacher_cache_dir": teacher_cache}
+
+
+def teacher_accuracy(base: str, overrides: dict) -> float:
+  """Held-out greedy accuracy of the (cached) teacher, evaluated exactly like the student."""
+  import jax
+  from jaxrl_llm import loop
+  from jaxrl_llm.distill import teacher as teacher_lib
+  from jaxrl_llm.tasks import tokenizer as tok
+  c = common.make_config(base, overrides)
+  r = loop.setup(c)
+  cfg, params = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
+  return loop.evaluate(params, cfg, c, r.test, r.task, jax.random.key(0))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _dense_kls(student_params, teacher_params, student_cfg, teacher_cfg, temperature, seq, pos, seg, mask_BN):
+  """Token-mean exact KL(π_θ ‖ p) and KL(p ‖ π_θ) over the vocabulary on the given completion states."""
+  from jaxrl_llm.distill import teacher as teacher_lib
+  n = mask_BN.shape[1]
+  lq = jax.nn.log_softmax(teacher_lib.teacher_logits(student_params, student_cfg, seq, pos, seg, n) / temperature, -1)
+  lp = jax.nn.log_softmax(teacher_lib.teacher_logits(teacher_params, teacher_cfg, seq, pos, seg, n) / temperature, -1)
+  den = jnp.maximum(mask_BN.sum(), 1.0)
+  rev = (jnp.exp(lq) * (lq - lp)).sum(-1)
+  fwd = (jnp.exp(lp) * (lp - lq)).sum(-1)
+  return (rev * mask_BN).sum() / den, (fwd * mask_BN).sum() / den
+
+
+def heldout_kls(params, r, teacher) -> dict:
+  """Exact reverse / forward KL to the teacher on fresh held-out samples of the student `params`.
+
+  The states are completions `params` samples (at the sampler's temperature, fixed key) for the
+  held-out prompts, so the numbers measure the distillation objective itself, free of the staleness
+  of the training batches.
+  """
+  from jaxrl_llm import loop
+  from jaxrl_llm.sampling import generate
+  tcfg, tparams = teacher
+  g = generate(params, jnp.asarray(r.test.tokens_BP), jnp.asarray(r.test.len_B), jax.random.key(1234),
+               r.sampler_model_cfg, r.samp_cfg)
+  seq = loop.full_sequence(r.test, np.asarray(g["tokens_BN"]), np.asarray(g["mask_BN"]))
+  mask = jnp.asarray(g["mask_BN"], jnp.float32)
+  rev, fwd = _dense_kls(params, tparams, r.model_cfg, tcfg, float(r.c.sampler.temperature), *seq, mask)
+  return {"kl_rev": float(rev), "kl_fwd": float(fwd)}
+
+
+def divergence_probe(r, teacher):
+  """(`on_step` hook, list): at each evaluation, appends {"step", **heldout_kls(current params)}."""
+  out: list[dict] = []
+
+  def on_step(row, store):
+    if "eval_accuracy" in row:
+      snap = store.acquire(store.latest_version)
+      try:
+        out.append({"step": row["step"], **heldout_kls(snap.params, r, teacher)})
+      finally:
+        store.release(snap)
+
+  return on_step, out
+
+
+def run_with_probe(base: str, overrides: dict, workdir: str) -> dict:
+  """`common.run_one` plus held-out teacher–student KLs at every evaluation (`divergence_probe`)."""
+  from jaxrl_llm import loop
+  from jaxrl_llm.distill import teacher as teacher_lib
+  from jaxrl_llm.tasks import tokenizer as tok
+  c = common.make_config(base, overrides)
+  shutil.rmtree(workdir, ignore_errors=True)
+  r = loop.setup(c)
+  teacher = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
+  on_step, kls = divergence_probe(r, teacher)
+  kl0 = heldout_kls(loop.initial_policy(c, r.model_cfg, r.k_init)[1], r, teacher)
+  t0 = time.perf_counter()
+  rows = loop.run(c, workdir, on_step=on_step)
+  with open(os.path.join(workdir, "run_info.json")) as f:
+    info = json.load(f)
+  summary = common.summarize(rows, info)
+  late = kls[-3:]
+  summary["kl_rev_heldout_late"] = sum(k["kl_rev"] for k in late) / len(late) if late else None
+  summary["kl_fwd_heldout_late"] = sum(k["kl_fwd"] for k in late) / len(late) if late else None
+  summary["kl_rev_heldout_initial"], summary["kl_fwd_heldout_initial"] = kl0["kl_rev"], kl0["kl_fwd"]
+  return {"summary": summary, "curves": {**common.curves(rows), "heldout_kl": [{"step": -1, **kl0}] + kls},
+          "wall_s": time.perf_counter() - t0}
+
+
+METRICS = (("eval_accuracy_late", "held-out greedy accuracy (mean of the last 3 evaluations; higher is better)"),
+           ("kl_rev_heldout_late", "held-out KL(π_θ ‖ teacher), exact over the vocabulary on fresh student samples "
+            "(mean of the last 3 evaluations; lower is better)"),
+           ("kl_fwd_heldout_late", "held-out KL(teacher ‖ π_θ) on the same states (lower is better)"))
+
+
+def cell(results: list[dict], arm: str, lag: int, key: str):
+  """Mean over seeds of `summary[key]` for (arm, lag), or None."""
+  xs = [r["summary"][key] for r in results
+        if r["arm"] == arm and r["lag"] == lag and "summary" in r and r["summary"].get(key) is not None]
+  return sum(xs) / len(xs) if xs else None
+
+
+def table(results: list[dict], lags: list[int], teacher_acc: dict) -> str:
+  """Markdown: one arm × lag table per metric of `METRICS` (means over seeds)."""
+  out = []
+  for key, what in METRICS:
+    out += [f"**{what}**", "", "| arm | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
+            "|" + "---|" * (len(lags) + 1)]
+    for arm in ARMS:
+      vals = [cell(results, arm, lag, key) for lag in lags]
+      out.append(f"| {arm} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in vals) + " |")
+    out.append("")
+  ok = [r["summary"] for r in results if "summary" in r]
+  if ok:
+    out.append(f"Student after its SFT warm start: accuracy {ok[0]['eval_accuracy_initial']:.3f}, held-out "
+               f"KL(π_θ ‖ teacher) {ok[0]['kl_rev_heldout_initial']:.3f}, KL(teacher ‖ π_θ) "
+               f"{ok[0]['kl_fwd_heldout_initial']:.3f}. Teacher accuracy: "
+               + ", ".join(f"seed {s}: {a:.3f}" for s, a in teacher_acc.items()) + ".")
+  return "\n".join(out) + "\n"
+
+
+def plot(results: list[dict], lags: list[int], teacher_acc: dict, path: str) -> None:
+  """Late held-out reverse KL and accuracy vs lag per arm, and the KL curves at the largest lag."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  for arm in ARMS:
+    for ax, key in zip(axes[:2], ("kl_rev_heldout_late", "eval_accuracy_late")):
+      ys = [cell(results, arm, lag, key) for lag in lags]
+      ax.plot(range(len(lags)), [float("nan") if y is None else y for y in ys], marker="o", label=arm)
+    for r in results:
+      if r["arm"] == arm and r["lag"] == max(lags) and r["seed"] == 0 and "curves" in r:
+        kl = r["curves"]["heldout_kl"]
+        axes[2].plot([k["step"] + 1 for k in kl], [k["kl_rev"] for k in kl], marker=".", label=arm)
+  if teacher_acc:
+    axes[1].axhline(sum(teacher_acc.values()) / len(teacher_acc), color="gray", ls="--", label="teacher")
+  for ax in axes[:2]:
+    ax.set_xticks(range(len(lags)), [str(x) for x in lags])
+    ax.set_xlabel("rollout lag (fixed_lag)")
+  axes[0].set_ylabel("held-out KL(student ‖ teacher)")
+  axes[0].set_title("late held-out reverse KL (lower is better)")
+  axes[1].set_ylabel("held-out accuracy")
+  axes[1].set_title("late held-out accuracy")
+  axes[2].set_xlabel("learner steps")
+  axes[2].set_ylabel("held-out KL(student ‖ teacher)")
+  axes[2].set_title(f"lag {max(lags)}")
+  axes[1].legend(fontsize=8)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None) -> str:
+  p = common.base_parser(__doc__.splitlines()[0])
+  p.add_argument("--arms", default="", help=f"comma-separated subset of {list(ARMS)}")
+  p.add_argument("--lags", default="", help="comma-separated lags replacing the setting's")
+  p.add_argument("--figure", default=os.path.join(common.ROOT, "docs", "figures", "opd_staleness.png"))
+  args = p.parse_args(argv)
+  name = "full" if args.full else "ci"
+  setting = SETTINGS[name]
+  base = setting["base"] if args.base == "default" else args.base
+  seeds = args.seeds or setting["seeds"]
+  steps = args.steps or setting["steps"]
+  arms = args.arms.split(",") if args.arms else list(ARMS)
+  for a in arms:
+    if a not in ARMS:
+      raise SystemExit(f"unknown arm {a!r}; valid: {', '.join(ARMS)}")
+  lags = [int(x) for x in args.lags.split(",")] if args.lags else setting["lags"]
+  runs = plan(arms, lags, seeds)
+  if args.dry_run:
+    for r in runs:
+      print(r)
+    return ""
+
+  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  teacher_cache = os.path.join(args.workdir, "teachers")
+  results, warm, teacher_acc = [], {}, {}
+  for i, r in enumerate(runs):
+    s = r["seed"]
+    if s not in warm:
+      shared = {**setting["overrides"], "seed": s, "distill.teacher_cache_dir": teacher_cache}
+      warm[s] = common.warm_start(base, shared, os.path.join(args.workdir, "warm", f"opd_{name}_s{s}"))
+      teacher_acc[s] = teacher_accuracy(base, shared)
+      common.log(f"seed {s}: student warm start {warm[s]}, teacher accuracy {teacher_acc[s]:.3f}")
+    wd = os.path.join(args.workdir, "opd_staleness", f"{name}_{r['arm']}_lag{r['lag']}_s{s}")
+    out = run_with_probe(base, run_overrides(setting, r, steps, warm[s], teacher_cache), wd)
+    results.append({**r, **out})
+    sm = out.get("summary", {})
+    common.log(f"{i + 1}/{len(runs)} {r} acc {sm.get('eval_accuracy_initial')} -> {sm.get('eval_accuracy_late')}, KL_rev "
+               f"{sm.get('kl_rev_heldout_initial')} -> {sm.get('kl_rev_heldout_late')} "
+               f"({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
+  md = table(results, lags, teacher_acc)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "opd_staleness.md"), "w") as f:
+    f.write(md)
+  plot(results, lags, teacher_acc, args.figure)
+  print(md)
+  return common.write_results("opd_staleness", {
+      "setting": name, "base": base, "steps": steps, "seeds": seeds, "lags": lags, "arms": {a: ARMS[a] for a in arms},
+      "overrides": setting["overrides"], "teacher_accuracy": {str(k): v for k, v in teacher_acc.items()},
+      "table_md": md, "figure": os.path.relpath(args.figure, common.ROOT), "runs": results}, args.out, argv)
+
+
+if __name__ == "__main__":
+  print(main())

@@ -1,0 +1,182 @@
+"""A frozen teacher for on-policy distillation: its model config, where its weights come from, scoring.
+
+Two sources (config `distill.teacher`):
+  "sft"       a larger model of the student's family (`distill.teacher_d_model`, `teacher_n_layers`)
+              trained by a teacher-forced SFT on the task's reference answers (`loop.sft_warm_start`,
+              `distill.teacher_sft_steps` steps). It is trained once per (task, seed, size, SFT
+              settings) and cached as a Hugging Face folder under `distill.teacher_cache_dir`; later
+              runs load the cached folder bit for bit.
+  PATH        any Hugging Face checkpoint folder (`models.load_hf`) whose vocabulary is the task's.
+
+Scoring (`make_teacher_scorer`) is one jitted forward of the teacher over the student's sampled
+sequences: the teacher's log-prob of each sampled completion token, its tempered logits over the
+vocabulary (tiny vocabularies only) and a top-k cache (`topk_cache.build_topk_cache`: ids, log-probs,
+residual log-mass), all aligned with the completion positions [B, N(, K|V)] exactly like
+`learner.completion_logprobs` aligns the student's.
+
+Sharding: on a multi-device mesh (`config.mesh` with more than one device) the teacher's parameters
+are placed with `sharding.TEACHER` (the sampler layout: tensor/expert-parallel, replicated over
+data/fsdp), see `place_teacher`. On one device they stay on the default device.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxrl_llm.distill.topk_cache import build_topk_cache
+from jaxrl_llm.models import ModelConfig, forward, init_params
+
+Array = jax.Array
+
+
+def teacher_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The run config with the teacher's model size and SFT schedule swapped in (used to build / train it).
+
+  d_ff scales with d_model (same MLP ratio as the student); heads keep the student's head_dim, and
+  n_heads / n_kv_heads scale with d_model when it is a multiple of the student's width (GQA ratio kept).
+  """
+  d = c.distill
+  ct = copy.deepcopy(c)
+  ct.unlock()
+  scale = d.teacher_d_model / c.model.d_model
+  ct.model.d_model = d.teacher_d_model
+  ct.model.n_layers = d.teacher_n_layers
+  ct.model.d_ff = max(1, round(c.model.d_ff * scale))
+  if d.teacher_d_model % c.model.d_model == 0:
+    k = d.teacher_d_model // c.model.d_model
+    ct.model.n_heads, ct.model.n_kv_heads = c.model.n_heads * k, c.model.n_kv_heads * k
+  ct.model.init_from = ""
+  ct.sft.steps = d.teacher_sft_steps
+  ct.sft.save_to = ""
+  return ct
+
+
+def cache_key(c: ml_collections.ConfigDict) -> str:
+  """Folder name of the cached SFT teacher: task + seed + size + a hash of everything that shapes it."""
+  ct = teacher_config(c)
+  what = {"task": c.task.name, "kwargs": dict(c.task.kwargs), "source": c.task.source, "seed": c.seed,
+          "prompt_width": c.task.prompt_width, "max_new_tokens": c.sampler.max_new_tokens,
+          "model": ct.model.to_dict(), "sft": {k: ct.sft[k] for k in ("steps", "batch_size", "lr")}}
+  h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]
+  return f"{c.task.name}_s{c.seed}_d{ct.model.d_model}_l{ct.model.n_layers}_sft{ct.sft.steps}_{h}"
+
+
+def cache_dir(c: ml_collections.ConfigDict) -> str:
+  """Root of the teacher cache: `distill.teacher_cache_dir`, or ~/.cache/jaxrl_llm/teachers when empty."""
+  return c.distill.teacher_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxrl_llm", "teachers")
+
+
+def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples) -> tuple[ModelConfig, Any, float]:
+  """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task."""
+  from jaxrl_llm import loop  # local: loop imports this package lazily, never the other way at import time
+  ct = teacher_config(c)
+  cfg = loop.model_config(ct, width)
+  # Its own init key, so the teacher never shares an initialisation with the student of the same seed.
+  params = init_params(cfg, jax.random.fold_in(jax.random.key(c.seed), 0x7EAC))
+  params, loss = loop.sft_warm_start(ct, cfg, params, train_examples, width)
+  return cfg, params, loss
+
+
+def _family(cfg: ModelConfig) -> str:
+  return "qwen3" if cfg.qk_norm else "llama"
+
+
+def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab_size: int) -> tuple[ModelConfig, Any]:
+  """The frozen teacher (config, params): an HF folder, or the cached (trained on first use) SFT teacher.
+
+  Raises ConfigError naming `config.distill.teacher` when the folder is missing or its vocabulary
+  differs from the task tokenizer's.
+  """
+  from jaxrl_llm.config import ConfigError
+  from jaxrl_llm.models import load_hf, save_hf
+  seq_len = width + c.sampler.max_new_tokens
+  if c.distill.teacher == "sft":
+    path = os.path.join(cache_dir(c), cache_key(c))
+    if not os.path.exists(os.path.join(path, "config.json")):
+      cfg, params, _ = train_sft_teacher(c, width, train_examples)
+      tmp = f"{path}.tmp{os.getpid()}"
+      save_hf(tmp, cfg, params, family=_family(cfg))
+      if os.path.exists(path):  # a concurrent run cached the same teacher first: keep theirs
+        shutil.rmtree(tmp)
+      else:
+        os.replace(tmp, path)
+  else:
+    path = c.distill.teacher
+    if not os.path.exists(os.path.join(path, "config.json")):
+      raise ConfigError(f"config.distill.teacher={path!r}: not 'sft' and not a Hugging Face checkpoint folder "
+                        "(no config.json there)")
+  cfg, params = load_hf(path, param_dtype="float32")
+  if cfg.vocab_size != vocab_size:
+    raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: teacher vocab_size={cfg.vocab_size} does not "
+                      f"match the task tokenizer's vocab_size={vocab_size}")
+  cfg = dataclasses.replace(cfg, dtype=c.model.dtype, max_seq_len=max(cfg.max_seq_len, seq_len))
+  return cfg, place_teacher(params, cfg, c)
+
+
+def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):
+  """Shards the teacher with `sharding.TEACHER` on a multi-device `config.mesh`; unchanged on one device."""
+  m = c.get("mesh")
+  if m is None or math.prod((m.data, m.fsdp, m.tensor, m.expert)) <= 1:
+    return params
+  from jaxrl_llm import sharding
+  mesh = sharding.mesh_from_config(m)
+  return sharding.reshard(params, sharding.param_shardings(cfg, mesh, sharding.TEACHER))
+
+
+def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
+                   n_new: int) -> Array:
+  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment)."""
+  P = sequence_BT.shape[1] - n_new
+  logits = forward(params, sequence_BT[:, :-1], cfg, positions_BT=positions_BT[:, :-1],
+                   segment_ids_BT=segment_ids_BT[:, :-1])
+  return logits[:, P - 1:].astype(jnp.float32)
+
+
+def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
+                      mask_BN: Array, *, temperature: float, topk: int) -> dict:
+  """Teacher scores of sampled completions, all at `temperature` (pure; jit it via `make_teacher_scorer`).
+
+  Returns [B, N(, ·)] arrays, zeroed / id 0 where `mask_BN` is 0 (losses mask them anyway):
+    teacher_logp_BT        log p(y_t | s_t) of the sampled token y_t
+    teacher_logits_BTV     log_softmax(logits / T) over the vocabulary (normalised; dense losses)
+    teacher_topk_ids_BTK   the teacher's top-k ids, descending by probability
+    teacher_topk_logp_BTK  their log-probs (full-vocabulary normalised)
+    teacher_topk_residual_logp_BT  log(1 − Σ_k p_k), exact from the logits (-inf when the top-k hold all)
+  """
+  n_new = mask_BN.shape[1]
+  logits_BNV = teacher_logits(params, cfg, sequence_BT, positions_BT, segment_ids_BT, n_new)
+  logp_BNV = jax.nn.log_softmax(logits_BNV / temperature, axis=-1)
+  y_BN = sequence_BT[:, -n_new:]
+  cache = build_topk_cache(logits_BNV, topk, temperature=temperature)
+  live_BN = mask_BN > 0
+  return {
+      "teacher_logp_BT": jnp.where(live_BN, jnp.take_along_axis(logp_BNV, y_BN[..., None], -1)[..., 0], 0.0),
+      "teacher_logits_BTV": jnp.where(live_BN[..., None], logp_BNV, 0.0),
+      "teacher_topk_ids_BTK": jnp.where(live_BN[..., None], cache.ids_BTK, 0),
+      "teacher_topk_logp_BTK": jnp.where(live_BN[..., None], cache.logp_BTK, 0.0),
+      "teacher_topk_residual_logp_BT": jnp.where(live_BN, cache.residual_logp_BT, 0.0),
+  }
+
+
+def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int):
+  """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN) -> dict` of `score_completions`."""
+  if not 0 < topk <= cfg.vocab_size:
+    raise ValueError(f"config.distill.topk={topk}: must be in [1, vocab_size={cfg.vocab_size}]")
+
+  @jax.jit
+  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN):
+    return score_completions(params, cfg, sequence_BT, positions_BT, segment_ids_BT, mask_BN,
+                             temperature=temperature, topk=topk)
+
+  return score

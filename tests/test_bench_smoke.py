@@ -1,0 +1,104 @@
+"""Smoke test of the benchmark harness: modules import, the FLOP model is right, a --quick run completes.
+
+Benchmarks are not tests: nothing here asserts a wall time.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from bench import common, run, workloads
+from jaxrl_llm.models import ModelConfig, init_params
+
+
+def _cfg(**kw):
+  return ModelConfig(**{**workloads.LEARNER["S"]["model"], **kw})
+
+
+def test_matmul_params_by_hand():
+  # S: 2 layers × (q 128·128 + k,v 2·128·64 + o 128·128 + SwiGLU 3·128·512) + lm-head 128·256.
+  assert common.matmul_params(_cfg()) == 2 * (16384 + 16384 + 16384 + 196608) + 32768 == 524288
+  # A tied lm-head is the embedding: still one D·V matmul per token.
+  assert common.matmul_params(_cfg(tie_embeddings=True)) == 524288
+
+
+def test_train_flops_by_hand():
+  cfg = _cfg()
+  # causal attention, 10 keys: 4·L·H·hd·T / 2 = 4·2·4·32·10 / 2
+  assert common.attention_flops_per_token(cfg, 10) == 5120
+  assert common.attention_flops_per_token(cfg, 10, causal=False) == 10240
+  assert common.train_flops(cfg, 1, 10) == 10 * (6 * 524288 + 3 * 5120)
+  assert common.forward_flops(cfg, 3, 10) == 3 * (2 * 524288 + 5120)
+
+
+def test_prefill_flops_by_hand():
+  # lm-head (128·256 = 32768) on the last position only: 2·10 positions through the body + 2 heads.
+  assert common.prefill_flops(_cfg(), 2, 10) == 20 * (2 * (524288 - 32768) + 5120) + 2 * 2 * 32768
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_bytes_matches_init(tie):
+  cfg = _cfg(tie_embeddings=tie)
+  params = init_params(cfg, jax.random.key(0))
+  assert common.param_bytes(cfg, 4) == sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def test_kv_cache_bytes():
+  cfg = _cfg()
+  assert common.kv_cache_bytes(cfg, 3, 5, 2) == 2 * 2 * 2 * 3 * 5 * 2 * 32
+
+
+def test_count_compiles_sees_a_new_shape():
+  f = jax.jit(lambda x: x * 3.0)
+  f(np.ones(2, np.float32))
+  with common.count_compiles() as n_same:
+    f(np.ones(2, np.float32))
+  with common.count_compiles() as n_new:
+    f(np.ones(5, np.float32))
+  assert (n_same[0], n_new[0]) == (0, 1)
+
+
+def test_run_peer_without_bench_venv():
+  out = run.run_peer("2L-d128", 1, 1, python="/nonexistent/python")
+  assert "missing" in out["status"] and "total_s" not in out
+
+
+def test_tunix_script_reports_missing_tunix():
+  # The project venv never has tunix: the peer script must say so as JSON, not crash.
+  proc = subprocess.run([sys.executable, run.TUNIX_SCRIPT, "--workload", "2L-d128"], capture_output=True,
+                        text=True, timeout=120, cwd=run.ROOT)
+  assert proc.returncode == 0
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["status"].startswith("tunix not importable")
+
+
+@pytest.mark.slow  # ~30 s of CPU: a dozen small XLA compilations
+def test_quick_run(tmp_path, capsys):
+  out_path = tmp_path / "results.json"
+  readme = tmp_path / "README.md"
+  res = run.main(["--quick", "--no-peers", "--out", str(out_path), "--readme", str(readme)])
+  stdout = capsys.readouterr().out
+  saved = json.loads(out_path.read_text())
+  assert saved["quick"] and saved["command"] == res["command"]
+  for name in ("matmul_fp32", "matmul_bf16"):
+    assert saved["peak"][name]["flops_per_s"] > 0
+  assert saved["peak"]["copy"]["bytes_per_s"] > 0
+  (learner,) = saved["learner"].values()
+  assert learner["compiles_after_warmup"] == 0
+  assert 0 < learner["mfu"] and math.isfinite(learner["tokens_per_s"])
+  (samp,) = saved["sampler"]
+  assert samp["decode_bound_kind"] in ("compute", "memory") and samp["decode_tokens_per_s"] > 0
+  (grpo,) = saved["grpo"].values()
+  assert grpo["ours"]["compiles_after_warmup"] == 0
+  assert all(grpo["ours"][k] > 0 for k in ("generate_s", "ref_s", "train_s", "host_s"))
+  assert grpo["tunix"]["status"].startswith("skipped") and grpo["tunix_over_ours"] is None
+  sparse = saved["system"]["sparse_sync"]
+  assert sparse["status"] == "ok" and 0 <= sparse["every_1"]["payload_ratio"] <= 1
+  assert "**Learner step**" in stdout and "**Full GRPO step vs Tunix**" in stdout
+  assert stdout.strip() in readme.read_text()

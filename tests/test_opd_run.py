@@ -1,0 +1,105 @@
+"""On-policy distillation end to end through the RL loop: teacher scores at rollout time, OPD losses train."""
+
+import importlib.util
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm import loop
+from jaxrl_llm.distill import teacher as teacher_lib
+from jaxrl_llm.tasks import tokenizer as tok
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def opd_tiny(cache_dir, **over):
+  spec = importlib.util.spec_from_file_location("cfg_opd_tiny", os.path.join(ROOT, "configs", "opd_tiny.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  c.log.tensorboard = False
+  c.checkpoint.every = 0
+  c.distill.teacher_cache_dir = str(cache_dir)
+  c.distill.teacher_sft_steps = 20  # plumbing tests need a teacher, not a good one
+  for k, v in over.items():
+    sec, key = k.split("__")
+    c[sec][key] = v
+  return c
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("teachers")
+
+
+def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
+  c = opd_tiny(cache, rollout__mode="fixed_lag", rollout__lag=1, loss__name="f_opd")
+  r = loop.setup(c)
+  params = loop.initial_policy(c, r.model_cfg, r.k_init)[1]
+  state, extra = loop.fresh_state(r, params)
+  store = loop.new_store(r)
+  store.publish(state.params)
+  ro = loop.sync_rollout(r, store, 0, 0, 0)
+  batch, _ = loop.make_batch(r, store, state, extra, ro)
+  assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]
+  # Independently: the cached teacher scoring the rollout's own sequences.
+  cfg, tparams = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
+  want = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk)(
+      tparams, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN)
+  np.testing.assert_array_equal(np.asarray(batch.extra["teacher_logp_BT"]), np.asarray(want["teacher_logp_BT"]))
+  assert np.all(np.asarray(batch.extra["sup_drift_B"]) == 0)
+  m = np.asarray(batch.mask_BN) > 0
+  assert m.any() and np.all(np.asarray(batch.extra["teacher_logp_BT"])[m] < 0)
+
+
+@pytest.mark.parametrize("loss,metric", [("opd_reverse_kl", "opd_k1"), ("opd_forward_kl", "kl_fwd"),
+                                         ("opd_topk_kl", "kl_topk")])
+def test_tiny_opd_run_end_to_end(cache, tmp_path, loss, metric):
+  c = opd_tiny(cache, loss__name=loss, optim__lr=1e-2, optim__warmup_steps=0)
+  c.num_steps = 4
+  c.eval.every = 0
+  rows = loop.run(c, str(tmp_path / loss))
+  assert len(rows) == 4 and not any(r["update_skipped"] for r in rows)
+  for r in rows:
+    for k in ("loss", "grad_norm", metric):
+      assert math.isfinite(r[k]), (k, r[k])
+  assert len({r["loss"] for r in rows}) > 1
+  assert all(r["grad_norm"] > 0 for r in rows)
+  # A KL to the (untrained-student-unlike) teacher is positive: zero / missing teacher scores would not be.
+  assert rows[0][metric] > 0
+  if loss == "opd_reverse_kl":  # on-policy step 0: ratio 1, so the surrogate is −mean advantage
+    assert rows[0]["loss"] == pytest.approx(-rows[0]["opd_adv"], rel=1e-4)
+  if loss == "opd_topk_kl":
+    assert 0 < rows[0]["teacher_topk_mass"] <= 1 + 1e-5
+
+
+@pytest.mark.slow
+def test_student_accuracy_moves_towards_the_teacher(tmp_path):
+  """Under-trained student (300 SFT steps), strong teacher (700 SFT steps) on 2-digit addition; forward-KL OPD."""
+  c = opd_tiny(tmp_path / "teachers", loss__name="opd_forward_kl", optim__lr=1e-3, optim__warmup_steps=0)
+  c.model.d_model, c.model.n_layers, c.model.n_heads, c.model.n_kv_heads, c.model.head_dim, c.model.d_ff = (
+      128, 2, 4, 2, 32, 384)
+  c.sampler.max_new_tokens = 6
+  c.sft.steps, c.sft.batch_size = 300, 64
+  c.distill.teacher_d_model, c.distill.teacher_n_layers, c.distill.teacher_sft_steps = 128, 2, 700
+  c.rollout.prompts_per_step, c.rollout.group_size = 16, 4
+  c.num_steps = 100
+  c.eval.every = 50
+  c.eval.num_prompts = 256
+  rows = loop.run(c, str(tmp_path / "run"))
+  r = loop.setup(c)
+  cfg, params = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
+  teacher_acc = loop.evaluate(params, cfg, c, r.test, r.task, jax.random.key(0))
+  import json
+  start = json.load(open(tmp_path / "run" / "run_info.json"))["eval_accuracy_initial"]
+  end = rows[-1]["eval_accuracy"]
+  assert teacher_acc >= start + 0.3, (teacher_acc, start)
+  # Towards the teacher: the on-policy KL(teacher ‖ student) falls by more than 15% (recorded: 0.624 -> 0.450)
+  # and held-out accuracy rises (recorded: 0.207 -> 0.238 with the teacher at 0.797; 100 steps close only a
+  # small part of the accuracy gap, so the bound allows one greedy-eval standard error of noise).
+  kl = [row["kl_fwd"] for row in rows]
+  assert np.mean(kl[-20:]) <= 0.85 * np.mean(kl[:20]), (np.mean(kl[:20]), np.mean(kl[-20:]))
+  assert end >= start - 0.025, (start, end, teacher_acc)
