@@ -121,12 +121,13 @@ def _smooth(xs, w=5):
 def plot_acc_vs_lag(runs, task, ms, lags, path):
   plt = _plt()
   fig, ax = plt.subplots(figsize=(7, 4))
-  for m in ms:
+  for i, m in enumerate(ms):
     pts = [(lag, cell(runs, task=task, method=m, lag=lag)) for lag in lags]
     pts = [(lag, s) for lag, s in pts if s is not None]
-    if pts:
+    if pts:  # 20 distinct colours and alternating markers: up to 16 methods share one axis
       ax.errorbar([str(p[0]) for p in pts], [p[1]["mean"] for p in pts], yerr=[p[1]["std"] for p in pts],
-                  marker="o", capsize=3, label=m, lw=2.5 if m == "grpo" else 1)
+                  marker="osD^v"[i % 5], color=plt.cm.tab20(i % 20), capsize=3, label=m,
+                  lw=2.5 if m == "grpo" else 1)
   ax.set_xlabel("fixed lag k (learner updates)")
   ax.set_ylabel("held-out accuracy (late)")
   ax.set_title(f"Staleness ablation: {task}")

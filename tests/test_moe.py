@@ -209,7 +209,7 @@ def test_learner_step_with_replayed_routes_is_on_policy_at_step_zero():
                         prox_logp_BN=logp, routes_BTLk=out["routes_BTLk"])
   tx = learner.make_optimizer(1e-3)
   step = learner.make_train_step(CFG, tx, "ppo_clip", router_aux_coef=0.01)
-  state, m = step(learner.init_state(params, tx), batch, jax.random.key(0))
+  state, m = step(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch, jax.random.key(0))  # step donates
   assert m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
   assert float(m["kl_mu_k1"]) == pytest.approx(0.0, abs=1e-5)
   assert 1.0 <= float(m["router_aux_loss"]) < CFG.num_experts and int(m["update_skipped"]) == 0

@@ -125,3 +125,16 @@ def test_async_resume_loses_and_duplicates_nothing(tmp_path):
   assert len(ids) == len(set(ids)), "a trajectory was consumed twice"
   assert all(r["lag_max"] <= 1 for r in rows)
   assert len(first) == 4 and len(second) == 4
+
+
+def test_staged_resume_mid_stage_regenerates_the_stage(tmp_path):
+  def cfg(n):
+    c = tiny(rollout__mode="staged", rollout__lag=3, optim__lr=0.01, optim__warmup_steps=0)
+    c.loss.entropy_coef, c.eval.every, c.checkpoint.every, c.num_steps = 0.01, 0, 1, n
+    return c
+  loop.run(cfg(5), str(tmp_path / "a"))
+  loop.run(cfg(2), str(tmp_path / "b"))  # stops inside the first stage (steps 0-2)
+  loop.run(cfg(5), str(tmp_path / "b"))
+  a, b = (strip(read_jsonl(str(tmp_path / x / "metrics.jsonl"))) for x in "ab")
+  assert a == b
+  assert [r["lag_max"] for r in a] == [0, 1, 2, 0, 1]

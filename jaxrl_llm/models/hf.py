@@ -190,6 +190,7 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
       "attn_bias": (cfg.attn_bias, fam.attn_bias),
       "qk_norm": (cfg.qk_norm, fam.qk_norm),
       "head_dim": (cfg.head_dim, cfg.head_dim if fam.free_head_dim else cfg.d_model // cfg.n_heads),
+      "num_experts": (cfg.num_experts, 0),  # MoE export is not implemented (dense families only)
   }
   bad = [f"{k}={got} (family needs {want})" for k, (got, want) in mismatches.items() if got != want]
   if bad:
