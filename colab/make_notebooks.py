@@ -18,7 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SETUP = '''\
 import importlib.util, os, pathlib, sys
 
-REPO_URL = os.environ.get("JAXRL_LLM_REPO", "https://github.com/jaxrl-llm/jaxrl_llm")  # the project's git remote
+# Set this to the git URL of your jaxrl_llm checkout (or fork) when running on Colab.
+REPO_URL = os.environ.get("JAXRL_LLM_REPO", "")
 
 
 def find_root():
@@ -31,6 +32,8 @@ def find_root():
 ROOT = find_root()
 if ROOT is None or importlib.util.find_spec("jaxrl_llm") is None:
   if ROOT is None:
+    if not REPO_URL:
+      raise RuntimeError("set REPO_URL (or the JAXRL_LLM_REPO environment variable) to the jaxrl_llm git URL")
     !git clone -q {REPO_URL} jaxrl_llm_repo
     ROOT = pathlib.Path("jaxrl_llm_repo").resolve()
   %pip install -q -e {ROOT}

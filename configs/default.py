@@ -41,6 +41,7 @@ def get_config():
   c.sampler.top_k = 0
   c.sampler.top_p = 1.0
   c.sampler.dtype = "float32"  # "bfloat16" produces a real train/inference mismatch
+  c.sampler.quantize = "none"  # "int8": weight-only int8 sampler weights (another real mismatch)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.mode = "sync"  # sync | fixed_lag | staged | async

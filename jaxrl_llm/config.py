@@ -38,6 +38,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"must divide model.n_heads={c.model.n_heads}")
   _need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.dtype in DTYPES, "sampler.dtype", c.sampler.dtype, f"must be one of {DTYPES}")
+  _need(c.sampler.quantize in ("none", "int8"), "sampler.quantize", c.sampler.quantize, "must be 'none' or 'int8'")
   _need(c.sampler.max_new_tokens > 0, "sampler.max_new_tokens", c.sampler.max_new_tokens, "must be > 0")
   _need(c.sampler.temperature > 0, "sampler.temperature", c.sampler.temperature,
         "must be > 0 for training (greedy decoding is used only for evaluation)")

@@ -190,8 +190,13 @@ def setup(c: ml_collections.ConfigDict) -> Run:
 def new_store(run: Run) -> ParamStore:
   c = run.c
   sampler_dtype = None if c.sampler.dtype == c.model.dtype else jnp.dtype(c.sampler.dtype)
+  transform = None
+  if c.sampler.quantize == "int8":
+    from jaxrl_llm.sampling.quantize import int8_weight_only
+    transform = int8_weight_only
+  differs = sampler_dtype is not None or transform is not None
   return ParamStore(keep_last=retention(c.rollout.mode, c.rollout.lag), sampler_dtype=sampler_dtype,
-                    keep_learner_copy=sampler_dtype is not None and c.rollout.old_logp == "recompute")
+                    keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform)
 
 
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
@@ -331,9 +336,9 @@ def _full_state(state, store: ParamStore, extra: dict, slots: int) -> tuple[dict
   return tree, held
 
 
-def _save(ckpt, step: int, state, store, extra, slots: int, meta: dict, force: bool = False) -> None:
+def _save(ckpt, step: int, state, store, extra, slots: int, meta: dict, force: bool = False, metrics=None) -> None:
   tree, held = _full_state(state, store, extra, slots)
-  ckpt.save(step, tree, {**meta, "snapshot_versions": held}, force=force)
+  ckpt.save(step, tree, {**meta, "snapshot_versions": held}, metrics=metrics, force=force)
   ckpt.wait()
 
 
@@ -372,7 +377,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
   mode, k = c.rollout.mode, c.rollout.lag
   store = new_store(r)
   slots = retention(mode, k)
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep)
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep,
+                                     best_metric="eval_accuracy" if c.eval.every > 0 else None)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
 
   restored = _restore(ckpt, r, store, slots)
@@ -461,7 +467,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
         if engine is not None:
           engine.stop()
           meta["async_engine"] = base64.b64encode(pickle.dumps(engine.state())).decode()
-        _save(ckpt, t + 1, state, store, extra, slots, {**meta, "stage_version": stage_version}, force=preempted)
+        best = {"eval_accuracy": row["eval_accuracy"]} if "eval_accuracy" in row else None  # keep-N + best
+        _save(ckpt, t + 1, state, store, extra, slots, {**meta, "stage_version": stage_version}, force=preempted,
+              metrics=best)
         if preempted:
           print(f"preempted (signal {flag.signum}): checkpoint saved at step {t + 1}; exiting", flush=True)
           break

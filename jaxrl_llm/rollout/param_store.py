@@ -34,12 +34,14 @@ def copy_tree(params, dtype=None):
 class ParamStore:
   """Holds snapshots by version. Thread-safe; holds only references and counters."""
 
-  def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False, sampler_shardings=None):
+  def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False, sampler_shardings=None,
+               sampler_transform=None):
     if keep_last < 1:
       raise ValueError("keep_last must be >= 1")
     self._keep_last = keep_last
     self._sampler_dtype = sampler_dtype
     self._sampler_shardings = sampler_shardings  # None: keep the learner's layout
+    self._sampler_transform = sampler_transform  # e.g. int8 weight-only quantisation (sampling/quantize.py)
     self._keep_learner = keep_learner_copy
     self._snaps: dict[int, Snapshot] = {}
     self._refs: dict[int, int] = {}
@@ -51,8 +53,9 @@ class ParamStore:
     return self._keep_learner
 
   def sampler_copy(self, params):
-    """`params` as a snapshot holds them (the sampler's dtype)."""
-    return copy_tree(params, self._sampler_dtype)
+    """`params` as a snapshot holds them (the sampler's dtype and transform)."""
+    out = copy_tree(params, self._sampler_dtype)
+    return self._sampler_transform(out) if self._sampler_transform is not None else out
 
   def restore(self, version: int, params, learner_params=None) -> None:
     """Puts back a checkpointed snapshot as is (no cast), e.g. on resume; versions must increase."""
@@ -79,6 +82,8 @@ class ParamStore:
     else:
       from jaxrl_llm.sharding import reshard  # local: the store stays importable without the sharding module
       sampler = reshard(params, self._sampler_shardings, self._sampler_dtype)
+    if self._sampler_transform is not None:
+      sampler = self._sampler_transform(sampler)
     learner = copy_tree(params) if self._keep_learner else None
     with self._lock:
       v = self._next_version if version is None else version
