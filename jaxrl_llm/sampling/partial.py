@@ -26,8 +26,7 @@ from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache, logits_from_hidden
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sample import sample_token
-from jaxrl_llm.sampling.sampler import prompt_layout
+from jaxrl_llm.sampling.sampler import emit_token, prompt_layout
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
@@ -35,20 +34,9 @@ Poll = Callable[[Any], Any]
 
 
 def _emit(carry: dict, logits_BV: Array, key: Array, version: Array, sampler_cfg: SamplerConfig) -> dict:
-  """Samples column `step` (as `generate` does), masks finished rows, records the version."""
-  step = carry["step"]
-  token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg)
-  live_B = ~carry["done_B"]
-  token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
-  return {
-      **carry,
-      "step": step + 1,
-      "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
-      "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
-      "mask_BN": carry["mask_BN"].at[:, step].set(live_B.astype(jnp.float32)),
-      "versions_BN": carry["versions_BN"].at[:, step].set(version),
-      "done_B": carry["done_B"] | (live_B & (token_B == sampler_cfg.eos_id)),
-  }
+  """Samples column `step` exactly as `generate` does, and records the version that produced it."""
+  out = emit_token(carry, logits_BV, key, sampler_cfg)
+  return {**out, "versions_BN": carry["versions_BN"].at[:, carry["step"]].set(version)}
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"))

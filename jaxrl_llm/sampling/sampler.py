@@ -33,6 +33,23 @@ def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
   return positions_BP, real_BP.astype(jnp.int32)
 
 
+def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
+  """Samples completion column `carry["step"]` with key `fold_in(key, step)`, masks rows that already
+  finished (pad, mask 0, logp 0), marks rows that emitted EOS, and advances the step."""
+  step = carry["step"]
+  token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg)
+  live_B = ~carry["done_B"]
+  token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
+  return {
+      **carry,
+      "step": step + 1,
+      "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
+      "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
+      "mask_BN": carry["mask_BN"].at[:, step].set(live_B.astype(jnp.float32)),
+      "done_B": carry["done_B"] | (live_B & (token_B == sampler_cfg.eos_id)),
+  }
+
+
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"))
 def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
              model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
@@ -74,20 +91,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   # Left padding puts every row's last real prompt token in the last column.
   first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
 
-  def emit(carry: dict, logits_BV: Array) -> dict:
-    """Samples column `step`, masks rows that already finished, advances the step."""
-    step = carry["step"]
-    token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg)
-    live_B = ~carry["done_B"]
-    token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
-    return {
-        **carry,
-        "step": step + 1,
-        "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
-        "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
-        "mask_BN": carry["mask_BN"].at[:, step].set(live_B.astype(jnp.float32)),
-        "done_B": carry["done_B"] | (live_B & (token_B == sampler_cfg.eos_id)),
-    }
+  emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
 
   def decode(carry: dict) -> dict:
     """Feeds the previous column's token through the cache, then samples the next column."""
