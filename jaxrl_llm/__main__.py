@@ -13,6 +13,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from absl import logging
+  if not flags.FLAGS["verbosity"].present:  # Orbax/JAX INFO logs drown the progress bar; -v 0 brings them back
+    logging.set_verbosity(logging.WARNING)
   from jaxrl_llm import config as config_lib, loop, metrics
 
   c = _CONFIG.value
