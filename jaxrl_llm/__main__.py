@@ -31,8 +31,8 @@ def main(argv):
     plot_path = os.path.join(_WORKDIR.value, "reward_accuracy.png")
     metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})")
     print(metrics.summary_table(rows, info.get("eval_accuracy_initial")))
-    if info.get("eval_accuracy_initial") is not None:
-      print(f"held-out accuracy after SFT warm start (before RL): {info['eval_accuracy_initial']:.3f}")
+    if info.get("time_sft_s"):
+      print(f"SFT warm start: {info['time_sft_s']:.1f} s; held-out accuracy 'start' is after it, before RL")
     print(f"XLA compilations: train_step={info['compiles_train_step']} generate={info['compiles_generate']} "
           f"score={info['compiles_score']}")
     print(f"metrics: {os.path.join(_WORKDIR.value, 'metrics.jsonl')}\nplot:    {plot_path}")

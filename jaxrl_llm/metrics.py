@@ -76,8 +76,9 @@ def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
   rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
   k = max(1, len(rewards) // 10)
   lines = ["", f"{'metric':<28}{'start':>12}{'end':>12}"]
-  if evals:
-    lines.append(f"{'held-out accuracy':<28}{evals[0][1]:>12.3f}{evals[-1][1]:>12.3f}")
+  if evals:  # start = before the first learner step when the run measured it
+    start = evals[0][1] if initial_eval is None else initial_eval
+    lines.append(f"{'held-out accuracy':<28}{start:>12.3f}{evals[-1][1]:>12.3f}")
   if rewards:
     lines.append(f"{'reward (mean of 10% window)':<28}{np.mean(rewards[:k]):>12.3f}{np.mean(rewards[-k:]):>12.3f}")
   t = [r.get("time_step_s") for r in rows if r.get("time_step_s")]
