@@ -169,7 +169,7 @@ def format_tables(res: dict) -> str:
                    f"{_g(p['matmul_bf16']['flops_per_s'], 'FLOP/s')} (n={p['matmul_bf16']['n']})",
                    _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
   rows = []
-  for name, r in res["learner"].items():
+  for name, r in sorted(res["learner"].items(), key=lambda kv: kv[1]["matmul_params"]):
     rows.append([name, _shape(r["model"]), f"{r['batch']}×{r['seq_len']}", _ms(r["step_s"]), _g(r["tokens_per_s"]),
                  _g(r["achieved_flops_per_s"], "FLOP/s"), _pct(r["mfu"]), str(r["compiles_after_warmup"])])
   out += ["**Learner step** (`learner.make_train_step`, ppo_clip; MFU = (6·N·tokens + attention) / time / fp32 peak)", "",
@@ -184,7 +184,8 @@ def format_tables(res: dict) -> str:
           "max(compute, bytes / bandwidth) per decode step)", "",
           _table(["batch", "new tokens", "prefill tok/s", "of bound", "decode tok/s", "of bound"], rows), ""]
   rows = []
-  for name, r in res["grpo"].items():
+  by_size = lambda kv: (kv[1]["model"]["n_layers"], kv[1]["model"]["d_model"])
+  for name, r in sorted(res["grpo"].items(), key=by_size):
     o, t = r["ours"], r["tunix"]
     rows.append([name, _ms(o["total_s"]), _ms(t["total_s"]) if "total_s" in t else "–",
                  f"{r['tunix_over_ours']:.2f}×" if r["tunix_over_ours"] else "–",
@@ -199,7 +200,7 @@ def format_tables(res: dict) -> str:
                   "ours: generate / ref / train / host",
                   "compiles after warm-up", "Tunix status"], rows), ""]
   rows = []
-  for name, r in res["grpo"].items():
+  for name, r in sorted(res["grpo"].items(), key=by_size):
     o = r["ours"]
     rows.append([f"GRPO step {name}: host time outside jitted work", f"{_ms(o['host_s'])} of {_ms(o['total_s'])} "
                  f"({_pct(o['host_s'] / o['total_s'])})"])
@@ -246,12 +247,16 @@ What each number is:
   → train step with k3 KL, β = 0.04; π_old = sampler log-probs, one iteration per batch); Tunix's is
   `bench/peers/tunix_grpo.py` (`GRPOLearner`, vanilla rollout, same model shape and data, run from the
   separate `bench/.venv-bench`). Both use random-init weights (no hub).
+- sparse sync: the bf16 payload of `jaxrl_llm/rollout/sparse_sync.py` after real GRPO steps of the
+  2L-d128 workload. With random-init weights every reward is 0, so the updates are AdamW-normalised
+  noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
 - loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step);
   `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
 `bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
-Tunix, or `python -m bench.run --quick` for a seconds-long smoke run (meaningless numbers).
+Tunix, or `python -m bench.run --quick` for a short smoke run (tiny shapes, meaningless numbers). `python -m
+bench.run --render bench/results.json --readme bench/README.md` re-renders the tables without measuring.
 
 """
 
@@ -267,14 +272,23 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--no-peers", action="store_true", help="skip the Tunix comparison")
   ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
   ap.add_argument("--readme", default="", help="rewrite this README with the tables")
+  ap.add_argument("--render", default="", help="measure nothing: print (and --readme) the tables of this results.json")
   args = ap.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      res = json.load(f)
+    tables = format_tables(res)
+    print(tables)
+    if args.readme:
+      write_readme(args.readme, res, tables)
+    return res
   t0 = time.perf_counter()
   res = collect(args.quick, peers=not args.no_peers,
                 log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
   tables = format_tables(res)
   print(tables)
   with open(args.out, "w") as f:
-    json.dump(res, f, indent=2, sort_keys=True)
+    json.dump(res, f, indent=2)
   if args.readme:
     write_readme(args.readme, res, tables)
   return res
