@@ -32,6 +32,9 @@ def get_config():
   c.model.dtype = "float32"  # learner compute dtype
   c.model.num_experts = 0  # > 0: MoE MLP in every layer (top-k routing)
   c.model.experts_per_token = 2
+  c.model.capacity_factor = 0.0  # MoE expert capacity; 0 = dropless
+  c.model.router_aux_coef = 0.01  # MoE load-balancing loss weight
+  c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids (MoE only)
   c.model.remat = False  # rematerialise each layer in the backward pass
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
 
@@ -74,6 +77,7 @@ def get_config():
   c.optim.b2 = 0.98
   c.optim.grad_clip = 1.0
   c.optim.warmup_steps = 5
+  c.optim.grad_accum = 1  # micro-batches per learner step (exact token/sequence means via reduce_parts)
   c.optim.max_skips = 10  # consecutive non-finite updates before the run stops
 
   c.sft = ml_collections.ConfigDict()

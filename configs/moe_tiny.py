@@ -23,7 +23,4 @@ def get_config():
   c = _base()
   c.model.num_experts = 4
   c.model.experts_per_token = 2
-  c.model.capacity_factor = 0.0  # 0 = dropless (see jaxrl_llm/models/moe.py)
-  c.model.router_aux_coef = 0.01  # Switch load-balancing loss weight
-  c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids
   return c

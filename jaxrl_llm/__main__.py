@@ -16,7 +16,8 @@ def main(argv):
   from absl import logging
   if not flags.FLAGS["verbosity"].present:  # Orbax/JAX INFO logs drown the progress bar; -v 0 brings them back
     logging.set_verbosity(logging.WARNING)
-  from jaxrl_llm import config as config_lib, loop, metrics
+  from jaxrl_llm import config as config_lib, distributed, loop, metrics
+  distributed.maybe_initialize()  # multi-host: from JAX_COORDINATOR_ADDRESS etc.; a no-op on one process
 
   c = _CONFIG.value
   try:

@@ -36,6 +36,21 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _need(isinstance(v, int) and v > 0, f"model.{f}", v, "must be a positive int")
   _need(c.model.n_heads % c.model.n_kv_heads == 0, "model.n_kv_heads", c.model.n_kv_heads,
         f"must divide model.n_heads={c.model.n_heads}")
+  _need(c.model.num_experts >= 0, "model.num_experts", c.model.num_experts, "must be >= 0 (0 = dense MLP)")
+  if c.model.num_experts:
+    _need(1 <= c.model.experts_per_token <= c.model.num_experts, "model.experts_per_token",
+          c.model.experts_per_token, f"must be in [1, model.num_experts={c.model.num_experts}]")
+  _need(c.model.capacity_factor >= 0, "model.capacity_factor", c.model.capacity_factor, "must be >= 0 (0 = dropless)")
+  for ax in ("data", "fsdp", "tensor", "expert"):
+    _need(isinstance(c.mesh[ax], int) and c.mesh[ax] >= 1, f"mesh.{ax}", c.mesh[ax], "must be an int >= 1")
+  n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
+  if n_mesh > 1:
+    raise ConfigError(f"config.mesh={dict(c.mesh)}: the training loop runs on one device; multi-device meshes are "
+                      "built with jaxrl_llm.sharding (see docs/scaling.md) and not wired into loop.run yet")
+  _need(c.optim.grad_accum >= 1, "optim.grad_accum", c.optim.grad_accum, "must be >= 1")
+  B = c.rollout.prompts_per_step * c.rollout.group_size
+  _need(B % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
+        f"must divide the batch rollout.prompts_per_step * rollout.group_size = {B}")
   _need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.dtype in DTYPES, "sampler.dtype", c.sampler.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.quantize in ("none", "int8"), "sampler.quantize", c.sampler.quantize, "must be 'none' or 'int8'")
@@ -72,6 +87,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
   _need(c.optim.grad_clip >= 0, "optim.grad_clip", c.optim.grad_clip, "must be >= 0 (0 = off)")
   _need(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = never)")
+  if c.optim.grad_accum > 1 and spec.init_state is not None:
+    raise ConfigError(f"config.optim.grad_accum={c.optim.grad_accum}: loss {c.loss.name!r} carries state across "
+                      "steps and needs whole-batch statistics; use grad_accum=1")
   missing = losses.missing_needs(spec, available_needs(c))
   if missing:
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "

@@ -56,7 +56,8 @@ def model_config(c: ml_collections.ConfigDict, width: int) -> ModelConfig:
   return ModelConfig(vocab_size=tok.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                      n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
-                     max_seq_len=width + c.sampler.max_new_tokens)
+                     num_experts=m.num_experts, experts_per_token=m.experts_per_token,
+                     capacity_factor=m.capacity_factor, max_seq_len=width + c.sampler.max_new_tokens)
 
 
 def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False) -> SamplerConfig:
@@ -175,7 +176,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   train_step = learner.make_train_step(
       model_cfg, tx, c.loss.name, hp_over, temperature=c.sampler.temperature, agg_mode=c.loss.agg_mode,
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
-      kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef)
+      kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
+      router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
     from jaxrl_llm.distill import opd
@@ -239,6 +241,8 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
   reward_B, status, _ = collect.score_completions(run.task, p.examples, out["tokens_BN"])
   B = n * G
   keys = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN")
+  if "routes_BTLk" in out and c.model.routing_replay:  # R3: the learner replays the sampler's expert ids
+    keys += ("routes_BTLk",)
   return [{**{k_: out[k_][i * B:(i + 1) * B] for k_ in keys}, "reward_B": reward_B[i * B:(i + 1) * B],
            "versions_BN": np.full((B, out["mask_BN"].shape[1]), v_b, np.int32),
            "lag_B": np.full((B,), version - v_b, np.int32),  # staged: recomputed when consumed
@@ -246,7 +250,7 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
            "time_generate_s": time_gen if i == 0 else 0.0} for i in range(len(steps))]
 
 
-def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq) -> jax.Array:
+def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq, routes=None) -> jax.Array:
   """The learner-side π_old of the sampled tokens, by the run's `rollout.old_logp` strategy.
 
   recompute   exact: each token scored by the learner at the version that generated it (one forward
@@ -260,18 +264,18 @@ def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq) -> jax.A
   if strategy == "behavior":
     return jnp.asarray(ro["behavior_logp_BN"])
   if strategy == "step_start":
-    return run.score(state.params, *seq, mask)
+    return run.score(state.params, *seq, mask, routes)
   if strategy == "ewma":
-    return run.score(extra["ewma"], *seq, mask)
+    return run.score(extra["ewma"], *seq, mask, routes)
   if strategy == "a3po":
     from jaxrl_llm.losses.a3po import approx_prox_logp, interpolation_weight
     alpha = interpolation_weight(jnp.asarray(ro["versions_BN"]), state.version)
-    return approx_prox_logp(run.score(state.params, *seq, mask), jnp.asarray(ro["behavior_logp_BN"]), alpha, mask)
+    return approx_prox_logp(run.score(state.params, *seq, mask, routes), jnp.asarray(ro["behavior_logp_BN"]), alpha, mask)
   out = jnp.zeros(mask.shape, jnp.float32)
   for v in np.unique(ro["versions_BN"][ro["mask_BN"] > 0]).tolist() or [store.latest_version]:
     snap = store.acquire(int(v))
     try:
-      logp = run.score(snap.learner_params if snap.learner_params is not None else snap.params, *seq, mask)
+      logp = run.score(snap.learner_params if snap.learner_params is not None else snap.params, *seq, mask, routes)
     finally:
       store.release(snap)
     out = jnp.where(jnp.asarray(ro["versions_BN"]) == v, logp, out)
@@ -283,12 +287,14 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
   seq = (jnp.asarray(ro["sequence_BT"]), jnp.asarray(ro["positions_BT"]), jnp.asarray(ro["segment_ids_BT"]))
   mask = jnp.asarray(ro["mask_BN"])
   adv_B = collect.group_advantages(ro["reward_B"], c.rollout.group_size, c.advantage.name, c.advantage.std_normalize)
-  prox = prox_logp(run, store, state, extra, ro, seq)
+  routes = jnp.asarray(ro["routes_BTLk"]) if "routes_BTLk" in ro else None
+  prox = prox_logp(run, store, state, extra, ro, seq, routes)
   behav = jnp.asarray(ro["behavior_logp_BN"])
   batch = learner.Batch(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask, adv_BN=adv_B[:, None] * mask,
       behavior_logp_BN=behav, versions_BN=jnp.asarray(ro["versions_BN"]), lag_B=jnp.asarray(ro["lag_B"]),
-      prox_logp_BN=prox, ref_logp_BN=run.score(extra["ref"], *seq, mask) if extra["ref"] is not None else None,
+      prox_logp_BN=prox, routes_BTLk=routes,
+      ref_logp_BN=run.score(extra["ref"], *seq, mask, routes) if extra["ref"] is not None else None,
       extra=run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None)
   # Mismatch between π_old and μ at the same version (precision / kernel), meaningful under `recompute`.
   mism = jnp.where(mask > 0, jnp.abs(prox - behav), 0.0)

@@ -104,3 +104,26 @@ def test_every_rl_loss_is_runnable_by_the_loop():
                "ppo_ewma", "vespo", "m2po", "sat", "sat_gspo", "dppo", "drpo", "mu_grpo", "delightful_pg", "r2vpo",
                "hispo", "alp"):
     assert name in rl
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("model.experts_per_token", 9, "config.model.experts_per_token=9"),
+    ("optim.grad_accum", 5, "config.optim.grad_accum=5"),
+    ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
+    ("sampler.quantize", "int4", "config.sampler.quantize='int4'"),
+])
+def test_scale_and_sampler_fields_name_the_field(field, value, needle):
+  c = load()
+  c.model.num_experts = 4
+  section, key = field.split(".")
+  c[section][key] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert needle in str(e.value)
+
+
+def test_grad_accum_refused_for_stateful_loss():
+  c = load()
+  c.loss.name, c.optim.grad_accum = "r2vpo", 2
+  with pytest.raises(config_lib.ConfigError, match="config.optim.grad_accum=2"):
+    config_lib.validate(c)
