@@ -176,7 +176,23 @@ class Checkpointer:
         preservation_policy=_retention(keep, best_metric, best_mode, keep_best),
         enable_async_checkpointing=async_save,
         create=True)
+    self._quarantine_unreadable_metrics()
     self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+  def _quarantine_unreadable_metrics(self) -> None:
+    """Orbax reads every step's metrics when the manager is built and raises on a corrupt file, so a
+    step whose metrics are unreadable is reported and moved aside before that (like any bad step)."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in sorted(os.listdir(self.directory)):
+      path = os.path.join(self.directory, name, "metrics", "metrics")
+      if not (name.isdigit() and os.path.isfile(path)):
+        continue
+      try:
+        with open(path) as f:
+          json.load(f)
+      except (ValueError, OSError) as e:
+        self._skip(int(name), os.path.join(self.directory, name), f"unreadable metrics ({type(e).__name__})", True)
 
   def all_steps(self) -> list[int]:
     """Committed steps on disk (not validated), ascending."""

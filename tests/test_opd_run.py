@@ -42,7 +42,7 @@ def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
   state, extra = loop.fresh_state(r, params)
   store = loop.new_store(r)
   store.publish(state.params)
-  ro = loop.sync_rollout(r, store, 0, 0, 0)
+  ro = loop.sync_rollout(r, store, [0], 0, 0)[0]
   batch, _ = loop.make_batch(r, store, state, extra, ro)
   assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]
   # Independently: the cached teacher scoring the rollout's own sequences.
