@@ -51,6 +51,7 @@ def get_config():
   c.rollout.lag = 0  # k for fixed_lag, stage length for staged, staleness bound η for async
   c.rollout.prompts_per_step = 16
   c.rollout.group_size = 8
+  c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal from the loss
   c.rollout.old_logp = "recompute"  # recompute | behavior | step_start | ewma | a3po
   c.rollout.ewma_beta = 0.9  # EWMA decay of the proximal parameter copy (old_logp = ewma)
   c.rollout.num_workers = 1  # rollout worker threads (async)

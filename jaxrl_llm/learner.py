@@ -160,7 +160,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   """
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
-  with_entropy = "entropy" in spec.needs or entropy_coef > 0
+  with_entropy = True  # logged every step (DESIGN §3); it enters the loss only via needs / entropy_coef
   perturbed = "perturb" in spec.needs
   student_dense = bool({"student_logits", "student_topk"} & spec.needs)
   if not isinstance(grad_accum, int) or grad_accum < 1:

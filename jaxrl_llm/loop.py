@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import learner, losses, metrics as metrics_lib, preemption
+from jaxrl_llm import advantages, learner, losses, metrics as metrics_lib, preemption
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
@@ -287,6 +287,13 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
   seq = (jnp.asarray(ro["sequence_BT"]), jnp.asarray(ro["positions_BT"]), jnp.asarray(ro["segment_ids_BT"]))
   mask = jnp.asarray(ro["mask_BN"])
   adv_B = collect.group_advantages(ro["reward_B"], c.rollout.group_size, c.advantage.name, c.advantage.std_normalize)
+  info = {}
+  if c.rollout.dynamic_sampling:  # DAPO: groups whose rewards are all equal leave the loss and its denominator
+    B = mask.shape[0]
+    keep_B = advantages.dapo_keep_mask(jnp.asarray(ro["reward_B"]), jnp.arange(B) // c.rollout.group_size,
+                                       B // c.rollout.group_size)
+    mask = mask * keep_B[:, None]
+    info["dapo_filtered_frac"] = float(1.0 - keep_B.mean())
   routes = jnp.asarray(ro["routes_BTLk"]) if "routes_BTLk" in ro else None
   prox = prox_logp(run, store, state, extra, ro, seq, routes)
   behav = jnp.asarray(ro["behavior_logp_BN"])
@@ -298,7 +305,7 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
       extra=run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None)
   # Mismatch between π_old and μ at the same version (precision / kernel), meaningful under `recompute`.
   mism = jnp.where(mask > 0, jnp.abs(prox - behav), 0.0)
-  info = {"mismatch_abs_mean": float(mism.sum() / jnp.maximum(mask.sum(), 1)), "mismatch_abs_max": float(mism.max())}
+  info.update(mismatch_abs_mean=float(mism.sum() / jnp.maximum(mask.sum(), 1)), mismatch_abs_max=float(mism.max()))
   return batch, info
 
 
@@ -438,8 +445,13 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       else:
         ro = sync_rollout(r, store, [t], version, behavior_version(mode, k, version, stage_version))[0]
       batch, info = make_batch(r, store, state, extra, ro)
+      t_train = time.perf_counter()
       state, m = r.train_step(state, batch, jax.random.fold_in(r.k_learn, t))
-      m = metrics_lib.to_python(m)
+      m = metrics_lib.to_python(m)  # blocks on the step
+      n_tok = float(np.asarray(ro["mask_BN"]).sum())
+      info["time_learner_tokens_per_s"] = n_tok / max(time.perf_counter() - t_train, 1e-9)
+      if ro.get("time_generate_s"):
+        info["time_sampler_tokens_per_s"] = n_tok / ro["time_generate_s"]
       if not m["update_skipped"]:
         store.publish(state.params)
         if extra["ewma"] is not None:

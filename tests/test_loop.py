@@ -38,6 +38,7 @@ def test_fixed_lag_is_bitwise_repeatable_and_lags_are_exact(tmp_path):
   assert strip(a) == strip(b)
   assert strip(read_jsonl(str(tmp_path / "a" / "metrics.jsonl"))) == strip(a)
   assert [r["behavior_version"] for r in a] == [0, 0, 0, 1, 2]
+  assert all(r["entropy"] > 0 for r in a)  # logged every step
   assert [r["lag_max"] for r in a] == [0, 1, 2, 2, 2]
   # Stale rollouts: recomputed π_old differs from π_θ, so ratios leave 1 once lag > 0.
   assert a[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
@@ -80,3 +81,15 @@ def test_init_from_with_wrong_vocab_names_the_field(tmp_path):
   c.model.init_from = str(tmp_path / "m")
   with pytest.raises(ValueError, match="config.model.init_from=.*vocab_size=100"):
     loop.run(c, str(tmp_path / "run"))
+
+
+def test_dapo_filter_entropy_and_throughput_fields(tmp_path):
+  c = tiny()
+  c.rollout.dynamic_sampling = True
+  c.num_steps, c.eval.every = 2, 0
+  rows = loop.run(c, str(tmp_path))
+  for r in rows:
+    # The untrained tiny policy scores 0 everywhere: every group has zero reward variance.
+    assert r["dapo_filtered_frac"] == 1.0 and r["loss"] == 0.0 and r["grad_norm"] == 0.0
+    assert r["entropy"] == 0.0  # logged over counted tokens, and none is left
+    assert r["time_learner_tokens_per_s"] > 0 and r["time_sampler_tokens_per_s"] > 0
