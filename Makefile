@@ -23,6 +23,7 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 
 ## Train the default demo policy (≈ minutes on a 2-core CPU); writes $(WORKDIR)/metrics.jsonl and a PNG plot.
 demo: $(VENV)/.base
+	rm -rf $(WORKDIR)  # the demo always starts fresh (a workdir with checkpoints would resume)
 	$(PY) -m jaxrl_llm --config=configs/default.py --workdir=$(WORKDIR)
 
 ## The whole test suite (slow end-to-end tests included), 2 workers.

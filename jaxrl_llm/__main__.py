@@ -28,6 +28,9 @@ def main(argv):
   rows = loop.run(c, _WORKDIR.value)
   import json
   info = json.load(open(os.path.join(_WORKDIR.value, "run_info.json")))
+  if not rows:
+    print(f"nothing to do: {_WORKDIR.value} already holds a run that reached num_steps={c.num_steps} "
+          f"(resumed at step {info['resumed_from_step']}); use another --workdir or a larger --config.num_steps")
   if rows:
     plot_path = os.path.join(_WORKDIR.value, "reward_accuracy.png")
     metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})")

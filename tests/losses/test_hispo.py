@@ -8,6 +8,7 @@ import pytest
 from jaxrl_llm import losses
 from jaxrl_llm.losses import hispo as hispo_mod
 from jaxrl_llm.types import LossInputs
+from ._util import mismatch_inputs
 
 SPEC = losses.get("hispo")
 HP = hispo_mod.Hparams()
@@ -40,9 +41,7 @@ def _case():
   return logp, prox, behav, adv, mask
 
 
-def _inputs(logp, prox, behav, adv, mask):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox), behavior_logp_BT=jnp.asarray(behav))
+_inputs = mismatch_inputs
 
 
 def _triplet(r, a, hp):

@@ -9,6 +9,7 @@ from jaxrl_llm import losses
 from jaxrl_llm.losses import icepop as icepop_mod
 from jaxrl_llm.losses import mis as mis_mod
 from jaxrl_llm.types import LossInputs
+from ._util import mismatch_inputs
 
 SPEC = losses.get("icepop")
 HP = icepop_mod.Hparams()
@@ -38,9 +39,7 @@ def _case():
   return logp, prox, behav, adv, mask
 
 
-def _inputs(logp, prox, behav, adv, mask):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox), behavior_logp_BT=jnp.asarray(behav))
+_inputs = mismatch_inputs
 
 
 def _golden(logp, prox, behav, adv, mask, hp):

@@ -8,6 +8,7 @@ import pytest
 from jaxrl_llm import losses
 from jaxrl_llm.losses import minirl as minirl_mod
 from jaxrl_llm.types import LossInputs
+from ._util import mismatch_inputs
 
 SPEC = losses.get("minirl")
 HP = minirl_mod.Hparams()
@@ -36,9 +37,7 @@ def _case():
   return logp, prox, behav, adv, mask
 
 
-def _inputs(logp, prox, behav, adv, mask):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox), behavior_logp_BT=jnp.asarray(behav))
+_inputs = mismatch_inputs
 
 
 def _golden(logp, prox, behav, adv, mask, hp):
