@@ -45,8 +45,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _need(isinstance(c.mesh[ax], int) and c.mesh[ax] >= 1, f"mesh.{ax}", c.mesh[ax], "must be an int >= 1")
   n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
   if n_mesh > 1:
-    raise ConfigError(f"config.mesh={dict(c.mesh)}: the training loop runs on one device; multi-device meshes are "
-                      "built with jaxrl_llm.sharding (see docs/scaling.md) and not wired into loop.run yet")
+    import jax  # local: validating a one-device config must not initialise devices
+    if n_mesh != jax.device_count():
+      raise ConfigError(f"config.mesh={dict(c.mesh)}: the axis sizes multiply to {n_mesh} but {jax.device_count()} "
+                        "devices are visible")
+    if jax.process_count() > 1:
+      raise ConfigError(f"config.mesh={dict(c.mesh)}: loop.run feeds batches from one process; multi-host runs "
+                        "use jaxrl_llm.sharding + distributed directly (docs/scaling.md)")
+    if c.rollout.mode == "async":
+      raise ConfigError("config.rollout.mode='async': async rollouts run on one device for now; use a one-device "
+                        "mesh or a synchronous mode")
+
   _need(c.optim.grad_accum >= 1, "optim.grad_accum", c.optim.grad_accum, "must be >= 1")
   B = c.rollout.prompts_per_step * c.rollout.group_size
   _need(B % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,

@@ -155,6 +155,10 @@ class Run(NamedTuple):
   score: Any
   hook_params: Any
   batch_extras: Any  # None, or (ro, seq, mask) -> dict of extra LossInputs fields (distillation teachers)
+  mesh: Any = None  # None: one device. Else the mesh and the layouts below (jaxrl_llm.sharding).
+  state_shardings: Any = None
+  batch_sharding: Any = None
+  sampler_shardings: Any = None
 
 
 def setup(c: ml_collections.ConfigDict) -> Run:
@@ -173,11 +177,16 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   tx = learner.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.b1, c.optim.b2, c.optim.grad_clip,
                               c.optim.warmup_steps)
   hook_params, tx = learner.perturb_hook(c.loss.name, model_cfg, tx, hp_over)
+  mesh_kw, shard_kw = {}, {}
+  if c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert > 1:
+    mesh_kw = mesh_layouts(c, model_cfg, tx, hook_params, k_init)
+    shard_kw = dict(in_shardings=mesh_kw.pop("in_shardings"), out_shardings=mesh_kw.pop("out_shardings"))
   train_step = learner.make_train_step(
       model_cfg, tx, c.loss.name, hp_over, temperature=c.sampler.temperature, agg_mode=c.loss.agg_mode,
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
-      router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum)
+      router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
+      **shard_kw)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
     from jaxrl_llm.distill import opd
@@ -186,7 +195,23 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=dataclasses.replace(model_cfg, dtype=c.sampler.dtype),
              samp_cfg=sampler_config(c), k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step,
-             score=learner.make_score_fn(model_cfg, c.sampler.temperature), hook_params=hook_params)
+             score=learner.make_score_fn(model_cfg, c.sampler.temperature), hook_params=hook_params, **mesh_kw)
+
+
+def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
+  """Mesh, learner (FSDP + tensor) and sampler (tensor / replicated) layouts, and the train step's
+  explicit in/out shardings, for a multi-device `config.mesh` (see docs/scaling.md)."""
+  from jaxrl_llm import sharding
+  mesh = sharding.mesh_from_config(c.mesh)
+  psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
+  spec = losses.get(c.loss.name)
+  loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
+  shapes = jax.eval_shape(lambda: learner.init_state(init_params(model_cfg, key), tx, loss_state, hook_params))
+  ssh = sharding.state_shardings(shapes, psh, tx, mesh)
+  B = c.rollout.prompts_per_step * c.rollout.group_size
+  ins, outs = sharding.train_step_shardings(ssh, mesh, sharding.LEARNER, B)
+  return {"mesh": mesh, "state_shardings": ssh, "batch_sharding": ins[1], "in_shardings": ins, "out_shardings": outs,
+          "sampler_shardings": sharding.param_shardings(model_cfg, mesh, sharding.SAMPLER)}
 
 
 def new_store(run: Run) -> ParamStore:
@@ -198,7 +223,8 @@ def new_store(run: Run) -> ParamStore:
     transform = int8_weight_only
   differs = sampler_dtype is not None or transform is not None
   return ParamStore(keep_last=retention(c.rollout.mode, c.rollout.lag), sampler_dtype=sampler_dtype,
-                    keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform)
+                    keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
+                    sampler_shardings=run.sampler_shardings)
 
 
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
@@ -210,7 +236,12 @@ def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   extra = {"ref": copy(params) if c.loss.kl_coef > 0 else None,
            "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None}
   hook = jax.tree.map(lambda x: jnp.array(x, copy=True), run.hook_params) if run.hook_params is not None else None
-  return learner.init_state(params, run.tx, loss_state, hook), extra
+  if run.mesh is None:
+    return learner.init_state(params, run.tx, loss_state, hook), extra
+  from jaxrl_llm import sharding
+  params = sharding.reshard(params, run.state_shardings.params)
+  extra = {k: None if v is None else sharding.reshard(v, run.state_shardings.params) for k, v in extra.items()}
+  return sharding.init_state_sharded(params, run.tx, run.state_shardings, loss_state, hook), extra
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,6 +476,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       else:
         ro = sync_rollout(r, store, [t], version, behavior_version(mode, k, version, stage_version))[0]
       batch, info = make_batch(r, store, state, extra, ro)
+      if r.mesh is not None:  # the step's explicit in_shardings: lay the batch out along `batch`
+        batch = jax.device_put(batch, r.batch_sharding)
       t_train = time.perf_counter()
       state, m = r.train_step(state, batch, jax.random.fold_in(r.k_learn, t))
       m = metrics_lib.to_python(m)  # blocks on the step

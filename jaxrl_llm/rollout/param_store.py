@@ -54,7 +54,11 @@ class ParamStore:
 
   def sampler_copy(self, params):
     """`params` as a snapshot holds them (the sampler's dtype and transform)."""
-    out = copy_tree(params, self._sampler_dtype)
+    if self._sampler_shardings is None:
+      out = copy_tree(params, self._sampler_dtype)
+    else:
+      from jaxrl_llm.sharding import reshard
+      out = reshard(params, self._sampler_shardings, self._sampler_dtype)
     return self._sampler_transform(out) if self._sampler_transform is not None else out
 
   def restore(self, version: int, params, learner_params=None) -> None:
@@ -77,13 +81,7 @@ class ParamStore:
 
   def publish(self, params, version: int | None = None) -> int:
     """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it."""
-    if self._sampler_shardings is None:
-      sampler = copy_tree(params, self._sampler_dtype)
-    else:
-      from jaxrl_llm.sharding import reshard  # local: the store stays importable without the sharding module
-      sampler = reshard(params, self._sampler_shardings, self._sampler_dtype)
-    if self._sampler_transform is not None:
-      sampler = self._sampler_transform(sampler)
+    sampler = self.sampler_copy(params)
     learner = copy_tree(params) if self._keep_learner else None
     with self._lock:
       v = self._next_version if version is None else version
