@@ -10,7 +10,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench import grpo_step, workloads
 from jaxrl_llm import learner

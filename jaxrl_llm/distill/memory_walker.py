@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import attention, rms_norm, rope, swiglu
 from jaxrl_llm.models.transformer import logits_from_hidden
 
 Array = jax.Array
@@ -149,29 +148,12 @@ def build_logit_tree(tokens_T, end_T, loss_mask_T) -> dict:
 
 
 def hidden_masked(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array, mask_BTT: Array) -> Array:
-  """Final-normed hidden states under an arbitrary [B, T, T] attention mask (dense; tests / small T).
+  """Final-normed hidden states under an arbitrary [B, T, T] attention mask (the model's own layers).
 
-  Same parameter layout and arithmetic as `models.transformer.hidden` (which only accepts segment ids).
   Every row of the mask must allow at least its own position.
   """
-  p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype), params)
-
-  def layer(h_BTD, p_l):
-    x_BTD = rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps)
-    q = jnp.einsum("btd,dhk->bthk", x_BTD, p_l["wq"])
-    k = jnp.einsum("btd,dhk->bthk", x_BTD, p_l["wk"])
-    v = jnp.einsum("btd,dhk->bthk", x_BTD, p_l["wv"])
-    if cfg.attn_bias:
-      q, k, v = q + p_l["bq"], k + p_l["bk"], v + p_l["bv"]
-    if cfg.qk_norm:
-      q, k = rms_norm(q, p_l["q_norm"], cfg.rms_eps), rms_norm(k, p_l["k_norm"], cfg.rms_eps)
-    q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
-    h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", attention(q, k, v, mask_BTT), p_l["wo"])
-    x_BTD = rms_norm(h_BTD, p_l["mlp_norm"], cfg.rms_eps)
-    return h_BTD + swiglu(x_BTD, p_l["w_gate"], p_l["w_up"], p_l["w_down"]), None
-
-  h_BTD, _ = jax.lax.scan(layer, jnp.take(p["embed"], tokens_BT, axis=0), p["layers"])
-  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps)
+  from jaxrl_llm.models.transformer import hidden  # noqa: PLC0415
+  return hidden(params, tokens_BT, cfg, positions_BT=positions_BT, mask_BTT=mask_BTT)
 
 
 def packed_logprobs(params: dict, packed: dict, cfg: ModelConfig) -> Array:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.losses import core, registry
-from jaxrl_llm.losses.opd_topk_kl import residual_log_mass, topk_valid
+from jaxrl_llm.losses.opd_topk_kl import topk_valid
 
 
 @dataclasses.dataclass(frozen=True)

@@ -228,7 +228,7 @@ def _defaults(tokens_BT: Array, positions_BT, segment_ids_BT) -> tuple[Array, Ar
 
 def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
                         segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
-                        routes_BTLk: Array | None = None) -> tuple[Array, dict]:
+                        routes_BTLk: Array | None = None, mask_BTT: Array | None = None) -> tuple[Array, dict]:
   """Final-normed hidden states [B, T, D] in compute dtype, and the MoE routing.
 
   Args:
@@ -241,6 +241,9 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
       gets `exp(log_sigma_L[l]) * normal(fold_in(key, l))`, differentiable in log_sigma_L.
     routes_BTLk: MoE only: int expert ids to replay (R3) for every token and layer; None = route
       natively. Gates are the current router's softmax at these ids (the router keeps its gradient).
+    mask_BTT: optional explicit attention mask (True = query t may attend to key s) replacing the
+      causal segment mask, e.g. the block masks of packed tree replays (distill/memory_walker.py);
+      every row must allow at least its own position.
 
   Returns:
     (h_BTD, routing): routing is {} for a dense model, else {"routes_BTLk": ids used (int32),
@@ -248,7 +251,8 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
   """
   positions_BT, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
-  mask_BTT = cache_lib.attention_mask(segment_ids_BT, segment_ids_BT)
+  if mask_BTT is None:
+    mask_BTT = cache_lib.attention_mask(segment_ids_BT, segment_ids_BT)
   real_BT = segment_ids_BT > 0
 
   def layer(h_BTD, xs):
@@ -267,13 +271,13 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
 
 def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
            segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
-           routes_BTLk: Array | None = None) -> Array:
+           routes_BTLk: Array | None = None, mask_BTT: Array | None = None) -> Array:
   """Final-normed hidden states [B, T, D] in compute dtype (what the lm-head consumes).
 
   Same arguments as `hidden_with_routing`, which also returns the MoE routing.
   """
   return hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
-                             perturb=perturb, routes_BTLk=routes_BTLk)[0]
+                             perturb=perturb, routes_BTLk=routes_BTLk, mask_BTT=mask_BTT)[0]
 
 
 def forward(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
