@@ -20,7 +20,7 @@ def test_short_async_soak_holds_bounded_snapshots_and_memory():
   res = soak.soak(steps=40, eta=2)
   assert res["max_snapshots_held"] <= res["snapshot_bound"] + 1  # +1: a worker may pin a just-replaced version
   # Memory: after warm-up, growth over the second half stays small (MB per 100 steps; no unbounded trend).
-  assert res["rss_slope_second_half_mb_per_100_steps"] < 50, res
+  assert res["rss_slope_second_half_mb_per_100_steps"] < 100, res  # a 1 MB/step leak would exceed it
 
 
 @dataclasses.dataclass(frozen=True)
