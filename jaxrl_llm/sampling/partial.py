@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache, logits_from_hidden
+from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import emit_token, prompt_layout
+from jaxrl_llm.sampling.sampler import emit_token, prefill_prompts
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
@@ -43,14 +43,10 @@ def _emit(carry: dict, logits_BV: Array, key: Array, version: Array, sampler_cfg
 def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, version: Array,
             model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
   """Fills the cache with the prompts and samples completion column 0; returns the decode carry."""
-  B, P = prompt_tokens_BP.shape
+  B = prompt_tokens_BP.shape[0]
   N = sampler_cfg.max_new_tokens
-  positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
-  prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
-  cache = init_cache(model_cfg, B, P + N)
-  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
-                                   segment_ids_BT=segment_ids_BP)
-  first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+  prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
   carry = {
       "step": jnp.zeros((), jnp.int32),
       "cache": cache,

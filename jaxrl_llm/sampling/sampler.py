@@ -33,6 +33,24 @@ def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
   return positions_BP, real_BP.astype(jnp.int32)
 
 
+def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, model_cfg: ModelConfig,
+                    sampler_cfg: SamplerConfig):
+  """Runs the left-padded prompts through a fresh KV cache sized P + N.
+
+  Returns (prompt_BP with pads set to pad_id, positions_BP, segment_ids_BP, cache, logits_BV of the
+  first completion token). Shared by `generate` and the partial-rollout sampler.
+  """
+  B, P = prompt_tokens_BP.shape
+  positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
+  prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
+  cache = init_cache(model_cfg, B, P + sampler_cfg.max_new_tokens)
+  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
+                                   segment_ids_BT=segment_ids_BP)
+  # Left padding puts every row's last real prompt token in the last column.
+  first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+  return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
+
+
 def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
   """Samples completion column `carry["step"]` with key `fold_in(key, step)`, masks rows that already
   finished (pad, mask 0, logp 0), marks rows that emitted EOS, and advances the step."""
@@ -82,14 +100,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   """
   B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
-  positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
-  prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
-
-  cache = init_cache(model_cfg, B, P + N)
-  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
-                                   segment_ids_BT=segment_ids_BP)
-  # Left padding puts every row's last real prompt token in the last column.
-  first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+  prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
 
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
 
