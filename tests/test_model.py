@@ -91,6 +91,7 @@ def np_forward(params, tokens, cfg, positions=None, segments=None):
     (dict(d_model=0), "model.d_model"),
     (dict(dtype="int8"), "model.dtype"),
     (dict(rms_eps=0.0), "model.rms_eps"),
+    (dict(layer_unroll=0), "model.layer_unroll"),
 ])
 def test_config_validation_names_the_field(change, field):
   with pytest.raises(ValueError, match=field):
@@ -282,6 +283,22 @@ def test_remat_gives_same_values_and_gradients():
   v1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, cfg=remat)))(params)
   np.testing.assert_allclose(v0, v1, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g0, g1)
+
+
+@pytest.mark.parametrize("cfg", [CFG, FULL_CFG])
+def test_unrolled_layers_give_same_values_gradients_and_cache(cfg):
+  """`layer_unroll` changes the schedule only: training forward/backward and cached decode agree."""
+  params = random_params(cfg)
+  tokens = jax.random.randint(jax.random.key(11), (2, 6), 0, 32)
+  unrolled = dataclasses.replace(cfg, layer_unroll=cfg.n_layers)
+  loss = lambda p, c: jnp.mean(jax.nn.log_softmax(forward(p, tokens, c))[..., 0])
+  v0, g0 = jax.jit(jax.value_and_grad(functools.partial(loss, c=cfg)))(params)
+  v1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, c=unrolled)))(params)
+  np.testing.assert_allclose(v0, v1, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g0, g1)
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  outs = [fwd_cache(params, tokens, init_cache(c, 2, 8), c, positions_BT=pos)[0] for c in (cfg, unrolled)]
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
 
 def test_perturb_adds_scaled_gaussian_before_layer_norm():

@@ -55,8 +55,18 @@ def attention(q_BTHd: Array, k_BSKd: Array, v_BSKd: Array, mask_BTS: Array) -> A
   return out_BTKGd.reshape(B, T, H, hd)
 
 
+def project(x_BTD: Array, w_D_: Array, preferred_element_type=None) -> Array:
+  """`x @ w` contracting the last axis of x with the first of w, leading axes flattened to one.
+
+  Why flatten: the weight gradient then contracts a single token axis. With separate (b, t) axes
+  XLA:CPU lays the [B·T, F] cotangent out transposed before the dot, a strided copy that cost about
+  as much as the matmuls themselves in the tiny-model learner step (bench/README.md).
+  """
+  lead, D = x_BTD.shape[:-1], x_BTD.shape[-1]
+  y = jnp.tensordot(x_BTD.reshape(-1, D), w_D_, axes=1, preferred_element_type=preferred_element_type)
+  return y.reshape(*lead, *w_D_.shape[1:])
+
+
 def swiglu(x_BTD: Array, w_gate_DF: Array, w_up_DF: Array, w_down_FD: Array) -> Array:
   """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
-  gate_BTF = jnp.einsum("btd,df->btf", x_BTD, w_gate_DF)
-  up_BTF = jnp.einsum("btd,df->btf", x_BTD, w_up_DF)
-  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, w_down_FD)
+  return project(jax.nn.silu(project(x_BTD, w_gate_DF)) * project(x_BTD, w_up_DF), w_down_FD)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import project
 from jaxrl_llm.models.transformer import hidden_with_routing, lm_head_weights
 
 Array = jax.Array
@@ -79,7 +80,7 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
 
   @jax.checkpoint
   def chunk(w_DV, h_BCD, targets_BC):
-    logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+    logits_BCV = project(h_BCD, w_DV, preferred_element_type=jnp.float32)
     return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk)
 
   out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), (h_NBCD, targets_NBC))

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models import cache as cache_lib
 from jaxrl_llm.models import moe as moe_lib
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import attention, rms_norm, rope, swiglu
+from jaxrl_llm.models.layers import attention, project, rms_norm, rope, swiglu
 
 Array = jax.Array
 
@@ -152,15 +152,12 @@ def lm_head_weights(params: dict, cfg: ModelConfig) -> Array:
 
 def logits_from_hidden(params: dict, h_BTD: Array, cfg: ModelConfig) -> Array:
   """float32 logits [B, T, V] from final-normed hidden states (matmul accumulated in float32)."""
-  return jnp.einsum("btd,dv->btv", h_BTD.astype(cfg.compute_dtype), lm_head_weights(params, cfg),
-                    preferred_element_type=jnp.float32)
+  return project(h_BTD.astype(cfg.compute_dtype), lm_head_weights(params, cfg), preferred_element_type=jnp.float32)
 
 
 def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig) -> tuple[Array, Array, Array]:
   """Projects normed inputs to RoPE-rotated queries/keys and values."""
-  q_BTHd = jnp.einsum("btd,dhk->bthk", x_BTD, p["wq"])
-  k_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, p["wk"])
-  v_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, p["wv"])
+  q_BTHd, k_BTKd, v_BTKd = project(x_BTD, p["wq"]), project(x_BTD, p["wk"]), project(x_BTD, p["wv"])
   if cfg.attn_bias:
     q_BTHd, k_BTKd, v_BTKd = q_BTHd + p["bq"], k_BTKd + p["bk"], v_BTKd + p["bv"]
   if cfg.qk_norm:
@@ -182,7 +179,8 @@ def _mlp(x_BTD: Array, p: dict, cfg: ModelConfig, forced_ids_BTk: Array | None,
 def _finish_layer(h_BTD: Array, attn_BTHd: Array, p: dict, cfg: ModelConfig, forced_ids_BTk: Array | None = None,
                   real_BT: Array | None = None) -> tuple[Array, dict]:
   """Attention output projection + residual, then the MLP block + residual; returns (h, routing)."""
-  h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHd, p["wo"])
+  B, T, H, hd = attn_BTHd.shape
+  h_BTD = h_BTD + project(attn_BTHd.reshape(B, T, H * hd), p["wo"].reshape(H * hd, -1))
   x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_eps)
   y_BTD, routing = _mlp(x_BTD, p, cfg, forced_ids_BTk, real_BT)
   return h_BTD + y_BTD, routing
@@ -265,7 +263,7 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
     return _finish_layer(h_BTD, attention(q_BTHd, k_BTKd, v_BTKd, mask_BTT), p_l, cfg, forced_ids_BTk, real_BT)
 
   xs = (p["layers"], jnp.arange(cfg.n_layers), _layer_routes(routes_BTLk))
-  h_BTD, routing_L = jax.lax.scan(_remat(layer, cfg), _embed(p, tokens_BT), xs)
+  h_BTD, routing_L = jax.lax.scan(_remat(layer, cfg), _embed(p, tokens_BT), xs, unroll=cfg.layer_unroll)
   return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), _routing_out(routing_L)
 
 
@@ -315,7 +313,7 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
     return h_BTD, (k_BSKd, v_BSKd, routing.get("ids_BTk"))
 
   h_BTD, (k_LBSKd, v_LBSKd, ids_LBTk) = jax.lax.scan(layer, _embed(p, tokens_BT),
-                                                      (p["layers"], cache["k"], cache["v"]))
+                                                      (p["layers"], cache["k"], cache["v"]), unroll=cfg.layer_unroll)
   cache = {**cache, "k": k_LBSKd, "v": v_LBSKd}
   if ids_LBTk is not None:  # MoE: record the routes of the new tokens (R3)
     cache["routes_LBSk"] = jax.lax.dynamic_update_slice_in_dim(cache["routes_LBSk"], ids_LBTk, index, axis=2)
