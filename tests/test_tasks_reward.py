@@ -59,6 +59,30 @@ def test_safe_reward_batch_counts():
   assert out.counts == {"ok": 4, "error": 2, "timeout": 2}
 
 
+def test_safe_reward_batch_reuses_workers_and_survives_hung_calls():
+  """Workers persist across batches; every hung call is replaced, so later batches still run in full."""
+  release = threading.Event()
+  def fn(i):
+    if i < 0:
+      release.wait()  # hangs until the end of the test
+    return float(i)
+  try:
+    reward_lib.safe_reward_batch(fn, [(1,)], timeout_s=5.0, max_workers=2)
+    n_threads = threading.active_count()
+    for _ in range(20):  # no new thread per call or per batch
+      assert reward_lib.safe_reward_batch(fn, [(i,) for i in range(16)], timeout_s=5.0, max_workers=2).counts["ok"] == 16
+    assert threading.active_count() == n_threads
+    # More hung calls than workers: each times out on its own clock and its worker is replaced.
+    t0 = time.monotonic()
+    out = reward_lib.safe_reward_batch(fn, [(-1,), (-2,), (-3,), (4,)], timeout_s=0.2, max_workers=2)
+    assert out.status == ("timeout", "timeout", "timeout", "ok") and out.reward_B[3] == 4.0
+    assert time.monotonic() - t0 < 5.0
+    out = reward_lib.safe_reward_batch(fn, [(i,) for i in range(8)], timeout_s=5.0, max_workers=2)
+    assert out.counts == {"ok": 8, "error": 0, "timeout": 0}
+  finally:
+    release.set()
+
+
 def test_timed_out_thread_is_a_daemon():
   started, threads = threading.Event(), []
   def hang():
