@@ -250,6 +250,8 @@ What each number is:
 - sparse sync: the bf16 payload of `jaxrl_llm/rollout/sparse_sync.py` after real GRPO steps of the
   2L-d128 workload. With random-init weights every reward is 0, so the updates are AdamW-normalised
   noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
+- our models: layers unrolled (`model.layer_unroll` = n_layers, as Tunix's models, which loop over layers in
+  Python); the "S, layer_unroll=1" row is S with the layer scan rolled, for comparison.
 - loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step);
   `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
 

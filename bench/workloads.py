@@ -2,16 +2,20 @@
 
 # Learner MFU configs (issue #9): S and M.
 LEARNER = {
-    "S": {"model": dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512, vocab_size=256),
+    "S": {"model": dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512, vocab_size=256, layer_unroll=2),
           "batch": 32, "seq_len": 24, "prompt_len": 8},
-    "M": {"model": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=1024, vocab_size=512),
+    # S with the layer scan rolled (one compiled layer body): the layer_unroll speed-up, measured in the same run.
+    "S, layer_unroll=1": {"model": dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512,
+                                        vocab_size=256, layer_unroll=1),
+                          "batch": 32, "seq_len": 24, "prompt_len": 8},
+    "M": {"model": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=1024, vocab_size=512, layer_unroll=4),
           "batch": 64, "seq_len": 128, "prompt_len": 32},
 }
 
 # Full GRPO step against Tunix: Qwen3-style (q/k RMSNorm), character tokenizer, 2-digit "ab+cd=" prompts.
 GRPO = {
-    "2L-d128": dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512, vocab_size=256),
-    "4L-d256": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=1024, vocab_size=256),
+    "2L-d128": dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512, vocab_size=256, layer_unroll=2),
+    "4L-d256": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=1024, vocab_size=256, layer_unroll=4),
 }
 GRPO_RUN = dict(prompts_per_step=8, group_size=4, max_new_tokens=16, beta=0.04, lr=1e-4, temperature=1.0,
                 epsilon=0.2, num_digits=2, seed=0)

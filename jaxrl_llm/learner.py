@@ -51,6 +51,8 @@ class Batch:
   behavior_logp_BN: Array
   versions_BN: Array  # int32 version that generated each completion token
   lag_B: Array
+  # π_old of the sampled tokens; None means "the current parameters" (on-policy): the step then uses
+  # sg(log π_θ) from its own forward instead of a separate scoring pass.
   prox_logp_BN: Optional[Array] = None
   ref_logp_BN: Optional[Array] = None
   # Extra per-sample loss inputs fixed at rollout time, keyed by `LossInputs` field name (e.g. a
@@ -177,9 +179,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     perturb = (hook["log_sigma_L"], key) if perturbed else None
     out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
                               model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk)
+    prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
-        prox_logp_BT=batch.prox_logp_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
+        prox_logp_BT=prox_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
         entropy_BT=out.get("entropy_BT"), versions_BT=batch.versions_BN, current_version=state.version,
         lag_B=batch.lag_B, state=state.loss_state, tokens_BT=batch.sequence_BT[:, -n_new:])
     if batch.extra:
@@ -207,6 +210,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     lr = core.safe_log_ratio(out["logp_BT"], batch.behavior_logp_BN, batch.mask_BN)
     aux["kl_mu_k1"] = core.metric(-lr, batch.mask_BN)
     aux["kl_mu_k3"] = core.metric(jnp.exp(lr) - lr - 1.0, batch.mask_BN)
+    # Training–inference mismatch |π_old − μ| (precision / kernels; equal versions under `recompute`).
+    mism_BN = jnp.abs(core.safe_log_ratio(prox_BN, batch.behavior_logp_BN, batch.mask_BN))
+    aux["mismatch_abs_mean"] = core.metric(mism_BN, batch.mask_BN)
+    aux["mismatch_abs_max"] = core.max_metric(mism_BN, batch.mask_BN)
     if "entropy_BT" in out and "entropy" not in aux:
       aux["entropy"] = core.metric(out["entropy_BT"], batch.mask_BN)
     return objective, (num, den, aux)

@@ -44,6 +44,26 @@ def test_on_policy_ppo_update_equals_pg_update():
   np.testing.assert_allclose(outs["pg"][1]["grad_norm"], outs["ppo_clip"][1]["grad_norm"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["ppo_clip", "cispo", "tis"])
+def test_prox_none_means_current_policy(name):
+  """prox_logp_BN=None (π_old := sg(log π_θ), no scoring pass) equals passing the current log-probs,
+  and the in-step mismatch metric |π_old − μ| is measured against μ either way."""
+  params = init_params(CFG, jax.random.key(5))
+  batch = make_batch(params)
+  behav = batch.behavior_logp_BN + 0.01 * batch.mask_BN  # μ differs from π_θ by exactly 0.01
+  batch = batch.replace(behavior_logp_BN=behav)
+  tx = learner.make_optimizer(1e-2, grad_clip=0.0)
+  step = learner.make_train_step(CFG, tx, name, agg_mode="token-mean")
+  outs = [step(learner.init_state(copy(params), tx), b, jax.random.key(0))
+          for b in (batch, batch.replace(prox_logp_BN=None))]
+  for a, b in zip(jax.tree.leaves(outs[0][0].params), jax.tree.leaves(outs[1][0].params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  for m in (outs[0][1], outs[1][1]):
+    np.testing.assert_allclose(m["mismatch_abs_mean"], 0.01, rtol=1e-3)
+    np.testing.assert_allclose(m["mismatch_abs_max"], 0.01, rtol=1e-3)
+  np.testing.assert_allclose(outs[0][1]["loss"], outs[1][1]["loss"], rtol=1e-5)
+
+
 def test_non_finite_loss_skips_update_bitwise():
   params = init_params(CFG, jax.random.key(2))
   batch = make_batch(params, adv=jnp.nan)
