@@ -36,6 +36,7 @@ def get_config():
   c.model.router_aux_coef = 0.01  # MoE load-balancing loss weight
   c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids (MoE only)
   c.model.remat = False  # rematerialise each layer in the backward pass
+  c.model.layer_unroll = 0  # layers per scan iteration; 0 = unroll all (fast on CPU), 1 = rolled (short compiles)
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
 
   c.sampler = ml_collections.ConfigDict()
@@ -56,6 +57,15 @@ def get_config():
   c.rollout.ewma_beta = 0.9  # EWMA decay of the proximal parameter copy (old_logp = ewma)
   c.rollout.num_workers = 1  # rollout worker threads (async)
   c.rollout.partial_chunk = 0  # async partial rollouts: decode steps between version checks (0 = off)
+  c.rollout.weight_sync = "full"  # publish: "full" dense copy | "sparse" SparseRL-Sync delta (bit-identical copy)
+  c.rollout.replay = ml_collections.ConfigDict()  # experience replay of groups (sync / fixed_lag modes)
+  c.rollout.replay.capacity = 0  # groups held in the FIFO; 0 = off (every rollout consumed once)
+  c.rollout.replay.fresh_per_step = 0  # prompts per sampler call, one call per learner step (0 = prompts_per_step)
+  c.rollout.replay.reuse_limit = 0  # times a group may be sampled before it leaves the buffer (0 = unlimited)
+  c.rollout.replay.recency = 1.0  # sampling weight ∝ recency ** lag (1 = uniform; smaller favours fresh groups)
+  c.rollout.replay.stale_policy = "keep"  # groups with lag > max_lag: drop | keep | downweight
+  c.rollout.replay.max_lag = -1  # over-stale threshold (-1 = no bound)
+  c.rollout.replay.decay = 0.5  # downweight: advantages × decay ** (lag − max_lag)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "ppo_clip"

@@ -12,6 +12,8 @@ ROLLOUT_MODES = ("sync", "fixed_lag", "staged", "async")
 OLD_LOGP = ("recompute", "behavior", "step_start", "ewma", "a3po")
 DTYPES = ("float32", "bfloat16", "float16")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+WEIGHT_SYNC = ("full", "sparse")
+REPLAY_STALE_POLICIES = ("drop", "keep", "downweight")
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.model.num_experts:
     _need(1 <= c.model.experts_per_token <= c.model.num_experts, "model.experts_per_token",
           c.model.experts_per_token, f"must be in [1, model.num_experts={c.model.num_experts}]")
+  _need(isinstance(c.model.layer_unroll, int) and c.model.layer_unroll >= 0, "model.layer_unroll", c.model.layer_unroll,
+        "must be an int >= 0 (0 = unroll every layer)")
   _need(c.model.capacity_factor >= 0, "model.capacity_factor", c.model.capacity_factor, "must be >= 0 (0 = dropless)")
   for ax in ("data", "fsdp", "tensor", "expert"):
     _need(isinstance(c.mesh[ax], int) and c.mesh[ax] >= 1, f"mesh.{ax}", c.mesh[ax], "must be an int >= 1")
@@ -81,6 +85,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.rollout.partial_chunk and c.rollout.mode != "async":
     raise ConfigError(f"config.rollout.partial_chunk={c.rollout.partial_chunk}: partial rollouts need rollout.mode='async'")
   _need(0.0 <= c.rollout.ewma_beta < 1.0, "rollout.ewma_beta", c.rollout.ewma_beta, "must be in [0, 1)")
+  _need(c.rollout.weight_sync in WEIGHT_SYNC, "rollout.weight_sync", c.rollout.weight_sync,
+        f"must be one of {WEIGHT_SYNC}")
+  _need(c.rollout.weight_sync != "sparse" or n_mesh == 1, "rollout.weight_sync", c.rollout.weight_sync,
+        "sparse sync rebuilds the sampler copy in the learner's layout: use 'full' with a multi-device config.mesh")
+  _validate_replay(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
   if c.loss.name not in losses.names():
@@ -103,6 +112,37 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if missing:
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
                       f"(available: {sorted(available_needs(c))})")
+
+
+def _validate_replay(c: ml_collections.ConfigDict) -> None:
+  """`rollout.replay`: every field has a range; replay needs a synchronous mode and room for a batch."""
+  r = c.rollout.get("replay")
+  if r is None:
+    return
+  _need(isinstance(r.capacity, int) and r.capacity >= 0, "rollout.replay.capacity", r.capacity,
+        "must be a non-negative int (0 = off)")
+  _need(isinstance(r.fresh_per_step, int) and r.fresh_per_step >= 0, "rollout.replay.fresh_per_step",
+        r.fresh_per_step, "must be a non-negative int (0 = rollout.prompts_per_step)")
+  _need(isinstance(r.reuse_limit, int) and r.reuse_limit >= 0, "rollout.replay.reuse_limit", r.reuse_limit,
+        "must be a non-negative int (0 = unlimited)")
+  _need(0.0 < r.recency <= 1.0, "rollout.replay.recency", r.recency, "must be in (0, 1] (1 = uniform)")
+  _need(r.stale_policy in REPLAY_STALE_POLICIES, "rollout.replay.stale_policy", r.stale_policy,
+        f"must be one of {REPLAY_STALE_POLICIES}")
+  _need(isinstance(r.max_lag, int) and r.max_lag >= -1, "rollout.replay.max_lag", r.max_lag,
+        "must be an int >= -1 (-1 = no bound)")
+  _need(0.0 <= r.decay <= 1.0, "rollout.replay.decay", r.decay, "must be in [0, 1]")
+  if not r.capacity:
+    return
+  if c.rollout.mode not in ("sync", "fixed_lag"):
+    raise ConfigError(f"config.rollout.replay.capacity={r.capacity}: replay runs in rollout.mode 'sync' or "
+                      f"'fixed_lag', not {c.rollout.mode!r}")
+  fresh = r.fresh_per_step or c.rollout.prompts_per_step
+  _need(r.capacity >= max(c.rollout.prompts_per_step, fresh), "rollout.replay.capacity", r.capacity,
+        f"must hold a batch and a sampler call: >= max(rollout.prompts_per_step={c.rollout.prompts_per_step}, "
+        f"rollout.replay.fresh_per_step={fresh})")
+  if r.stale_policy == "drop" and r.max_lag >= 0 and c.rollout.mode == "fixed_lag":
+    _need(r.max_lag >= c.rollout.lag, "rollout.replay.max_lag", r.max_lag,
+          f"must be >= rollout.lag={c.rollout.lag} under stale_policy='drop' (fresh groups already have that lag)")
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

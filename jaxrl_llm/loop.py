@@ -56,8 +56,14 @@ def model_config(c: ml_collections.ConfigDict, width: int) -> ModelConfig:
   return ModelConfig(vocab_size=tok.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                      n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
+                     layer_unroll=layer_unroll(c),
                      num_experts=m.num_experts, experts_per_token=m.experts_per_token,
                      capacity_factor=m.capacity_factor, max_seq_len=width + c.sampler.max_new_tokens)
+
+
+def layer_unroll(c: ml_collections.ConfigDict) -> int:
+  """`model.layer_unroll` with 0 meaning every layer (a config stays valid when n_layers changes)."""
+  return c.model.layer_unroll or c.model.n_layers
 
 
 def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False) -> SamplerConfig:
@@ -76,9 +82,27 @@ def behavior_version(mode: str, k: int, version: int, stage_version: int) -> int
   return stage_version  # staged
 
 
-def retention(mode: str, k: int) -> int:
-  """Snapshots the store keeps for lagged generation and old-log-prob recompute."""
-  return 1 if mode == "sync" else k + 1
+def retention(mode: str, k: int, replay: ml_collections.ConfigDict | None = None) -> int:
+  """Snapshots the store keeps for lagged generation and old-log-prob recompute.
+
+  With replay (`replay_config`), every version a buffered group may still be scored at: the group's
+  own lag (k in fixed_lag) plus the steps it can stay buffered (rollout.replay.retention_bound).
+  """
+  k = 0 if mode == "sync" else k
+  if replay is None:
+    return k + 1
+  from jaxrl_llm.rollout.replay import retention_bound
+  return retention_bound(replay.capacity, replay.fresh_per_step, k, replay.stale_policy, replay.max_lag) + 1
+
+
+def replay_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict | None:
+  """`rollout.replay` with `fresh_per_step` resolved (0 -> prompts_per_step), or None when replay is off."""
+  r = c.rollout.get("replay")
+  if r is None or not r.capacity:
+    return None
+  r = r.copy_and_resolve_references()
+  r.fresh_per_step = r.fresh_per_step or c.rollout.prompts_per_step
+  return r
 
 
 def initial_policy(c, model_cfg: ModelConfig, key) -> tuple[ModelConfig, Any]:
@@ -92,6 +116,7 @@ def initial_policy(c, model_cfg: ModelConfig, key) -> tuple[ModelConfig, Any]:
         f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} does not match "
         f"the task tokenizer's vocab_size={model_cfg.vocab_size}")
   return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
+                             layer_unroll=c.model.layer_unroll or hf_cfg.n_layers,
                              max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len)), params
 
 
@@ -222,9 +247,9 @@ def new_store(run: Run) -> ParamStore:
     from jaxrl_llm.sampling.quantize import int8_weight_only
     transform = int8_weight_only
   differs = sampler_dtype is not None or transform is not None
-  return ParamStore(keep_last=retention(c.rollout.mode, c.rollout.lag), sampler_dtype=sampler_dtype,
+  return ParamStore(keep_last=retention(c.rollout.mode, c.rollout.lag, replay_config(c)), sampler_dtype=sampler_dtype,
                     keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
-                    sampler_shardings=run.sampler_shardings)
+                    sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync)
 
 
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
@@ -248,21 +273,25 @@ def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
 # Where a batch comes from.
 
 
-def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_b: int) -> list[dict]:
+def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_b: int, n: int | None = None,
+                 call: int = 0) -> list[dict]:
   """Generates the batches of learner steps `steps` in one sampler call, with the pinned snapshot v_b.
 
   sync / fixed_lag pass one step; staged passes a whole stage (μ-GRPO generates the stage at once).
   The prompts of step t depend only on (seed, t), so a stage regenerated after a resume is identical.
+  Replay passes `n` prompts per step (default rollout.prompts_per_step) and the index `call` of the
+  step's sampler call; prompts and sampler key then depend on (seed, t, call); call 0 is the default draw.
   """
   c = run.c
-  G, n = c.rollout.group_size, c.rollout.prompts_per_step
+  G, n = c.rollout.group_size, n or c.rollout.prompts_per_step
   snap = store.acquire(v_b)
   try:
-    ps = [collect.prompts_for_step(run.train_examples, t, n, c.seed, run.P) for t in steps]
+    ps = [collect.prompts_for_step(run.train_examples, t, n, c.seed, run.P, call) for t in steps]
     p = collect.Prompts(np.repeat(np.concatenate([q.tokens_BP for q in ps]), G, 0),
                         np.repeat(np.concatenate([q.len_B for q in ps]), G),
                         [ex for q in ps for ex in q.examples for _ in range(G)])
     key = jax.random.fold_in(jax.random.fold_in(run.k_sample, v_b), steps[0])
+    key = jax.random.fold_in(key, call) if call else key
     t0 = time.perf_counter()
     out = generate(snap.params, jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key, run.sampler_model_cfg, run.samp_cfg)
     out = jax.tree.map(np.asarray, out)
@@ -281,7 +310,60 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
            "time_generate_s": time_gen if i == 0 else 0.0} for i in range(len(steps))]
 
 
-def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq, routes=None) -> jax.Array:
+def new_replay(rc: ml_collections.ConfigDict, state_dict: dict | None):
+  """The run's replay buffer, empty or (on resume) restored from its checkpointed state."""
+  from jaxrl_llm.rollout.replay import ReplayBuffer
+  kw = dict(reuse_limit=rc.reuse_limit, recency=rc.recency, policy=rc.stale_policy, max_lag=rc.max_lag,
+            decay=rc.decay)
+  if state_dict is None:
+    return ReplayBuffer(rc.capacity, **kw)
+  return ReplayBuffer.from_state(state_dict, rc.capacity, **kw)
+
+
+def replay_rollout(run: Run, store: ParamStore, buf, rc: ml_collections.ConfigDict, step: int, version: int,
+                   v_b: int) -> dict:
+  """The batch of learner step `step` sampled from the replay buffer, after pushing this step's fresh groups.
+
+  One sampler call of `fresh_per_step` prompts (a constant shape: generate compiles once); further
+  calls only while fewer than a batch of groups are sampleable (first steps, tight reuse limits).
+  Each call adds fresh groups that `sample` may pick, and capacity holds a batch, so
+  ceil(prompts_per_step / fresh_per_step) calls always suffice. The sampling rng depends on (seed, step).
+  """
+  from jaxrl_llm.rollout import replay as replay_lib
+  c = run.c
+  n = c.rollout.prompts_per_step
+  calls, errors, time_gen, gen_tokens = 0, 0, 0.0, 0.0
+  while calls == 0 or buf.available(version) < n:
+    fresh = sync_rollout(run, store, [step], version, v_b, n=rc.fresh_per_step, call=calls)[0]
+    buf.push(replay_lib.split_groups(fresh, c.rollout.group_size, v_b, step))
+    errors, time_gen, calls = errors + fresh["reward_errors"], time_gen + fresh["time_generate_s"], calls + 1
+    gen_tokens += float(fresh["mask_BN"].sum())
+  groups = buf.sample(np.random.default_rng([c.seed, 13, step]), n, version)
+  ro = replay_lib.collate(groups, version, rc.max_lag, rc.stale_policy, rc.decay)
+  down = [rc.stale_policy == "downweight" and replay_lib.is_over_stale(version - g.version, rc.max_lag) for g in groups]
+  ro.update(reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
+            replay_generated_groups=calls * rc.fresh_per_step,
+            replay_fresh_frac=float(np.mean([g.step == step for g in groups])),
+            replay_mean_uses=float(np.mean([g.uses for g in groups])),  # including this use
+            replay_dropped_stale=buf.counters["dropped_stale"], replay_downweighted_frac=float(np.mean(down)))
+  return ro
+
+
+def prox_is_current(c: ml_collections.ConfigDict) -> bool:
+  """Whether π_old is, by construction, the learner's current parameters (decided once per run).
+
+  True for `step_start` (one update per batch) and for `recompute` in sync mode without replay (every
+  token was generated by the current version, and the recompute uses the learner-dtype copy of it).
+  Not under ALP, whose learner forward is perturbed while π_old is not.
+  """
+  if "perturb" in losses.get(c.loss.name).needs:
+    return False
+  if c.rollout.old_logp == "step_start":
+    return True
+  return c.rollout.old_logp == "recompute" and c.rollout.mode == "sync" and replay_config(c) is None
+
+
+def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq, routes=None) -> jax.Array | None:
   """The learner-side π_old of the sampled tokens, by the run's `rollout.old_logp` strategy.
 
   recompute   exact: each token scored by the learner at the version that generated it (one forward
@@ -290,8 +372,11 @@ def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq, routes=N
   step_start  the parameters before this update
   ewma        an EWMA copy of past parameters (Hilton's PPO-EWMA)
   a3po        A-3PO: log μ + α·(log π_step_start − log μ) with α from per-token versions
+  Returns None when π_old is the current parameters (`prox_is_current`): the learner uses sg(log π_θ).
   """
   strategy, mask = run.c.rollout.old_logp, ro["mask_BN"]
+  if prox_is_current(run.c):
+    return None  # the learner takes sg(log π_θ) from its own forward: no separate scoring pass
   if strategy == "behavior":
     return jnp.asarray(ro["behavior_logp_BN"])
   if strategy == "step_start":
@@ -318,6 +403,8 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
   seq = (jnp.asarray(ro["sequence_BT"]), jnp.asarray(ro["positions_BT"]), jnp.asarray(ro["segment_ids_BT"]))
   mask = jnp.asarray(ro["mask_BN"])
   adv_B = collect.group_advantages(ro["reward_B"], c.rollout.group_size, c.advantage.name, c.advantage.std_normalize)
+  if "adv_weight_B" in ro:  # replay: over-stale groups down-weighted, after group normalisation
+    adv_B = adv_B * jnp.asarray(ro["adv_weight_B"])
   info = {}
   if c.rollout.dynamic_sampling:  # DAPO: groups whose rewards are all equal leave the loss and its denominator
     B = mask.shape[0]
@@ -334,10 +421,7 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
       prox_logp_BN=prox, routes_BTLk=routes,
       ref_logp_BN=run.score(extra["ref"], *seq, mask, routes) if extra["ref"] is not None else None,
       extra=run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None)
-  # Mismatch between π_old and μ at the same version (precision / kernel), meaningful under `recompute`.
-  mism = jnp.where(mask > 0, jnp.abs(prox - behav), 0.0)
-  info.update(mismatch_abs_mean=float(mism.sum() / jnp.maximum(mask.sum(), 1)), mismatch_abs_max=float(mism.max()))
-  return batch, info
+  return batch, info  # the mismatch |π_old − μ| is measured inside the train step
 
 
 def async_engine(run: Run, store: ParamStore, state_dict: dict | None):
@@ -345,7 +429,8 @@ def async_engine(run: Run, store: ParamStore, state_dict: dict | None):
   c = run.c
   fn = ae.make_group_rollout(run.task, run.train_examples, width=run.P, group_size=c.rollout.group_size, seed=c.seed,
                              key_root=run.k_sample, model_cfg=run.sampler_model_cfg, sampler_cfg=run.samp_cfg,
-                             store=store, chunk_steps=c.rollout.partial_chunk or None)
+                             store=store, chunk_steps=c.rollout.partial_chunk or None,
+                             keep_routes=c.model.routing_replay)  # R3: collate then hands routes_BTLk to make_batch
   kw = dict(batch_groups=c.rollout.prompts_per_step, eta=c.rollout.lag, num_workers=c.rollout.num_workers)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
@@ -420,13 +505,14 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
   r = setup(c)
   mode, k = c.rollout.mode, c.rollout.lag
   store = new_store(r)
-  slots = retention(mode, k)
+  rc = replay_config(c)
+  slots = retention(mode, k, rc)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep,
                                      best_metric="eval_accuracy" if c.eval.every > 0 else None)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
 
   restored = _restore(ckpt, r, store, slots)
-  engine_state = None
+  engine_state = replay_state = None
   if restored is None:
     start = 0
     t0 = time.perf_counter()
@@ -446,6 +532,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
     metrics_lib.truncate_after(metrics_path, start - 1)
     if meta.get("async_engine"):
       engine_state = pickle.loads(base64.b64decode(meta["async_engine"]))
+    if meta.get("replay"):
+      replay_state = pickle.loads(base64.b64decode(meta["replay"]))
+  buf = new_replay(rc, replay_state) if rc is not None else None
   stage_version = meta["stage_version"]
   stage: dict[int, dict] = {}  # staged mode: the current stage's rollouts by learner step
 
@@ -473,6 +562,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
                                                                      version, stage_version)))
         ro = stage.pop(t)
         ro["lag_B"] = np.full_like(ro["lag_B"], version - stage_version)
+      elif buf is not None:
+        ro = replay_rollout(r, store, buf, rc, t, version, behavior_version(mode, k, version, stage_version))
       else:
         ro = sync_rollout(r, store, [t], version, behavior_version(mode, k, version, stage_version))[0]
       batch, info = make_batch(r, store, state, extra, ro)
@@ -484,7 +575,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       n_tok = float(np.asarray(ro["mask_BN"]).sum())
       info["time_learner_tokens_per_s"] = n_tok / max(time.perf_counter() - t_train, 1e-9)
       if ro.get("time_generate_s"):
-        info["time_sampler_tokens_per_s"] = n_tok / ro["time_generate_s"]
+        info["time_sampler_tokens_per_s"] = ro.get("generated_tokens", n_tok) / ro["time_generate_s"]
       if not m["update_skipped"]:
         store.publish(state.params)
         if extra["ewma"] is not None:
@@ -499,7 +590,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
           "reward_mean": float(np.mean(reward_B)), "reward_std": float(np.std(reward_B)),
           "accuracy": float(np.mean(reward_B >= 1.0)), "completion_len": float(mask_BN.sum(1).mean()),
           "reward_errors": ro["reward_errors"], **info, **m,
-          **{k_: v for k_, v in ro.items() if k_.startswith(("time_", "async_"))},
+          **{k_: v for k_, v in ro.items() if k_.startswith(("time_", "async_", "replay_"))},
+          **store.sync_metrics(),  # weight_sync="sparse": payload ratio and changed fraction of the newest publish
       }
       if mode == "async":
         row["request_ids"] = ro["request_ids"]
@@ -518,6 +610,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
         if engine is not None:
           engine.stop()
           meta["async_engine"] = base64.b64encode(pickle.dumps(engine.state())).decode()
+        if buf is not None:  # the buffered groups, ids and counters: a resumed run samples what this one would
+          meta["replay"] = base64.b64encode(pickle.dumps(buf.state())).decode()
         best = {"eval_accuracy": row["eval_accuracy"]} if "eval_accuracy" in row else None  # keep-N + best
         _save(ckpt, t + 1, state, store, extra, slots, {**meta, "stage_version": stage_version}, force=preempted,
               metrics=best)
@@ -537,7 +631,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       flag.uninstall()
   info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"), "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
-          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size()}
+          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals()}
   with open(os.path.join(workdir, "run_info.json"), "w") as f:
     json.dump(info, f, indent=2)
   return rows

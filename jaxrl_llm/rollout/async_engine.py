@@ -45,12 +45,14 @@ def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
 
 def make_group_rollout(task, train_examples, *, width: int, group_size: int, seed: int, key_root: jax.Array,
                        model_cfg, sampler_cfg, store: ParamStore | None = None,
-                       chunk_steps: int | None = None, reprefill: bool = False) -> RolloutFn:
+                       chunk_steps: int | None = None, reprefill: bool = False,
+                       keep_routes: bool = False) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
 
   With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
   snapshot of `store` between chunks (keeping the KV cache unless `reprefill`); `versions_GN`
   records the version of every token. Otherwise the whole group uses the admitted snapshot.
+  `keep_routes` (MoE, routing replay R3): the trajectory carries the sampler's expert ids `routes_GTLk`.
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
@@ -73,7 +75,8 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
         request_id=request_id, group_id=int(example["example_id"]), start_version=snap.version,
         sequence_GT=out["sequence_BT"], positions_GT=out["positions_BT"], segment_ids_GT=out["segment_ids_BT"],
         tokens_GN=out["tokens_BN"], mask_GN=out["mask_BN"], behavior_logp_GN=out["behavior_logp_BN"],
-        versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example))
+        versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example),
+        routes_GTLk=out["routes_BTLk"] if keep_routes and "routes_BTLk" in out else None)
 
   return rollout
 

@@ -6,6 +6,7 @@ advantages never mix policies.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -54,9 +55,10 @@ def load_split(task_name: str, split: str, task_kwargs: dict, source: str, data_
       lambda r: {"prompt": text(r["prompt"]), "answer": text(r["answer"]), "example_id": int(r["example_id"])})
 
 
-def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int) -> Prompts:
-  """The prompts of learner step `step`: a pure function of (seed, step), so resume is exact."""
-  rng = np.random.default_rng([seed, 7, step])
+def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int, call: int = 0) -> Prompts:
+  """The prompts of learner step `step` (its sampler call `call`, replay): a pure function of
+  (seed, step, call), so resume is exact. Call 0 draws what a step always drew."""
+  rng = np.random.default_rng([seed, 7, step] + ([call] if call else []))
   idx = rng.choice(len(train_examples), size=n, replace=len(train_examples) < n)
   return encode_prompts([train_examples[int(i)] for i in idx], width)
 
@@ -71,6 +73,12 @@ def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
 
 
 def group_advantages(reward_B: np.ndarray, group_size: int, name: str, std_normalize: bool) -> jax.Array:
+  return _group_advantages(jnp.asarray(reward_B, jnp.float32), group_size, name, std_normalize)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _group_advantages(reward_B: jax.Array, group_size: int, name: str, std_normalize: bool) -> jax.Array:
+  # Jitted: run eagerly, the few dozen small ops cost ~10 ms of host dispatch per learner step.
   B = reward_B.shape[0]
   group_id_B = jnp.arange(B, dtype=jnp.int32) // group_size
-  return ADVANTAGE_FNS[name](jnp.asarray(reward_B), group_id_B, B // group_size, std_normalize)
+  return ADVANTAGE_FNS[name](reward_B, group_id_B, B // group_size, std_normalize)

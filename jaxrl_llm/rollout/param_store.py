@@ -6,6 +6,15 @@ tensor-parallel sampler), and assigns the next version. The learner step donates
 snapshot must never alias them: publish always copies. `acquire(version)`
 pins a snapshot (refcount + 1); `release` unpins it. A snapshot is freed once it is unpinned and
 older than the retention window `keep_last` (what lagged generation / old-log-prob recompute need).
+
+`weight_sync="sparse"` builds each sampler copy the way a remote sampler would receive it
+(SparseRL-Sync, `rollout/sparse_sync.py`): the previous copy plus the elements that changed bitwise
+since the previous publish, so the copy is bit-identical to the dense one and every publish records
+its payload (`sync_metrics`). The first publish is dense; after `restore` the newest restored
+snapshot is the common base (or, under a `sampler_transform`, the next publish is dense). A
+transform (int8) runs after the reconstruction, on the receiver: the payload carries the cast
+weights, since one changed weight moves a whole channel's int8 scale. Needs the learner's layout
+(`sampler_shardings` None).
 """
 
 from __future__ import annotations
@@ -15,6 +24,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl_llm.rollout import sparse_sync
+
+WEIGHT_SYNC = ("full", "sparse")
 
 
 class Snapshot(NamedTuple):
@@ -35,9 +48,13 @@ class ParamStore:
   """Holds snapshots by version. Thread-safe; holds only references and counters."""
 
   def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False, sampler_shardings=None,
-               sampler_transform=None):
+               sampler_transform=None, weight_sync: str = "full"):
     if keep_last < 1:
       raise ValueError("keep_last must be >= 1")
+    if weight_sync not in WEIGHT_SYNC:
+      raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC}, got {weight_sync!r}")
+    if weight_sync == "sparse" and sampler_shardings is not None:
+      raise ValueError("weight_sync='sparse' needs the learner's layout (sampler_shardings=None)")
     self._keep_last = keep_last
     self._sampler_dtype = sampler_dtype
     self._sampler_shardings = sampler_shardings  # None: keep the learner's layout
@@ -46,7 +63,9 @@ class ParamStore:
     self._snaps: dict[int, Snapshot] = {}
     self._refs: dict[int, int] = {}
     self._next_version = 0
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()  # snapshots and refcounts (workers acquire while the learner publishes)
+    self._publish_lock = threading.Lock()  # one publish / restore at a time (the sync link's state); outer lock
+    self._link = sparse_sync.SyncLink(sampler_dtype) if weight_sync == "sparse" else None
 
   @property
   def keeps_learner_copy(self) -> bool:
@@ -59,17 +78,23 @@ class ParamStore:
     else:
       from jaxrl_llm.sharding import reshard
       out = reshard(params, self._sampler_shardings, self._sampler_dtype)
-    return self._sampler_transform(out) if self._sampler_transform is not None else out
+    return self._transform(out)
+
+  def _transform(self, params):
+    return self._sampler_transform(params) if self._sampler_transform is not None else params
 
   def restore(self, version: int, params, learner_params=None) -> None:
     """Puts back a checkpointed snapshot as is (no cast), e.g. on resume; versions must increase."""
-    with self._lock:
-      if version < self._next_version:
-        raise ValueError(f"version {version} already held (next is {self._next_version})")
-      self._snaps[version] = Snapshot(version, params, learner_params if self._keep_learner else None)
-      self._refs.setdefault(version, 0)
-      self._next_version = version + 1
-      self._gc()
+    with self._publish_lock:
+      with self._lock:
+        if version < self._next_version:
+          raise ValueError(f"version {version} already held (next is {self._next_version})")
+        self._snaps[version] = Snapshot(version, params, learner_params if self._keep_learner else None)
+        self._refs.setdefault(version, 0)
+        self._next_version = version + 1
+        self._gc()
+      if self._link is not None:  # restored in increasing order: the newest is the base of the next delta
+        self._link.reset(params if self._sampler_transform is None else None)
 
   @property
   def latest_version(self) -> int:
@@ -81,17 +106,30 @@ class ParamStore:
 
   def publish(self, params, version: int | None = None) -> int:
     """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it."""
-    sampler = self.sampler_copy(params)
-    learner = copy_tree(params) if self._keep_learner else None
-    with self._lock:
-      v = self._next_version if version is None else version
-      if v < self._next_version:
-        raise ValueError(f"version {v} already published (next is {self._next_version})")
-      self._snaps[v] = Snapshot(v, sampler, learner)
-      self._refs.setdefault(v, 0)
-      self._next_version = v + 1
-      self._gc()
+    with self._publish_lock:  # the copies are made outside `_lock`: workers keep acquiring meanwhile
+      sampler = self.sampler_copy(params) if self._link is None else self._transform(self._link.sync(params))
+      learner = copy_tree(params) if self._keep_learner else None
+      with self._lock:
+        v = self._next_version if version is None else version
+        if v < self._next_version:
+          raise ValueError(f"version {v} already published (next is {self._next_version})")
+        self._snaps[v] = Snapshot(v, sampler, learner)
+        self._refs.setdefault(v, 0)
+        self._next_version = v + 1
+        self._gc()
     return v
+
+  def sync_metrics(self) -> dict:
+    """Sparse sync: `sync_payload_ratio` (payload / dense bytes) and `sync_changed_frac` of the newest
+    publish; {} under full sync."""
+    last = None if self._link is None else self._link.last
+    return {} if last is None else {"sync_payload_ratio": last.ratio, "sync_changed_frac": last.changed_frac}
+
+  def sync_totals(self) -> dict:
+    """Sparse sync: bytes sent and dense bytes over this store's publishes; {} under full sync."""
+    link = self._link
+    return {} if link is None else {"sync_publishes": link.syncs, "sync_payload_bytes_total": link.total_payload_bytes,
+                                    "sync_dense_bytes_total": link.total_dense_bytes}
 
   def acquire(self, version: int | None = None) -> Snapshot:
     """Pins and returns the snapshot of `version` (default: the newest)."""

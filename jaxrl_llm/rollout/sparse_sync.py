@@ -6,12 +6,15 @@ the cast, so -0.0 vs 0.0 or a rounding flip counts, an fp32 change that rounds a
 unions those index sets until the next sync, and sends `(flat int32 indices, current values)` per
 tensor. Values, not deltas, are sent, so the union may be a superset (an element that changed and
 changed back is resent) and the sampler copy is still bit-exact. A tensor whose changed fraction
-exceeds `max_density` (1/3: the break-even of 4-byte index + 2-byte value vs 2 bytes) goes dense.
+exceeds `max_density` goes dense; by default the break-even of a 4-byte index + value against the
+value alone, itemsize / (4 + itemsize): 1/3 for bf16, 1/2 for fp32.
 
 Trainer:  union = init_union(params); low = cast(params, dtype)
           after every optimiser step: union, low = track_step(union, low, params, dtype)
           at a sync: payload = pack(low, union); union = init_union(params)
 Sampler:  sampler_params = apply(sampler_params, payload)
+
+`SyncLink` runs both ends in one process, one sync per ParamStore publish (`weight_sync="sparse"`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ def _is_float(x) -> bool:
 
 
 def cast(params, dtype):
-  """The sampler copy: floating leaves cast to `dtype`, other leaves unchanged."""
-  return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, params)
+  """The sampler copy: floating leaves cast to `dtype` (None: kept), as new arrays (never aliases `params`,
+  whose buffers a learner step may donate)."""
+  return jax.tree.map(lambda x: x.astype(dtype) if dtype is not None and _is_float(x) else jnp.array(x, copy=True),
+                      params)
 
 
 def bits(x: Array) -> Array:
@@ -74,14 +79,23 @@ class Payload(NamedTuple):
   leaves: list[Leaf]
 
 
-def pack(low, union, max_density: float = 1 / 3) -> Payload:
-  """Host-side packing (Alg. 2): per tensor, changed flat indices + current values, or dense."""
+def break_even(dtype) -> float:
+  """Changed fraction at which index + value bytes equal the dense bytes: itemsize / (4 + itemsize)."""
+  n = np.dtype(dtype).itemsize
+  return n / (4 + n)
+
+
+def pack(low, union, max_density: float | None = None) -> Payload:
+  """Host-side packing (Alg. 2): per tensor, changed flat indices + current values, or dense.
+
+  `max_density` None: each tensor's `break_even` (the smaller payload of the two).
+  """
   lows, treedef = jax.tree.flatten(low)
   leaves = []
   for w, u in zip(lows, jax.tree.leaves(union)):
     w_flat, u_flat = np.asarray(w).reshape(-1), np.asarray(u).reshape(-1)
     idx = np.flatnonzero(u_flat).astype(np.int32)
-    if idx.size > max_density * w_flat.size:
+    if idx.size > (break_even(w_flat.dtype) if max_density is None else max_density) * w_flat.size:
       leaves.append(Leaf(None, np.asarray(w), tuple(w.shape)))
     else:
       leaves.append(Leaf(idx, w_flat[idx], tuple(w.shape)))
@@ -128,13 +142,70 @@ def payload_bytes(payload: Payload) -> int:
   return sum(leaf.values.nbytes + (0 if leaf.indices is None else leaf.indices.nbytes) for leaf in payload.leaves)
 
 
+def dense_bytes(payload: Payload) -> int:
+  """The cost of sending every tensor whole in the sampler dtype."""
+  return sum(int(np.prod(leaf.shape)) * leaf.values.dtype.itemsize for leaf in payload.leaves)
+
+
 def payload_ratio(payload: Payload) -> float:
-  """Sparse bytes / dense bytes (the cost of sending every tensor whole in the sampler dtype)."""
-  dense = sum(int(np.prod(leaf.shape)) * leaf.values.dtype.itemsize for leaf in payload.leaves)
-  return payload_bytes(payload) / max(dense, 1)
+  """Sparse bytes / dense bytes."""
+  return payload_bytes(payload) / max(dense_bytes(payload), 1)
 
 
 def density(union) -> float:
   """Fraction of elements in the changed-index set."""
   leaves = jax.tree.leaves(union)
   return float(sum(int(jnp.sum(u)) for u in leaves)) / max(sum(u.size for u in leaves), 1)
+
+
+class SyncStats(NamedTuple):
+  """One sync: bytes sent, bytes of a dense copy, fraction of elements that changed (1 for a dense sync)."""
+  payload_bytes: int
+  dense_bytes: int
+  changed_frac: float
+
+  @property
+  def ratio(self) -> float:
+    return self.payload_bytes / max(self.dense_bytes, 1)
+
+
+class SyncLink:
+  """Both ends of one trainer -> sampler link in one process; holds references and counters only.
+
+  Trainer end: `low`, the cast copy of the last synced parameters. Receiver end: `receiver`, the
+  sampler's copy, rebuilt only by `apply` from payloads, so it equals `cast(params)` bit for bit
+  exactly when the algorithm is right. Syncing once per publish makes the union of Alg. 1 the
+  elements that differ bitwise from the previous publish (a subset of the per-step union: the
+  optimiser steps in between are not observed).
+  """
+
+  def __init__(self, dtype=None, max_density: float | None = None):
+    self.dtype = dtype  # None: the wire keeps each leaf's dtype
+    self.max_density = max_density
+    self.low = None
+    self.receiver = None
+    self.last: SyncStats | None = None
+    self.total_payload_bytes = 0
+    self.total_dense_bytes = 0
+    self.syncs = 0
+
+  def reset(self, shared=None) -> None:
+    """Next sync dense (`shared` None), or a delta from `shared`: a cast copy both ends hold (a restored snapshot)."""
+    self.low = self.receiver = shared
+
+  def sync(self, params):
+    """Sends `params` (dense the first time, else the bitwise-changed elements); returns the receiver's new copy."""
+    if self.receiver is None:
+      low = receiver = cast(params, self.dtype)
+      n = sum(x.nbytes for x in jax.tree.leaves(low))
+      stats = SyncStats(n, n, 1.0)
+    else:
+      union, low = track_step(init_union(params), self.low, params, self.dtype)
+      payload = pack(low, union, self.max_density)
+      receiver = apply(self.receiver, payload)
+      stats = SyncStats(payload_bytes(payload), dense_bytes(payload), density(union))
+    self.low, self.receiver, self.last = low, receiver, stats
+    self.total_payload_bytes += stats.payload_bytes
+    self.total_dense_bytes += stats.dense_bytes
+    self.syncs += 1
+    return receiver

@@ -12,6 +12,12 @@ The jitted pieces (`prefill`, `decode_until`, `reprefill_cache`) follow `samplin
 for line (left-padded prompts, key `fold_in(key, n)` for column n, EOS included in the mask, pads
 after it), so without a switch the result equals `generate`. Shapes are static: one compilation
 per (B, P, N) bucket and pair of configs, whatever the chunk boundaries.
+
+MoE models also return `routes_BTLk` (routing replay, R3): the expert ids the KV cache holds for
+each slot, i.e. the routes under which every later token was computed. Keeping the cache, a slot
+keeps the routes of the version that fed it (older tokens keep old routes); `reprefill` re-routes
+the prefix under the new version, which is what the tokens sampled after the switch saw (replaying
+them for the tokens sampled before the switch is then approximate: one route set per sequence).
 """
 
 from __future__ import annotations
@@ -101,16 +107,22 @@ def reprefill_cache(params: dict, carry: dict, model_cfg: ModelConfig) -> dict:
   segment_ids_BT = jnp.concatenate([carry["segment_ids_BP"], fed_BN.astype(jnp.int32)], axis=1)
   _, cache = hidden_with_cache(params, tokens_BT, init_cache(model_cfg, B, P + N), model_cfg,
                                positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
-  return {**carry, "cache": {**cache, "index": (P + carry["step"] - 1).astype(jnp.int32)}}
+  index = (P + carry["step"] - 1).astype(jnp.int32)
+  if "routes_LBSk" in cache:  # slots not fed yet keep their routes (the never-fed last slot holds 0..k-1)
+    fed_S = jnp.arange(P + N) < index
+    cache["routes_LBSk"] = jnp.where(fed_S[None, None, :, None], cache["routes_LBSk"], carry["cache"]["routes_LBSk"])
+  return {**carry, "cache": {**cache, "index": index}}
 
 
 def finalize(carry: dict) -> dict:
-  """The outputs of `generate` (same keys and layout) plus `versions_BN` (int32)."""
+  """The outputs of `generate` (same keys and layout, `routes_BTLk` for MoE) plus `versions_BN` (int32)."""
   mask_BN = carry["mask_BN"]
   N = mask_BN.shape[1]
   positions_BN = (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
   P = carry["prompt_BP"].shape[1]
+  routes = {"routes_BTLk": jnp.moveaxis(carry["cache"]["routes_LBSk"], 0, 2)} if "routes_LBSk" in carry["cache"] else {}
   return {
+      **routes,
       "tokens_BN": carry["tokens_BN"],
       "mask_BN": mask_BN,
       "behavior_logp_BN": carry["logp_BN"],
@@ -135,7 +147,8 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       it is called once more with None at the end (to release what it pinned).
     chunk_steps: columns per chunk; the switch happens at column multiples of it.
     reprefill: recompute the prefix's KV cache with the new parameters at a switch (else keep it).
-  Returns the `generate` dict plus `versions_BN`: the version that sampled each column.
+  Returns the `generate` dict plus `versions_BN`: the version that sampled each column (MoE:
+  `routes_BTLk` as the final KV cache holds them, see the module docstring).
   """
   if chunk_steps < 1:
     raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
