@@ -42,6 +42,7 @@ def build(model: dict, run: dict = workloads.GRPO_RUN) -> dict:
                                             kl_coef=run["beta"], kl_estimator="k3"),
       "score": learner.make_score_fn(cfg, run["temperature"]),
       "rng": np.random.default_rng(run["seed"]),
+      "key": jax.random.key(run["seed"] + 1),
   }
 
 
@@ -51,15 +52,15 @@ def step(ctx: dict, t: int) -> dict:
   t0 = time.perf_counter()
   examples = [ctx["task"].make_example(ctx["rng"]) for _ in range(run["prompts_per_step"])]
   p = collect.encode_prompts([ex for ex in examples for _ in range(G)], ctx["P"])
-  key = jax.random.fold_in(jax.random.key(run["seed"] + 1), t)
+  key = jax.random.fold_in(ctx["key"], t)
 
   t_gen = time.perf_counter()
   out = common.block(generate(ctx["state"].params, jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key, ctx["cfg"],
                               ctx["sampler_cfg"]))
   gen_s = time.perf_counter() - t_gen
   reward_B, _, _ = collect.score_completions(ctx["task"], p.examples, np.asarray(out["tokens_BN"]))
-  adv_B = collect.group_advantages(reward_B, G, "grpo", True)
   mask_BN = out["mask_BN"]
+  adv_BN = collect.group_advantages(reward_B, G, "grpo", True, mask_BN)
   seq = (out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"])
 
   t_ref = time.perf_counter()
@@ -68,8 +69,8 @@ def step(ctx: dict, t: int) -> dict:
   B = mask_BN.shape[0]
   batch = learner.Batch(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask_BN,
-      adv_BN=adv_B[:, None] * mask_BN, behavior_logp_BN=out["behavior_logp_BN"],
-      versions_BN=jnp.zeros(mask_BN.shape, jnp.int32), lag_B=jnp.zeros((B,), jnp.int32),
+      adv_BN=adv_BN, behavior_logp_BN=out["behavior_logp_BN"],
+      versions_BN=np.zeros(mask_BN.shape, np.int32), lag_B=np.zeros((B,), np.int32),  # host zeros: no dispatch
       # One iteration per batch, sampler = learner dtype: the sampler's log-probs are π_old (as Tunix).
       prox_logp_BN=out["behavior_logp_BN"], ref_logp_BN=ref_logp_BN)
 

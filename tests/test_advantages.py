@@ -139,3 +139,14 @@ def test_grpo_eps0_constant_group_is_zero_not_nan():
   g = np.array([0, 0, 1, 1], np.int32)
   adv = np.asarray(A.grpo(r, g, 2, eps=0.0))
   np.testing.assert_allclose(adv, [0.0, 0.0, -0.5 / np.sqrt(0.5), 0.5 / np.sqrt(0.5)], rtol=1e-6)
+
+
+def test_collect_group_advantages_jitted_matches_eager_and_token_form():
+  from jaxrl_llm.rollout import collect
+  reward_B = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], np.float32)
+  G = 3
+  eager = A.grpo(jnp.asarray(reward_B), jnp.arange(6) // G, 2, std_normalize=True)
+  np.testing.assert_allclose(collect.group_advantages(reward_B, G, "grpo", True), eager, rtol=1e-6)
+  mask_BN = jnp.asarray(np.tril(np.ones((6, 4), np.float32), 1))
+  np.testing.assert_allclose(collect.group_advantages(reward_B, G, "grpo", True, mask_BN), eager[:, None] * mask_BN,
+                             rtol=1e-6)

@@ -72,13 +72,16 @@ def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
   return rb.reward_B.astype(np.float32), rb.counts, texts
 
 
-def group_advantages(reward_B: np.ndarray, group_size: int, name: str, std_normalize: bool) -> jax.Array:
-  return _group_advantages(jnp.asarray(reward_B, jnp.float32), group_size, name, std_normalize)
+def group_advantages(reward_B: np.ndarray, group_size: int, name: str, std_normalize: bool,
+                     mask_BN: jax.Array | None = None) -> jax.Array:
+  """Advantages of consecutive groups of `group_size` rows: [B], or [B, N] tokens (× mask_BN) when a mask is given."""
+  return _group_advantages(jnp.asarray(reward_B, jnp.float32), group_size, name, std_normalize, mask_BN)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _group_advantages(reward_B: jax.Array, group_size: int, name: str, std_normalize: bool) -> jax.Array:
+def _group_advantages(reward_B: jax.Array, group_size: int, name: str, std_normalize: bool, mask_BN) -> jax.Array:
   # Jitted: run eagerly, the few dozen small ops cost ~10 ms of host dispatch per learner step.
   B = reward_B.shape[0]
   group_id_B = jnp.arange(B, dtype=jnp.int32) // group_size
-  return ADVANTAGE_FNS[name](reward_B, group_id_B, B // group_size, std_normalize)
+  adv_B = ADVANTAGE_FNS[name](reward_B, group_id_B, B // group_size, std_normalize)
+  return adv_B if mask_BN is None else adv_B[:, None] * mask_BN
