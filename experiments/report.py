@@ -14,10 +14,15 @@ Rules (constants below):
   relative to lag 0.
 - "X stays stable where GRPO degrades" is testable only when GRPO itself drops; otherwise the
   verdict is "not testable here".
+- replay (B7) "reaches the same accuracy with less compute" when some replay arm's accuracy does
+  not drop relative to no replay while it generated ≤ (1 − REPLAY_SAVING) of its groups; it "helps
+  per unit of compute" when some replay arm's accuracy at the cheapest arm's budget (generated
+  groups, or training seconds) is higher than no replay's there by more than the margin.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -33,6 +38,7 @@ MARGIN = 0.03  # absolute held-out accuracy: below one eval's binomial noise at 
 RATIO_MUCH_SMALLER = 0.5  # "A ≪ B" means A < 0.5 · B
 SPEEDUP = 1.5  # "faster" means ≥ 1.5× steps/s
 IDLE_GAIN = 0.10  # "less idle" means an idle fraction lower by ≥ 0.10
+REPLAY_SAVING = 0.25  # "less compute" means ≤ 75% of the no-replay run's generated groups
 ACC = "eval_accuracy_late"
 
 
@@ -374,6 +380,129 @@ def async_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims
 
 
+def plot_replay(runs, arms, path):
+  """Held-out accuracy of each arm (seed 0) against learner steps, generated groups and training time."""
+  plt = _plt()
+  fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
+  xs = (("steps_done", "learner steps"), ("generated_groups", "generated groups (sampler work)"),
+        ("time_train_s", "training time (s)"))
+  for a in arms:
+    rs = sorted((r for r in runs if r["arm"] == a), key=lambda r: r["seed"])
+    if not rs:
+      continue
+    c = rs[0]["costs"]["curve"]
+    for ax, (k, label) in zip(axes, xs):
+      ax.plot(c[k], c["eval_accuracy"], marker="o", label=a)
+      ax.set_xlabel(label)
+  axes[0].set_ylabel("held-out accuracy")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def arm_stats(runs, arm: str, f) -> dict | None:
+  """Stats of `f(run)` over the runs of `arm` (None values skipped)."""
+  return stats([f(r) for r in runs if r["arm"] == arm])
+
+
+def replay_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  runs = [r for r in doc["runs"] if "costs" in r]
+  base = doc.get("baseline", "no_replay")
+  arms = [a for a in doc["arms"] if any(r["arm"] == a for r in runs)]
+  lines = ["## Experience replay (B7)", "", provenance(doc), "",
+           f"Learner steps per run: {doc.get('steps')} (the same for every arm); seeds: {doc.get('seeds')}; loss: "
+           f"`{json.dumps(doc.get('method'))}`; shared overrides: `{json.dumps(doc.get('base_overrides'))}`; arms: "
+           f"`{json.dumps(doc.get('arms'))}`. Every arm of a (task, seed) starts from the same SFT warm start in "
+           "`sync` mode; a replay arm generates `fresh_per_step` groups per learner step and samples the batch from "
+           "the FIFO. Replay ratio = consumed / generated groups; lag = learner version − generating version of a "
+           "consumed group; uses = times a consumed group has been sampled (including this one). Training time = "
+           "sum of per-step wall time with the first step (compilation) and the evaluation steps counted as the "
+           "run's median step. \"at N groups\" / \"at T s\": the run's eval curve (warm start = point 0) "
+           "interpolated linearly at the cheapest arm's total generated groups / training time (mean over seeds)."]
+  if any(m.get("rollout.old_logp", "recompute") == "recompute" for m in doc.get("method", {}).values()):
+    lines[-1] += (" Under `old_logp=recompute` a replay arm scores π_old once per group, when it is generated "
+                  "(one forward of the fresh groups per step, cached with the group); a sync run without replay "
+                  "skips it (π_old is then the current parameters).")
+  lines.append("")
+  errors = [r for r in doc["runs"] if "error" in r]
+  if errors:
+    lines += [f"{len(errors)} run(s) rejected: {errors[0]['error']}", ""]
+  claims = []
+  for task in sorted({r["task"] for r in runs}):
+    tr = [r for r in runs if r["task"] == task]
+    tarms = [a for a in arms if any(r["arm"] == a for r in tr)]
+    of = functools.partial(arm_stats, tr)
+    budget = {r["seed"]: r["at_budget"] for r in tr if "at_budget" in r}  # one budget per (task, seed)
+    budget_g = stats([b["generated_groups"] for b in budget.values()])
+    budget_t = stats([b["time_train_s"] for b in budget.values()])
+    init = stats(list({r["seed"]: r["summary"]["eval_accuracy_initial"] for r in tr}.values()))
+    lines += [f"### {task}", "", f"Accuracy after the SFT warm start (before RL): {fmt(init)}.", "",
+              "| arm | replay ratio | generated groups | mean lag | mean uses | sampler s/step | s/step | "
+              f"acc final | acc best | acc late | acc at {fmt(budget_g, 0)} groups | acc at {fmt(budget_t, 1)} s |",
+              "|---|" + "---|" * 11]
+    for a in tarms:
+      lines.append(" | ".join([
+          f"| {a}", fmt(of(a, lambda r: r["costs"]["replay_ratio"]), 2),
+          fmt(of(a, lambda r: r["costs"]["generated_groups"]), 0), fmt(of(a, lambda r: r["summary"]["lag_mean"]), 2),
+          fmt(of(a, lambda r: r["costs"]["mean_uses"]), 2), fmt(of(a, lambda r: r["costs"]["time_generate_step_s"]), 4),
+          fmt(of(a, lambda r: r["costs"]["time_step_s"]), 4), fmt(cell(tr, "eval_accuracy_final", arm=a)),
+          fmt(cell(tr, "eval_accuracy_best", arm=a)), fmt(cell(tr, arm=a)),
+          fmt(of(a, lambda r: r.get("at_budget", {}).get("eval_accuracy_at_groups"))),
+          fmt(of(a, lambda r: r.get("at_budget", {}).get("eval_accuracy_at_time")))]) + " |")
+    steps_done = tr[0]["costs"]["curve"]["steps_done"]
+    lines += ["", "Held-out accuracy along training (columns: learner steps done):", "",
+              "| arm | " + " | ".join(str(s) for s in steps_done) + " |", "|---|" + "---|" * len(steps_done)]
+    for a in tarms:
+      lines.append(f"| {a} | " + " | ".join(
+          fmt(of(a, lambda r, i=i: (r["costs"]["curve"]["eval_accuracy"] + [None] * len(steps_done))[i]))
+          for i in range(len(steps_done))) + " |")
+    fname = f"replay_{task}.png"
+    plot_replay(tr, tarms, os.path.join(fig_dir, fname))
+    lines += ["", f"![replay]({rel}/{fname})", ""]
+    claims += replay_claims(tr, task, base, tarms)
+  return lines, claims
+
+
+def replay_claims(tr, task, base, arms) -> list[dict]:
+  src = "Arnal et al. 2026 (arXiv 2604.08706), spec B7 [2nd-hand]"
+  others = [a for a in arms if a != base]
+  b_acc = cell(tr, arm=base)
+  if b_acc is None or not others:
+    return []
+  of = functools.partial(arm_stats, tr)
+  groups = {a: of(a, lambda r: r["costs"]["generated_groups"]) for a in arms}
+  at_g = {a: of(a, lambda r: r.get("at_budget", {}).get("eval_accuracy_at_groups")) for a in arms}
+  at_t = {a: of(a, lambda r: r.get("at_budget", {}).get("eval_accuracy_at_time")) for a in arms}
+  acc = {a: cell(tr, arm=a) for a in arms}
+  note = seeds_note(*acc.values())
+  cheap = [a for a in others if groups[a]["mean"] <= (1 - REPLAY_SAVING) * groups[base]["mean"]]
+  same = [a for a in cheap if acc[a] is not None and not drops(b_acc, acc[a])]
+  out = [claim(
+      f"Replay reaches no-replay accuracy with ≥ {REPLAY_SAVING:.0%} fewer generated groups ({task})", src,
+      bool(same), f"{base}: {fmt(b_acc)} with {fmt(groups[base], 0)} groups; " + "; ".join(
+          f"{a}: {fmt(acc[a])} with {fmt(groups[a], 0)} ({groups[a]['mean'] / groups[base]['mean']:.2f}×)"
+          for a in others) + f" (rule: some replay arm within {MARGIN} of {base} with ≤ "
+      f"{1 - REPLAY_SAVING:.2f}× its groups)" + note)]
+  budget = {r["seed"]: r["at_budget"] for r in tr if "at_budget" in r}
+  for what, at, amount in (
+      ("generated group, at equal sampler work", at_g,
+       f"{fmt(stats([b['generated_groups'] for b in budget.values()]), 0)} generated groups"),
+      ("second of training, at equal wall time", at_t,
+       f"{fmt(stats([b['time_train_s'] for b in budget.values()]), 1)} s of training")):
+    helps = [a for a in others if drops(at[a], at[base])]
+    out.append(claim(
+        f"Replay helps per {what} ({task})", src, bool(helps) if at[base] is not None else None,
+        f"accuracy at {amount} (the cheapest arm's total): " + "; ".join(f"{a} {fmt(at[a])}" for a in arms)
+        + f" (rule: some replay arm above {base} by > {MARGIN})" + note))
+  lower = [a for a in others if acc[a] is not None and acc[a]["mean"] < b_acc["mean"]]
+  out.append(claim(
+      f"Replay hurts per-learner-step progress ({task})", src, len(lower) == len(others),
+      "late accuracy at equal learner steps: " + "; ".join(f"{a} {fmt(acc[a])}" for a in arms)
+      + f" (rule: every replay arm below {base})" + note))
+  return out
+
+
 def claim(text: str, source: str, verdict: bool | None, evidence: str) -> dict:
   return {"claim": text, "source": source, "verdict": verdict, "evidence": evidence}
 
@@ -381,7 +510,8 @@ def claim(text: str, source: str, verdict: bool | None, evidence: str) -> dict:
 VERDICT = {True: "reproduces", False: "does not reproduce", None: "not testable here"}
 
 SECTIONS = {"staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
-            "async_throughput": throughput_section, "async_staleness": async_section}
+            "async_throughput": throughput_section, "async_staleness": async_section,
+            "replay_ablation": replay_section}
 
 
 def render(results: dict, fig_dir: str, rel: str) -> str:

@@ -82,17 +82,12 @@ def behavior_version(mode: str, k: int, version: int, stage_version: int) -> int
   return stage_version  # staged
 
 
-def retention(mode: str, k: int, replay: ml_collections.ConfigDict | None = None) -> int:
+def retention(mode: str, k: int) -> int:
   """Snapshots the store keeps for lagged generation and old-log-prob recompute.
 
-  With replay (`replay_config`), every version a buffered group may still be scored at: the group's
-  own lag (k in fixed_lag) plus the steps it can stay buffered (rollout.replay.retention_bound).
+  Replay needs none older: under `recompute` a group's π_old is scored once, when it is pushed.
   """
-  k = 0 if mode == "sync" else k
-  if replay is None:
-    return k + 1
-  from jaxrl_llm.rollout.replay import retention_bound
-  return retention_bound(replay.capacity, replay.fresh_per_step, k, replay.stale_policy, replay.max_lag) + 1
+  return 1 if mode == "sync" else k + 1
 
 
 def replay_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict | None:
@@ -247,7 +242,7 @@ def new_store(run: Run) -> ParamStore:
     from jaxrl_llm.sampling.quantize import int8_weight_only
     transform = int8_weight_only
   differs = sampler_dtype is not None or transform is not None
-  return ParamStore(keep_last=retention(c.rollout.mode, c.rollout.lag, replay_config(c)), sampler_dtype=sampler_dtype,
+  return ParamStore(keep_last=retention(c.rollout.mode, c.rollout.lag), sampler_dtype=sampler_dtype,
                     keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
                     sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync)
 
@@ -335,6 +330,10 @@ def replay_rollout(run: Run, store: ParamStore, buf, rc: ml_collections.ConfigDi
   calls, errors, time_gen, gen_tokens = 0, 0, 0.0, 0.0
   while calls == 0 or buf.available(version) < n:
     fresh = sync_rollout(run, store, [step], version, v_b, n=rc.fresh_per_step, call=calls)[0]
+    if c.rollout.old_logp == "recompute":  # π_old depends only on the generating version: score it once
+      seq = tuple(jnp.asarray(fresh[k_]) for k_ in ("sequence_BT", "positions_BT", "segment_ids_BT"))
+      routes = jnp.asarray(fresh["routes_BTLk"]) if "routes_BTLk" in fresh else None
+      fresh["prox_logp_BN"] = np.asarray(prox_logp(run, store, None, None, fresh, seq, routes))
     buf.push(replay_lib.split_groups(fresh, c.rollout.group_size, v_b, step))
     errors, time_gen, calls = errors + fresh["reward_errors"], time_gen + fresh["time_generate_s"], calls + 1
     gen_tokens += float(fresh["mask_BN"].sum())
@@ -413,7 +412,7 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
     mask = mask * keep_B[:, None]
     info["dapo_filtered_frac"] = float(1.0 - keep_B.mean())
   routes = jnp.asarray(ro["routes_BTLk"]) if "routes_BTLk" in ro else None
-  prox = prox_logp(run, store, state, extra, ro, seq, routes)
+  prox = jnp.asarray(ro["prox_logp_BN"]) if "prox_logp_BN" in ro else prox_logp(run, store, state, extra, ro, seq, routes)
   behav = jnp.asarray(ro["behavior_logp_BN"])
   batch = learner.Batch(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask, adv_BN=adv_B[:, None] * mask,
@@ -506,7 +505,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
   mode, k = c.rollout.mode, c.rollout.lag
   store = new_store(r)
   rc = replay_config(c)
-  slots = retention(mode, k, rc)
+  slots = retention(mode, k)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep,
                                      best_metric="eval_accuracy" if c.eval.every > 0 else None)
   metrics_path = os.path.join(workdir, "metrics.jsonl")

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from experiments import async_staleness, async_throughput, mismatch_ablation, report, staleness_ablation
+from experiments import async_staleness, async_throughput, mismatch_ablation, replay_ablation, report
+from experiments import common as exp_common, staleness_ablation
 
 
 def _run(task, method, lag, seed, acc, frac_key="clip_frac_mean", frac=0.1):
@@ -88,6 +89,89 @@ def test_argument_parsing_and_plans(capsys):
   async_throughput.main(["--dry-run"])
   async_staleness.main(["--dry-run", "--etas", "0,2"])
   assert "async:" in capsys.readouterr().out
+  replay_ablation.main(["--dry-run"])
+  planned = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+  assert len(planned) == len(replay_ablation.ARMS) and all("'config': 'valid'" in l for l in planned)
+  replay_ablation.main(["--dry-run", "--full"])
+  assert len(capsys.readouterr().out.splitlines()) == 2 * len(replay_ablation.ARMS) * 3  # 2 tasks × 3 seeds
+  r2 = replay_ablation.arm_overrides("replay_r2", 8)
+  assert (r2["rollout.replay.capacity"], r2["rollout.replay.fresh_per_step"]) == (32, 4)
+  with pytest.raises(KeyError, match="unknown arm 'nope'"):
+    replay_ablation.main(["--dry-run", "--arms", "nope"])
+
+
+def _replay_rows(groups_t, time_t, accs, eval_at):
+  """Metric rows of a synthetic run: per-step generated groups (None = no replay), wall times, evals."""
+  rows, evals = [], iter(accs)
+  for t, (g, s) in enumerate(zip(groups_t, time_t)):
+    row = {"step": t, "reward_mean": 0.5, "lag_mean": 0.0 if g is None else 1.0, "time_step_s": s}
+    if g is not None:
+      row.update(replay_generated_groups=g, replay_mean_uses=2.0)
+    if t in eval_at:
+      row["eval_accuracy"] = next(evals)
+    rows.append(row)
+  return rows
+
+
+def _replay_doc(replay_accs):
+  """no_replay vs one replay arm (ratio 4): 6 steps, evals after steps 3 and 6, compile and eval steps slow."""
+  n, runs = 8, []
+  for arm, groups_t, step_s, accs in (("no_replay", [None] * 6, 0.1, [0.5, 0.6]),
+                                      ("replay_r4", [8, 2, 2, 2, 2, 2], 0.2, replay_accs)):
+    rows = _replay_rows(groups_t, [5.0, step_s, step_s + 1, step_s, step_s, step_s + 1], accs, eval_at=(2, 5))
+    runs.append({"task": "arithmetic", "arm": arm, "seed": 0, "summary": exp_common.summarize(
+        rows, {"eval_accuracy_initial": 0.3}), "costs": replay_ablation.costs(rows, n, 0.3)})
+  replay_ablation.at_budgets(runs)
+  return {"experiment": "replay_ablation", "command": "python -m experiments.replay_ablation", "commit": "abc",
+          "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 6, "seeds": 1,
+          "method": {"grpo": {"rollout.old_logp": "recompute"}}, "base_overrides": {},
+          "arms": {"no_replay": {}, "replay_r4": {}}, "baseline": "no_replay", "runs": runs}
+
+
+def test_replay_costs_interpolation_and_budgets():
+  doc = _replay_doc([0.4, 0.58])
+  base, rep = (r["costs"] for r in doc["runs"])
+  # Compilation (step 0) and eval steps count as the median plain step: 6 × 0.1 s and 6 × 0.2 s.
+  assert base["time_train_s"] == pytest.approx(0.6) and rep["time_train_s"] == pytest.approx(1.2)
+  assert base["time_total_s"] == pytest.approx(7.5)
+  assert (base["generated_groups"], rep["generated_groups"]) == (48, 18)  # 6·8; the first step fills a batch
+  assert rep["replay_ratio"] == pytest.approx(48 / 18) and base["replay_ratio"] == 1.0
+  assert (base["mean_uses"], rep["mean_uses"]) == (1.0, 2.0)
+  assert rep["curve"]["steps_done"] == [0, 3, 6] and rep["curve"]["generated_groups"] == [0, 12, 18]
+  assert base["curve"]["time_train_s"] == pytest.approx([0.0, 0.3, 0.6])
+  assert replay_ablation.interp([0, 24, 48], [0.3, 0.5, 0.6], 18) == pytest.approx(0.45)
+  assert replay_ablation.interp([0, 24, 48], [0.3, 0.5, 0.6], 48) == pytest.approx(0.6)
+  assert replay_ablation.interp([0, 24, 48], [0.3, 0.5, 0.6], 49) is None  # no extrapolation
+  assert replay_ablation.interp([0, 24, 48], [None, 0.5, 0.6], 0) == 0.5
+  # Budgets: the cheapest arm's 18 groups (no_replay interpolated between 0.3 at 0 and 0.5 at 24) and 0.6 s.
+  b0, b1 = (r["at_budget"] for r in doc["runs"])
+  assert b0["generated_groups"] == b1["generated_groups"] == 18 and b0["time_train_s"] == pytest.approx(0.6)
+  assert b0["eval_accuracy_at_groups"] == pytest.approx(0.45) and b1["eval_accuracy_at_groups"] == pytest.approx(0.58)
+  assert b0["eval_accuracy_at_time"] == pytest.approx(0.6) and b1["eval_accuracy_at_time"] == pytest.approx(0.4)
+
+
+def test_replay_report_verdicts_follow_the_numbers(tmp_path):
+  results, out = tmp_path / "results", tmp_path / "docs" / "RESULTS.md"
+  results.mkdir()
+  # Late accuracy 0.49 vs 0.55: replay drops at equal steps, but is ahead at equal generated groups.
+  (results / "replay_ablation.json").write_text(json.dumps(_replay_doc([0.4, 0.58])))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "Replay reaches no-replay accuracy") == "does not reproduce"
+  assert _verdict(text, "Replay helps per generated group") == "reproduces"  # 0.58 vs 0.45 at 18 groups
+  assert _verdict(text, "Replay helps per second") == "does not reproduce"  # 0.40 vs 0.60 at 0.6 s
+  assert _verdict(text, "Replay hurts per-learner-step") == "reproduces"
+  assert "(1 seed: indicative only)" in text and "## Experience replay (B7)" in text
+  assert "| no_replay | 1.00 | 48 | 0.00 | 1.00 |" in text and "| replay_r4 | 2.67 | 18 | 1.00 | 2.00 |" in text
+  assert "| arm | 0 | 3 | 6 |" in text and "| replay_r4 | 0.300 | 0.400 | 0.580 |" in text
+  assert "acc at 18 groups | acc at 0.6 s |" in text and "π_old recompute" in text
+  assert os.path.exists(tmp_path / "docs" / "figures" / "replay_arithmetic.png")
+  # Late accuracy 0.555 with 18/48 of the groups: within the margin with ≥ 25% fewer groups.
+  (results / "replay_ablation.json").write_text(json.dumps(_replay_doc([0.55, 0.56])))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "Replay reaches no-replay accuracy") == "reproduces"
+  assert _verdict(text, "Replay hurts per-learner-step") == "does not reproduce"
 
 
 @pytest.mark.slow
@@ -109,6 +193,8 @@ def test_two_step_runs_of_the_other_scripts(tmp_path):
   assert {r["mode"] for r in t["runs"]} >= {"sync", "fixed_lag", "staged"}
   a = json.load(open(async_staleness.main(common + ["--etas", "1", "--methods", "grpo"])))
   assert a["available"] is False or a["runs"][0]["summary"]["lag_max"] <= 1
+  rp = json.load(open(replay_ablation.main(common + ["--arms", "no_replay,replay_r2"])))
+  assert [r["costs"]["generated_groups"] for r in rp["runs"]] == [16, 12]  # 2·8 fresh; 8 (fills a batch) + 4
   out = tmp_path / "RESULTS.md"
   report.main(["--results", str(tmp_path / "res"), "--out", str(out)])
   assert "## Throughput" in out.read_text()

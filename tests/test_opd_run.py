@@ -78,12 +78,16 @@ def test_tiny_opd_run_end_to_end(cache, tmp_path, loss, metric):
 
 @pytest.mark.slow
 def test_student_accuracy_moves_towards_the_teacher(tmp_path):
-  """Under-trained student (300 SFT steps), strong teacher (700 SFT steps) on 2-digit addition; forward-KL OPD."""
+  """Under-trained student (150 SFT steps), strong teacher (700 SFT steps) on 2-digit addition; forward-KL OPD.
+
+  SFT lr 1e-3: at the default 2e-3 a 500-700-step SFT of this teacher can collapse (measured: 0.07-0.11
+  held-out accuracy after a loss spike), and which runs collapse changes with float rounding.
+  """
   c = opd_tiny(tmp_path / "teachers", loss__name="opd_forward_kl", optim__lr=1e-3, optim__warmup_steps=0)
   c.model.d_model, c.model.n_layers, c.model.n_heads, c.model.n_kv_heads, c.model.head_dim, c.model.d_ff = (
       128, 2, 4, 2, 32, 384)
   c.sampler.max_new_tokens = 6
-  c.sft.steps, c.sft.batch_size = 300, 64
+  c.sft.steps, c.sft.batch_size, c.sft.lr = 150, 64, 1e-3
   c.distill.teacher_d_model, c.distill.teacher_n_layers, c.distill.teacher_sft_steps = 128, 2, 700
   c.rollout.prompts_per_step, c.rollout.group_size = 16, 4
   c.num_steps = 100
@@ -97,9 +101,9 @@ def test_student_accuracy_moves_towards_the_teacher(tmp_path):
   start = json.load(open(tmp_path / "run" / "run_info.json"))["eval_accuracy_initial"]
   end = rows[-1]["eval_accuracy"]
   assert teacher_acc >= start + 0.3, (teacher_acc, start)
-  # Towards the teacher: the on-policy KL(teacher ‖ student) falls by more than 15% (recorded: 0.624 -> 0.450)
-  # and held-out accuracy rises (recorded: 0.207 -> 0.238 with the teacher at 0.797; 100 steps close only a
-  # small part of the accuracy gap, so the bound allows one greedy-eval standard error of noise).
+  # Towards the teacher: the on-policy KL(teacher ‖ student) falls by more than 15% and held-out accuracy
+  # does not fall (100 steps close only a small part of the gap to the teacher, measured 0.785 against a
+  # 0.043 start, so the bound allows one greedy-eval standard error of noise).
   kl = [row["kl_fwd"] for row in rows]
   assert np.mean(kl[-20:]) <= 0.85 * np.mean(kl[:20]), (np.mean(kl[:20]), np.mean(kl[-20:]))
   assert end >= start - 0.025, (start, end, teacher_acc)

@@ -5,6 +5,7 @@ import collections
 import json
 import pickle
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -159,26 +160,6 @@ def test_state_round_trip_continues_identically():
   assert a.state()["counters"] == b.state()["counters"] and a.state()["next_id"] == b.state()["next_id"]
 
 
-@pytest.mark.parametrize("capacity,fresh,k,policy,max_lag", [(8, 2, 0, "keep", -1), (7, 3, 2, "downweight", 1),
-                                                              (12, 1, 1, "drop", 4), (4, 4, 3, "keep", -1)])
-def test_retention_bound_covers_every_consumed_lag(capacity, fresh, k, policy, max_lag):
-  """Simulated learner (version + 1 per step, fixed lag k, random extra sampler calls): no group is
-  ever consumed at a lag beyond the bound, and the bound is reached."""
-  bound = replay.retention_bound(capacity, fresh, k, policy, max_lag)
-  buf = replay.ReplayBuffer(capacity, recency=1.0, policy=policy, max_lag=max_lag)
-  rng = np.random.default_rng(0)
-  seen = 0
-  for version in range(200):
-    v_b = max(0, version - k)
-    for _ in range(1 + int(rng.integers(0, 2) * (version % 7 == 0))):
-      buf.push(groups(fresh, version=v_b, step=version))
-    while buf.available(version) < 2:
-      buf.push(groups(fresh, version=v_b, step=version))
-    lags = [version - g.version for g in buf.sample(rng, 2, version)]
-    seen = max(seen, *lags)
-  assert seen == bound
-
-
 @pytest.mark.parametrize("field,value,mode", [
     ("capacity", 8, "staged"), ("capacity", 8, "async"), ("capacity", 2, "sync"), ("capacity", -1, "sync"),
     ("fresh_per_step", -1, "sync"), ("reuse_limit", -2, "sync"), ("recency", 0.0, "sync"), ("recency", 1.5, "sync"),
@@ -235,7 +216,6 @@ def test_fixed_lag_replay_drop_bounds_the_lag(tmp_path):
   rows = loop.run(c, str(tmp_path))
   assert max(r["lag_max"] for r in rows) == 2  # the bound is reached and never passed
   assert rows[-1]["replay_dropped_stale"] > 0
-  assert loop.retention("fixed_lag", 1, loop.replay_config(c)) == 3  # min((12 - 1) // 2 + 1, 2) + 1
 
 
 def test_downweight_scales_the_advantages_of_over_stale_groups(tmp_path):
@@ -283,16 +263,23 @@ def test_fixed_lag_replay_resume_equals_uninterrupted(tmp_path):
   assert any(r["replay_fresh_frac"] < 1.0 for r in a[3:])  # the resumed steps really consumed restored groups
 
 
-@pytest.mark.slow
-def test_recompute_never_needs_a_version_the_store_freed(tmp_path, monkeypatch):
-  """The retention bound is reached (so recompute scored a group at the oldest kept version) and is
-  needed: one snapshot fewer and recompute asks for a freed version."""
-  c = cfg("fixed_lag", 1, capacity=8, fresh_per_step=2)
-  keep = loop.retention("fixed_lag", 1, loop.replay_config(c))
-  assert keep == (8 - 1) // 2 + 1 + 1
-  rows = loop.run(c, str(tmp_path / "ok"))
-  assert max(r["lag_max"] for r in rows) == keep - 1
-  real = loop.retention
-  monkeypatch.setattr(loop, "retention", lambda *a: real(*a) - 1)
-  with pytest.raises(KeyError, match="is not held"):
-    loop.run(c, str(tmp_path / "short"))
+def test_recompute_prox_is_scored_once_at_the_generating_version(tmp_path):
+  """Under recompute, a replayed group carries π_old scored at push time with the snapshot that generated
+  it, so a group older than any snapshot the store still holds is trained on exactly, never rescored."""
+  c = cfg("fixed_lag", 1, steps=8, capacity=8, fresh_per_step=2, reuse_limit=3)
+  rows = loop.run(c, str(tmp_path / "run"))
+  assert loop.retention("fixed_lag", 1) == 2
+  assert max(r["lag_max"] for r in rows) > 1  # consumed groups older than every held snapshot
+  # Unit: the cached π_old equals a fresh recompute at the generating version.
+  r = loop.setup(c)
+  params = loop.initial_policy(c, r.model_cfg, r.k_init)[1]
+  state, extra = loop.fresh_state(r, params)
+  store = loop.new_store(r)
+  store.publish(state.params)
+  buf = loop.new_replay(loop.replay_config(c), None)
+  ro = loop.replay_rollout(r, store, buf, loop.replay_config(c), 0, 0, 0)
+  seq = tuple(jnp.asarray(ro[k]) for k in ("sequence_BT", "positions_BT", "segment_ids_BT"))
+  want = r.score(state.params, *seq, jnp.asarray(ro["mask_BN"]))
+  np.testing.assert_allclose(ro["prox_logp_BN"], want, atol=1e-6)
+  batch, _ = loop.make_batch(r, store, state, extra, ro)
+  np.testing.assert_array_equal(np.asarray(batch.prox_logp_BN), ro["prox_logp_BN"])

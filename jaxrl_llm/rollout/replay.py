@@ -23,7 +23,9 @@ import numpy as np
 
 # Per-row arrays of a rollout dict (loop.sync_rollout) that a group carries; routes_BTLk when present.
 ROW_KEYS = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN", "versions_BN", "reward_B")
-OPTIONAL_ROW_KEYS = ("routes_BTLk",)
+# routes_BTLk (MoE R3); prox_logp_BN: π_old scored once at push time under `old_logp=recompute` (it depends
+# only on the generating version, so a replayed group is never rescored and its snapshot need not be kept).
+OPTIONAL_ROW_KEYS = ("routes_BTLk", "prox_logp_BN")
 STALE_POLICIES = ("drop", "keep", "downweight")
 
 # Weight of a sampled row by policy, from its excess lag over max_lag (0 when not over-stale).
@@ -43,18 +45,6 @@ def stale_weight(lag_B, max_lag: int, policy: str, decay: float) -> np.ndarray:
 
 def is_over_stale(lag: int, max_lag: int) -> bool:
   return max_lag >= 0 and lag > max_lag
-
-
-def retention_bound(capacity: int, fresh_per_step: int, k: int, policy: str, max_lag: int) -> int:
-  """Largest lag a buffered group can have when it is consumed (so snapshots to keep = bound + 1).
-
-  At least `fresh_per_step` groups are pushed every learner step, so a group generated at step t is
-  evicted once (s · fresh_per_step) newer groups exceed capacity − 1: it can be sampled up to
-  s = (capacity − 1) // fresh_per_step steps later, when the version is at most s ahead. Its own
-  version trails by at most k (fixed_lag). Under `drop` nothing older than max_lag is consumed.
-  """
-  bound = (capacity - 1) // fresh_per_step + k
-  return min(bound, max_lag) if policy == "drop" and max_lag >= 0 else bound
 
 
 @dataclasses.dataclass
