@@ -28,11 +28,7 @@ def main(argv=None) -> str:
   p.add_argument("--etas", default="", help="comma-separated staleness bounds η")
   p.add_argument("--methods", default="", help="comma-separated methods")
   args = p.parse_args(argv)
-  name = "full" if args.full else "ci"
-  setting = SETTINGS[name]
-  seeds = args.seeds or setting["seeds"]
-  steps = args.steps or setting["steps"]
-  eval_every = min(setting["eval_every"], max(1, steps))
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   etas = [int(x) for x in args.etas.split(",")] if args.etas else setting["etas"]
   ms = args.methods.split(",") if args.methods else setting["methods"]
   task = common.TASKS["arithmetic"]

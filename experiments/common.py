@@ -224,5 +224,13 @@ def base_parser(description: str) -> argparse.ArgumentParser:
   return p
 
 
+def resolve_setting(args, settings: dict) -> tuple[str, dict, int, int, int]:
+  """(name, setting, seeds, steps, eval_every) for parsed `base_parser` flags and a script's SETTINGS."""
+  name = "full" if args.full else "ci"
+  setting = settings[name]
+  steps = args.steps or setting["steps"]
+  return name, setting, args.seeds or setting["seeds"], steps, min(setting["eval_every"], max(1, steps))
+
+
 def log(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

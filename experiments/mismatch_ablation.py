@@ -76,11 +76,7 @@ def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--methods", default="", help="comma-separated subset of methods")
   args = p.parse_args(argv)
-  name = "full" if args.full else "ci"
-  setting = SETTINGS[name]
-  seeds = args.seeds or setting["seeds"]
-  steps = args.steps or setting["steps"]
-  eval_every = min(setting["eval_every"], max(1, steps))
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   ms = args.methods.split(",") if args.methods else list(METHODS)
   avail = {t: sampler_availability(t, args.base) for t in setting["tasks"]}
   runs = [{"task": t, "sampler": s, "method": m, "seed": seed}

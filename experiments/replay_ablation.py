@@ -129,11 +129,7 @@ def main(argv=None) -> str:
   p.add_argument("--tasks", default="", help="comma-separated subset of tasks")
   p.add_argument("--old-logp", default="recompute", help="rollout.old_logp of every arm (recompute | behavior)")
   args = p.parse_args(argv)
-  name = "full" if args.full else "ci"
-  setting = SETTINGS[name]
-  seeds = args.seeds or setting["seeds"]
-  steps = args.steps or setting["steps"]
-  eval_every = min(setting["eval_every"], max(1, steps))
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   arms = args.arms.split(",") if args.arms else setting["arms"]
   tasks = args.tasks.split(",") if args.tasks else setting["tasks"]
   n = BASE["rollout.prompts_per_step"]

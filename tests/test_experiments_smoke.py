@@ -164,7 +164,7 @@ def test_replay_report_verdicts_follow_the_numbers(tmp_path):
   assert "(1 seed: indicative only)" in text and "## Experience replay (B7)" in text
   assert "| no_replay | 1.00 | 48 | 0.00 | 1.00 |" in text and "| replay_r4 | 2.67 | 18 | 1.00 | 2.00 |" in text
   assert "| arm | 0 | 3 | 6 |" in text and "| replay_r4 | 0.300 | 0.400 | 0.580 |" in text
-  assert "acc at 18 groups | acc at 0.6 s |" in text and "π_old recompute" in text
+  assert "acc at 18 groups | acc at 0.6 s |" in text and "scores π_old once per group" in text
   assert os.path.exists(tmp_path / "docs" / "figures" / "replay_arithmetic.png")
   # Late accuracy 0.555 with 18/48 of the groups: within the margin with ≥ 25% fewer groups.
   (results / "replay_ablation.json").write_text(json.dumps(_replay_doc([0.55, 0.56])))
