@@ -57,6 +57,7 @@ def get_config():
   c.rollout.ewma_beta = 0.9  # EWMA decay of the proximal parameter copy (old_logp = ewma)
   c.rollout.num_workers = 1  # rollout worker threads (async)
   c.rollout.partial_chunk = 0  # async partial rollouts: decode steps between version checks (0 = off)
+  c.rollout.prox_in_worker = False  # async + recompute: workers score π_old at generation (else the learner does)
   c.rollout.weight_sync = "full"  # publish: "full" dense copy | "sparse" SparseRL-Sync delta (bit-identical copy)
   c.rollout.replay = ml_collections.ConfigDict()  # experience replay of groups (sync / fixed_lag modes)
   c.rollout.replay.capacity = 0  # groups held in the FIFO; 0 = off (every rollout consumed once)

@@ -85,6 +85,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.rollout.partial_chunk and c.rollout.mode != "async":
     raise ConfigError(f"config.rollout.partial_chunk={c.rollout.partial_chunk}: partial rollouts need rollout.mode='async'")
   _need(0.0 <= c.rollout.ewma_beta < 1.0, "rollout.ewma_beta", c.rollout.ewma_beta, "must be in [0, 1)")
+  _need(isinstance(c.rollout.prox_in_worker, bool), "rollout.prox_in_worker", c.rollout.prox_in_worker, "must be a bool")
+  if c.rollout.prox_in_worker and (c.rollout.mode != "async" or c.rollout.old_logp != "recompute"):
+    raise ConfigError(f"config.rollout.prox_in_worker={c.rollout.prox_in_worker}: workers score π_old only with "
+                      "rollout.mode='async' and rollout.old_logp='recompute'")
   _need(c.rollout.weight_sync in WEIGHT_SYNC, "rollout.weight_sync", c.rollout.weight_sync,
         f"must be one of {WEIGHT_SYNC}")
   _need(c.rollout.weight_sync != "sparse" or n_mesh == 1, "rollout.weight_sync", c.rollout.weight_sync,

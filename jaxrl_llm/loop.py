@@ -429,7 +429,8 @@ def async_engine(run: Run, store: ParamStore, state_dict: dict | None):
   fn = ae.make_group_rollout(run.task, run.train_examples, width=run.P, group_size=c.rollout.group_size, seed=c.seed,
                              key_root=run.k_sample, model_cfg=run.sampler_model_cfg, sampler_cfg=run.samp_cfg,
                              store=store, chunk_steps=c.rollout.partial_chunk or None,
-                             keep_routes=c.model.routing_replay)  # R3: collate then hands routes_BTLk to make_batch
+                             keep_routes=c.model.routing_replay,  # R3: collate then hands routes_BTLk to make_batch
+                             score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None)
   kw = dict(batch_groups=c.rollout.prompts_per_step, eta=c.rollout.lag, num_workers=c.rollout.num_workers)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)

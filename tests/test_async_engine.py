@@ -160,6 +160,38 @@ def test_tiny_model_end_to_end(task_setup, chunk):
   assert store.held_versions() == [store.latest_version]  # every snapshot pinned by a worker was released
 
 
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_worker_scores_prox_at_each_tokens_version(task_setup, chunk):
+  """`score_fn`: the worker's π_old of every token equals the learner scorer at the token's generating version
+  (partial rollouts mix versions inside a sequence)."""
+  from jaxrl_llm import learner
+  task, examples = task_setup
+  width = task.max_prompt_len + 1
+  sc = SamplerConfig(max_new_tokens=N, eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=1.0)
+  score = learner.make_score_fn(CFG, 1.0)
+  params = {0: init_params(CFG, jax.random.key(0))}
+  store = ParamStore(keep_last=8)
+  store.publish(params[0])
+  rollout = make_group_rollout(task, examples, width=width, group_size=G, seed=3, key_root=jax.random.key(5),
+                               model_cfg=CFG, sampler_cfg=sc, store=store, chunk_steps=chunk, score_fn=score)
+  bump = jax.jit(lambda p, k: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(k, x.shape), p))
+  version, checked = 0, 0
+  with AsyncRollout(store, rollout, batch_groups=2, eta=2, num_workers=2, poll_s=0.002) as engine:
+    for t in range(4):
+      groups, _ = engine.next_batch(version, timeout=300.0)
+      for g in groups:
+        assert g.prox_logp_GN is not None  # every version is still held (keep_last=8)
+        seq = (jnp.asarray(g.sequence_GT), jnp.asarray(g.positions_GT), jnp.asarray(g.segment_ids_GT))
+        for v in np.unique(g.versions_GN[g.mask_GN > 0]):
+          want = np.asarray(score(params[int(v)], *seq, jnp.asarray(g.mask_GN)))
+          at = (g.versions_GN == v) & (g.mask_GN > 0)
+          np.testing.assert_allclose(g.prox_logp_GN[at], want[at], atol=1e-5)
+          checked += int(at.sum())
+      params[version + 1] = bump(params[version], jax.random.key(t))
+      version = store.publish(params[version + 1])
+  assert checked > 0
+
+
 def test_rollout_key_depends_on_version_and_request():
   root = jax.random.key(0)
   keys = {(v, r): tuple(np.asarray(jax.random.key_data(async_engine.rollout_key(root, v, r))).tolist())

@@ -93,3 +93,16 @@ def test_dapo_filter_entropy_and_throughput_fields(tmp_path):
     assert r["dapo_filtered_frac"] == 1.0 and r["loss"] == 0.0 and r["grad_norm"] == 0.0
     assert r["entropy"] == 0.0  # logged over counted tokens, and none is left
     assert r["time_learner_tokens_per_s"] > 0 and r["time_sampler_tokens_per_s"] > 0
+
+
+def test_async_with_worker_scored_prox(tmp_path):
+  """`rollout.prox_in_worker`: workers attach π_old to their groups; the learner trains on it (mismatch to μ
+  stays at fp32 noise with an fp32 sampler), and the option is refused outside async + recompute."""
+  c = tiny(rollout__mode="async", rollout__lag=1, rollout__prox_in_worker=True)
+  c.num_steps, c.eval.every, c.sft.steps = 4, 0, 0
+  rows = loop.run(c, str(tmp_path))
+  assert len(rows) == 4 and all(r["lag_max"] <= 1 for r in rows)
+  assert all(r["mismatch_abs_max"] < 1e-4 for r in rows)
+  from jaxrl_llm import config as config_lib
+  with pytest.raises(config_lib.ConfigError, match=r"config\.rollout\.prox_in_worker="):
+    config_lib.validate(tiny(rollout__mode="sync", rollout__prox_in_worker=True))

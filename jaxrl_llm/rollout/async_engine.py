@@ -46,13 +46,16 @@ def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
 def make_group_rollout(task, train_examples, *, width: int, group_size: int, seed: int, key_root: jax.Array,
                        model_cfg, sampler_cfg, store: ParamStore | None = None,
                        chunk_steps: int | None = None, reprefill: bool = False,
-                       keep_routes: bool = False) -> RolloutFn:
+                       keep_routes: bool = False, score_fn: Callable | None = None) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
 
   With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
   snapshot of `store` between chunks (keeping the KV cache unless `reprefill`); `versions_GN`
   records the version of every token. Otherwise the whole group uses the admitted snapshot.
   `keep_routes` (MoE, routing replay R3): the trajectory carries the sampler's expert ids `routes_GTLk`.
+  `score_fn` (`learner.make_score_fn`, for `old_logp=recompute`): the worker also scores π_old of
+  every token with the learner-dtype snapshot of its generating version (`prox_logp_GN`), so the
+  learner does not spend a forward per distinct version of its batch.
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
@@ -70,15 +73,43 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
                                          sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
       versions_GN = np.asarray(out["versions_BN"])
     out = jax.tree.map(np.asarray, out)
+    routes_GTLk = out["routes_BTLk"] if keep_routes and "routes_BTLk" in out else None
+    prox_GN = None if score_fn is None else prox_at_versions(score_fn, store, snap, out, versions_GN, routes_GTLk)
     reward_G, _, _ = collect.score_completions(task, p.examples, out["tokens_BN"])
     return Trajectory(
         request_id=request_id, group_id=int(example["example_id"]), start_version=snap.version,
         sequence_GT=out["sequence_BT"], positions_GT=out["positions_BT"], segment_ids_GT=out["segment_ids_BT"],
         tokens_GN=out["tokens_BN"], mask_GN=out["mask_BN"], behavior_logp_GN=out["behavior_logp_BN"],
-        versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example),
-        routes_GTLk=out["routes_BTLk"] if keep_routes and "routes_BTLk" in out else None)
+        versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example), routes_GTLk=routes_GTLk,
+        prox_logp_GN=prox_GN)
 
   return rollout
+
+
+def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapshot, out: dict, versions_GN: np.ndarray,
+                     routes_GTLk: np.ndarray | None) -> np.ndarray | None:
+  """π_old of a finished group: each token scored by the learner-dtype copy of the version that generated it.
+
+  `held` (the admitted snapshot) is pinned by the caller; other versions (partial rollouts) are pinned
+  here. None when one of them is no longer held (the learner then recomputes, or drops the group as stale).
+  """
+  mask_GN = out["mask_BN"]
+  seq = tuple(jnp.asarray(out[k]) for k in ("sequence_BT", "positions_BT", "segment_ids_BT"))
+  routes = None if routes_GTLk is None else jnp.asarray(routes_GTLk)
+  prox_GN = np.zeros(mask_GN.shape, np.float32)
+  for v in np.unique(versions_GN[mask_GN > 0]).tolist():
+    try:
+      snap = held if v == held.version else store.acquire(int(v))
+    except (KeyError, AttributeError):  # freed (or no store): leave π_old to the learner
+      return None
+    try:
+      params = snap.learner_params if snap.learner_params is not None else snap.params
+      logp = np.asarray(score_fn(params, *seq, jnp.asarray(mask_GN), routes))
+    finally:
+      if snap is not held:
+        store.release(snap)
+    prox_GN = np.where(versions_GN == v, logp, prox_GN)
+  return prox_GN
 
 
 def store_poller(store: ParamStore) -> partial_lib.Poll:

@@ -31,6 +31,9 @@ class Trajectory(NamedTuple):
   # MoE routing replay (R3): int32 [G, T, L, k] expert ids of every fed token, as the sampler routed it
   # (sampling.generate's `routes_BTLk`); None for dense models, with replay off, and in pre-R3 checkpoints.
   routes_GTLk: np.ndarray | None = None
+  # float32 [G, N] π_old scored by the worker at each token's generating version (`old_logp=recompute`);
+  # None when not scored (other strategies, pre-existing checkpoints): the learner computes it.
+  prox_logp_GN: np.ndarray | None = None
 
 
 def lag(group: Trajectory, learner_version: int) -> int:
@@ -42,13 +45,14 @@ def collate(groups: list[Trajectory], learner_version: int) -> dict:
   """Concatenates groups into learner-batch arrays (B = n_groups · G), keeping group order.
 
   `group_id_B` numbers the groups 0..n-1 (what `advantages.*` expects); `lag_B` is the per-sequence
-  lag of the oldest token. `routes_BTLk` (R3) is present when every group carries routes.
+  lag of the oldest token. `routes_BTLk` (R3) and `prox_logp_BN` are present when every group carries them.
   """
   cat = lambda name: np.concatenate([getattr(g, name) for g in groups], axis=0)
   G_B = [g.reward_G.shape[0] for g in groups]
   routes = {"routes_BTLk": cat("routes_GTLk")} if all(g.routes_GTLk is not None for g in groups) else {}
+  prox = {"prox_logp_BN": cat("prox_logp_GN")} if all(g.prox_logp_GN is not None for g in groups) else {}
   return {
-      **routes,
+      **routes, **prox,
       "sequence_BT": cat("sequence_GT"), "positions_BT": cat("positions_GT"), "segment_ids_BT": cat("segment_ids_GT"),
       "tokens_BN": cat("tokens_GN"), "mask_BN": cat("mask_GN"), "behavior_logp_BN": cat("behavior_logp_GN"),
       "versions_BN": cat("versions_GN"), "reward_B": cat("reward_G"),
