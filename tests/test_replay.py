@@ -283,3 +283,19 @@ def test_recompute_prox_is_scored_once_at_the_generating_version(tmp_path):
   np.testing.assert_allclose(ro["prox_logp_BN"], want, atol=1e-6)
   batch, _ = loop.make_batch(r, store, state, extra, ro)
   np.testing.assert_array_equal(np.asarray(batch.prox_logp_BN), ro["prox_logp_BN"])
+
+def test_make_batch_scales_advantages_by_the_stale_weights():
+  """`adv_weight_B` multiplies each row's group-normalised advantage (what `downweight` relies on)."""
+  c = cfg()
+  r = loop.setup(c)
+  params = loop.initial_policy(c, r.model_cfg, r.k_init)[1]
+  state, extra = loop.fresh_state(r, params)
+  store = loop.new_store(r)
+  store.publish(state.params)
+  ro = loop.sync_rollout(r, store, [0], 0, 0)[0]
+  ro["reward_B"] = np.arange(ro["reward_B"].shape[0], dtype=np.float32) % 3  # non-zero advantages
+  w_B = np.linspace(0.0, 1.0, ro["reward_B"].shape[0]).astype(np.float32)
+  plain, _ = loop.make_batch(r, store, state, extra, ro)
+  weighted, _ = loop.make_batch(r, store, state, extra, {**ro, "adv_weight_B": w_B})
+  assert np.abs(np.asarray(plain.adv_BN)).sum() > 0
+  np.testing.assert_allclose(weighted.adv_BN, np.asarray(plain.adv_BN) * w_B[:, None], rtol=1e-6, atol=1e-7)
