@@ -111,9 +111,9 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
     log("[bench] loop.run")
     res["system"]["loop_run"] = _guard(system.loop_run)
   log("[bench] checkpoint save/restore")
-  res["system"]["checkpoint"] = _guard(
-      lambda: system.checkpoint_io(_TINY if quick else workloads.LEARNER["M"]["model"]))
-  res["system"]["checkpoint_model"] = "tiny" if quick else "learner M"
+  # Two state sizes, so the table shows how save / restore time scales with the state.
+  ck_models = {"tiny": _TINY} if quick else {f"learner {k}": workloads.LEARNER[k]["model"] for k in ("S", "M")}
+  res["system"]["checkpoints"] = {name: _guard(lambda m=m: system.checkpoint_io(m)) for name, m in ck_models.items()}
   log("[bench] sparse sync")
   res["system"]["sparse_sync"] = _guard(lambda: system.sparse_sync(sys_ctx, sync_every=(1,) if quick else (1, 4)))
   res["system"]["sparse_sync_model"] = "tiny" if quick else "2L-d128"
@@ -211,11 +211,12 @@ def format_tables(res: dict) -> str:
                  (f"time_step_s {_ms(lr['time_step_s'])}, time_generate_s {_ms(lr['time_generate_s'])}, "
                   f"compiles train/generate/score {lr['compiles_train_step']}/{lr['compiles_generate']}/"
                   f"{lr['compiles_score']}") if "time_step_s" in lr else lr.get("status", "?")])
-  ck = sysr.get("checkpoint", {})
-  rows.append([f"checkpoint save / restore (params + AdamW state, {sysr.get('checkpoint_model', '?')})",
-               f"{_g(ck['state_bytes'], 'B')}: save {_ms(ck['save_s'])} ({_g(ck['save_bytes_per_s'], 'B/s')}), "
-               f"restore {_ms(ck['restore_s'])} ({_g(ck['restore_bytes_per_s'], 'B/s')})"
-               if ck.get("status") == "ok" else ck.get("status", "?")])
+  checkpoints = sysr.get("checkpoints") or {sysr.get("checkpoint_model", "?"): sysr.get("checkpoint", {})}
+  for name, ck in checkpoints.items():
+    rows.append([f"checkpoint save / restore (params + AdamW state, {name})",
+                 f"{_g(ck['state_bytes'], 'B')}: save {_ms(ck['save_s'])} ({_g(ck['save_bytes_per_s'], 'B/s')}), "
+                 f"restore {_ms(ck['restore_s'])} ({_g(ck['restore_bytes_per_s'], 'B/s')})"
+                 if ck.get("status") == "ok" else ck.get("status", "?")])
   sp = sysr.get("sparse_sync", {})
   if sp.get("status") == "ok":
     for k, v in sp.items():
