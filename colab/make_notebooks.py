@@ -43,14 +43,11 @@ print("repository:", ROOT)
 '''
 
 LOAD_TINY = '''\
-import importlib.util
+from jaxrl_llm.config import load_file
 
 
 def load_config(name):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", ROOT / "configs" / f"{name}.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_file(ROOT / "configs" / f"{name}.py")
   c.log.progress = False
   c.log.tensorboard = False
   return c

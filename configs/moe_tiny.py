@@ -7,16 +7,13 @@ real train/inference mismatch add --config.sampler.dtype=bfloat16 (and compare w
 --config.model.routing_replay=False).
 """
 
-import importlib.util
 import pathlib
+
+from jaxrl_llm.config import load_file
 
 
 def _base():
-  # Loaded by path so the config works from any working directory (config_flags loads files by path).
-  spec = importlib.util.spec_from_file_location("_jaxrl_tiny_config", pathlib.Path(__file__).with_name("tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(pathlib.Path(__file__).with_name("tiny.py"))
 
 
 def get_config():

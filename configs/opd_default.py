@@ -28,18 +28,15 @@ rejected at start-up): opd_reverse_kl_mc (needs MC caches), s2d_opd (needs a pre
 teacher's top-k), sdcc (needs eviction masks).
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from jaxrl_llm.config import load_file
+
 
 def _base():
-  # Loaded by path so the config works from any working directory (config_flags loads files by path).
-  spec = importlib.util.spec_from_file_location("_jaxrl_default_config", pathlib.Path(__file__).with_name("default.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(pathlib.Path(__file__).with_name("default.py"))
 
 
 def get_config():

@@ -7,16 +7,13 @@ A delta over configs/tiny.py with the distill section of configs/opd_default.py 
 a 1-layer width-32 student with 10 SFT steps, a 2-layer width-64 teacher with 150 SFT steps.
 """
 
-import importlib.util
 import pathlib
+
+from jaxrl_llm.config import load_file
 
 
 def _load(name):
-  # Loaded by path so the config works from any working directory (config_flags loads files by path).
-  spec = importlib.util.spec_from_file_location(f"_jaxrl_{name}_config", pathlib.Path(__file__).with_name(f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(pathlib.Path(__file__).with_name(f"{name}.py"))
 
 
 def get_config():

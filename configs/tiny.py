@@ -3,16 +3,13 @@
 Run:  python -m jaxrl_llm --config=configs/tiny.py --workdir=/tmp/tiny
 """
 
-import importlib.util
 import pathlib
+
+from jaxrl_llm.config import load_file
 
 
 def _base():
-  # Loaded by path so the config works from any working directory (config_flags loads files by path).
-  spec = importlib.util.spec_from_file_location("_jaxrl_default_config", pathlib.Path(__file__).with_name("default.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(pathlib.Path(__file__).with_name("default.py"))
 
 
 def get_config():

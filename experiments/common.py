@@ -8,7 +8,6 @@ docs/RESULTS.md. Nothing here is imported by `jaxrl_llm`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
@@ -33,10 +34,7 @@ TASKS = {
 def load_config(name: str = "default"):
   """`configs/<name>.py`'s `get_config()`, loaded by path (works from any working directory)."""
   path = os.path.join(ROOT, "configs", f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"_exp_cfg_{name}", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(path)
 
 
 def apply_overrides(c, overrides: dict):

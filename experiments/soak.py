@@ -9,7 +9,6 @@ number of ParamStore snapshots held. A leak shows as a positive slope that does 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -27,10 +26,9 @@ def rss_mb() -> float:
 
 
 def tiny_config():
-  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs", "tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  sys.path.insert(0, ROOT)
+  from jaxrl_llm.config import load_file
+  return load_file(os.path.join(ROOT, "configs", "tiny.py"))
 
 
 def soak(steps: int, eta: int = 2, workdir: str | None = None) -> dict:

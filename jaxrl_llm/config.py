@@ -6,6 +6,9 @@ Configs are `ml_collections.ConfigDict`s (see configs/default.py). Unknown field
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import ml_collections
 
 ROLLOUT_MODES = ("sync", "fixed_lag", "staged", "async")
@@ -14,6 +17,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 WEIGHT_SYNC = ("full", "sparse")
 REPLAY_STALE_POLICIES = ("drop", "keep", "downweight")
+
+
+def load_file(path) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file loaded by path, as `ml_collections.config_flags` does: config files
+  are not a package, and this works from any working directory (configs build on each other with it)."""
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(f"_jaxrl_config_{path.stem}", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
 
 
 class ConfigError(ValueError):

@@ -3,7 +3,6 @@ the buffer (and old checkpoints without them), and the learner's replayed recomp
 
 import dataclasses
 import functools
-import importlib.util
 import os
 
 import jax
@@ -20,6 +19,7 @@ from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.sampling import partial
 from jaxrl_llm.tasks import base, get_task
 from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=32,
@@ -144,10 +144,7 @@ def test_group_rollout_carries_routes_through_buffer_and_collate(task_setup, chu
 
 
 def _moe_tiny():
-  spec = importlib.util.spec_from_file_location("cfg_moe_tiny", os.path.join(ROOT, "configs", "moe_tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
   c.log.tensorboard = False
   return c
 

@@ -1,6 +1,5 @@
 """Config validation names the bad field; the CLI rejects unknown fields with their name."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -8,15 +7,13 @@ import sys
 import pytest
 
 from jaxrl_llm import config as config_lib
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(name="tiny"):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(os.path.join(ROOT, "configs", f"{name}.py"))
 
 
 def test_default_and_tiny_are_valid():

@@ -1,6 +1,5 @@
 """Frozen teacher: scoring equals a direct forward, teacher sources and caching, distill config errors."""
 
-import importlib.util
 import os
 
 import jax
@@ -12,16 +11,14 @@ from jaxrl_llm import config as config_lib, learner
 from jaxrl_llm.distill import opd, teacher as teacher_lib
 from jaxrl_llm.models import ModelConfig, forward, init_params, save_hf
 from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, max_seq_len=16)
 
 
 def opd_tiny():
-  spec = importlib.util.spec_from_file_location("cfg_opd_tiny", os.path.join(ROOT, "configs", "opd_tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_file(os.path.join(ROOT, "configs", "opd_tiny.py"))
   c.log.tensorboard = False
   return c
 

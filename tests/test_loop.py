@@ -1,6 +1,5 @@
 """End-to-end runs of the tiny config: repeatability, lags per mode, mismatch from a bf16 sampler."""
 
-import importlib.util
 import os
 
 import numpy as np
@@ -8,15 +7,13 @@ import pytest
 
 from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(**over):
-  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs", "tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_file(os.path.join(ROOT, "configs", "tiny.py"))
   c.log.tensorboard = False
   for k, v in over.items():
     sec, key = k.split("__")

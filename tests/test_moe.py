@@ -3,7 +3,6 @@ loss, router gradients under replay, sampler/learner agreement with replay, meas
 
 import dataclasses
 import functools
-import importlib.util
 import os
 
 import jax
@@ -14,6 +13,7 @@ import pytest
 from jaxrl_llm import learner
 from jaxrl_llm.models import ModelConfig, forward, hidden_with_routing, init_params, moe, token_logprobs
 from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.config import load_file
 
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32,
                   num_experts=4, experts_per_token=2, max_seq_len=32)
@@ -219,10 +219,7 @@ def test_learner_step_with_replayed_routes_is_on_policy_at_step_zero():
 # -------------------------------------------------------------------------------- config / CLI
 
 def _moe_tiny():
-  spec = importlib.util.spec_from_file_location("cfg_moe_tiny", os.path.join(ROOT, "configs", "moe_tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return load_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
 
 
 def test_moe_tiny_config_is_a_valid_moe_delta():

@@ -1,6 +1,5 @@
 """On-policy distillation end to end through the RL loop: teacher scores at rollout time, OPD losses train."""
 
-import importlib.util
 import math
 import os
 
@@ -11,15 +10,13 @@ import pytest
 from jaxrl_llm import loop
 from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def opd_tiny(cache_dir, **over):
-  spec = importlib.util.spec_from_file_location("cfg_opd_tiny", os.path.join(ROOT, "configs", "opd_tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_file(os.path.join(ROOT, "configs", "opd_tiny.py"))
   c.log.tensorboard = False
   c.checkpoint.every = 0
   c.distill.teacher_cache_dir = str(cache_dir)

@@ -1,7 +1,6 @@
 """Sparse weight sync on the publish path: bit-identical to the dense copy over real learner steps (fp32,
 bf16, int8 samplers), resume keeps the delta base, metrics and run_info record the payload, config checks."""
 
-import importlib.util
 import json
 import os
 
@@ -14,15 +13,13 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import loop
 from jaxrl_llm.rollout import sparse_sync as ss
 from jaxrl_llm.rollout.param_store import ParamStore
+from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny():
-  spec = importlib.util.spec_from_file_location("cfg_tiny", os.path.join(ROOT, "configs", "tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_file(os.path.join(ROOT, "configs", "tiny.py"))
   c.log.tensorboard = False
   return c
 
