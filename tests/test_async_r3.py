@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import learner, loop
+from jaxrl_llm.config import load_file
 from jaxrl_llm.models import ModelConfig, hidden_with_routing, init_params
 from jaxrl_llm.rollout.async_engine import make_group_rollout
 from jaxrl_llm.rollout.buffer import Buffer, collate
@@ -19,7 +20,6 @@ from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.sampling import partial
 from jaxrl_llm.tasks import base, get_task
 from jaxrl_llm.tasks import tokenizer as tok
-from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=32,

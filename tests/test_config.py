@@ -7,13 +7,12 @@ import sys
 import pytest
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(name="tiny"):
-  return load_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  return config_lib.load_file(os.path.join(ROOT, "configs", f"{name}.py"))
 
 
 def test_default_and_tiny_are_valid():

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import config as config_lib, learner
+from jaxrl_llm.config import load_file
 from jaxrl_llm.distill import opd, teacher as teacher_lib
 from jaxrl_llm.models import ModelConfig, forward, init_params, save_hf
 from jaxrl_llm.tasks import tokenizer as tok
-from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, max_seq_len=16)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import learner
+from jaxrl_llm.config import load_file
 from jaxrl_llm.models import ModelConfig, forward, hidden_with_routing, init_params, moe, token_logprobs
 from jaxrl_llm.sampling import SamplerConfig, generate
-from jaxrl_llm.config import load_file
 
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32,
                   num_experts=4, experts_per_token=2, max_seq_len=32)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import loop
+from jaxrl_llm.config import load_file
 from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.tasks import tokenizer as tok
-from jaxrl_llm.config import load_file
+from test_loop import fresh_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +35,7 @@ def cache(tmp_path_factory):
 
 def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
   c = opd_tiny(cache, rollout__mode="fixed_lag", rollout__lag=1, loss__name="f_opd")
-  r = loop.setup(c)
-  params = loop.initial_policy(c, r.model_cfg, r.k_init)[1]
-  state, extra = loop.fresh_state(r, params)
-  store = loop.new_store(r)
-  store.publish(state.params)
+  r, state, extra, store = fresh_run(c)
   ro = loop.sync_rollout(r, store, [0], 0, 0)[0]
   batch, _ = loop.make_batch(r, store, state, extra, ro)
   assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]

@@ -13,7 +13,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
 from jaxrl_llm.rollout import replay
-from test_loop import strip, tiny
+from test_loop import fresh_run, strip, tiny
 
 G = 2  # rows per group in the unit tests
 
@@ -271,11 +271,7 @@ def test_recompute_prox_is_scored_once_at_the_generating_version(tmp_path):
   assert loop.retention("fixed_lag", 1) == 2
   assert max(r["lag_max"] for r in rows) > 1  # consumed groups older than every held snapshot
   # Unit: the cached π_old equals a fresh recompute at the generating version.
-  r = loop.setup(c)
-  params = loop.initial_policy(c, r.model_cfg, r.k_init)[1]
-  state, extra = loop.fresh_state(r, params)
-  store = loop.new_store(r)
-  store.publish(state.params)
+  r, state, extra, store = fresh_run(c)
   buf = loop.new_replay(loop.replay_config(c), None)
   ro = loop.replay_rollout(r, store, buf, loop.replay_config(c), 0, 0, 0)
   seq = tuple(jnp.asarray(ro[k]) for k in ("sequence_BT", "positions_BT", "segment_ids_BT"))
@@ -287,11 +283,7 @@ def test_recompute_prox_is_scored_once_at_the_generating_version(tmp_path):
 def test_make_batch_scales_advantages_by_the_stale_weights():
   """`adv_weight_B` multiplies each row's group-normalised advantage (what `downweight` relies on)."""
   c = cfg()
-  r = loop.setup(c)
-  params = loop.initial_policy(c, r.model_cfg, r.k_init)[1]
-  state, extra = loop.fresh_state(r, params)
-  store = loop.new_store(r)
-  store.publish(state.params)
+  r, state, extra, store = fresh_run(c)
   ro = loop.sync_rollout(r, store, [0], 0, 0)[0]
   ro["reward_B"] = np.arange(ro["reward_B"].shape[0], dtype=np.float32) % 3  # non-zero advantages
   w_B = np.linspace(0.0, 1.0, ro["reward_B"].shape[0]).astype(np.float32)

@@ -11,9 +11,9 @@ import pytest
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import loop
+from jaxrl_llm.config import load_file
 from jaxrl_llm.rollout import sparse_sync as ss
 from jaxrl_llm.rollout.param_store import ParamStore
-from jaxrl_llm.config import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -98,9 +98,11 @@ def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapsho
   routes = None if routes_GTLk is None else jnp.asarray(routes_GTLk)
   prox_GN = np.zeros(mask_GN.shape, np.float32)
   for v in np.unique(versions_GN[mask_GN > 0]).tolist():
+    if v != held.version and store is None:
+      return None
     try:
       snap = held if v == held.version else store.acquire(int(v))
-    except (KeyError, AttributeError):  # freed (or no store): leave π_old to the learner
+    except KeyError:  # freed: leave π_old to the learner
       return None
     try:
       params = snap.learner_params if snap.learner_params is not None else snap.params
