@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import ModelConfig, init_params, token_logprobs
+from jaxrl_llm.models import ModelConfig, init_cache, init_params, token_logprobs
+from jaxrl_llm.models.transformer import decode_view, stack_cache
 from jaxrl_llm.sampling import SamplerConfig, generate, sample_token
+from jaxrl_llm.sampling import sampler as sampler_lib
+from jaxrl_llm.sampling.sample import first_argmax, predraw_noise, step_noise
 
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                   qk_norm=True)
@@ -187,3 +190,65 @@ def test_bf16_sampler_vs_fp32_learner_mismatch_is_small_but_nonzero():
 def test_sampler_config_validation(bad, field):
   with pytest.raises(ValueError, match=field):
     SamplerConfig(**{"max_new_tokens": 4, "eos_id": 1, **bad})
+
+
+def test_first_argmax_equals_argmax_with_ties_and_minus_inf():
+  x_BV = jax.random.randint(jax.random.key(20), (64, 17), 0, 4).astype(jnp.float32)  # many ties per row
+  x_BV = jnp.where(jax.random.bernoulli(jax.random.key(21), 0.3, x_BV.shape), -jnp.inf, x_BV)
+  x_BV = x_BV.at[0].set(-jnp.inf)  # an all -inf row: index 0, as jnp.argmax
+  np.testing.assert_array_equal(first_argmax(x_BV), jnp.argmax(x_BV, axis=-1))
+
+
+def test_predrawn_noise_rows_are_the_per_step_draws():
+  key, shape = jax.random.key(5), (3, 7)
+  noise_NBK = predraw_noise(key, 4, shape)
+  for n in range(4):
+    np.testing.assert_array_equal(noise_NBK[n], step_noise(key, n, shape))
+
+
+@pytest.mark.parametrize("sc", [SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.8),
+                                SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=1.0, top_k=5),
+                                SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=1.0, top_p=0.7)],
+                         ids=["plain", "top_k", "top_p"])
+def test_noise_drawn_before_or_inside_the_decode_loop_gives_the_same_samples(sc, monkeypatch):
+  before = run(sc)
+  monkeypatch.setattr(sampler_lib, "PREDRAW_MAX_ELEMENTS", 0)  # every step draws its own noise
+  fresh = jax.jit(lambda *args: generate.__wrapped__(*args, CFG, sc))  # a new function: a new trace
+  inside = fresh(PARAMS, PROMPTS, PROMPT_LEN, jax.random.key(2))
+  for name in ("tokens_BN", "behavior_logp_BN", "mask_BN"):
+    np.testing.assert_array_equal(before[name], inside[name], err_msg=name)
+
+
+MOE = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32,
+                  num_experts=4, experts_per_token=2)
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
+def test_unrolled_decode_view_matches_the_layer_scan(cfg):
+  """A fully unrolled model decodes from per-layer weights and caches (`decode_view`): same samples,
+  log-probs and routes as the rolled layer scan (rounding aside)."""
+  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.7)
+  params = random_params(cfg)
+  scan = run(sc, params=params, model_cfg=cfg)
+  unrolled = run(sc, params=params, model_cfg=dataclasses.replace(cfg, layer_unroll=cfg.n_layers))
+  for name in ("tokens_BN", "mask_BN") + (("routes_BTLk",) if cfg.is_moe else ()):
+    np.testing.assert_array_equal(scan[name], unrolled[name], err_msg=name)
+  np.testing.assert_allclose(scan["behavior_logp_BN"], unrolled["behavior_logp_BN"], rtol=0, atol=1e-5)
+  mask = np.asarray(unrolled["mask_BN"]) > 0
+  learner = np.asarray(learner_logp(params, unrolled, cfg, 0.7))
+  np.testing.assert_allclose(learner[mask], np.asarray(unrolled["behavior_logp_BN"])[mask], rtol=0, atol=1e-5)
+
+
+def test_decode_view_cache_round_trips():
+  cfg = dataclasses.replace(CFG, layer_unroll=CFG.n_layers)
+  cache = init_cache(cfg, 2, 5)
+  cache = {**cache, "k": jax.random.normal(jax.random.key(0), cache["k"].shape),
+           "v": jax.random.normal(jax.random.key(1), cache["v"].shape)}
+  _, view = decode_view(PARAMS, cache, cfg)
+  assert isinstance(view["k"], tuple) and view["k"][0].shape == (2, 2, 5, 8)  # [B, K, S, hd]
+  np.testing.assert_array_equal(view["v"][1], jnp.transpose(cache["v"][1], (0, 2, 3, 1)))  # [B, K, hd, S]
+  back = stack_cache(view)
+  for name in ("k", "v"):
+    np.testing.assert_array_equal(back[name], cache[name])
+  rolled_params, rolled = decode_view(PARAMS, cache, CFG)  # layer_unroll=1: unchanged
+  assert rolled is cache and rolled_params is PARAMS

@@ -38,20 +38,27 @@ def rope(x_BTHd: Array, positions_BT: Array, theta: float) -> Array:
   return x_BTHd * cos + rotated * sin
 
 
-def attention(q_BTHd: Array, k_BSKd: Array, v_BSKd: Array, mask_BTS: Array) -> Array:
+# Einsum letters of the key and value operands per cache layout: "BSKd" is the model's layout
+# (and the stacked cache's); "decode" is the per-layer decode-loop cache (keys [B, K, S, hd], values
+# [B, K, hd, S]), the operand layouts XLA:CPU's dots want, so no step transposes the cache.
+KV_LAYOUTS = {"BSKd": ("bskd", "bskd"), "decode": ("bksd", "bkds")}
+
+
+def attention(q_BTHd: Array, k: Array, v: Array, mask_BTS: Array, kv_layout: str = "BSKd") -> Array:
   """Grouped-query softmax attention with scale 1/sqrt(head_dim).
 
   Each of the K key/value heads serves G = H // K consecutive query heads (HF layout).
-  Scores and softmax are float32; every query row must allow at least one key.
+  Keys and values are [B, S, K, hd], or in `kv_layout="decode"` keys [B, K, S, hd] and values
+  [B, K, hd, S]. Scores and softmax are float32; every query row must allow at least one key.
   """
   B, T, H, hd = q_BTHd.shape
-  K = k_BSKd.shape[2]
+  k_spec, v_spec = KV_LAYOUTS[kv_layout]
+  K = k.shape[k_spec.index("k")]
   q_BTKGd = q_BTHd.reshape(B, T, K, H // K, hd)
-  scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd,
-                            preferred_element_type=jnp.float32) * (hd ** -0.5)
+  scores_BKGTS = jnp.einsum(f"btkgd,{k_spec}->bkgts", q_BTKGd, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
   scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
-  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKd.dtype)
-  out_BTKGd = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKd)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v.dtype)
+  out_BTKGd = jnp.einsum(f"bkgts,{v_spec}->btkgd", probs_BKGTS, v)
   return out_BTKGd.reshape(B, T, H, hd)
 
 

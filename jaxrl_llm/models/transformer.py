@@ -290,12 +290,54 @@ def forward(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: A
   return logits_from_hidden(params, h_BTD, cfg)
 
 
+def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
+  """A decode-loop view of the params: compute dtype, `layers` a tuple of per-layer dicts.
+
+  Why: the layer scan slices each layer's weights out of the stacked arrays, and inside a decode
+  loop XLA:CPU copied those slices again at every step; built once before the loop, every step
+  reads the weights in place. `hidden_with_cache` accepts either layout; the math is the same.
+  """
+  p = _cast(params, cfg)
+  layers = tuple(jax.tree.map(lambda x, l=l: x[l], p["layers"]) for l in range(cfg.n_layers))
+  return {**p, "layers": layers}
+
+
+def unstack_cache(cache: dict) -> dict:
+  """The decode-loop view of a cache: `k`, `v` as tuples of per-layer arrays in the "decode" layout
+  of `layers.attention` (keys [B, K, S, hd], values [B, K, hd, S]).
+
+  Why: each layer's keys/values are their own loop-carried buffer, updated in place, and in the
+  layout the attention dots read, so no decode step copies or transposes the cache.
+  """
+  return {**cache, "k": tuple(jnp.transpose(k, (0, 2, 1, 3)) for k in cache["k"]),
+          "v": tuple(jnp.transpose(v, (0, 2, 3, 1)) for v in cache["v"])}
+
+
+def stack_cache(cache: dict) -> dict:
+  """Inverse of `unstack_cache` (a no-op on a stacked cache)."""
+  if not isinstance(cache["k"], tuple):
+    return cache
+  return {**cache, "k": jnp.stack([jnp.transpose(k, (0, 2, 1, 3)) for k in cache["k"]]),
+          "v": jnp.stack([jnp.transpose(v, (0, 3, 1, 2)) for v in cache["v"]])}
+
+
+def decode_view(params: dict, cache: dict, cfg: ModelConfig) -> tuple[dict, dict]:
+  """(params, cache) for a decode loop: unstacked (`unstack_layers`, `unstack_cache`) when the model
+  is fully unrolled (`cfg.layer_unroll >= n_layers`), else unchanged (a rolled layer scan keeps one
+  compiled layer body for deep models). `stack_cache` turns the cache back after the loop."""
+  if cfg.layer_unroll < cfg.n_layers:
+    return params, cache
+  return unstack_layers(params, cfg), unstack_cache(cache)
+
+
 def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
                       positions_BT: Array, segment_ids_BT: Array | None = None) -> tuple[Array, dict]:
   """Appends T tokens at the cache's write index; returns their final-normed hidden states.
 
   The new tokens attend to every earlier slot of their segment and causally within the chunk
   (see `jaxrl_llm.models.cache`). Prefill is a call with the whole prompt, decode one with T=1.
+  `params` and `cache` may be stacked (a layer scan) or unstacked (`unstack_layers` and
+  `unstack_cache`, a Python loop over layers, for decode loops); the math is the same.
   """
   _, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
@@ -303,18 +345,34 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
   cache = cache_lib.write_metadata(cache, positions_BT, segment_ids_BT)
   mask_BTS = cache_lib.attention_mask(segment_ids_BT, cache["segment_ids_BS"], q_offset=index)
 
-  def layer(h_BTD, xs):
-    p_l, k_BSKd, v_BSKd = xs
-    q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    k_BSKd = jax.lax.dynamic_update_slice_in_dim(k_BSKd, k_BTKd.astype(k_BSKd.dtype), index, axis=1)
-    v_BSKd = jax.lax.dynamic_update_slice_in_dim(v_BSKd, v_BTKd.astype(v_BSKd.dtype), index, axis=1)
-    h_BTD, routing = _finish_layer(h_BTD, attention(q_BTHd, k_BSKd, v_BSKd, mask_BTS), p_l, cfg,
-                                   real_BT=segment_ids_BT > 0)
-    return h_BTD, (k_BSKd, v_BSKd, routing.get("ids_BTk"))
+  unstacked = isinstance(p["layers"], tuple)
+  kv_layout = "decode" if unstacked else "BSKd"
 
-  h_BTD, (k_LBSKd, v_LBSKd, ids_LBTk) = jax.lax.scan(layer, _embed(p, tokens_BT),
-                                                      (p["layers"], cache["k"], cache["v"]), unroll=cfg.layer_unroll)
-  cache = {**cache, "k": k_LBSKd, "v": v_LBSKd}
+  def layer(h_BTD, xs):
+    p_l, k, v = xs
+    q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
+    if unstacked:  # keys [B, K, S, hd], values [B, K, hd, S]
+      k = jax.lax.dynamic_update_slice_in_dim(k, jnp.transpose(k_BTKd, (0, 2, 1, 3)).astype(k.dtype), index, axis=2)
+      v = jax.lax.dynamic_update_slice_in_dim(v, jnp.transpose(v_BTKd, (0, 2, 3, 1)).astype(v.dtype), index, axis=3)
+    else:
+      k = jax.lax.dynamic_update_slice_in_dim(k, k_BTKd.astype(k.dtype), index, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(v, v_BTKd.astype(v.dtype), index, axis=1)
+    h_BTD, routing = _finish_layer(h_BTD, attention(q_BTHd, k, v, mask_BTS, kv_layout), p_l, cfg,
+                                   real_BT=segment_ids_BT > 0)
+    return h_BTD, (k, v, routing.get("ids_BTk"))
+
+  h_BTD = _embed(p, tokens_BT)
+  if unstacked:
+    outs = []
+    for xs in zip(p["layers"], cache["k"], cache["v"]):
+      h_BTD, out = layer(h_BTD, xs)
+      outs.append(out)
+    k, v, ids = (tuple(o[i] for o in outs) for i in range(3))
+    ids_LBTk = None if ids[0] is None else jnp.stack(ids)
+  else:
+    h_BTD, (k, v, ids_LBTk) = jax.lax.scan(layer, h_BTD, (p["layers"], cache["k"], cache["v"]),
+                                           unroll=cfg.layer_unroll)
+  cache = {**cache, "k": k, "v": v}
   if ids_LBTk is not None:  # MoE: record the routes of the new tokens (R3)
     cache["routes_LBSk"] = jax.lax.dynamic_update_slice_in_dim(cache["routes_LBSk"], ids_LBTk, index, axis=2)
   return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), cache

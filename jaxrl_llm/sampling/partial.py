@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache
+from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, stack_cache
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sampler import emit_token, prefill_prompts
 
@@ -74,6 +74,7 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
                  model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
   """Decodes with `params` until column `stop` (exclusive) is sampled or every row hit EOS."""
   version = jnp.asarray(version, jnp.int32)
+  params, cache = decode_view(params, carry["cache"], model_cfg)  # the same decode math as `generate`
 
   def decode(carry: dict) -> dict:
     prev = carry["step"] - 1
@@ -87,7 +88,8 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
   def keep_going(carry: dict) -> Array:
     return (carry["step"] < jnp.minimum(stop, sampler_cfg.max_new_tokens)) & ~jnp.all(carry["done_B"])
 
-  return jax.lax.while_loop(keep_going, decode, carry)
+  carry = jax.lax.while_loop(keep_going, decode, {**carry, "cache": cache})
+  return {**carry, "cache": stack_cache(carry["cache"])}
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg",), donate_argnames=("carry",))

@@ -7,15 +7,17 @@ Shapes are static (one compilation per (B, P, N) bucket and pair of configs); th
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import forward_with_cache, hidden_with_cache, logits_from_hidden
+from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
+                                          stack_cache)
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sample import sample_token
+from jaxrl_llm.sampling.sample import PREDRAW_MAX_ELEMENTS, noise_shape, predraw_noise, sample_token
 
 Array = jax.Array
 
@@ -51,11 +53,17 @@ def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, 
   return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
 
 
-def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
+def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig,
+               noise_NBK: Array | None = None) -> dict:
   """Samples completion column `carry["step"]` with key `fold_in(key, step)`, masks rows that already
-  finished (pad, mask 0, logp 0), marks rows that emitted EOS, and advances the step."""
+  finished (pad, mask 0, logp 0), marks rows that emitted EOS, and advances the step.
+
+  `noise_NBK`: that key's Gumbel noise for every column, drawn before the loop (`predraw_noise`);
+  None draws it here. The tokens are the same either way.
+  """
   step = carry["step"]
-  token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg)
+  gumbel_BK = None if noise_NBK is None else jax.lax.dynamic_index_in_dim(noise_NBK, step, keepdims=False)
+  token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg, gumbel_BK)
   live_B = ~carry["done_B"]
   token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
   return {
@@ -77,7 +85,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   - Prompts are **left-padded** to the bucket width P: row b's real tokens are
     `prompt_tokens_BP[b, P - prompt_len_B[b]:]` (prompt_len_B >= 1); pad columns are ignored.
   - The model runs in `model_cfg.dtype` (e.g. a bf16 sampler against an fp32 learner).
-  - Step n draws with key `fold_in(key, n)`: no key is reused across steps.
+  - Step n draws with key `fold_in(key, n)`: no key is reused across steps. When the noise of all N
+    steps is small (`sample.PREDRAW_MAX_ELEMENTS`) it is drawn before the decode loop, same bits.
   - A completion ends with its first EOS, which is included in the mask; later columns hold
     pad_id with mask 0 and behaviour logp 0.
   - `behavior_logp` follows `sampling.sample.sample_token` (temperature applied; renormalised
@@ -103,14 +112,17 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
       params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
 
-  emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
+  shape = noise_shape(B, first_logits_BV.shape[-1], sampler_cfg)
+  predraw = shape is not None and N * math.prod(shape) <= PREDRAW_MAX_ELEMENTS
+  noise_NBK = predraw_noise(key, N, shape) if predraw else None
+  emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg, noise_NBK)
 
   def decode(carry: dict) -> dict:
     """Feeds the previous column's token through the cache, then samples the next column."""
     prev = carry["step"] - 1
     token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
     live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
-    logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
+    logits_B1V, cache = forward_with_cache(decode_params, token_B1, carry["cache"], model_cfg,
                                            positions_BT=(prompt_len_B + prev)[:, None].astype(jnp.int32),
                                            segment_ids_BT=live_B1)
     return emit({**carry, "cache": cache}, logits_B1V[:, 0])
@@ -118,6 +130,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   def keep_going(carry: dict) -> Array:
     return (carry["step"] < N) & ~jnp.all(carry["done_B"])
 
+  decode_params, cache = decode_view(params, cache, model_cfg)
   carry = {
       "step": jnp.zeros((), jnp.int32),
       "cache": cache,
@@ -127,6 +140,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
       "done_B": jnp.zeros((B,), bool),
   }
   carry = jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV))
+  carry["cache"] = stack_cache(carry["cache"])
 
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
