@@ -70,12 +70,13 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   expert ids for every input token; the result then also holds the scalar "router_aux_loss".
   """
   routes = None if routes_BTLk is None else routes_BTLk[:, :-1]
+  P = sequence_BT.shape[1] - n_new
+  # query_start: prompt positions only feed keys/values; their outputs are never scored.
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       perturb=perturb, routes_BTLk=routes)
+                       perturb=perturb, routes_BTLk=routes, query_start=P - 1)
   out.pop("routes_BTLk", None)
-  P = sequence_BT.shape[1] - n_new
-  return {k: v if k == "router_aux_loss" else v[:, P - 1:] for k, v in out.items()}
+  return out
 
 
 def student_distribution_inputs(params, batch: Batch, cfg: ModelConfig, temperature: float, n_new: int) -> dict:

@@ -104,3 +104,35 @@ def test_perturb_and_tied_embeddings_pass_through():
 def test_nonpositive_temperature_raises():
   with pytest.raises(ValueError, match="temperature"):
     token_logprobs(PARAMS, TOKENS, TARGETS, CFG, temperature=0.0)
+
+
+MOE = dataclasses.replace(CFG, d_ff=32, num_experts=4, experts_per_token=2)
+
+
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, n_layers=1), dataclasses.replace(CFG, layer_unroll=2),
+                                 dataclasses.replace(CFG, remat="full"), MOE],
+                         ids=["scan", "one_layer", "unrolled", "remat", "moe"])
+@pytest.mark.parametrize("q0", [1, 4])
+def test_query_start_equals_slicing_values_and_gradients(cfg, q0):
+  """Scoring only positions >= query_start (the last layer skips the others' outputs) equals slicing
+  the full result: log-probs, entropy and the gradient of every parameter; ALP noise included."""
+  params = random_params(cfg)
+  perturb = (jnp.full((cfg.n_layers,), -1.0), jax.random.key(3))
+  weight_T = jnp.linspace(0.5, 1.5, T)
+
+  def loss(params, query_start):
+    out = chunked(params, 3, cfg=cfg, with_entropy=True, perturb=perturb, query_start=query_start)
+    if not query_start:
+      out = {k: v if k in ("router_aux_loss", "routes_BTLk") else v[:, q0:] for k, v in out.items()}
+    return jnp.sum(out["logp_BT"] * weight_T[q0:]) + 0.1 * jnp.sum(out["entropy_BT"]), out
+
+  (l_full, full), g_full = jax.value_and_grad(loss, has_aux=True)(params, 0)
+  (l_q0, sliced), g_q0 = jax.value_and_grad(loss, has_aux=True)(params, q0)
+  assert sliced["logp_BT"].shape == (2, T - q0)
+  for name in ("logp_BT", "entropy_BT"):
+    np.testing.assert_allclose(sliced[name], full[name], rtol=1e-5, atol=1e-5, err_msg=name)
+  if cfg.is_moe:
+    np.testing.assert_array_equal(sliced["routes_BTLk"], full["routes_BTLk"])  # all T positions
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_q0), jax.tree.leaves(g_full)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=jax.tree_util.keystr(path))
+  assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g_q0["layers"]))

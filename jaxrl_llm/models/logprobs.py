@@ -47,7 +47,7 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
                    positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
                    temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
                    topk: int = 0, perturb: tuple[Array, Array] | None = None,
-                   routes_BTLk: Array | None = None) -> dict:
+                   routes_BTLk: Array | None = None, query_start: int = 0) -> dict:
   """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
 
   The distribution is softmax(logits / temperature): use the sampler's temperature so the learner
@@ -61,6 +61,8 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     chunk_size: positions per lm-head chunk; T need not be a multiple (padded internally).
     with_entropy: also return the entropy of the tempered distribution.
     topk: if > 0, also return the k most likely ids and their log-probs.
+    query_start: static; score only targets query_start..T-1 (see `hidden_with_routing`): the
+      per-token outputs then have T - query_start positions.
 
   Returns:
     dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK"; for an
@@ -69,7 +71,9 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
   if isinstance(temperature, (int, float)) and temperature <= 0:
     raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
   h_BTD, routing = hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT,
-                                      segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk)
+                                      segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk,
+                                      query_start=query_start)
+  targets_BT = targets_BT[:, query_start:]
   w_DV = lm_head_weights(params, cfg)
   B, T, D = h_BTD.shape
   C = max(1, min(chunk_size, T))

@@ -226,7 +226,8 @@ def _defaults(tokens_BT: Array, positions_BT, segment_ids_BT) -> tuple[Array, Ar
 
 def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
                         segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
-                        routes_BTLk: Array | None = None, mask_BTT: Array | None = None) -> tuple[Array, dict]:
+                        routes_BTLk: Array | None = None, mask_BTT: Array | None = None,
+                        query_start: int = 0) -> tuple[Array, dict]:
   """Final-normed hidden states [B, T, D] in compute dtype, and the MoE routing.
 
   Args:
@@ -242,10 +243,15 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
     mask_BTT: optional explicit attention mask (True = query t may attend to key s) replacing the
       causal segment mask, e.g. the block masks of packed tree replays (distill/memory_walker.py);
       every row must allow at least its own position.
+    query_start: static; only positions >= query_start need hidden states (e.g. the completion of a
+      scored rollout). A dense model's last layer then keeps keys and values of every position but
+      computes its attention output and MLP only from there on (the others feed nothing). The
+      result is the same as slicing the full output; MoE models compute everything and slice.
 
   Returns:
-    (h_BTD, routing): routing is {} for a dense model, else {"routes_BTLk": ids used (int32),
-    "router_aux_loss": Switch load-balancing loss over non-padding tokens, mean over layers}.
+    (h_BTD, routing): h for positions query_start..T-1; routing is {} for a dense model, else
+    {"routes_BTLk": ids used (int32, all T positions), "router_aux_loss": Switch load-balancing loss
+    over non-padding tokens, mean over layers}.
   """
   positions_BT, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
@@ -253,18 +259,28 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
     mask_BTT = cache_lib.attention_mask(segment_ids_BT, segment_ids_BT)
   real_BT = segment_ids_BT > 0
 
-  def layer(h_BTD, xs):
+  def layer(h_BTD, xs, q0=0):
+    """One layer; with q0 > 0 only positions >= q0 get outputs (keys/values still cover all)."""
     p_l, l, forced_ids_BTk = xs
     if perturb is not None:
       log_sigma_L, key = perturb
       noise_BTD = jax.random.normal(jax.random.fold_in(key, l), h_BTD.shape, jnp.float32)
       h_BTD = h_BTD + (jnp.exp(log_sigma_L[l]) * noise_BTD).astype(h_BTD.dtype)
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    return _finish_layer(h_BTD, attention(q_BTHd, k_BTKd, v_BTKd, mask_BTT), p_l, cfg, forced_ids_BTk, real_BT)
+    attn_BTHd = attention(q_BTHd[:, q0:], k_BTKd, v_BTKd, mask_BTT[:, q0:])
+    return _finish_layer(h_BTD[:, q0:], attn_BTHd, p_l, cfg, forced_ids_BTk, real_BT[:, q0:])
 
   xs = (p["layers"], jnp.arange(cfg.n_layers), _layer_routes(routes_BTLk))
-  h_BTD, routing_L = jax.lax.scan(_remat(layer, cfg), _embed(p, tokens_BT), xs, unroll=cfg.layer_unroll)
-  return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), _routing_out(routing_L)
+  h_BTD = _embed(p, tokens_BT)
+  if query_start and not cfg.is_moe:  # the last layer separately, outputs from query_start on
+    head = jax.tree.map(lambda x: x[:-1], xs)
+    last = jax.tree.map(lambda x: x[-1], xs)
+    if cfg.n_layers > 1:
+      h_BTD, _ = jax.lax.scan(_remat(layer, cfg), h_BTD, head, unroll=min(cfg.layer_unroll, cfg.n_layers - 1))
+    h_BTD, _ = _remat(functools.partial(layer, q0=query_start), cfg)(h_BTD, last)
+    return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), {}
+  h_BTD, routing_L = jax.lax.scan(_remat(layer, cfg), h_BTD, xs, unroll=cfg.layer_unroll)
+  return rms_norm(h_BTD[:, query_start:], p["final_norm"], cfg.rms_eps), _routing_out(routing_L)
 
 
 def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
