@@ -81,6 +81,16 @@ def train_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
   return tokens * (6.0 * matmul_params(cfg) + 3 * attention_flops_per_token(cfg, seq_len))
 
 
+def skipped_train_flops(cfg: ModelConfig, batch: int, query_start: int) -> float:
+  """Training FLOPs of `train_flops` the learner does not execute: with `query_start` = q0 (the
+  prompt positions 0..q0-1 are never scored) the last layer computes no query / attention output /
+  MLP and the lm-head no logits there (`models.hidden_with_routing`)."""
+  D, H, hd, F, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+  per_pos = 6.0 * (2 * D * H * hd + 3 * D * F + D * V)  # q and o projections, SwiGLU, lm-head
+  attention = 3 * 4.0 * H * hd * query_start * (query_start + 1) / 2  # causal q·kᵀ and p·v, positions < q0
+  return batch * (query_start * per_pos + attention)
+
+
 def forward_flops(cfg: ModelConfig, tokens: int, context: float, causal: bool = True) -> float:
   """Forward FLOPs of `tokens` tokens each attending to `context` keys: 2·N·tokens + attention."""
   return tokens * (2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, context, causal))

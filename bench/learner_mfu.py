@@ -27,7 +27,9 @@ def synthetic_batch(cfg: ModelConfig, B: int, T: int, P: int, params, key) -> le
 
 
 def measure(spec: dict, peak_flops: float, warmup: int = 1, repeats: int = 3) -> dict:
-  """tokens/s (B·T per step) and MFU (6·N·tokens + attention, over the B·(T−1) scored positions)."""
+  """tokens/s (B·T per step), MFU (6·N·tokens + attention, over the B·(T−1) positions) and HFU (the
+  FLOPs the step executes: the last layer skips the prompt positions' outputs, see
+  `common.skipped_train_flops`)."""
   B, T, P = spec["batch"], spec["seq_len"], spec["prompt_len"]
   cfg = ModelConfig(**spec["model"], max_seq_len=T)
   params = init_params(cfg, jax.random.key(0))
@@ -47,7 +49,9 @@ def measure(spec: dict, peak_flops: float, warmup: int = 1, repeats: int = 3) ->
   with common.count_compiles() as n_compiles:
     t = common.time_calls(one, warmup=0, repeats=repeats)
   flops = common.train_flops(cfg, B, T - 1)  # the model scores positions 0..T-2
+  executed = flops - common.skipped_train_flops(cfg, B, P - 1)  # prompt positions are not scored
   return {"batch": B, "seq_len": T, "matmul_params": common.matmul_params(cfg), "step_s": t["median_s"],
           "best_step_s": t["best_s"], "tokens_per_s": B * T / t["median_s"], "flops_per_step": flops,
           "achieved_flops_per_s": flops / t["median_s"], "mfu": flops / t["median_s"] / peak_flops,
+          "executed_flops_per_step": executed, "hfu": executed / t["median_s"] / peak_flops,
           "compiles_after_warmup": n_compiles[0] + step._cache_size() - cache_after_warmup}

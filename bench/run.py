@@ -90,7 +90,7 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
   log("[bench] sampler")
   res["sampler"] = sampler_tput.measure(peak_fp32, bandwidth, **(QUICK["sampler"] if quick else {}))
 
-  warmup, steps = QUICK["grpo_steps"] if quick else (2, 5)
+  warmup, steps = QUICK["grpo_steps"] if quick else (2, 10)
   res["grpo"] = {}
   ctxs = {}
   for name, model in (QUICK["grpo"] if quick else workloads.GRPO).items():
@@ -171,9 +171,11 @@ def format_tables(res: dict) -> str:
   rows = []
   for name, r in sorted(res["learner"].items(), key=lambda kv: kv[1]["matmul_params"]):
     rows.append([name, _shape(r["model"]), f"{r['batch']}×{r['seq_len']}", _ms(r["step_s"]), _g(r["tokens_per_s"]),
-                 _g(r["achieved_flops_per_s"], "FLOP/s"), _pct(r["mfu"]), str(r["compiles_after_warmup"])])
-  out += ["**Learner step** (`learner.make_train_step`, ppo_clip; MFU = (6·N·tokens + attention) / time / fp32 peak)", "",
-          _table(["config", "model", "B×T", "step (median)", "tokens/s", "achieved", "MFU",
+                 _g(r["achieved_flops_per_s"], "FLOP/s"), _pct(r["mfu"]),
+                 _pct(r["hfu"]) if "hfu" in r else "–", str(r["compiles_after_warmup"])])
+  out += ["**Learner step** (`learner.make_train_step`, ppo_clip; MFU = (6·N·tokens + attention) / time / fp32 peak; "
+          "HFU = the FLOPs the step executes / time / fp32 peak)", "",
+          _table(["config", "model", "B×T", "step (median)", "tokens/s", "achieved", "MFU", "HFU",
                   "compiles after warm-up"], rows), ""]
   rows = []
   for r in res["sampler"]:

@@ -37,6 +37,13 @@ def test_train_flops_by_hand():
   assert common.forward_flops(cfg, 3, 10) == 3 * (2 * 524288 + 5120)
 
 
+def test_skipped_train_flops_by_hand():
+  # Last layer at 3 unscored positions: q, o (2·128·128), SwiGLU (3·128·512), lm-head (128·256), ×6;
+  # attention of positions 0, 1, 2 (1 + 2 + 3 keys): 3 · 4·H·hd · 6 = 3 · 4·4·32 · 6.
+  assert common.skipped_train_flops(_cfg(), 2, 3) == 2 * (3 * 6 * (32768 + 196608 + 32768) + 3 * 512 * 6)
+  assert common.skipped_train_flops(_cfg(), 2, 0) == 0
+
+
 def test_prefill_flops_by_hand():
   # lm-head (128·256 = 32768) on the last position only: 2·10 positions through the body + 2 heads.
   assert common.prefill_flops(_cfg(), 2, 10) == 20 * (2 * (524288 - 32768) + 5120) + 2 * 2 * 32768

@@ -155,15 +155,16 @@ def logits_from_hidden(params: dict, h_BTD: Array, cfg: ModelConfig) -> Array:
   return project(h_BTD.astype(cfg.compute_dtype), lm_head_weights(params, cfg), preferred_element_type=jnp.float32)
 
 
-def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig) -> tuple[Array, Array, Array]:
-  """Projects normed inputs to RoPE-rotated queries/keys and values."""
-  q_BTHd, k_BTKd, v_BTKd = project(x_BTD, p["wq"]), project(x_BTD, p["wk"]), project(x_BTD, p["wv"])
+def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig, q0: int = 0) -> tuple[Array, Array, Array]:
+  """Projects normed inputs to RoPE-rotated queries (of positions >= q0 only) and keys/values (all)."""
+  q_BTHd = project(x_BTD[:, q0:], p["wq"])
+  k_BTKd, v_BTKd = project(x_BTD, p["wk"]), project(x_BTD, p["wv"])
   if cfg.attn_bias:
     q_BTHd, k_BTKd, v_BTKd = q_BTHd + p["bq"], k_BTKd + p["bk"], v_BTKd + p["bv"]
   if cfg.qk_norm:
     q_BTHd = rms_norm(q_BTHd, p["q_norm"], cfg.rms_eps)
     k_BTKd = rms_norm(k_BTKd, p["k_norm"], cfg.rms_eps)
-  return rope(q_BTHd, positions_BT, cfg.rope_theta), rope(k_BTKd, positions_BT, cfg.rope_theta), v_BTKd
+  return rope(q_BTHd, positions_BT[:, q0:], cfg.rope_theta), rope(k_BTKd, positions_BT, cfg.rope_theta), v_BTKd
 
 
 def _mlp(x_BTD: Array, p: dict, cfg: ModelConfig, forced_ids_BTk: Array | None,
@@ -245,7 +246,7 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
       every row must allow at least its own position.
     query_start: static; only positions >= query_start need hidden states (e.g. the completion of a
       scored rollout). A dense model's last layer then keeps keys and values of every position but
-      computes its attention output and MLP only from there on (the others feed nothing). The
+      computes queries, attention output and MLP only from there on (the others feed nothing). The
       result is the same as slicing the full output; MoE models compute everything and slice.
 
   Returns:
@@ -266,8 +267,8 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
       log_sigma_L, key = perturb
       noise_BTD = jax.random.normal(jax.random.fold_in(key, l), h_BTD.shape, jnp.float32)
       h_BTD = h_BTD + (jnp.exp(log_sigma_L[l]) * noise_BTD).astype(h_BTD.dtype)
-    q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    attn_BTHd = attention(q_BTHd[:, q0:], k_BTKd, v_BTKd, mask_BTT[:, q0:])
+    q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg, q0)
+    attn_BTHd = attention(q_BTHd, k_BTKd, v_BTKd, mask_BTT[:, q0:])
     return _finish_layer(h_BTD[:, q0:], attn_BTHd, p_l, cfg, forced_ids_BTk, real_BT[:, q0:])
 
   xs = (p["layers"], jnp.arange(cfg.n_layers), _layer_routes(routes_BTLk))
