@@ -74,41 +74,66 @@ def _thread_result(box: dict, done: threading.Event, deadline: float) -> tuple[f
   return _as_reward(box.get("value"))
 
 
-class _Call:
-  """One queued reward call: filled in by a lane, read by the batch that submitted it."""
+class _Batch:
+  """One `safe_reward_batch` call shared by the lanes: each lane claims the next unclaimed call.
 
-  def __init__(self, fn: Callable, args: Sequence):
-    self.fn, self.args, self.box = fn, args, {}
-    self.started, self.done = threading.Event(), threading.Event()
-    self.start_time = 0.0
-    self.lock = threading.Lock()  # makes "finished" vs "given up on" one decision
-    self.abandoned = False  # set by the waiter on timeout: the lane running it retires when it returns
+  `running` maps a claimed, unfinished call to its start time; the waiter gives up on a call that
+  overran (`abandoned`), and the lane stuck in it retires when (if ever) it returns.
+  """
+
+  def __init__(self, fn: Callable, args_list: Sequence[Sequence[Any]]):
+    self.fn, self.args = fn, list(args_list)
+    self.results: list[tuple[float, str] | None] = [None] * len(self.args)
+    self.next = 0
+    self.running: dict[int, float] = {}
+    self.abandoned: set[int] = set()
+    self.finished = 0
+    self.lock = threading.Lock()
+    self.all_done = threading.Event()
+    if not self.args:
+      self.all_done.set()
+
+  def record(self, i: int, result: tuple[float, str]) -> None:
+    """Stores call i's result (under `lock`)."""
+    self.results[i] = result
+    self.running.pop(i, None)
+    self.finished += 1
+    if self.finished == len(self.args):
+      self.all_done.set()
 
 
 class _LanePool:
   """Persistent daemon worker threads ("lanes") shared by every `safe_reward_batch` call.
 
-  Why not a thread per call: starting 32 threads cost several ms per learner step, more than the
-  rewards themselves. A lane whose call overruns is given up on and replaced at once, so hung calls
-  never reduce the number of working lanes, and a queued call always gets a lane.
+  Why not a thread per call, or a queue item per call: starting threads, or waking a lane and the
+  waiter once per call, cost far more than typical rewards (about 100x a batch of arithmetic
+  rewards). A batch is handed to up to `lanes` lanes at once; each claims calls until none are
+  left, and the waiter sleeps until the batch is done or a running call reaches its deadline. A
+  lane whose call overruns is given up on and replaced at once, so hung calls never reduce the
+  number of working lanes and cost their own time limit only.
   """
 
   def __init__(self):
-    self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+    self._queue: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._lanes = 0  # working lanes (a lane stuck on an abandoned call is no longer counted)
 
   def _lane(self) -> None:
     while True:
-      call = self._queue.get()
-      call.start_time = time.monotonic()
-      call.started.set()
-      finished = threading.Event()
-      _run_into(call.box, call.fn, call.args, finished)
-      with call.lock:
-        call.done.set()
-        if call.abandoned:  # a replacement lane was started when this call timed out
-          return
+      batch = self._queue.get()
+      while True:
+        with batch.lock:
+          if batch.next >= len(batch.args):
+            break
+          i = batch.next
+          batch.next += 1
+          batch.running[i] = time.monotonic()
+        box: dict = {}
+        _run_into(box, batch.fn, batch.args[i], threading.Event())
+        with batch.lock:
+          if i in batch.abandoned:  # the waiter gave up on this call and started a replacement lane
+            return
+          batch.record(i, (0.0, "error") if box.get("raised") else _as_reward(box.get("value")))
 
   def _spawn(self) -> None:
     threading.Thread(target=self._lane, daemon=True, name="reward-lane").start()
@@ -119,21 +144,23 @@ class _LanePool:
       while self._lanes < lanes:
         self._lanes += 1
         self._spawn()
-    calls = [_Call(fn, args) for args in args_list]
-    for call in calls:
-      self._queue.put(call)
-    results = []
-    for call in calls:  # FIFO: by the time call i is waited on, every earlier call freed or lost its lane
-      call.started.wait()
-      call.done.wait(max(0.0, call.start_time + timeout_s - time.monotonic()))
-      with call.lock:
-        if call.done.is_set():
-          results.append((0.0, "error") if call.box.get("raised") else _as_reward(call.box.get("value")))
-          continue
-        call.abandoned = True
-      self._spawn()  # replaces the lane stuck on this call
-      results.append((0.0, "timeout"))
-    return results
+    batch = _Batch(fn, args_list)
+    for _ in range(min(lanes, len(batch.args))):
+      self._queue.put(batch)
+    while not batch.all_done.is_set():
+      with batch.lock:  # sleep until the earliest running call's deadline (or a full timeout)
+        deadline = min(batch.running.values(), default=time.monotonic()) + timeout_s
+      if batch.all_done.wait(max(0.0, deadline - time.monotonic())):
+        break
+      with batch.lock:
+        now = time.monotonic()
+        overdue = [i for i, start in batch.running.items() if now - start >= timeout_s]
+        for i in overdue:
+          batch.abandoned.add(i)
+          batch.record(i, (0.0, "timeout"))
+          self._spawn()  # replaces the lane stuck on call i ...
+          self._queue.put(batch)  # ... and lets it help with the calls still unclaimed
+    return batch.results
 
 
 _LANES = _LanePool()
