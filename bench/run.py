@@ -254,7 +254,10 @@ What each number is:
   2L-d128 workload. With random-init weights every reward is 0, so the updates are AdamW-normalised
   noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
 - our models: layers unrolled (`model.layer_unroll` = n_layers, as Tunix's models, which loop over layers in
-  Python); the "S, layer_unroll=1" row is S with the layer scan rolled, for comparison.
+  Python); the "M, layer_unroll=1" row is M with the layer scan rolled, for comparison.
+- HFU counts only the FLOPs the learner executes: it skips the last layer's query, attention output,
+  MLP and lm-head at prompt positions, whose outputs are never scored (`query_start`); MFU keeps the
+  usual 6·N·tokens + attention over every position.
 - loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step);
   `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
 

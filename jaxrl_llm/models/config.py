@@ -44,7 +44,7 @@ class ModelConfig:
     layer_unroll: layers per iteration of the layer scan (`lax.scan(unroll=...)`). 1 keeps one
       compiled layer body (short compiles, the right choice for deep models on accelerators);
       n_layers unrolls fully, which lets XLA schedule across layers: faster for small models on CPU
-      (compare rows "S" and "S, layer_unroll=1" in bench/README.md). The same math; XLA may fuse and round
+      (compare rows "M" and "M, layer_unroll=1" in bench/README.md). The same math; XLA may fuse and round
       differently, so results can differ in the last bits (tested to 1e-5).
   """
 
