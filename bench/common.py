@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import resource
 import time
 from typing import Any, Callable
 
@@ -22,16 +23,24 @@ def block(tree: Any) -> Any:
   return jax.block_until_ready(tree)
 
 
+def minor_faults() -> int:
+  """Minor page faults of this process so far (each maps one fresh page; see jaxrl_llm/hugepages.py)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_calls(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> dict:
-  """Wall seconds of `fn()` (blocked on its result) after `warmup` untimed calls: best and median."""
+  """Wall seconds of `fn()` (blocked on its result) after `warmup` untimed calls: best and median,
+  and the median minor page faults per call."""
   for _ in range(warmup):
     block(fn())
-  times = []
+  times, faults = [], []
   for _ in range(repeats):
-    t0 = time.perf_counter()
+    f0, t0 = minor_faults(), time.perf_counter()
     block(fn())
     times.append(time.perf_counter() - t0)
-  return {"best_s": min(times), "median_s": statistics.median(times), "repeats": repeats}
+    faults.append(minor_faults() - f0)
+  return {"best_s": min(times), "median_s": statistics.median(times), "repeats": repeats,
+          "page_faults": statistics.median(faults)}
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:

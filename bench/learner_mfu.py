@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxrl_llm import learner
+from jaxrl_llm import hugepages, learner
 from jaxrl_llm.models import ModelConfig, init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synthetic_batch(cfg: ModelConfig, B: int, T: int, P: int, params, key) -> learner.Batch:
@@ -54,4 +58,29 @@ def measure(spec: dict, peak_flops: float, warmup: int = 1, repeats: int = 3) ->
           "best_step_s": t["best_s"], "tokens_per_s": B * T / t["median_s"], "flops_per_step": flops,
           "achieved_flops_per_s": flops / t["median_s"], "mfu": flops / t["median_s"] / peak_flops,
           "executed_flops_per_step": executed, "hfu": executed / t["median_s"] / peak_flops,
+          "page_faults_per_step": t["page_faults"], "huge_pages": hugepages.active(),
           "compiles_after_warmup": n_compiles[0] + step._cache_size() - cache_after_warmup}
+
+
+def measure_in_subprocess(name: str, peak_flops: float, huge_pages: bool, repeats: int = 3,
+                          timeout_s: float = 600) -> dict:
+  """`measure(workloads.LEARNER[name])` in a fresh process started with or without the glibc huge-page
+  tunable (it only takes effect at process start): the same-run comparison of `jaxrl_llm.hugepages`."""
+  import json
+  import subprocess
+  import sys
+  env = dict(os.environ)
+  tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
+  if huge_pages:
+    tunables.append(hugepages.TUNABLE)
+  if tunables:
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
+  env[hugepages.OPT_OUT] = "0"
+  code = (f"import json; from bench import learner_mfu, workloads; "
+          f"print(json.dumps(learner_mfu.measure(workloads.LEARNER[{name!r}], {peak_flops!r}, repeats={repeats})))")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout_s)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if not lines:
+    raise RuntimeError(f"learner {name} subprocess failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+  return json.loads(lines[-1])

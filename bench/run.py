@@ -44,11 +44,13 @@ def _git(*args: str) -> str:
 def machine_info() -> dict:
   """What the numbers were measured on: cores, load, JAX backend and versions, commit."""
   import jax
+  from jaxrl_llm import hugepages
   dev = jax.devices()[0]
   return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
           "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
           "device_kind": dev.device_kind, "device_count": jax.device_count(),
           "loadavg_start": list(os.getloadavg()), "commit": _git("rev-parse", "--short", "HEAD"),
+          "huge_pages": hugepages.active(),
           "dirty": bool(_git("status", "--porcelain")),
           "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -86,6 +88,13 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
   for name, spec in (QUICK["learner"] if quick else workloads.LEARNER).items():
     log(f"[bench] learner {name}")
     res["learner"][name] = {"model": spec["model"], **learner_mfu.measure(spec, peak_fp32, repeats=1 if quick else 3)}
+  if not quick:  # the glibc huge-page tunable acts at process start: the other setting in a fresh process
+    from jaxrl_llm import hugepages
+    other = not hugepages.active()
+    name = f"M, huge pages {'on' if other else 'off'} (fresh process)"
+    log(f"[bench] learner {name}")
+    res["learner"][name] = _guard(lambda: {"model": workloads.LEARNER["M"]["model"],
+                                           **learner_mfu.measure_in_subprocess("M", peak_fp32, huge_pages=other)})
 
   log("[bench] sampler")
   res["sampler"] = sampler_tput.measure(peak_fp32, bandwidth, **(QUICK["sampler"] if quick else {}))
@@ -162,21 +171,26 @@ def format_tables(res: dict) -> str:
   m, p = res["machine"], res["peak"]
   out = [f"Command: `{res['command']}` · commit {m['commit']}{' (dirty)' if m['dirty'] else ''} · {m['date_utc']} · "
          f"{m['cpu_count']} CPU cores, JAX {m['jax']} ({m['backend']}, {m['device_kind']}) · load average "
-         f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end · bench wall {res['wall_s']:.0f} s", ""]
+         f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end · bench wall {res['wall_s']:.0f} s"
+         + (f" · huge pages {'on' if m['huge_pages'] else 'off'} (`jaxrl_llm/hugepages.py`)" if "huge_pages" in m else ""), ""]
   out += ["**Machine references** (measured with JAX in this run)", "",
           _table(["fp32 matmul peak", "bf16 matmul peak", "copy bandwidth (x + 1)"],
                  [[f"{_g(p['matmul_fp32']['flops_per_s'], 'FLOP/s')} (n={p['matmul_fp32']['n']})",
                    f"{_g(p['matmul_bf16']['flops_per_s'], 'FLOP/s')} (n={p['matmul_bf16']['n']})",
                    _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
   rows = []
-  for name, r in sorted(res["learner"].items(), key=lambda kv: kv[1]["matmul_params"]):
+  for name, r in sorted(res["learner"].items(), key=lambda kv: kv[1].get("matmul_params", 0)):
+    if "step_s" not in r:
+      rows.append([name, "", "", r.get("status", "failed")] + [""] * 6)
+      continue
     rows.append([name, _shape(r["model"]), f"{r['batch']}×{r['seq_len']}", _ms(r["step_s"]), _g(r["tokens_per_s"]),
                  _g(r["achieved_flops_per_s"], "FLOP/s"), _pct(r["mfu"]),
-                 _pct(r["hfu"]) if "hfu" in r else "–", str(r["compiles_after_warmup"])])
+                 _pct(r["hfu"]) if "hfu" in r else "–", _g(r["page_faults_per_step"]) if "page_faults_per_step" in r else "–",
+                 str(r["compiles_after_warmup"])])
   out += ["**Learner step** (`learner.make_train_step`, ppo_clip; MFU = (6·N·tokens + attention) / time / fp32 peak; "
           "HFU = the FLOPs the step executes / time / fp32 peak)", "",
           _table(["config", "model", "B×T", "step (median)", "tokens/s", "achieved", "MFU", "HFU",
-                  "compiles after warm-up"], rows), ""]
+                  "page faults / step", "compiles after warm-up"], rows), ""]
   rows = []
   for r in res["sampler"]:
     rows.append([str(r["batch"]), str(r["new_tokens"]), _g(r["prefill_tokens_per_s"]), _pct(r["prefill_frac_of_bound"]),
@@ -255,6 +269,9 @@ What each number is:
   noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
 - our models: layers unrolled (`model.layer_unroll` = n_layers, as Tunix's models, which loop over layers in
   Python); the "M, layer_unroll=1" row is M with the layer scan rolled, for comparison.
+- huge pages: `make bench` restarts itself with glibc's `glibc.malloc.hugetlb=1` tunable, as the CLI does
+  (`jaxrl_llm/hugepages.py`); the Tunix subprocess inherits it. The learner row "M, huge pages off (fresh
+  process)" measures M without it; "page faults / step" counts the minor page faults of one step.
 - HFU counts only the FLOPs the learner executes: it skips the last layer's query, attention output,
   MLP and lm-head at prompt positions, whose outputs are never scored (`query_start`); MFU keeps the
   usual 6·N·tokens + attention over every position.
@@ -303,4 +320,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+  from jaxrl_llm import hugepages
+  hugepages.reexec_with_huge_pages()  # as the CLI does; the Tunix subprocess inherits the setting
   main()

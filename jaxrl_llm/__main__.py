@@ -3,6 +3,10 @@
 import os
 import sys
 
+if __name__ == "__main__":  # first, before any work: huge pages for XLA:CPU temporaries (see hugepages.py)
+  from jaxrl_llm import hugepages
+  hugepages.reexec_with_huge_pages()
+
 from absl import app, flags
 from ml_collections import config_flags
 
