@@ -186,3 +186,34 @@ def test_math_verify_rewards_batch_counts_errors_and_timeouts(monkeypatch):
       0.0, "timeout")
   out = jsonl.math_verify_rewards(["1", "2"], ["1", "2"], timeout_s=0.1)
   assert out.counts == {"ok": 0, "error": 0, "timeout": 2}
+
+
+def test_safe_reward_batches_from_several_threads_share_the_lanes():
+  """Async rollout workers score their groups concurrently: each batch gets its own results in order,
+  and a hung call in one batch times out without holding up the others' calls."""
+  release = threading.Event()
+
+  def fn(i):
+    if i == -1:
+      release.wait()
+    return float(i)
+
+  outs = {}
+
+  def worker(w):
+    args = [(-1,)] if w == 0 else []
+    args += [(100 * w + j,) for j in range(16)]
+    outs[w] = reward_lib.safe_reward_batch(fn, args, timeout_s=0.3, max_workers=3)
+
+  try:
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(30.0)
+    assert sorted(outs) == [0, 1, 2, 3]
+    assert outs[0].status == ("timeout",) + ("ok",) * 16
+    for w in range(4):
+      np.testing.assert_array_equal(outs[w].reward_B[-16:], [100 * w + j for j in range(16)])
+  finally:
+    release.set()
