@@ -61,9 +61,10 @@ def model_config(c: ml_collections.ConfigDict, width: int) -> ModelConfig:
                      capacity_factor=m.capacity_factor, max_seq_len=width + c.sampler.max_new_tokens)
 
 
-def layer_unroll(c: ml_collections.ConfigDict) -> int:
-  """`model.layer_unroll` with 0 meaning every layer (a config stays valid when n_layers changes)."""
-  return c.model.layer_unroll or c.model.n_layers
+def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> int:
+  """`model.layer_unroll` with 0 meaning every layer (a config stays valid when n_layers changes);
+  `n_layers` defaults to the config's (a Hugging Face checkpoint brings its own)."""
+  return c.model.layer_unroll or n_layers or c.model.n_layers
 
 
 def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False) -> SamplerConfig:
@@ -90,12 +91,17 @@ def retention(mode: str, k: int) -> int:
   return 1 if mode == "sync" else k + 1
 
 
+def replay_on(c: ml_collections.ConfigDict) -> bool:
+  """Whether experience replay is on (`rollout.replay.capacity` > 0); cheap enough to ask every step."""
+  r = c.rollout.get("replay")
+  return r is not None and bool(r.capacity)
+
+
 def replay_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict | None:
   """`rollout.replay` with `fresh_per_step` resolved (0 -> prompts_per_step), or None when replay is off."""
-  r = c.rollout.get("replay")
-  if r is None or not r.capacity:
+  if not replay_on(c):
     return None
-  r = r.copy_and_resolve_references()
+  r = c.rollout.replay.copy_and_resolve_references()
   r.fresh_per_step = r.fresh_per_step or c.rollout.prompts_per_step
   return r
 
@@ -111,7 +117,7 @@ def initial_policy(c, model_cfg: ModelConfig, key) -> tuple[ModelConfig, Any]:
         f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} does not match "
         f"the task tokenizer's vocab_size={model_cfg.vocab_size}")
   return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
-                             layer_unroll=c.model.layer_unroll or hf_cfg.n_layers,
+                             layer_unroll=layer_unroll(c, hf_cfg.n_layers),
                              max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len)), params
 
 
@@ -359,7 +365,7 @@ def prox_is_current(c: ml_collections.ConfigDict) -> bool:
     return False
   if c.rollout.old_logp == "step_start":
     return True
-  return c.rollout.old_logp == "recompute" and c.rollout.mode == "sync" and replay_config(c) is None
+  return c.rollout.old_logp == "recompute" and c.rollout.mode == "sync" and not replay_on(c)
 
 
 def prox_logp(run: Run, store: ParamStore, state, extra, ro: dict, seq, routes=None) -> jax.Array | None:

@@ -25,9 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.config import WEIGHT_SYNC
 from jaxrl_llm.rollout import sparse_sync
-
-WEIGHT_SYNC = ("full", "sparse")
 
 
 class Snapshot(NamedTuple):
