@@ -1,7 +1,8 @@
 """Our full colocated GRPO step, timed piece by piece: generate → reward → advantages → reference
-log-probs (KL β) → train step. The same workload as `bench/peers/tunix_grpo.py`.
+log-probs (KL β) and train step, as `loop.run` runs them (one program: `learner.fuse_reference`).
+The same workload as `bench/peers/tunix_grpo.py`.
 
-Host overhead = step wall time − the blocked jitted parts (generate, reference scoring, train step);
+Host overhead = step wall time − the blocked jitted parts (generate, reference scoring + train step);
 it covers decoding text, rewards, advantages and building the batch.
 """
 
@@ -37,10 +38,11 @@ def build(model: dict, run: dict = workloads.GRPO_RUN) -> dict:
                                    temperature=run["temperature"]),
       "state": learner.init_state(params, tx),
       "ref_params": jax.tree.map(lambda x: jnp.array(x, copy=True), params),
-      "train_step": learner.make_train_step(cfg, tx, "ppo_clip", {"eps_low": run["epsilon"], "eps_high": run["epsilon"]},
-                                            temperature=run["temperature"], agg_mode="seq-mean-token-mean",
-                                            kl_coef=run["beta"], kl_estimator="k3"),
-      "score": learner.make_score_fn(cfg, run["temperature"]),
+      "train_step": learner.fuse_reference(
+          learner.make_train_step(cfg, tx, "ppo_clip", {"eps_low": run["epsilon"], "eps_high": run["epsilon"]},
+                                  temperature=run["temperature"], agg_mode="seq-mean-token-mean",
+                                  kl_coef=run["beta"], kl_estimator="k3"),
+          learner.make_score_fn(cfg, run["temperature"])),
       "rng": np.random.default_rng(run["seed"]),
       "key": jax.random.key(run["seed"] + 1),
   }
@@ -62,25 +64,20 @@ def step(ctx: dict, t: int) -> dict:
   mask_BN = out["mask_BN"]
   adv_BN = collect.group_advantages(reward_B, G, "grpo", True, mask_BN)
   seq = (out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"])
-
-  t_ref = time.perf_counter()
-  ref_logp_BN = common.block(ctx["score"](ctx["ref_params"], *seq, mask_BN))
-  ref_s = time.perf_counter() - t_ref
   B = mask_BN.shape[0]
   batch = learner.Batch(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask_BN,
       adv_BN=adv_BN, behavior_logp_BN=out["behavior_logp_BN"],
       versions_BN=np.zeros(mask_BN.shape, np.int32), lag_B=np.zeros((B,), np.int32),  # host zeros: no dispatch
       # One iteration per batch, sampler = learner dtype: the sampler's log-probs are π_old (as Tunix).
-      prox_logp_BN=out["behavior_logp_BN"], ref_logp_BN=ref_logp_BN)
+      prox_logp_BN=out["behavior_logp_BN"])  # ref_logp_BN: scored inside the step
 
   t_train = time.perf_counter()
-  ctx["state"], metrics = ctx["train_step"](ctx["state"], batch, key)
+  ctx["state"], metrics = ctx["train_step"](ctx["state"], batch, key, ctx["ref_params"])
   common.block(metrics)
   train_s = time.perf_counter() - t_train
   total = time.perf_counter() - t0
-  return {"total_s": total, "generate_s": gen_s, "ref_s": ref_s, "train_s": train_s,
-          "host_s": total - gen_s - ref_s - train_s, "reward_mean": float(reward_B.mean()),
+  return {"total_s": total, "generate_s": gen_s, "ref_train_s": train_s, "host_s": total - gen_s - train_s, "reward_mean": float(reward_B.mean()),
           "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean())}
 
 
@@ -97,7 +94,7 @@ def measure(ctx: dict, warmup: int = 2, steps: int = 5) -> dict:
   with common.count_compiles() as n_compiles:
     rows = [step(ctx, done + warmup + t) for t in range(steps)]
   ctx["steps_done"] = done + warmup + steps
-  med = {k: statistics.median(r[k] for r in rows) for k in ("total_s", "generate_s", "ref_s", "train_s", "host_s")}
+  med = {k: statistics.median(r[k] for r in rows) for k in ("total_s", "generate_s", "ref_train_s", "host_s")}
   med["best_total_s"] = min(r["total_s"] for r in rows)
   med["completion_len_mean"] = statistics.mean(r["completion_len_mean"] for r in rows)
   return {**med, "rollouts_per_step": rows[0]["rollouts"], "steps": steps, "warmup": warmup, "warmup_s": first_s, "compiles_after_warmup": n_compiles[0],

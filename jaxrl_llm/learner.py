@@ -280,6 +280,26 @@ def make_score_fn(model_cfg: ModelConfig, temperature: float):
   return score
 
 
+def fuse_reference(train_step: Callable, score: Callable, in_shardings=None, out_shardings=None) -> Callable:
+  """`step(state, batch, key, ref_params) -> (state, metrics)`: scores the batch under the frozen
+  reference policy (`score`, from `make_score_fn`; no gradient flows into it) and runs `train_step`
+  (from `make_train_step`) with those log-probs as `ref_logp_BN`, in one XLA program.
+
+  The update equals scoring first and passing `ref_logp_BN` in the batch. One program saves a dispatch
+  and lets XLA run the reference forward alongside the policy's forward and backward, which fills
+  the cores that small ops leave idle (measured in `bench/grpo_step.py`). `in_shardings`, when
+  given, has a fourth entry: the reference params' layout.
+  """
+
+  def step(state: TrainState, batch: Batch, key: Array, ref_params):
+    ref_logp_BN = score(ref_params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN,
+                        batch.routes_BTLk)
+    return train_step(state, batch.replace(ref_logp_BN=ref_logp_BN), key)
+
+  shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
+  return jax.jit(step, donate_argnums=0, **shardings)
+
+
 def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation):
   """Jitted supervised step: mean negative log-likelihood of the target tokens (temperature 1)."""
 

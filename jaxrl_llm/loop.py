@@ -177,7 +177,7 @@ class Run(NamedTuple):
   train_examples: Any
   test: collect.Prompts
   tx: Any
-  train_step: Any
+  train_step: Any  # (state, batch, key) -> (state, metrics); also takes ref_params when loss.kl_coef > 0
   score: Any
   hook_params: Any
   batch_extras: Any  # None, or (ro, seq, mask) -> dict of extra LossInputs fields (distillation teachers)
@@ -213,6 +213,11 @@ def setup(c: ml_collections.ConfigDict) -> Run:
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
       router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
       **shard_kw)
+  score = learner.make_score_fn(model_cfg, c.sampler.temperature)
+  if c.loss.kl_coef > 0:  # the reference is scored inside the step: train_step(state, batch, key, ref_params)
+    if shard_kw:
+      shard_kw["in_shardings"] = (*shard_kw["in_shardings"], mesh_kw["state_shardings"].params)
+    train_step = learner.fuse_reference(train_step, score, **shard_kw)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
     from jaxrl_llm.distill import opd
@@ -221,7 +226,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=dataclasses.replace(model_cfg, dtype=c.sampler.dtype),
              samp_cfg=sampler_config(c), k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step,
-             score=learner.make_score_fn(model_cfg, c.sampler.temperature), hook_params=hook_params, **mesh_kw)
+             score=score, hook_params=hook_params, **mesh_kw)
 
 
 def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
@@ -423,8 +428,7 @@ def make_batch(run: Run, store: ParamStore, state, extra, ro: dict) -> tuple[lea
   batch = learner.Batch(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask, adv_BN=adv_B[:, None] * mask,
       behavior_logp_BN=behav, versions_BN=jnp.asarray(ro["versions_BN"]), lag_B=jnp.asarray(ro["lag_B"]),
-      prox_logp_BN=prox, routes_BTLk=routes,
-      ref_logp_BN=run.score(extra["ref"], *seq, mask, routes) if extra["ref"] is not None else None,
+      prox_logp_BN=prox, routes_BTLk=routes,  # ref_logp_BN: scored inside the train step (`fuse_reference`)
       extra=run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None)
   return batch, info  # the mismatch |π_old − μ| is measured inside the train step
 
@@ -576,7 +580,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       if r.mesh is not None:  # the step's explicit in_shardings: lay the batch out along `batch`
         batch = jax.device_put(batch, r.batch_sharding)
       t_train = time.perf_counter()
-      state, m = r.train_step(state, batch, jax.random.fold_in(r.k_learn, t))
+      ref = () if extra["ref"] is None else (extra["ref"],)
+      state, m = r.train_step(state, batch, jax.random.fold_in(r.k_learn, t), *ref)
       m = metrics_lib.to_python(m)  # blocks on the step
       n_tok = float(np.asarray(ro["mask_BN"]).sum())
       info["time_learner_tokens_per_s"] = n_tok / max(time.perf_counter() - t_train, 1e-9)

@@ -64,6 +64,30 @@ def test_prox_none_means_current_policy(name):
   np.testing.assert_allclose(outs[0][1]["loss"], outs[1][1]["loss"], rtol=1e-5)
 
 
+def test_fuse_reference_equals_scoring_first():
+  """`fuse_reference` (reference scored inside the step) gives the update and metrics of scoring the
+  reference first and passing `ref_logp_BN` in the batch; the reference it scores is `ref_params`."""
+  params = init_params(CFG, jax.random.key(6))
+  ref_params = init_params(CFG, jax.random.key(7))  # differs from the policy: the KL term is not 0
+  batch = make_batch(params)
+  tx = learner.make_optimizer(1e-2, grad_clip=0.0)
+  score = learner.make_score_fn(CFG, 1.0)
+  step = learner.make_train_step(CFG, tx, "ppo_clip", agg_mode="token-mean", kl_coef=0.5)
+  ref_logp = score(ref_params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN)
+  want = step(learner.init_state(copy(params), tx), batch.replace(ref_logp_BN=ref_logp), jax.random.key(0))
+  fused = learner.fuse_reference(step, score)
+  got = fused(learner.init_state(copy(params), tx), batch, jax.random.key(0), ref_params)
+  for a, b in zip(jax.tree.leaves(want[0].params), jax.tree.leaves(got[0].params)):
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+  for k in ("loss", "grad_norm", "kl_ref"):
+    np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, err_msg=k)
+  assert float(got[1]["kl_ref"]) > 1e-4
+  # Scoring the policy itself as the reference gives KL 0: the fused step really reads `ref_params`.
+  same = fused(learner.init_state(copy(params), tx), batch, jax.random.key(0), copy(params))
+  np.testing.assert_allclose(same[1]["kl_ref"], 0.0, atol=1e-6)
+  assert fused._cache_size() == 1
+
+
 def test_non_finite_loss_skips_update_bitwise():
   params = init_params(CFG, jax.random.key(2))
   batch = make_batch(params, adv=jnp.nan)

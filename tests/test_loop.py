@@ -1,5 +1,6 @@
 """End-to-end runs of the tiny config: repeatability, lags per mode, mismatch from a bf16 sampler."""
 
+import json
 import os
 
 import numpy as np
@@ -100,6 +101,18 @@ def test_dapo_filter_entropy_and_throughput_fields(tmp_path):
     assert r["dapo_filtered_frac"] == 1.0 and r["loss"] == 0.0 and r["grad_norm"] == 0.0
     assert r["entropy"] == 0.0  # logged over counted tokens, and none is left
     assert r["time_learner_tokens_per_s"] > 0 and r["time_sampler_tokens_per_s"] > 0
+
+
+def test_kl_to_reference_is_scored_inside_the_step(tmp_path):
+  """`loss.kl_coef > 0`: the train step scores the frozen reference itself (`learner.fuse_reference`).
+  KL is 0 while the policy still equals the reference, grows once it moves, and the step compiles once."""
+  c = tiny(loss__kl_coef=0.1, loss__entropy_coef=0.05, optim__lr=0.02, optim__warmup_steps=0)
+  c.num_steps, c.eval.every, c.sft.steps = 3, 0, 0
+  rows = loop.run(c, str(tmp_path))
+  assert rows[0]["kl_ref"] < 1e-7  # step 0: the reference is the initial policy
+  assert rows[1]["kl_ref"] > 1e-6 and rows[2]["kl_ref"] > rows[1]["kl_ref"]
+  info = json.load(open(os.path.join(str(tmp_path), "run_info.json")))
+  assert info["compiles_train_step"] == 1
 
 
 def test_async_with_worker_scored_prox(tmp_path):
