@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,21 +82,34 @@ def step(ctx: dict, t: int) -> dict:
           "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean())}
 
 
-def measure(ctx: dict, warmup: int = 2, steps: int = 5) -> dict:
+def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1, between: Callable[[], None] | None = None) -> dict:
   """Median seconds per GRPO step (and per piece) after `warmup` steps of `ctx` (from `build`).
 
+  The timed steps run in `rounds` blocks of `steps`; `between()` (untimed) runs after the warm-up and
+  after each block: the bench runs the peer's warm-up and blocks there, so both sides take turns on
+  the same machine and see the same conditions.
   Also the compilations seen while timing (target 0) and the jitted functions' cache sizes.
   """
   t0 = time.perf_counter()
   done = ctx.setdefault("steps_done", 0)
   for t in range(warmup):
     step(ctx, done + t)
+  done += warmup
   first_s = time.perf_counter() - t0
-  with common.count_compiles() as n_compiles:
-    rows = [step(ctx, done + warmup + t) for t in range(steps)]
-  ctx["steps_done"] = done + warmup + steps
+  if between is not None:
+    between()
+  rows, compiles = [], 0
+  for _ in range(rounds):
+    with common.count_compiles() as n_compiles:
+      rows += [step(ctx, done + t) for t in range(steps)]
+    compiles += n_compiles[0]
+    done += steps
+    if between is not None:
+      between()
+  ctx["steps_done"] = done
   med = {k: statistics.median(r[k] for r in rows) for k in ("total_s", "generate_s", "ref_train_s", "host_s")}
   med["best_total_s"] = min(r["total_s"] for r in rows)
   med["completion_len_mean"] = statistics.mean(r["completion_len_mean"] for r in rows)
-  return {**med, "rollouts_per_step": rows[0]["rollouts"], "steps": steps, "warmup": warmup, "warmup_s": first_s, "compiles_after_warmup": n_compiles[0],
+  return {**med, "rollouts_per_step": rows[0]["rollouts"], "steps": len(rows), "rounds": rounds, "warmup": warmup,
+          "warmup_s": first_s, "compiles_after_warmup": compiles,
           "train_step_cache_size": ctx["train_step"]._cache_size(), "generate_cache_size": generate._cache_size()}

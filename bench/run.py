@@ -3,8 +3,8 @@
   python -m bench.run [--quick] [--no-peers] [--out bench/results.json] [--readme bench/README.md]
 
 Order: machine references (matmul peak, copy bandwidth) → learner MFU (S, M) → sampler throughput →
-full GRPO step, ours then Tunix's (a subprocess of the bench virtualenv; never both at once) → loop
-and system costs. `--quick` shrinks every shape (a smoke run, numbers meaningless) and skips peers.
+full GRPO step, ours and Tunix's in alternating blocks (Tunix in a subprocess of the bench virtualenv,
+paused while ours runs: never both at once) → loop and system costs. `--quick` shrinks every shape (a smoke run, numbers meaningless) and skips peers.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_PYTHON = os.path.join(ROOT, "bench", ".venv-bench", "bin", "python")
 TUNIX_SCRIPT = os.path.join(ROOT, "bench", "peers", "tunix_grpo.py")
 COMMAND = "make bench"
+GRPO_STEPS = (2, 2, 6)  # GRPO step vs Tunix: warm-up steps, then blocks of 2 steps taking turns, 6 blocks per side
 
 # --quick: tiny shapes so the whole harness runs in seconds (the smoke test).
 _TINY = dict(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, vocab_size=64)
 QUICK = {
     "learner": {"S": {"model": _TINY, "batch": 4, "seq_len": 12, "prompt_len": 4}},
     "grpo": {"tiny": _TINY},
-    "grpo_steps": (1, 1),
+    "grpo_steps": (1, 1, 1),  # warm-up, steps per block, blocks
     "sampler": dict(batches=(2,), new_tokens=(3,), model=_TINY, P=4, repeats=1),
 }
 
@@ -55,21 +56,80 @@ def machine_info() -> dict:
           "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def run_peer(workload: str, warmup: int, steps: int, python: str = BENCH_PYTHON, timeout_s: float = 420) -> dict:
-  """Tunix's GRPO step in the bench virtualenv; a dict with `status` (and `total_s` when it ran)."""
-  if not os.path.exists(python):
-    return {"status": f"bench venv missing ({os.path.relpath(python, ROOT)}); `make bench` creates it"}
-  cmd = [python, TUNIX_SCRIPT, "--workload", workload, "--warmup", str(warmup), "--steps", str(steps)]
-  env = {**os.environ, "PYTHONPATH": ""}  # the peer must not see the project venv's packages
-  try:
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
-  except subprocess.TimeoutExpired:
-    return {"status": f"timed out after {timeout_s:.0f} s"}
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-  if not lines:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"status": f"no result (exit {proc.returncode}): {tail[0][:200]}"}
-  return json.loads(lines[-1])
+class InterleavedPeer:
+  """Tunix's GRPO script run with `--rounds`, taking turns with our side (see `bench/peers/tunix_grpo.py`).
+
+  It warms up in the background, then pauses after its warm-up and after each block of steps.
+  `turn()` is `grpo_step.measure`'s `between` hook: the first call waits for the warm-up, each later
+  call lets the peer run one block and waits for it. `result()` is its summary line, or a dict whose
+  `status` says why there is none; a peer that dies or hangs never stops our side's measurement.
+  """
+
+  def __init__(self, workload: str, warmup: int, steps: int, rounds: int, python: str = BENCH_PYTHON,
+               timeout_s: float = 420, script: str = TUNIX_SCRIPT):
+    import queue
+    import threading
+    self.timeout_s, self.turns, self.final, self.proc = timeout_s, 0, None, None
+    if not os.path.exists(python):
+      self.final = {"status": f"bench venv missing ({os.path.relpath(python, ROOT)}); `make bench` creates it"}
+      return
+    cmd = [python, script, "--workload", workload, "--warmup", str(warmup), "--steps", str(steps),
+           "--rounds", str(rounds)]
+    env = {**os.environ, "PYTHONPATH": ""}  # the peer must not see the project venv's packages
+    self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+    self.lines: queue.Queue = queue.Queue()
+    self.stderr_tail: list[str] = []
+    threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+    threading.Thread(target=self._tail, args=(self.proc.stderr,), daemon=True).start()
+
+  @staticmethod
+  def _pump(stream, q) -> None:
+    for ln in stream:
+      if ln.startswith("{"):
+        q.put(json.loads(ln))
+    q.put(None)  # end of output
+
+  def _tail(self, stream) -> None:
+    for ln in stream:
+      self.stderr_tail = (self.stderr_tail + [ln.rstrip()])[-5:]
+
+  def _fail(self, status: str) -> None:
+    self.final = {"status": status}
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.kill()
+
+  def turn(self) -> None:
+    import queue
+    if self.final is not None:
+      return
+    if self.turns > 0:
+      try:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+      except OSError:
+        pass  # it died: the next line is its end of output
+    self.turns += 1
+    try:
+      msg = self.lines.get(timeout=self.timeout_s)
+    except queue.Empty:
+      return self._fail(f"timed out after {self.timeout_s:.0f} s")
+    if msg is None:
+      tail = self.stderr_tail[-1:] or ["no output"]
+      return self._fail(f"no result (exit {self.proc.wait()}): {tail[0][:200]}")
+    if msg.get("status") != "paused":
+      self.final = msg
+
+  def result(self) -> dict:
+    if self.final is None:  # our side stopped taking turns before the peer finished
+      self._fail("peer not finished")
+    if self.proc is not None:
+      try:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+      except (OSError, subprocess.TimeoutExpired):
+        self.proc.kill()
+    return self.final
 
 
 def collect(quick: bool, peers: bool, log=print) -> dict:
@@ -99,18 +159,20 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
   log("[bench] sampler")
   res["sampler"] = sampler_tput.measure(peak_fp32, bandwidth, **(QUICK["sampler"] if quick else {}))
 
-  warmup, steps = QUICK["grpo_steps"] if quick else (2, 10)
+  warmup, block, rounds = QUICK["grpo_steps"] if quick else GRPO_STEPS
   res["grpo"] = {}
   ctxs = {}
   for name, model in (QUICK["grpo"] if quick else workloads.GRPO).items():
-    log(f"[bench] GRPO step {name}: ours")
-    ctxs[name] = grpo_step.build(model)
-    ours = grpo_step.measure(ctxs[name], warmup=warmup, steps=steps)
     if peers and not quick:
-      log(f"[bench] GRPO step {name}: Tunix (bench venv)")
-      theirs = run_peer(name, warmup, steps)
+      log(f"[bench] GRPO step {name}: ours and Tunix (bench venv), {rounds} alternating blocks of {block} steps")
+      peer = InterleavedPeer(name, warmup, block, rounds)  # warms up while ours builds and warms up
     else:
-      theirs = {"status": "skipped (--quick / --no-peers)"}
+      log(f"[bench] GRPO step {name}: ours")
+      peer = None
+    ctxs[name] = grpo_step.build(model)
+    ours = grpo_step.measure(ctxs[name], warmup=warmup, steps=block, rounds=rounds,
+                             between=peer.turn if peer is not None else None)
+    theirs = peer.result() if peer is not None else {"status": "skipped (--quick / --no-peers)"}
     ratio = theirs["total_s"] / ours["total_s"] if "total_s" in theirs else None
     res["grpo"][name] = {"model": model, "ours": ours, "tunix": theirs, "tunix_over_ours": ratio}
 
@@ -269,7 +331,9 @@ What each number is:
   and train step with k3 KL, β = 0.04, in one program as `loop.run` does (`learner.fuse_reference`);
   π_old = sampler log-probs, one iteration per batch); Tunix's is
   `bench/peers/tunix_grpo.py` (`GRPOLearner`, vanilla rollout, same model shape and data, run from the
-  separate `bench/.venv-bench`). Both use random-init weights (no hub).
+  separate `bench/.venv-bench`). Both use random-init weights (no hub). After both warm up, the two
+  sides take turns: {rounds} blocks of {block} steps each, Tunix's process paused while ours runs and the reverse,
+  so a change in machine speed during the run reaches both sides.
 - sparse sync: the bf16 payload of `jaxrl_llm/rollout/sparse_sync.py` after real GRPO steps of the
   2L-d128 workload. With random-init weights every reward is 0, so the updates are AdamW-normalised
   noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
@@ -294,7 +358,7 @@ bench.run --render bench/results.json --readme bench/README.md` re-renders the t
 
 def write_readme(path: str, res: dict, tables: str) -> None:
   with open(path, "w") as f:
-    f.write(README_HEAD.format(command=res["command"]) + "## Latest results\n\n" + tables + "\n")
+    f.write(README_HEAD.format(command=res["command"], block=GRPO_STEPS[1], rounds=GRPO_STEPS[2]) + "## Latest results\n\n" + tables + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -5,15 +5,15 @@ Benchmarks are not tests: nothing here asserts a wall time.
 
 import json
 import math
-import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
 import pytest
 
-from bench import common, run, workloads
+from bench import common, grpo_step, run, workloads
 from jaxrl_llm.models import ModelConfig, init_params
 
 
@@ -71,9 +71,67 @@ def test_count_compiles_sees_a_new_shape():
   assert (n_same[0], n_new[0]) == (0, 1)
 
 
-def test_run_peer_without_bench_venv():
-  out = run.run_peer("2L-d128", 1, 1, python="/nonexistent/python")
+def test_peer_without_bench_venv():
+  peer = run.InterleavedPeer("2L-d128", 1, 1, 2, python="/nonexistent/python")
+  peer.turn()
+  out = peer.result()
   assert "missing" in out["status"] and "total_s" not in out
+
+
+# A stand-in for bench/peers/tunix_grpo.py speaking its --rounds protocol; FAKE_PEER picks a behaviour.
+_FAKE_PEER = """
+import json, os, sys, time
+rounds = int(sys.argv[sys.argv.index("--rounds") + 1])
+mode = os.environ["FAKE_PEER"]
+gos = 0
+for r in range(rounds):
+  print(json.dumps({"status": "paused", "steps_done": r}), flush=True)
+  if mode == "dies":
+    sys.exit(3)
+  if mode == "hangs":
+    time.sleep(60)
+  gos += bool(sys.stdin.readline())
+print(json.dumps({"status": "ok", "total_s": 0.5, "gos": gos}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "dies", "hangs"])
+def test_interleaved_peer_takes_turns_and_survives_a_bad_peer(tmp_path, monkeypatch, mode):
+  script = tmp_path / "peer.py"
+  script.write_text(_FAKE_PEER)
+  monkeypatch.setenv("FAKE_PEER", mode)
+  peer = run.InterleavedPeer("w", 1, 2, 3, python=sys.executable, script=str(script), timeout_s=5)
+  for _ in range(4):  # after the warm-up, then after each of the 3 blocks: what grpo_step.measure calls
+    peer.turn()
+  out = peer.result()
+  if mode == "ok":
+    assert out == {"status": "ok", "total_s": 0.5, "gos": 3}  # one go-ahead per block
+  elif mode == "dies":
+    assert out["status"].startswith("no result (exit 3)")
+  else:
+    assert out["status"] == "timed out after 5 s"
+
+
+def test_tunix_pauses_once_per_round_and_leaves_the_pause_out():
+  from bench.peers import tunix_grpo as tg
+  warmup, steps, rounds = 2, 3, 4
+  timed = [n - warmup for n in range(1, warmup + steps * rounds + 1)]  # after each global step
+  assert [t for t in timed if tg.pauses_after(t, steps, rounds)] == [0, 3, 6, 9]
+  assert not any(tg.pauses_after(t, steps, 1) for t in timed)  # one round: the old uninterrupted run
+  ends = [1.0, 2.0, 3.0, 4.0]
+  starts = [1.0, 2.5, 3.0, 4.0]  # a pause after step 2 ended at 2.5
+  assert tg.step_times(starts, ends, warmup=1) == [1.0, 0.5, 1.0]  # step 3 runs from 2.5 to 3.0
+
+
+def test_measure_calls_between_after_warmup_and_each_block(monkeypatch):
+  calls = []
+  monkeypatch.setattr(grpo_step, "step", lambda ctx, t: calls.append(("step", t)) or {
+      "total_s": 1.0, "generate_s": 0.2, "ref_train_s": 0.7, "host_s": 0.1, "rollouts": 4, "completion_len_mean": 3.0})
+  ctx = {"train_step": types.SimpleNamespace(_cache_size=lambda: 1)}
+  out = grpo_step.measure(ctx, warmup=1, steps=2, rounds=3, between=lambda: calls.append("peer"))
+  assert calls == [("step", 0), "peer", ("step", 1), ("step", 2), "peer", ("step", 3), ("step", 4), "peer",
+                   ("step", 5), ("step", 6), "peer"]
+  assert out["steps"] == 6 and out["rounds"] == 3 and out["total_s"] == 1.0
 
 
 def test_tunix_script_reports_missing_tunix():

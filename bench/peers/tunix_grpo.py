@@ -10,7 +10,11 @@ vanilla rollout engine, one iteration per batch, AdamW + global-norm clip 1.0.
 Timing: wall time between the ends of consecutive global steps (each end blocks on the actor's
 parameters), median over the steps after `--warmup`.
 
-Usage: bench/.venv-bench/bin/python bench/peers/tunix_grpo.py --workload 2L-d128 [--warmup 2 --steps 5]
+`--rounds R` (interleaved with our side by `bench/run.py`): after the warm-up and after every block
+of `--steps` steps the script prints `{"status": "paused", ...}` and waits for a line on stdin; the
+wait is left out of the next step's time. R blocks run in all; the last line summarises every step.
+
+Usage: bench/.venv-bench/bin/python bench/peers/tunix_grpo.py --workload 2L-d128 [--warmup 2 --steps 5 --rounds 1]
 """
 
 from __future__ import annotations
@@ -54,7 +58,29 @@ def _tokenizer(tok, vocab_size: int):
   return CharTokenizer()
 
 
-def run(workload: str, warmup: int, steps: int) -> dict:
+def _pause(done: int) -> float:
+  """Tells the parent that `done` timed steps have run, waits for its go-ahead; returns when it came."""
+  _emit({"status": "paused", "steps_done": done})
+  if not sys.stdin.readline():
+    raise SystemExit("bench parent closed the pipe")
+  return time.perf_counter()
+
+
+def pauses_after(timed: int, steps: int, rounds: int) -> bool:
+  """Whether to pause after the step that brings the timed steps to `timed` (negative: warm-up).
+
+  With rounds > 1: after the warm-up and after every block but the last, `rounds` pauses in all.
+  """
+  return rounds > 1 and 0 <= timed < steps * rounds and timed % steps == 0
+
+
+def step_times(starts: list[float], ends: list[float], warmup: int) -> list[float]:
+  """Seconds of each timed step: its end minus when its clock started (the previous step's end, or
+  the end of the pause after it)."""
+  return [b - a for a, b in zip(starts[warmup - 1:], ends[warmup:])] if warmup >= 1 else []
+
+
+def run(workload: str, warmup: int, steps: int, rounds: int = 1) -> dict:
   sys.path.insert(0, _ROOT)
   from bench import workloads
   from jaxrl_llm.tasks import arithmetic
@@ -87,7 +113,7 @@ def run(workload: str, warmup: int, steps: int) -> dict:
                     rl_cluster_lib.Role.ROLLOUT: mesh},
       rollout_engine="vanilla", offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10 ** 9,
-                                                      max_steps=warmup + steps),
+                                                      max_steps=warmup + steps * rounds),
       rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=N, max_prompt_length=P, kv_cache_size=P + N,
                                                 temperature=r["temperature"], top_p=1.0, top_k=None))
   cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference,
@@ -124,23 +150,27 @@ def run(workload: str, warmup: int, steps: int) -> dict:
   ends = []
   inner = learner._run_global_step  # one global step = generate, reward, ref log-probs, one update
 
+  starts = []  # when each next step's clock starts: this step's end, or the end of a pause after it
+
   def timed_global_step(*args, **kwargs):
     out = inner(*args, **kwargs)
     jax.block_until_ready(nnx.state(cluster.actor_trainer.model, nnx.Param))
     ends.append(time.perf_counter())
+    timed = len(ends) - warmup
+    starts.append(_pause(timed) if pauses_after(timed, steps, rounds) else ends[-1])
     return out
 
   learner._run_global_step = timed_global_step
   t0 = time.perf_counter()
   learner.train(batches())
-  per_step = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])] if warmup >= 1 else []
+  per_step = step_times(starts, ends, warmup)
   if not per_step:
     return {"status": f"error: only {len(ends)} global steps completed", "tunix_version": tunix.__version__}
   expected = r["prompts_per_step"] * r["group_size"]
   if set(rollout_sizes) != {expected}:
     return {"status": f"workload mismatch: rollout batch sizes {sorted(set(rollout_sizes))}, expected {expected}"}
   return {"status": "ok", "total_s": statistics.median(per_step), "best_total_s": min(per_step), "rollouts_per_step": expected,
-          "completion_len_mean": float(np.mean(completion_lens)), "steps": len(per_step), "warmup": warmup,
+          "completion_len_mean": float(np.mean(completion_lens)), "steps": len(per_step), "rounds": rounds, "warmup": warmup,
           "setup_and_warmup_s": ends[warmup - 1] - t0, "tunix_version": getattr(tunix, "__version__", "?"),
           "jax_version": jax.__version__}
 
@@ -149,7 +179,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--workload", required=True)
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+  ap.add_argument("--rounds", type=int, default=1, help="blocks of --steps, each after a pause (when > 1)")
   args = ap.parse_args()
   try:
     import tunix  # noqa: F401
@@ -157,7 +188,7 @@ def main() -> None:
     _emit({"status": f"tunix not importable: {type(e).__name__}: {e}"[:300]})
     return
   try:
-    result = run(args.workload, max(args.warmup, 1), args.steps)
+    result = run(args.workload, max(args.warmup, 1), args.steps, max(args.rounds, 1))
   except Exception as e:  # noqa: BLE001 -- the table shows why the peer could not run
     traceback.print_exc(file=sys.stderr)
     result = {"status": f"tunix run failed: {type(e).__name__}: {e}"[:300]}
