@@ -345,7 +345,7 @@ What each number is:
 - HFU counts only the FLOPs the learner executes: it skips the last layer's query, attention output,
   MLP and lm-head at prompt positions, whose outputs are never scored (`query_start`); MFU keeps the
   usual 6·N·tokens + attention over every position.
-- loop: host time = step wall time − blocked jitted parts (generate, reference scoring, train step);
+- loop: host time = step wall time − blocked jitted parts (generate; reference scoring + train step, one program);
   `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
