@@ -78,11 +78,13 @@ def step(ctx: dict, t: int) -> dict:
   common.block(metrics)
   train_s = time.perf_counter() - t_train
   total = time.perf_counter() - t0
-  return {"total_s": total, "generate_s": gen_s, "ref_train_s": train_s, "host_s": total - gen_s - train_s, "reward_mean": float(reward_B.mean()),
+  return {"total_s": total, "generate_s": gen_s, "ref_train_s": train_s, "host_s": total - gen_s - train_s,
+          "reward_mean": float(reward_B.mean()),
           "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean())}
 
 
-def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1, between: Callable[[], None] | None = None) -> dict:
+def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1,
+            between: Callable[[], None] | None = None) -> dict:
   """Median seconds per GRPO step (and per piece) after `warmup` steps of `ctx` (from `build`).
 
   The timed steps run in `rounds` blocks of `steps`; `between()` (untimed) runs after the warm-up and

@@ -4,7 +4,8 @@
 
 Order: machine references (matmul peak, copy bandwidth) → learner MFU (S, M) → sampler throughput →
 full GRPO step, ours and Tunix's in alternating blocks (Tunix in a subprocess of the bench virtualenv,
-paused while ours runs: never both at once) → loop and system costs. `--quick` shrinks every shape (a smoke run, numbers meaningless) and skips peers.
+paused while ours runs: never both at once) → loop and system costs. `--quick` shrinks every shape
+(a smoke run, numbers meaningless) and skips peers.
 """
 
 from __future__ import annotations
@@ -332,8 +333,8 @@ What each number is:
   π_old = sampler log-probs, one iteration per batch); Tunix's is
   `bench/peers/tunix_grpo.py` (`GRPOLearner`, vanilla rollout, same model shape and data, run from the
   separate `bench/.venv-bench`). Both use random-init weights (no hub). After both warm up, the two
-  sides take turns: {rounds} blocks of {block} steps each, Tunix's process paused while ours runs and the reverse,
-  so a change in machine speed during the run reaches both sides.
+  sides take turns: {rounds} blocks of {block} steps each, Tunix's process paused while ours runs and
+  the reverse, so a change in machine speed during the run reaches both sides.
 - sparse sync: the bf16 payload of `jaxrl_llm/rollout/sparse_sync.py` after real GRPO steps of the
   2L-d128 workload. With random-init weights every reward is 0, so the updates are AdamW-normalised
   noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
@@ -358,7 +359,8 @@ bench.run --render bench/results.json --readme bench/README.md` re-renders the t
 
 def write_readme(path: str, res: dict, tables: str) -> None:
   with open(path, "w") as f:
-    f.write(README_HEAD.format(command=res["command"], block=GRPO_STEPS[1], rounds=GRPO_STEPS[2]) + "## Latest results\n\n" + tables + "\n")
+    head = README_HEAD.format(command=res["command"], block=GRPO_STEPS[1], rounds=GRPO_STEPS[2])
+    f.write(head + "## Latest results\n\n" + tables + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -170,7 +170,8 @@ def run(workload: str, warmup: int, steps: int, rounds: int = 1) -> dict:
   if set(rollout_sizes) != {expected}:
     return {"status": f"workload mismatch: rollout batch sizes {sorted(set(rollout_sizes))}, expected {expected}"}
   return {"status": "ok", "total_s": statistics.median(per_step), "best_total_s": min(per_step), "rollouts_per_step": expected,
-          "completion_len_mean": float(np.mean(completion_lens)), "steps": len(per_step), "rounds": rounds, "warmup": warmup,
+          "completion_len_mean": float(np.mean(completion_lens)), "steps": len(per_step), "rounds": rounds,
+          "warmup": warmup,
           "setup_and_warmup_s": ends[warmup - 1] - t0, "tunix_version": getattr(tunix, "__version__", "?"),
           "jax_version": jax.__version__}
 
