@@ -18,6 +18,7 @@ import numpy as np
 
 from bench import common, workloads
 from jaxrl_llm import learner
+from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.sampling import SamplerConfig, generate
@@ -55,11 +56,10 @@ def step(ctx: dict, t: int) -> dict:
   t0 = time.perf_counter()
   examples = [ctx["task"].make_example(ctx["rng"]) for _ in range(run["prompts_per_step"])]
   p = collect.encode_prompts([ex for ex in examples for _ in range(G)], ctx["P"])
-  key = jax.random.fold_in(ctx["key"], t)
+  key = fold_in(ctx["key"], t)
 
   t_gen = time.perf_counter()
-  out = common.block(generate(ctx["state"].params, jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key, ctx["cfg"],
-                              ctx["sampler_cfg"]))
+  out = common.block(generate(ctx["state"].params, p.tokens_BP, p.len_B, key, ctx["cfg"], ctx["sampler_cfg"]))
   gen_s = time.perf_counter() - t_gen
   reward_B, _, _ = collect.score_completions(ctx["task"], p.examples, np.asarray(out["tokens_BN"]))
   mask_BN = out["mask_BN"]

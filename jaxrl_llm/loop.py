@@ -37,6 +37,7 @@ import numpy as np
 from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import advantages, learner, losses, metrics as metrics_lib, preemption
+from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
@@ -296,10 +297,10 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
     p = collect.Prompts(np.repeat(np.concatenate([q.tokens_BP for q in ps]), G, 0),
                         np.repeat(np.concatenate([q.len_B for q in ps]), G),
                         [ex for q in ps for ex in q.examples for _ in range(G)])
-    key = jax.random.fold_in(jax.random.fold_in(run.k_sample, v_b), steps[0])
-    key = jax.random.fold_in(key, call) if call else key
+    key = fold_in(fold_in(run.k_sample, v_b), steps[0])
+    key = fold_in(key, call) if call else key
     t0 = time.perf_counter()
-    out = generate(snap.params, jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key, run.sampler_model_cfg, run.samp_cfg)
+    out = generate(snap.params, p.tokens_BP, p.len_B, key, run.sampler_model_cfg, run.samp_cfg)  # numpy: no eager put
     out = jax.tree.map(np.asarray, out)
     time_gen = time.perf_counter() - t0
   finally:
@@ -581,7 +582,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
         batch = jax.device_put(batch, r.batch_sharding)
       t_train = time.perf_counter()
       ref = () if extra["ref"] is None else (extra["ref"],)
-      state, m = r.train_step(state, batch, jax.random.fold_in(r.k_learn, t), *ref)
+      state, m = r.train_step(state, batch, fold_in(r.k_learn, t), *ref)
       m = metrics_lib.to_python(m)  # blocks on the step
       n_tok = float(np.asarray(ro["mask_BN"]).sum())
       info["time_learner_tokens_per_s"] = n_tok / max(time.perf_counter() - t_train, 1e-9)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.keys import fold_in
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.admission import Admission
 from jaxrl_llm.rollout.buffer import Buffer, Trajectory, lag
@@ -40,7 +41,7 @@ def prompt_for_request(train_examples, request_id: int, seed: int) -> dict:
 
 def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
   """Sampling key of a request: derived from (root, generating version, request id), never shared."""
-  return jax.random.fold_in(jax.random.fold_in(root, version), request_id)
+  return fold_in(fold_in(root, version), request_id)
 
 
 def make_group_rollout(task, train_examples, *, width: int, group_size: int, seed: int, key_root: jax.Array,
