@@ -216,11 +216,6 @@ def _ms(x: float) -> str:
   return f"{1e3 * x:.1f} ms" if x < 10 else f"{x:.2f} s"
 
 
-def _ref_train_s(ours: dict) -> float:
-  """Reference scoring + train step: one program since `learner.fuse_reference` (older results timed two)."""
-  return ours["ref_train_s"] if "ref_train_s" in ours else ours["ref_s"] + ours["train_s"]
-
-
 def _pct(x: float) -> str:
   return f"{100 * x:.1f} %"
 
@@ -275,7 +270,7 @@ def format_tables(res: dict) -> str:
                  f"{r['tunix_over_ours']:.2f}×" if r["tunix_over_ours"] else "–",
                  f"{o['rollouts_per_step']} × {o['completion_len_mean']:.1f} / "
                  + (f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–"),
-                 f"{_ms(o['generate_s'])} / {_ms(_ref_train_s(o))} / {_ms(o['host_s'])}",
+                 f"{_ms(o['generate_s'])} / {_ms(o['ref_train_s'])} / {_ms(o['host_s'])}",
                  str(o["compiles_after_warmup"]),
                  t["status"] + (f" (tunix {t.get('tunix_version')})" if t["status"] == "ok" else "")])
   out += ["**Full GRPO step vs Tunix** (Qwen3-style, 8 prompts × 4, 16 new tokens, β = 0.04, colocated, char "

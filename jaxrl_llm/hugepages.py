@@ -3,8 +3,8 @@
 Why: XLA:CPU allocates the temporaries of each execution as one large block and frees it afterwards;
 glibc serves such a block with a fresh anonymous mapping, so every learner step page-faults its whole
 working set again, 4 KiB at a time. glibc's tunable `glibc.malloc.hugetlb=1` marks those mappings for
-transparent huge pages (2 MiB), about 500x fewer faults. `make bench` reports the faults per step and
-the speed with and without it (bench/README.md).
+transparent huge pages (2 MiB), far fewer faults. `make bench` reports the faults per step and the
+speed with and without it (bench/README.md).
 
 glibc reads tunables once, at process start, so an entry point calls `reexec_with_huge_pages()` first:
 it restarts the same command line once with the tunable added. Set JAXRL_LLM_HUGE_PAGES=0 to opt out.
@@ -42,4 +42,4 @@ def reexec_with_huge_pages() -> None:
 
 def active() -> bool:
   """Whether this process started with the tunable (it cannot be turned on later)."""
-  return "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+  return TUNABLE in os.environ.get("GLIBC_TUNABLES", "")

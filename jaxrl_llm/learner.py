@@ -145,6 +145,11 @@ def _combine_micro(aux_M: dict) -> dict:
           for k, (s, c) in aux_M.items()}
 
 
+def _jit_shardings(in_shardings, out_shardings) -> dict:
+  """The `jax.jit` shardings kwargs that were given (None keeps jit's default layout)."""
+  return {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
+
+
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, loss_name: str,
                     loss_hparams: dict | None = None, *, temperature: float = 1.0,
                     agg_mode: str = "token-mean", drop_rejected: bool = False, norm_len: float | None = None,
@@ -263,8 +268,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                "update_skipped": (~finite).astype(jnp.int32), "skipped_consecutive": new_state.skipped}
     return new_state, metrics
 
-  shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
-  return jax.jit(train_step, donate_argnums=0, **shardings)
+  return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 
 
 def make_score_fn(model_cfg: ModelConfig, temperature: float):
@@ -296,8 +300,7 @@ def fuse_reference(train_step: Callable, score: Callable, in_shardings=None, out
                         batch.routes_BTLk)
     return train_step(state, batch.replace(ref_logp_BN=ref_logp_BN), key)
 
-  shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
-  return jax.jit(step, donate_argnums=0, **shardings)
+  return jax.jit(step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 
 
 def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation):

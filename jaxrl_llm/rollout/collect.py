@@ -75,7 +75,7 @@ def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
 def group_advantages(reward_B: np.ndarray, group_size: int, name: str, std_normalize: bool,
                      mask_BN: jax.Array | None = None) -> jax.Array:
   """Advantages of consecutive groups of `group_size` rows: [B], or [B, N] tokens (× mask_BN) when a mask is given."""
-  # A numpy array goes to the jitted call as is: an eager jnp.asarray costs ~10x the whole call.
+  # A numpy array goes to the jitted call as is: an eager jnp.asarray costs more than the whole call.
   return _group_advantages(np.asarray(reward_B, np.float32), group_size, name, std_normalize, mask_BN)
 
 

@@ -42,8 +42,8 @@ def step_noise(key: Array, step: Array, shape: tuple[int, int]) -> Array:
 def predraw_noise(key: Array, steps: int, shape: tuple[int, int]) -> Array:
   """[steps, *shape] noise: row n equals `step_noise(key, n, shape)` bit for bit, drawn in one call.
 
-  Why: on CPU the threefry hash is a rolled loop of small ops; inside the decode loop it cost about a
-  third of a tiny model's decode step. One vectorised draw before the loop costs a fraction of that.
+  Why: on CPU the threefry hash is a rolled loop of small ops, a large share of a tiny model's decode
+  step when drawn inside the loop. One vectorised draw before the loop costs a fraction of that.
   """
   return jax.vmap(lambda n: step_noise(key, n, shape))(jnp.arange(steps))
 
