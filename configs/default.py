@@ -6,6 +6,8 @@ Every other config is a small delta over this one (see configs/tiny.py).
 
 import ml_collections
 
+from jaxrl_llm import tasks
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -14,9 +16,12 @@ def get_config():
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"
-  c.task.kwargs = ml_collections.ConfigDict({"num_digits": 2})
+  # Every task's arguments as typed placeholders; None = the task's default (arithmetic: 2-digit addition).
+  # Set those of the chosen task, e.g. --config.task.name=gsm8k --config.task.kwargs.path=train.jsonl
+  c.task.kwargs = tasks.kwargs_config()
   c.task.source = "memory"  # "memory" (generated on the fly) or "tfds" (ArrayRecord built locally, read by grain)
   c.task.data_dir = ""  # TFDS data dir; "" = ~/.cache/jaxrl_llm/tfds
+  c.task.held_out = 0.0  # test split: a count (>= 1), a fraction (0, 1) of a data file, or 0 = auto (10% of a file, max 500; 500 generated)
   c.task.prompt_width = 0  # prompts are left-padded to this many tokens (0 = the task's longest prompt + BOS)
 
   c.model = ml_collections.ConfigDict()

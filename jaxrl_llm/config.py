@@ -44,8 +44,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   _need(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be a non-negative int")
   _need(isinstance(c.num_steps, int) and c.num_steps >= 0, "num_steps", c.num_steps, "must be a non-negative int")
-  _need(c.task.name in tasks.task_names(), "task.name", c.task.name, f"must be one of {tasks.task_names()}")
-  _need(c.task.source in ("memory", "tfds"), "task.source", c.task.source, "must be 'memory' or 'tfds'")
+  _validate_task(c)
   for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
     v = c.model[f]
     _need(isinstance(v, int) and v > 0, f"model.{f}", v, "must be a positive int")
@@ -129,6 +128,27 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if missing:
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
                       f"(available: {sorted(available_needs(c))})")
+
+
+def _validate_task(c: ml_collections.ConfigDict) -> None:
+  """`task`: the name, its kwargs (None = the task's default; one it does not take is an error), the
+  data file (read here, so a missing file or wrong columns fail at start-up) and the held-out split."""
+  from jaxrl_llm import tasks  # local: keep `import jaxrl_llm.config` light
+  _need(c.task.name in tasks.task_names(), "task.name", c.task.name, f"must be one of {tasks.task_names()}")
+  _need(c.task.source in ("memory", "tfds"), "task.source", c.task.source, "must be 'memory' or 'tfds'")
+  kwargs = dict(c.task.kwargs)
+  try:
+    task = tasks.get_task(c.task.name, **kwargs)
+  except (ValueError, TypeError, OSError) as e:
+    kwarg = getattr(e, "kwarg", None)
+    field = f"task.kwargs.{kwarg}" if kwarg else "task.kwargs"
+    value = kwargs.get(kwarg) if kwarg else {k: v for k, v in kwargs.items() if v is not None}
+    raise ConfigError(f"config.{field}={value!r}: {e} (config.task.name={c.task.name!r})") from None
+  held_out = c.task.get("held_out", 0.0)
+  try:
+    tasks.num_held_out(task, held_out)
+  except ValueError as e:
+    raise ConfigError(f"config.task.held_out={held_out!r}: {e}") from None
 
 
 def _validate_replay(c: ml_collections.ConfigDict) -> None:

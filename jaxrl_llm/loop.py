@@ -43,7 +43,7 @@ from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
-from jaxrl_llm.tasks import get_task
+from jaxrl_llm.tasks import get_task, num_held_out
 from jaxrl_llm.tasks import tokenizer as tok
 
 
@@ -191,7 +191,9 @@ class Run(NamedTuple):
 def setup(c: ml_collections.ConfigDict) -> Run:
   task = get_task(c.task.name, **dict(c.task.kwargs))
   P = prompt_width(c, task)
-  split = lambda name: collect.load_split(c.task.name, name, dict(c.task.kwargs), c.task.source, c.task.data_dir, c.seed)
+  num_test = num_held_out(task, c.task.get("held_out", 0.0))  # rows held out of a data file, or generated prompts
+  split = lambda name: collect.load_split(c.task.name, name, dict(c.task.kwargs), c.task.source, c.task.data_dir, c.seed,
+                                          num_test=num_test)
   train_examples = split("train")
   test_split = split("test")
   test = collect.encode_prompts([test_split[i] for i in range(min(c.eval.num_prompts, len(test_split)))], P)

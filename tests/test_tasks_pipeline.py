@@ -118,4 +118,4 @@ def test_tfds_build_and_read_matches_memory(tmp_path):
 def test_tfds_unknown_task(tmp_path):
   from jaxrl_llm.tasks import tfds_builders  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="arithmetic"):
-    tfds_builders.build("jsonl", data_dir=tmp_path)
+    tfds_builders.build("nope", data_dir=tmp_path)

@@ -22,10 +22,9 @@ import os
 import re
 from typing import Any, Sequence
 
-import numpy as np
-
+from jaxrl_llm.tasks import math_data
 from jaxrl_llm.tasks import reward as reward_lib
-from jaxrl_llm.tasks.base import Task
+from jaxrl_llm.tasks.base import Task, TaskError
 
 # Completions are cut to their last characters before parsing: answers sit at the end, and
 # parsing cost grows with length.
@@ -142,26 +141,21 @@ def math_verify_rewards(answers: Sequence[str], completions: Sequence[str],
                                       max_workers=max_workers)
 
 
-def _sample_row(rng: np.random.Generator, *, rows: tuple[dict[str, Any], ...]) -> dict[str, str]:
-  row = rows[int(rng.integers(len(rows)))]
-  return {"prompt": row["prompt"], "answer": row["answer"]}
-
-
 def make_task(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
-              timeout_s: float = 5.0) -> Task:
-  """A Task over the rows of a JSONL file (examples drawn uniformly), rewarded by math-verify.
+              timeout_s: float = 5.0, max_prompt_chars: int = 2048,
+              long_prompts: str = "drop") -> Task:
+  """A Task over the rows of a JSONL (or parquet) file, rewarded by math-verify.
 
-  Raises ValueError when the file holds no valid row.
+  Examples are drawn uniformly; splits hold rows out (``Task.rows``). Prompts longer than
+  ``max_prompt_chars`` are dropped or truncated (``long_prompts``) and counted; see
+  ``math_data.load_rows``. Raises ``TaskError`` naming the path and the expected columns when the
+  file is missing, lacks the columns, or holds no valid row.
   """
-  rows, report = load_jsonl(path, prompt_key=prompt_key, answer_key=answer_key)
-  if not rows:
-    raise ValueError(f"{path}: no valid rows ({report.num_bad} malformed)")
-  return Task(
-      name="jsonl",
-      make_example=functools.partial(_sample_row, rows=tuple(rows)),
-      reward=functools.partial(math_verify_reward, timeout_s=timeout_s),
-      max_prompt_len=max(len(r["prompt"]) for r in rows),
-      max_answer_len=max(len(r["answer"]) for r in rows),
-      kwargs=(("answer_key", answer_key), ("path", os.fspath(path)),
-              ("prompt_key", prompt_key), ("timeout_s", timeout_s)),
-  )
+  if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+    raise TaskError(f"timeout_s={timeout_s!r} must be a number > 0", "timeout_s")
+  rows, _ = math_data.load_rows("jsonl", path, prompt_key=prompt_key, answer_key=answer_key,
+                                max_prompt_chars=max_prompt_chars, long_prompts=long_prompts)
+  return math_data.file_task(
+      "jsonl", rows, functools.partial(math_verify_reward, timeout_s=timeout_s),
+      dict(answer_key=answer_key, path=os.fspath(path), prompt_key=prompt_key,
+           timeout_s=timeout_s, max_prompt_chars=max_prompt_chars, long_prompts=long_prompts))

@@ -1,9 +1,11 @@
 """TFDS datasets of the built-in tasks, generated locally as ArrayRecord (no download, no TF).
 
-One builder per task (``jaxrl_arithmetic``, ``jaxrl_countdown``), both generic over
+One builder per task (``jaxrl_arithmetic``, ``jaxrl_countdown``, and for the data-file tasks
+``jaxrl_jsonl``, ``jaxrl_gsm8k``, ``jaxrl_math``, ``jaxrl_dapo``), all generic over
 ``base.split_examples``, so TFDS rows equal the in-memory examples of the same config. A
 ``TaskBuilderConfig`` carries the task's keyword arguments, the generation seed and the split
-sizes; its name hashes them (with ``GENERATOR_VERSION``), so two configurations never share files.
+sizes; its name hashes them (with ``GENERATOR_VERSION``, and for a data file a digest of its
+loaded rows, so an edited file is rebuilt), so two configurations never share files.
 Records hold ``prompt`` and ``answer`` (text, read back as bytes) and ``example_id`` (int64), in
 generation order (TFDS shuffling is disabled), so record i is example i.
 
@@ -82,14 +84,37 @@ class JaxrlCountdown(_TaskBuilder):
   TASK_NAME = "countdown"
 
 
-BUILDERS = {b.TASK_NAME: b for b in (JaxrlArithmetic, JaxrlCountdown)}
+class JaxrlJsonl(_TaskBuilder):
+  """TFDS name ``jaxrl_jsonl``: the rows of a user JSONL / parquet file."""
+  TASK_NAME = "jsonl"
+
+
+class JaxrlGsm8k(_TaskBuilder):
+  """TFDS name ``jaxrl_gsm8k``: a GSM8K file (``question``, ``answer``)."""
+  TASK_NAME = "gsm8k"
+
+
+class JaxrlMath(_TaskBuilder):
+  """TFDS name ``jaxrl_math``: a MATH / MATH-500 file."""
+  TASK_NAME = "math"
+
+
+class JaxrlDapo(_TaskBuilder):
+  """TFDS name ``jaxrl_dapo``: a DAPO / verl prompt + ground-truth file."""
+  TASK_NAME = "dapo"
+
+
+BUILDERS = {b.TASK_NAME: b for b in (JaxrlArithmetic, JaxrlCountdown, JaxrlJsonl, JaxrlGsm8k, JaxrlMath,
+                                     JaxrlDapo)}
 
 
 def make_config(task_name: str, task_kwargs: dict[str, Any] | None = None, *, seed: int = 0,
                 num_train: int = 5000, num_test: int = 500) -> TaskBuilderConfig:
   """The builder config of a task; its name is a stable hash of the resolved task kwargs."""
-  resolved = get_task(task_name, **(task_kwargs or {})).kwargs
-  key = repr((GENERATOR_VERSION, task_name, resolved, seed, num_train, num_test))
+  task = get_task(task_name, **(task_kwargs or {}))
+  resolved = task.kwargs
+  rows = "" if task.rows is None else hashlib.sha256(repr(task.rows).encode()).hexdigest()
+  key = repr((GENERATOR_VERSION, task_name, resolved, seed, num_train, num_test) + ((rows,) if rows else ()))
   digest = hashlib.sha256(key.encode()).hexdigest()[:12]
   return TaskBuilderConfig(name=f"s{seed}_train{num_train}_test{num_test}_{digest}",
                            description=repr(resolved), task_kwargs=resolved, seed=seed,
