@@ -143,7 +143,8 @@ def _validate_task(c: ml_collections.ConfigDict) -> None:
     kwarg = getattr(e, "kwarg", None)
     field = f"task.kwargs.{kwarg}" if kwarg else "task.kwargs"
     value = kwargs.get(kwarg) if kwarg else {k: v for k, v in kwargs.items() if v is not None}
-    raise ConfigError(f"config.{field}={value!r}: {e} (config.task.name={c.task.name!r})") from None
+    why = str(e).removeprefix(f"{value}: ")  # data errors start with the path: say it once
+    raise ConfigError(f"config.{field}={value!r}: {why} (config.task.name={c.task.name!r})") from None
   held_out = c.task.get("held_out", 0.0)
   try:
     tasks.num_held_out(task, held_out)

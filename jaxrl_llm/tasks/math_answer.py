@@ -17,9 +17,14 @@ never executed. Each call runs under ``reward.call_with_timeout``.
 
 from __future__ import annotations
 
+import logging
 import re
 
 from jaxrl_llm.tasks import reward as reward_lib
+
+# math-verify warns on every call that its own (signal-based) timeouts are off; they are off on
+# purpose (calls run under reward.call_with_timeout, off the main thread).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # Answers sit at the end of a completion, and parsing cost grows with length.
 MAX_COMPLETION_CHARS = 4096

@@ -85,8 +85,8 @@ def _text(row: dict, key: str, *, allow_number: bool = False) -> str:
   if allow_number and isinstance(value, (int, float)) and not isinstance(value, bool):
     value = str(value)
   if not isinstance(value, str) or not value.strip():
-    kind = "a string or a number" if allow_number else "a string"
-    raise RowError(f"{key!r} must be a non-empty {kind}, got {type(value).__name__}")
+    kind = "string or number" if allow_number else "string"
+    raise RowError(f"{key!r} must be a non-empty {kind}, got {type(value).__name__} {str(value)[:20]!r}")
   return value
 
 
@@ -148,7 +148,7 @@ def _read_dapo(row, columns, prompt_key, answer_key):
 
 def _read_plain(row, columns, prompt_key, answer_key):
   del columns
-  return _text(row, prompt_key), _text(row, answer_key, allow_number=True)
+  return _text(row, prompt_key), _text(row, answer_key or "answer", allow_number=True)
 
 
 def _dapo_columns(prompt_key, answer_key):
@@ -161,7 +161,7 @@ LAYOUTS = {
     "gsm8k": Layout("gsm8k", lambda p, a: (("question",), ("answer",)), _read_gsm8k),
     "math": Layout("math", lambda p, a: (("problem",), ("answer", "solution")), _read_math),
     "dapo": Layout("dapo", _dapo_columns, _read_dapo),
-    "jsonl": Layout("jsonl", lambda p, a: ((p,), (a.split(".")[0],)), _read_plain),
+    "jsonl": Layout("jsonl", lambda p, a: ((p,), ((a or "answer").split(".")[0],)), _read_plain),
 }
 
 
@@ -252,11 +252,13 @@ def _load_cached(layout_name: str, path: str, stamp: tuple[int, int], prompt_key
 
 
 def load_rows(layout: str, path: str | os.PathLike, *, prompt_key: str = "prompt",
-              answer_key: str = "answer", instruction: str = "",
+              answer_key: str = "", instruction: str = "",
               max_prompt_chars: int = MAX_PROMPT_CHARS,
               long_prompts: str = "drop") -> tuple[tuple[tuple[str, str], ...], DataReport]:
   """``((prompt, answer), ...)`` of a data file in a layout of ``LAYOUTS`` and its report.
 
+  ``prompt_key`` / ``answer_key`` apply to the ``jsonl`` and ``dapo`` layouts (``answer_key=""``:
+  ``answer``, or for ``dapo`` ``reward_model.ground_truth`` when that column exists).
   ``*.parquet`` is read with pyarrow, any other file as JSONL. Raises TaskError (``kwarg`` names
   the argument at fault) for a missing or unreadable file, missing columns, no valid row, or a bad
   argument.
