@@ -104,6 +104,7 @@ def test_dapo_chat_prompts_and_ground_truth(tmp_path):
     ("it is -3.5 or maybe 1,000,000", "1000000"),
     ("the ratio is 3/4", "3/4"),
     ("\\boxed{3 unclosed", "3"),                   # no closed box: the last number
+    ("\\boxed{7} then \\boxed{ }", "7"),             # an empty box is skipped
     ("no numbers", None),
 ])
 def test_extract_answer(text, expected):
@@ -279,3 +280,28 @@ def test_cli_jsonl_20_rows(tmp_path):
   assert r.returncode == 2 and "Traceback" not in r.stderr
   assert r.stderr.strip().splitlines()[-1].startswith(
       f"error: config.task.kwargs.path='{tmp_path}/nope.jsonl': no such file; task 'jsonl' expects")
+
+
+def test_loop_setup_uses_held_out_and_ignores_overlong_rows(tmp_path):
+  """A 20-row file with one 100k-character row: 19 rows kept, `task.held_out` of them held out, and the
+  prompt width comes from the kept rows."""
+  from jaxrl_llm import loop
+  rows = [{"prompt": f"what is {i}+1?", "answer": str(i + 1)} for i in range(19)]
+  rows.insert(7, {"prompt": "y" * 100_000, "answer": "0"})
+  c = _config(name="jsonl", kwargs={"path": _write_jsonl(tmp_path / "d.jsonl", rows)}, held_out=4.0)
+  config_lib.validate(c)
+  run = loop.setup(c)
+  assert len(run.train_examples) == 15 and len(run.test.examples) == 4
+  assert run.P == len("what is 18+1?") + 1
+  held = {ex["prompt"] for ex in run.test.examples}
+  assert not held & {run.train_examples[i]["prompt"] for i in range(15)}
+  assert len(tasks.sft_examples(run.task, 40, num_test=4)) == 40
+
+
+def test_prompt_iterator_over_a_data_file(tmp_path):
+  from jaxrl_llm.tasks import pipeline
+  path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)])
+  it = pipeline.make_prompt_iterator("jsonl", "train", 6, 0, tmp_path / "tfds", source="tfds",
+                                     task_kwargs={"path": path}, num_epochs=1, drop_remainder=False)
+  seen = [p.decode() for batch in it for p in batch["prompt"]]
+  assert len(seen) == 18 and len(set(seen)) == 18  # auto held-out: 2 of 20 rows, each train row once

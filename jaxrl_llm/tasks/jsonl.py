@@ -3,6 +3,9 @@
 Loading never crashes on bad rows: invalid UTF-8, invalid JSON, a non-object row, a missing key or
 a wrong type skip the row and record ``(line_number, reason)`` in the report (1-based line
 numbers; blank lines are ignored). ``answer`` may be a string or a number (stored as text).
+The ``jsonl`` task (``make_task``) reads its file through ``math_data.load_rows`` (parquet works
+too; over-long prompts are dropped or truncated and counted; a missing file or missing columns
+raise ``TaskError`` naming both) and splits by held-out rows (``base.num_held_out``).
 
 The reward compares the completion with the answer using ``math_verify`` with **LaTeX extraction
 only**: math-verify's plain-expression path goes through ``sympy.parse_expr``, which evaluates

@@ -40,7 +40,7 @@ _THOUSANDS_RE = re.compile(r"-?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?", re.ASCII)
 def last_boxed(text: str) -> str | None:
   """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None.
 
-  ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``; an unclosed box is skipped.
+  ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``; unclosed and empty boxes are skipped.
   """
   for m in reversed(list(_BOX_RE.finditer(text))):
     depth, start = 1, m.end()
@@ -50,7 +50,9 @@ def last_boxed(text: str) -> str | None:
       elif text[i] == "}":
         depth -= 1
         if depth == 0:
-          return text[start:i]
+          break
+    if depth == 0 and text[start:i].strip():
+      return text[start:i]
   bare = _BOX_BARE_RE.findall(text)
   return bare[-1] if bare else None
 

@@ -120,9 +120,11 @@ def _read_gsm8k(row, columns, prompt_key, answer_key):
 
 
 def _read_math(row, columns, prompt_key, answer_key):
-  del prompt_key, answer_key
+  del columns, prompt_key, answer_key
   problem = _text(row, "problem")
-  if "answer" in columns and row.get("answer") not in (None, ""):
+  given = row.get("answer")
+  if isinstance(given, (int, float)) and not isinstance(given, bool) or (
+      isinstance(given, str) and given.strip()):
     return problem, math_answer.normalize(_text(row, "answer", allow_number=True))
   boxed = math_answer.last_boxed(_text(row, "solution"))
   if not boxed or not boxed.strip():

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl_llm.tasks import get_task
 from jaxrl_llm.tasks import tokenizer as tok
-from jaxrl_llm.tasks.base import Task, prompt_ids, split_examples, target_ids
+from jaxrl_llm.tasks.base import Task, num_held_out, prompt_ids, split_examples, target_ids
 
 
 def _memory_source(task_name, split, task_kwargs, *, data_dir, seed, num_train, num_test):
@@ -75,7 +75,7 @@ def widths(task: Task) -> tuple[int, int]:
 def make_prompt_dataset(task_name: str, split: str, batch_size: int, seed: int,
                         data_dir: str | os.PathLike | None = None, *, source: str = "tfds",
                         task_kwargs: dict[str, Any] | None = None, data_seed: int = 0,
-                        num_train: int = 5000, num_test: int = 500,
+                        num_train: int = 5000, num_test: int | None = None,
                         prompt_width: int | None = None, answer_width: int | None = None,
                         shuffle: bool = True, num_epochs: int | None = None,
                         drop_remainder: bool = True) -> grain.MapDataset:
@@ -84,6 +84,8 @@ def make_prompt_dataset(task_name: str, split: str, batch_size: int, seed: int,
     raise ValueError(f"unknown source {source!r}; valid sources: {sorted(SOURCES)}")
   task = get_task(task_name, **(task_kwargs or {}))
   default_p, default_a = widths(task)
+  if num_test is None:  # auto: 500 generated prompts, or 10% of a data file's rows (base.num_held_out)
+    num_test = num_held_out(task, 0, num_train)
   records = SOURCES[source](task_name, split, task_kwargs, data_dir=data_dir, seed=data_seed,
                             num_train=num_train, num_test=num_test)
   ds = grain.MapDataset.source(records)
@@ -111,7 +113,7 @@ def make_prompt_iterator(task_name: str, split: str, batch_size: int, seed: int,
     seed: shuffle seed (the order); ``data_seed`` picks which examples exist.
     data_dir: TFDS data dir (default ``~/.cache/jaxrl_llm/tfds``); unused by ``source="memory"``.
     **kwargs: ``source`` ("tfds" | "memory"), ``task_kwargs``, ``data_seed``, ``num_train``,
-      ``num_test``, ``prompt_width``, ``answer_width``, ``shuffle``, ``num_epochs`` (None =
+      ``num_test`` (None = ``base.num_held_out``'s automatic size), ``prompt_width``, ``answer_width``, ``shuffle``, ``num_epochs`` (None =
       forever), ``drop_remainder``; see ``make_prompt_dataset``.
   """
   ds = make_prompt_dataset(task_name, split, batch_size, seed, data_dir, **kwargs)
