@@ -94,7 +94,12 @@ def get_config():
   c.optim.b2 = 0.98
   c.optim.grad_clip = 1.0
   c.optim.warmup_steps = 5
-  c.optim.grad_accum = 1  # micro-batches per learner step (exact token/sequence means via reduce_parts)
+  c.optim.grad_accum = 1  # micro-batches per optimiser update (exact token/sequence means via reduce_parts)
+  # Update schedule: each learner step splits its rollout batch into `minibatches` (whole GRPO groups, in
+  # order) and makes one optimiser update per minibatch, `epochs` passes over the batch; π_old stays the
+  # step's. The policy is published once per learner step: versions and lag count learner steps.
+  c.optim.minibatches = 1
+  c.optim.epochs = 1
   c.optim.max_skips = 10  # consecutive non-finite updates before the run stops
 
   c.sft = ml_collections.ConfigDict()

@@ -76,6 +76,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   B = c.rollout.prompts_per_step * c.rollout.group_size
   _need(B % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
         f"must divide the batch rollout.prompts_per_step * rollout.group_size = {B}")
+  n_mb, n_ep = c.optim.get("minibatches", 1), c.optim.get("epochs", 1)
+  _need(isinstance(n_mb, int) and n_mb >= 1, "optim.minibatches", n_mb, "must be an int >= 1")
+  _need(isinstance(n_ep, int) and n_ep >= 1, "optim.epochs", n_ep, "must be an int >= 1")
+  _need(c.rollout.prompts_per_step % n_mb == 0, "optim.minibatches", n_mb,
+        f"must divide rollout.prompts_per_step = {c.rollout.prompts_per_step} (GRPO groups are never split)")
+  _need((B // n_mb) % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
+        f"must divide the minibatch size {B // n_mb} (batch {B} / optim.minibatches {n_mb})")
   _need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.dtype in DTYPES, "sampler.dtype", c.sampler.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.quantize in ("none", "int8"), "sampler.quantize", c.sampler.quantize, "must be 'none' or 'int8'")

@@ -10,6 +10,22 @@ numerators' gradients and the denominators are summed and divided once, so the a
 equals the full-batch gradient (up to float summation order) for every aggregation mode, as long as a
 token's loss depends only on its own sequence. Losses that couple the whole batch (batch statistics,
 e.g. M2PO's second-moment mask) see each micro-batch separately; stateful losses are refused.
+
+Update schedule (`minibatches = n`, `epochs = E`): one learner step consumes one rollout batch and makes
+E·n optimiser updates, as verl (`ppo_mini_batch_size`, `ppo_epochs`), TRL (`num_iterations`) and AReaL
+do: each epoch cuts the batch into n contiguous minibatches along B (in order, no shuffling; the loop
+keeps GRPO groups whole by requiring prompts_per_step % n == 0) and takes one update per minibatch,
+each with its own `grad_accum` micro-batches. π_old is fixed for the whole batch: the given
+`prox_logp_BN`, or, when it is None ("the current parameters"), one no-grad scoring pass with the
+parameters at the start of the step, so later minibatches are off-policy w.r.t. π_old exactly as in
+those frameworks. All updates run in one XLA program (a scan), so the step still compiles once.
+Versions: `TrainState.version` counts *published policies*, i.e. learner steps whose parameters changed
+(at least one finite update); the loop publishes once per learner step, so the ParamStore's versions,
+the per-token `versions_BN`, lag, fixed_lag, staged stages and async admission all count learner steps
+in every mode. With n = E = 1 a version is one optimiser update, as before. Inside the step every update
+sees `current_version` = the version at the start of the step. A non-finite update is skipped on its
+own (the others still apply); `update_skipped` = 1 only when every update of the step was skipped,
+`updates_applied` counts the applied ones and `skipped_consecutive` counts consecutive skipped updates.
 """
 
 from __future__ import annotations
@@ -131,11 +147,11 @@ def _all_finite(tree) -> Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _split_micro(batch: Batch, m: int) -> Batch:
+def _split_micro(batch: Batch, m: int, field: str = "optim.grad_accum") -> Batch:
   """[B, ...] -> [m, B/m, ...] on every field (all Batch fields lead with B)."""
   B = batch.mask_BN.shape[0]
   if B % m:
-    raise ValueError(f"optim.grad_accum={m} must divide the batch size B={B}")
+    raise ValueError(f"{field}={m} must divide the batch size B={B}")
   return jax.tree.map(lambda x: x.reshape(m, B // m, *x.shape[1:]), batch)
 
 
@@ -154,16 +170,16 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                     loss_hparams: dict | None = None, *, temperature: float = 1.0,
                     agg_mode: str = "token-mean", drop_rejected: bool = False, norm_len: float | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
-                    router_aux_coef: float = 0.0, grad_accum: int = 1, in_shardings=None, out_shardings=None,
-                    on_trace: Callable[[], None] | None = None):
+                    router_aux_coef: float = 0.0, grad_accum: int = 1, minibatches: int = 1, epochs: int = 1,
+                    in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None):
   """Builds the jitted `train_step(state, batch, key) -> (state, metrics)` for one loss.
 
   A non-finite loss or gradient skips the update: parameters and optimiser state stay bitwise
   unchanged, `version` does not advance, and `update_skipped` / `skipped_consecutive` say so.
 
   MoE: `router_aux_coef` weights the load-balancing loss (token-weighted over micro-batches); a
-  batch with `routes_BTLk` replays the sampler's expert ids (R3). `grad_accum` micro-batches: see the
-  module docstring. `in_shardings` / `out_shardings` are passed to `jax.jit` (see
+  batch with `routes_BTLk` replays the sampler's expert ids (R3). `grad_accum` micro-batches and the
+  `minibatches` x `epochs` update schedule: see the module docstring. `in_shardings` / `out_shardings` are passed to `jax.jit` (see
   `jaxrl_llm.sharding.train_step_shardings`); None keeps the single-device default.
   """
   spec = losses.get(loss_name)
@@ -176,6 +192,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   if grad_accum > 1 and spec.init_state is not None:
     raise ValueError(f"optim.grad_accum={grad_accum}: loss {loss_name!r} carries state across steps; "
                      "micro-batching it is not supported")
+  for name, v in (("optim.minibatches", minibatches), ("optim.epochs", epochs)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+  n_updates = minibatches * epochs
 
   def loss_parts(trainable, state: TrainState, batch: Batch, key: Array):
     """(objective numerator, (numerator, denominator, aux)); the gradient is ∇objective / denominator."""
@@ -218,6 +238,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     aux["kl_mu_k3"] = core.metric(jnp.exp(lr) - lr - 1.0, batch.mask_BN)
     # Training–inference mismatch |π_old − μ| (precision / kernels; equal versions under `recompute`).
     mism_BN = jnp.abs(core.safe_log_ratio(prox_BN, batch.behavior_logp_BN, batch.mask_BN))
+    # Drift of π_θ from π_old, |π_θ/π_old − 1|: exactly 0 with one update per batch and π_old current,
+    # > 0 once earlier minibatches of the same batch have moved the policy.
+    drift_BN = jnp.abs(jnp.exp(core.safe_log_ratio(out["logp_BT"], prox_BN, batch.mask_BN)) - 1.0)
+    aux["ratio_old_abs_dev"] = core.metric(drift_BN, batch.mask_BN)
     aux["mismatch_abs_mean"] = core.metric(mism_BN, batch.mask_BN)
     aux["mismatch_abs_max"] = core.max_metric(mism_BN, batch.mask_BN)
     if "entropy_BT" in out and "entropy" not in aux:
@@ -245,9 +269,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     scale = 1.0 / jnp.maximum(den, 1.0)
     return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
 
-  def train_step(state: TrainState, batch: Batch, key: Array):
-    if on_trace is not None:
-      on_trace()
+  def update(state: TrainState, batch: Batch, key: Array):
+    """One optimiser update on `batch`: (state with new params / opt / loss state / skips, finite, loss,
+    aux, grads). `step` and `version` are left to the caller (they count learner steps)."""
     trainable = (state.params, state.hook_params) if perturbed else state.params
     loss, aux, grads = accumulate(trainable, state, batch, key)
     finite = jnp.isfinite(loss) & _all_finite(grads)
@@ -256,17 +280,56 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     params, hook_params = new_trainable if perturbed else (new_trainable, None)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_loss_state = aux.pop("state", state.loss_state)
-    new_state = TrainState(
-        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state), step=state.step + 1,
-        version=state.version + finite.astype(jnp.int32),
+    new_state = state.replace(
+        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
         skipped=jnp.where(finite, 0, state.skipped + 1),
         hook_params=keep(hook_params, state.hook_params) if perturbed else None)
+    return new_state, finite, loss, aux, grads
+
+  def finish(state: TrainState, new_state: TrainState, applied: Array, aux: dict, metrics: dict):
+    new_state = new_state.replace(step=state.step + 1, version=state.version + applied.astype(jnp.int32))
     if perturbed:
       aux["alp_sigma_mean"] = (jnp.exp(new_state.hook_params["log_sigma_L"]).mean(), jnp.ones(()))
-    metrics = {**losses.combine_metrics(aux), "loss": loss, "grad_norm": optax.global_norm(grads),
-               "update_skipped": (~finite).astype(jnp.int32), "skipped_consecutive": new_state.skipped}
-    return new_state, metrics
+    return new_state, {**losses.combine_metrics(aux), **metrics, "update_skipped": (~applied).astype(jnp.int32),
+                       "skipped_consecutive": new_state.skipped}
+
+  def train_step(state: TrainState, batch: Batch, key: Array):
+    if on_trace is not None:
+      on_trace()
+    if n_updates > 1:
+      return multi_update_step(state, batch, key)
+    new_state, finite, loss, aux, grads = update(state, batch, key)
+    s, c = aux["ratio_old_abs_dev"]
+    return finish(state, new_state, finite, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
+                                                  "updates_applied": finite.astype(jnp.int32),
+                                                  "ratio_old_abs_dev_last": s / jnp.maximum(c, 1.0)})
+
+  def multi_update_step(state: TrainState, batch: Batch, key: Array):
+    """`epochs` passes of `minibatches` updates, π_old fixed at the step start (module docstring)."""
+    if batch.prox_logp_BN is None:  # π_old = the parameters at the step start, scored once
+      out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
+                                batch.mask_BN.shape[1], model_cfg, temperature, routes_BTLk=batch.routes_BTLk)
+      batch = batch.replace(prox_logp_BN=jax.lax.stop_gradient(jnp.where(batch.mask_BN > 0, out["logp_BT"], 0.0)))
+    mbs = _split_micro(batch, minibatches, "optim.minibatches")
+
+    def one(st, xs):
+      mb, i = xs
+      st, finite, loss, aux, grads = update(st, mb, jax.random.fold_in(key, i))
+      return st, (finite, loss, optax.global_norm(grads), aux)
+
+    def epoch(st, e):
+      return jax.lax.scan(one, st, (mbs, e * minibatches + jnp.arange(minibatches)))
+
+    new_state, (finite_EM, loss_EM, gnorm_EM, aux_EM) = jax.lax.scan(epoch, state, jnp.arange(epochs))
+    flat = lambda x: x.reshape(n_updates, *x.shape[2:])
+    aux = _combine_micro(jax.tree.map(flat, aux_EM))
+    drift_s, drift_c = aux_EM["ratio_old_abs_dev"]
+    metrics = {"loss": loss_EM.mean(), "grad_norm": gnorm_EM.mean(),
+               "updates_applied": finite_EM.sum().astype(jnp.int32),
+               # the last update's drift from π_old: > 0 once earlier minibatches moved the policy
+               "ratio_old_abs_dev_last": flat(drift_s)[-1] / jnp.maximum(flat(drift_c)[-1], 1.0)}
+    return finish(state, new_state, finite_EM.any(), aux, metrics)
 
   return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 

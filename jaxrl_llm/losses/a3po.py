@@ -27,13 +27,14 @@ class Hparams(decoupled_ppo.Hparams):
 def interpolation_weight(versions_BT, current_version):
   """α = clamp((v_prox - v_μ)/(v_θ - v_μ), 0, 1) per token, v_θ = current version, v_prox = v_θ - 1.
 
-  α = 0 where v_θ = v_μ (no update since sampling) or v_μ < 0 (prompt / unversioned tokens).
+  α = 0 where v_μ ≥ v_θ (no update since sampling, or a token newer than the learner, as AReaL) or
+  v_μ < 0 (prompt / unversioned tokens).
   Lag 1 gives α = 0 (π_prox = μ); lag n gives α = (n-1)/n.
   """
   v_mu = versions_BT.astype(jnp.float32)
   v_theta = jnp.asarray(current_version, jnp.float32)
   den = v_theta - v_mu
-  ok = (den != 0) & (v_mu >= 0)
+  ok = (den > 0) & (v_mu >= 0)
   alpha = jnp.clip((v_theta - 1.0 - v_mu) / jnp.where(ok, den, 1.0), 0.0, 1.0)
   return jnp.where(ok, alpha, 0.0)
 

@@ -16,6 +16,7 @@ FILTER_METRICS = (None, "ratio", "k1", "k2", "k3")
 FILTER_LEVELS = ("token", "sequence")
 FILTER_AGGS = ("sum", "mean", "max")
 FILTER_ACTIONS = ("mask", "clamp")
+UNFILTERED_WEIGHTS = ("ratio", "one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +31,14 @@ class Hparams:
   filter_action: str = "mask"  # mask: w = 0 outside the bounds; clamp: w clipped to [lower, upper].
   filter_upper: float = 5.0
   filter_lower: Optional[float] = None
+  # Behaviour weight when filter_metric=None: "ratio" (default here) applies the unfiltered
+  # w = π_prox/μ; "one" applies none (w = 1), AReaL's convention when rejection sampling is off.
+  unfiltered_weight: str = "ratio"
 
   def __post_init__(self):
     checks = (("filter_metric", FILTER_METRICS), ("filter_level", FILTER_LEVELS),
-              ("filter_agg", FILTER_AGGS), ("filter_action", FILTER_ACTIONS))
+              ("filter_agg", FILTER_AGGS), ("filter_action", FILTER_ACTIONS),
+              ("unfiltered_weight", UNFILTERED_WEIGHTS))
     for name, valid in checks:
       if getattr(self, name) not in valid:
         raise ValueError(f"loss.hparams.{name}={getattr(self, name)!r}: must be one of {valid}")
@@ -67,7 +72,8 @@ def behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, hp: Hparams):
   log_w = core.safe_log_ratio(prox, behav, mask_BT)
   mask_b = mask_BT > 0
   if hp.filter_metric is None:
-    return core.apply_mask(jnp.exp(log_w), mask_BT), core.fmask(mask_BT), jnp.zeros_like(log_w)
+    w = jnp.exp(log_w) if hp.unfiltered_weight == "ratio" else jnp.ones_like(log_w)
+    return core.apply_mask(w, mask_BT), core.fmask(mask_BT), jnp.zeros_like(log_w)
   stat = _token_metric(log_w, prox, behav, mask_BT, hp.filter_metric)
   if hp.filter_level == "sequence":
     agg = {"sum": core.seq_sum, "mean": core.seq_mean, "max": core.seq_max}[hp.filter_agg]
@@ -121,6 +127,8 @@ def decoupled_ppo(inputs, hp: Hparams):
   see `behavior_weight`. Masked tokens are reported in aux["keep_BT"]; AReaL keeps the *original*
   token count in the denominator ("mask mode would inflate per-token gradients"), which is
   `reduce(..., drop_rejected=False)`, the default.
+  With the filter off (filter_metric=None) `unfiltered_weight` picks the convention: "ratio" (default;
+  w = π_prox/μ, unfiltered) or "one" (AReaL with no rejection sampling: no behaviour weight, w = 1).
   Paper: Hilton et al. 2021 (decoupled PPO); Fu et al. 2025, AReaL, arXiv 2505.24298
   (areal/utils/functional ppo_actor_loss_fn, apply_rejection_sampling).
   On-policy (π_θ = π_prox = μ): w = 1 (in bounds), r = 1, gradient = vanilla PG -Â·∇log π.

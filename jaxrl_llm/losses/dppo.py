@@ -18,6 +18,12 @@ class Hparams:
   delta_tv: float = 0.15  # verl DPPO script / paper LoRA runs (0.2 in the paper's scaling runs)
   delta_kl: float = 0.05
   ratio_cap: float = 5.0  # C in sg(min(π_θ/μ, C)): the paper's scaling default (verl uses 20 / 10000)
+  # Anchor of the ratio and the divergence mask: "behavior" = μ (paper, released code, verl bypass mode);
+  # "prox" = the recomputed π_old (verl's dppo_tv/kl "recompute" form).
+  anchor: str = "behavior"
+
+
+_ANCHORS = ("behavior", "prox")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +94,10 @@ def dppo_keep_mask(adv_BT, p_BT, mu_BT, div_BT, delta, mask_BT):
   return jnp.where(drop, 0.0, core.fmask(mask_BT))
 
 
-def _dppo_loss(inputs, div_BT, delta, ratio_cap, p_BT, mu_BT):
+def _dppo_loss(inputs, div_BT, delta, ratio_cap, p_BT, mu_BT, anchor_BT):
   mask = inputs.mask_BT
   keep = dppo_keep_mask(inputs.adv_BT, p_BT, mu_BT, div_BT, delta, mask)
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.behavior_logp_BT, mask)
+  lr = core.safe_log_ratio(inputs.logp_BT, anchor_BT, mask)
   w = core.truncate(jnp.exp(lr), ratio_cap)
   loss = core.reinforce(w * inputs.adv_BT, inputs.logp_BT, keep)
   aux = {
@@ -121,17 +127,23 @@ def dppo(inputs, hp: Hparams):
   Binary-KL: D = μ log(μ/π) + (1−μ) log((1−μ)/(1−π)). Ratio clipping over-penalises rare tokens and
   under-penalises high-probability ones; a divergence mask does not.
   Anchor: μ = `behavior_logp` (the rollout log-probs), NOT a recomputed π_old. This is the paper's key
-  finding (a recomputed anchor lets the train/infer mismatch grow) and saves the recompute; verl's
-  dppo_tv/kl use the recomputed old_log_prob unless in bypass mode, which we do not follow.
+  finding (a recomputed anchor lets the train/infer mismatch grow) and saves the recompute. verl's
+  dppo_tv/kl use the recomputed old_log_prob unless in bypass mode: `anchor="prox"` gives that form
+  (π_old = `prox_logp` replaces μ in both the ratio and the mask; default "behavior").
   Paper: "Rethinking the Trust Region in LLM RL" (arXiv 2602.04879); code sail-sg/Stable-RL.
   Advantages are mean-only (no std) in the paper; verl's script aggregates seq-mean-token-sum-norm.
   On-policy (π_θ = μ): D = 0, nothing masked, weight 1: the vanilla PG gradient.
   """
   if hp.divergence not in _BINARY:
     raise ValueError(f"loss.hparams.divergence={hp.divergence!r}: must be one of {sorted(_BINARY)}")
-  p, mu, ok = _probs(inputs.logp_BT, inputs.behavior_logp_BT, inputs.mask_BT)
+  if hp.anchor not in _ANCHORS:
+    raise ValueError(f"loss.hparams.anchor={hp.anchor!r}: must be one of {_ANCHORS}")
+  anchor = inputs.behavior_logp_BT if hp.anchor == "behavior" else inputs.prox_logp_BT
+  if anchor is None:
+    raise ValueError("loss.hparams.anchor='prox' needs LossInputs.prox_logp_BT (the recomputed π_old)")
+  p, mu, ok = _probs(inputs.logp_BT, anchor, inputs.mask_BT)
   div = jnp.where(ok, _BINARY[hp.divergence](p, mu), 0.0)
-  return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu)
+  return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu, anchor)
 
 
 def dppo_topk(inputs, hp: TopkHparams):
@@ -147,7 +159,7 @@ def dppo_topk(inputs, hp: TopkHparams):
   p, mu, ok = _probs(inputs.logp_BT, inputs.behavior_logp_BT, inputs.mask_BT)
   pb, mub = topk_buckets(inputs, hp.member_atol)
   div = jnp.where(ok, _TOPK[hp.divergence](pb, mub), 0.0)
-  return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu)
+  return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu, inputs.behavior_logp_BT)
 
 
 registry.register("dppo", dppo, Hparams, needs=("behavior_logp",))

@@ -19,10 +19,11 @@ class Hparams:
   # Ratio denominator: "prox" = learner-side π_old (the training-engine logp at rollout version, which is
   # what M2PO's "old" is), "behavior" = μ from the sampler.
   anchor: str = "prox"
-  # "code" variant only: the released code widens the lower radius to at least 0.3 and caps the upper
-  # radius at 0.5 ("miniclip"); None disables either.
-  min_eps_low: Optional[float] = 0.3
-  max_eps_high: Optional[float] = 0.5
+  # "code" variant only: floors on the adaptive clip radii, the reference's `miniclip_low` / `miniclip_high`
+  # (`if clip_high < miniclip_high: clip_high = miniclip_high`, likewise low): each radius is widened to
+  # at least this value. The released training scripts leave both unset, so None (no floor) is the default.
+  min_eps_low: Optional[float] = None
+  min_eps_high: Optional[float] = None
 
 
 _VARIANTS = ("paper", "code")
@@ -79,7 +80,8 @@ def m2po(inputs, hp: Hparams):
   `aux["keep_BT"]` = M. AReaL instead computes M2 from (log μ − log π_prox)² and keeps its PPO loss.
   "code" (Infini-AI-Lab/M2PO compute_m2po_policy_loss): over harmful tokens only ((Â>0 & r>1) or
   (Â<0 & r<1)), find τ such that capping Δ² = (log r)² at τ² meets the budget; then PPO-clip every
-  token with radii ε_low = 1−e^{−τ} (≥ min_eps_low) and ε_high = e^{τ}−1 (≤ max_eps_high).
+  token with radii ε_low = max(1−e^{−τ}, min_eps_low) and ε_high = max(e^{τ}−1, min_eps_high); the floors
+  are the reference's `miniclip_low` / `miniclip_high` (unset, i.e. None, in its training scripts).
   Both statistics are per call, i.e. per micro-batch, as in the official code.
   Paper: Zheng et al., "Prosperity before Collapse" (arXiv 2510.01161). Stale by ≥256 updates, stable.
   Advantage sign for the harmful test: masked sequence mean (the code reads adv[:, 0]).
@@ -109,8 +111,8 @@ def m2po(inputs, hp: Hparams):
   eps_high = jnp.exp(tau) - 1.0
   if hp.min_eps_low is not None:
     eps_low = jnp.maximum(eps_low, hp.min_eps_low)
-  if hp.max_eps_high is not None:
-    eps_high = jnp.minimum(eps_high, hp.max_eps_high)
+  if hp.min_eps_high is not None:
+    eps_high = jnp.maximum(eps_high, hp.min_eps_high)
   loss, clipped = core.clipped_surrogate(ratio, adv, eps_low, eps_high)
   one = jnp.ones(())
   aux.update(clip_frac=core.metric(clipped, mask), m2_harmful=core.metric(m2, harmful),

@@ -11,7 +11,8 @@ B' counts sequences with L_b > 0. For seq-mean-token-sum-norm we follow the Aug-
 Rejected tokens: a loss that masks tokens returns its effective mask as aux["keep_BT"]. With
 `drop_rejected=False` (AReaL, verl IcePop) the denominator keeps the original token count, so masking
 does not inflate the remaining tokens' gradients; with `drop_rejected=True` (verl rejection sampling)
-rejected tokens leave the denominator.
+rejected tokens leave the denominator: in the sequence modes L_b counts kept tokens, and a row whose
+tokens are all rejected has L_b = 0 and so leaves B' too.
 
 Every mode is a ratio (numerator, denominator) of sums, so micro-batches and devices combine exactly:
 sum the parts, then divide once.
@@ -41,7 +42,7 @@ def reduce_parts(loss_BT, mask_BT, mode: str = "token-mean", *, keep_BT=None, dr
     return tok.sum(), m.sum()
   per_seq = tok.sum(-1)
   L = m.sum(-1)
-  has = (core.seq_len(mask_BT) > 0).astype(jnp.float32)
+  has = (L > 0).astype(jnp.float32)  # B' counts rows with a counted (kept, if dropping) token
   if mode == "seq-mean-token-mean":
     per_seq = per_seq / jnp.maximum(L, 1.0)
   elif mode == "seq-mean-token-sum-norm":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional
 
 import jax.numpy as jnp
 
@@ -19,17 +21,25 @@ class Hparams:
   lam_neg: float = 2.0
   token_bound: float = 20.0  # per-token log-ratio clamp
   seq_bound: float = 20.0  # clamp of the sequence log-weight log W
-  # Fold the train/infer term log(π_old/μ) into log W (the code's optional rollout-IS weights).
+  # Fold the train/infer term into log W as the code's optional rollout-IS weights do: per token
+  # log min(π_old/μ, tis_cap), i.e. verl's truncated token-level weights (threshold 2 in the released
+  # scripts). tis_cap=None adds the raw log(π_old/μ).
   tis: bool = False
+  tis_cap: Optional[float] = 2.0
 
 
 def vespo_log_weight(inputs, hp: Hparams):
-  """Detached sequence log-weight log W_i = clip(Σ_t m·clip(log π_θ/π_old) [+ Σ_t m·clip(log π_old/μ)], ±seq_bound)."""
+  """Detached sequence log-weight log W_i = clip(Σ_t m·clip(log π_θ/π_old) [+ Σ_t m·log min(ρ_t, C)], ±seq_bound),
+  ρ_t = π_old/μ (log clamped to ±token_bound), C = tis_cap."""
   mask = inputs.mask_BT
   log_w = core.seq_sum(core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, mask, hp.token_bound), mask)
   if hp.tis:
-    log_w = log_w + core.seq_sum(
-        core.safe_log_ratio(inputs.prox_logp_BT, inputs.behavior_logp_BT, mask, hp.token_bound), mask)
+    log_rho = core.safe_log_ratio(inputs.prox_logp_BT, inputs.behavior_logp_BT, mask, hp.token_bound)
+    if hp.tis_cap is not None:
+      if hp.tis_cap <= 0:
+        raise ValueError(f"loss.hparams.tis_cap={hp.tis_cap!r}: must be positive or None")
+      log_rho = jnp.minimum(log_rho, math.log(hp.tis_cap))
+    log_w = log_w + core.seq_sum(log_rho, mask)
   return core.sg(jnp.clip(log_w, -hp.seq_bound, hp.seq_bound))
 
 
@@ -46,6 +56,7 @@ def vespo(inputs, hp: Hparams):
   advantage Â_i ≥ 0 else (k₋, λ₋); it is maximal at W = k/λ and vanishes for W → 0 and W → ∞, so
   extreme sequences are softly dropped. Everything is in log space; log W is clamped to ±20.
   Paper: "VESPO" (arXiv 2602.10693); code FloyedShen/VESPO (compute_policy_loss_vespo).
+  With `tis`, log W also gets Σ_t log min(π_old/μ, tis_cap) (the code's truncated rollout-IS weights).
   Deviation from the code: the sign of Â_i uses the masked mean of Â over the response, not
   `advantages[:, 0]` (robust to left padding). The coefficient multiplies the per-token Â as the code does.
   Metric `log_w_at_bound`: fraction of sequences whose |log W| hit the clamp (φ ≈ 0: silently dropped).

@@ -64,10 +64,30 @@ def _golden(logp, behav, adv, mask, hp, alpha=ALPHA):
 def test_alpha_golden():
   got = np.asarray(a3po_mod.interpolation_weight(jnp.asarray(VERSIONS), jnp.asarray(CURRENT)))
   np.testing.assert_allclose(got, ALPHA, rtol=1e-6, atol=0)
-  # Lag 1 gives 0, lag n gives (n-1)/n; a version ahead of the learner follows the formula and the
-  # clamp: (4-6)/(5-6) = 2 -> 1 (π_prox = π_θ).
-  got = np.asarray(a3po_mod.interpolation_weight(jnp.array([[6, 4, 0, 2]]), jnp.asarray(5)))
-  np.testing.assert_allclose(got, [[1.0, 0.0, 0.8, 2 / 3]], rtol=1e-6)
+  # Lag 1 gives 0, lag n gives (n-1)/n; a version ahead of the learner gets 0 (AReaL), not the
+  # clamped formula (4-6)/(5-6) = 2 -> 1.
+  got = np.asarray(a3po_mod.interpolation_weight(jnp.array([[6, 4, 0, 2, 9]]), jnp.asarray(5)))
+  np.testing.assert_allclose(got, [[0.0, 0.0, 0.8, 2 / 3, 0.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_newer_than_learner_token_is_anchored_on_behavior(method):
+  """v_μ > v_θ: α = 0, so π_prox = μ, w = 1 and r = π_θ/μ clips (Δ = 0.8, Â > 0); α = 1 would give
+  r = 1 (never clipped) and a nonzero gradient -Â·e^{0.8}."""
+  case = _case()
+  versions = VERSIONS.copy()
+  versions[0, 1] = CURRENT + 1
+  alpha = ALPHA.copy()
+  alpha[0, 1] = 0.0
+  hp = a3po_mod.Hparams(prox_method=method)
+  inputs = _inputs(*case, versions=versions)
+  loss_BT, _ = SPEC.fn(inputs, hp)
+  val, grad, _ = _golden(*case, hp, alpha=alpha)
+  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  g = _grad(inputs, hp)
+  np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
+  assert g[0, 1] == 0.0
+  np.testing.assert_allclose(val[0, 1], -1.2, rtol=1e-6)  # -Â·(1 + ε_high), w = 1
 
 
 @pytest.mark.parametrize("method", ["loglinear", "linear"])

@@ -57,8 +57,8 @@ def _np_weight(lw, m, hp):
   """AReaL's apply_rejection_sampling on 2-D padded inputs, in numpy."""
   L = m.sum(1, keepdims=True)
   w = np.exp(lw)
-  if hp.filter_metric is None:
-    return np.where(m, w, 0.0), m
+  if hp.filter_metric is None:  # AReaL with no rejection sampling applies no weight ("one")
+    return np.where(m, w if hp.unfiltered_weight == "ratio" else 1.0, 0.0), m
   stat = {"ratio": lw, "k1": lw, "k2": 0.5 * lw ** 2, "k3": np.exp(-lw) + lw - 1}[hp.filter_metric]
   stat = np.where(m, stat, 0.0)
   if hp.filter_level == "sequence":
@@ -94,6 +94,7 @@ def _golden(logp, prox, behav, adv, mask, hp, prox_for_ratio=None):
 
 FILTERS = [
     dict(filter_metric=None),
+    dict(filter_metric=None, unfiltered_weight="one"),
     dict(),  # AReaL default: ratio, token, mask, upper 5
     dict(filter_lower=0.5, filter_upper=2.0),
     dict(filter_action="clamp", filter_lower=0.5, filter_upper=2.0),
@@ -169,7 +170,21 @@ def test_on_policy_equals_pg(agg, kw):
                              rtol=1e-6, atol=1e-8)
 
 
+def test_unfiltered_weight_one_is_plain_ppo_on_prox():
+  """AReaL's no-rejection-sampling convention: the loss is the PPO surrogate on π_prox, no factor π_prox/μ."""
+  logp, prox, behav, adv, mask = _case()
+  hp = dp.Hparams(filter_metric=None, unfiltered_weight="one")
+  assert dp.Hparams().unfiltered_weight == "ratio"
+  loss_BT, _ = SPEC.fn(_inputs(logp, prox, behav, adv, mask), hp)
+  want, _ = SPEC.fn(_inputs(logp, prox, prox, adv, mask), dp.Hparams(filter_metric=None))  # μ = π_prox: w = 1
+  np.testing.assert_allclose(np.asarray(loss_BT), np.asarray(want), rtol=1e-6, atol=1e-7)
+  # By hand, token (0,1): r = e^-0.1 in [0.8, 1.2], Â = 1 -> ℓ = -e^-0.1 (the "ratio" weight would add e^1.8).
+  np.testing.assert_allclose(float(loss_BT[0, 1]), -np.exp(-0.1), rtol=1e-6)
+
+
 def test_bad_hparams_raise():
+  with pytest.raises(ValueError, match="unfiltered_weight"):
+    dp.Hparams(unfiltered_weight="none")
   with pytest.raises(ValueError, match="filter_metric"):
     dp.Hparams(filter_metric="kl")
   with pytest.raises(ValueError, match="clamp"):

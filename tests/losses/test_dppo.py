@@ -93,6 +93,27 @@ def test_anchor_is_behavior_not_prox():
   assert SPEC.needs == frozenset({"behavior_logp"})
 
 
+def test_recompute_anchor_uses_prox():
+  """anchor="prox" (verl's recompute form): π_old replaces μ in the ratio and in the TV mask."""
+  base = _inputs()
+  junk_mu = np.log(np.full(P.shape, 0.9)).astype(np.float32)  # μ far from π_old: must play no role
+  junk_mu[1, 3] = -np.inf
+  inputs = base.replace(prox_logp_BT=base.behavior_logp_BT, behavior_logp_BT=jnp.asarray(junk_mu))
+  hp = dppo_mod.Hparams(anchor="prox")
+  loss_BT, aux = SPEC.fn(inputs, hp)
+  keep, gnum = _golden(np.abs(P - MU), 0.15)  # float64 numpy with π_old = MU
+  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BT), np.where(keep, -np.minimum(P / MU, 5) * A * np.log(P), 0),
+                             rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(_grad(inputs, hp), gnum / 7.0, rtol=1e-5, atol=1e-8)
+  # The default anchor reads μ = 0.9 instead: a different gradient.
+  assert not np.allclose(_grad(inputs, dppo_mod.Hparams()), gnum / 7.0)
+  with pytest.raises(ValueError, match="prox_logp"):
+    SPEC.fn(base, hp)
+  with pytest.raises(ValueError, match="anchor"):
+    SPEC.fn(inputs, dppo_mod.Hparams(anchor="old"))
+
+
 @pytest.mark.parametrize("div", ["binary_tv", "binary_kl"])
 def test_on_policy_equals_pg(div):
   inputs = _inputs(mu=P)

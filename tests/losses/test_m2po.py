@@ -123,7 +123,7 @@ def _np_tau(lr, mask, adv, budget):
 def test_code_variant_golden(miniclip):
   logp, prox, mask, adv, lr = _case()
   hp = m2po_mod.Hparams(variant="code", m2_budget=0.01,
-                        **({} if miniclip else dict(min_eps_low=None, max_eps_high=None)))
+                        **(dict(min_eps_low=0.3, min_eps_high=0.5) if miniclip else {}))
   inputs = _inputs(logp, prox, mask, adv)
   loss_BT, aux = SPEC.fn(inputs, hp)
   # Harmful: row0 (A>0) r>1 -> {0.05, 0.5, 0.02}; row1 (A<0) r<1 -> {-0.6}; row2 (A<0) -> {-0.3}.
@@ -132,8 +132,9 @@ def test_code_variant_golden(miniclip):
   tau = _np_tau(lr, mask, adv, 0.01)
   np.testing.assert_allclose(tau, 0.05, rtol=1e-5)
   eps_l, eps_h = 1 - np.exp(-tau), np.exp(tau) - 1
-  if miniclip:
-    eps_l, eps_h = max(eps_l, 0.3), min(eps_h, 0.5)
+  if miniclip:  # the reference's miniclip_low / miniclip_high are floors on both radii
+    eps_l, eps_h = max(eps_l, 0.3), max(eps_h, 0.5)
+    assert eps_h == 0.5
   np.testing.assert_allclose(float(aux["eps_low"][0]), eps_l, rtol=1e-5)
   np.testing.assert_allclose(float(aux["eps_high"][0]), eps_h, rtol=1e-5)
   r = np.exp(lr.astype(np.float64))
@@ -145,6 +146,12 @@ def test_code_variant_golden(miniclip):
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, np.where(m & ~use_clip, -adv * r, 0) / mask.sum(), rtol=1e-5, atol=1e-8)
   assert (use_clip & m).any() and (~use_clip & m).any()
+
+
+def test_code_defaults_leave_miniclip_unset():
+  """The released training scripts set neither miniclip floor."""
+  hp = m2po_mod.Hparams()
+  assert hp.min_eps_low is None and hp.min_eps_high is None
 
 
 def test_code_tau_no_constraint_and_zero():

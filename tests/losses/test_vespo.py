@@ -98,3 +98,32 @@ def test_on_policy_equals_pg():
   pg = losses.get("pg")
   for tis in (False, True):
     np.testing.assert_array_equal(_grad(inputs, vespo_mod.Hparams(tis=tis)), _grad(inputs, pg.Hparams(), spec=pg))
+
+
+@pytest.mark.parametrize("cap", ["default", None, 1.5])
+def test_tis_term_is_capped_per_token(cap):
+  """The code adds log(rollout_is_weights) = per token log min(π_old/μ, C), C = 2 in the released scripts."""
+  logp, prox, _, mask, adv, lr = _case()
+  lr[2] = [0.3, -0.2, 0.0, 0.1]  # keep every row off the sequence clamp
+  prox = (logp - lr).astype(np.float32)
+  prox[1, 2:] = -np.inf
+  log_rho = np.array([1.5, -0.3, 0.9, 0.6], np.float32)  # above and below log 2 = 0.693 and log 1.5
+  behav = (prox - log_rho).astype(np.float32)
+  hp = vespo_mod.Hparams(tis=True) if cap == "default" else vespo_mod.Hparams(tis=True, tis_cap=cap)
+  c = 2.0 if cap == "default" else cap
+  if cap == "default":
+    assert hp.tis_cap == 2.0
+  inputs = _inputs(logp, prox, behav, mask, adv)
+  loss_BT, _ = SPEC.fn(inputs, hp)
+  extra = np.broadcast_to(log_rho.astype(np.float64), mask.shape)
+  if c is not None:
+    extra = np.minimum(extra, np.log(c))
+  phi, _ = _golden_phi(lr, mask, adv, hp, extra)
+  m = mask > 0
+  np.testing.assert_allclose(np.asarray(loss_BT), np.where(m, -phi[:, None] * adv * np.where(m, logp, 0), 0.0),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_grad(inputs, hp), np.where(m, -phi[:, None] * adv, 0.0) / mask.sum(),
+                             rtol=1e-5, atol=1e-9)
+  if c is not None:  # the cap binds, so the result differs from the uncapped weight
+    phi_raw, _ = _golden_phi(lr, mask, adv, hp, np.broadcast_to(log_rho.astype(np.float64), mask.shape))
+    assert np.abs(phi_raw - phi).max() > 1e-2
