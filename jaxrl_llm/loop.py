@@ -61,7 +61,10 @@ def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
       tokenizer = encoder_lib.tokenizer_for_checkpoint(c.model.init_from)
     except (FileNotFoundError, ValueError) as e:
       hf = os.path.join(c.model.init_from, "config.json")
-      vocab = f" (checkpoint vocab_size={json.load(open(hf)).get('vocab_size')})" if os.path.isfile(hf) else ""
+      vocab = ""
+      if os.path.isfile(hf):
+        with open(hf) as f:
+          vocab = f" (checkpoint vocab_size={json.load(f).get('vocab_size')})"
       raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}{vocab}") from None
   try:
     return Encoder(tokenizer, mode, system)
@@ -74,7 +77,7 @@ def prompt_width(c: ml_collections.ConfigDict, task, encoder: Encoder = CHAR_ENC
                  context: int | None = None) -> int:
   """Bucket width P (tokens) of left-padded prompts: `task.prompt_width` when set; else the task's bound
   + BOS for the char tokenizer in raw mode (exact); else the longest encoded `prompts` rounded up to a
-  multiple of `encoder.WIDTH_MULTIPLE`, at most `context - sampler.max_new_tokens`."""
+  multiple of `tasks.encoder.WIDTH_MULTIPLE`, at most `context - sampler.max_new_tokens`."""
   if c.task.prompt_width:
     return c.task.prompt_width
   if encoder.exact_char_widths:

@@ -127,6 +127,22 @@ def test_prompt_buckets_and_dropping(hf_tok):
   assert [round_width(n) for n in (1, 16, 17, 40)] == [16, 16, 32, 48]
 
 
+def test_grain_pipeline_encodes_through_the_encoder(hf_tok):
+  from jaxrl_llm.tasks.pipeline import make_prompt_dataset
+  enc = Encoder(hf_tok, "chat")
+  batch = make_prompt_dataset("arithmetic", "train", 4, 0, source="memory", num_train=20, num_test=5,
+                              encoder=enc, shuffle=False)[0]
+  P, A = batch["prompt_tokens"].shape[1], batch["answer_tokens"].shape[1]
+  assert P % 16 == 0 and A % 16 == 0
+  for b in range(4):
+    prompt, answer = batch["prompt"][b].decode(), batch["answer"][b].decode()
+    ids = enc.prompt_ids(prompt)
+    assert batch["prompt_len"][b] == len(ids) and batch["prompt_tokens"][b, P - len(ids):].tolist() == ids
+    assert (batch["prompt_tokens"][b, :P - len(ids)] == hf_tok.pad_id).all()
+    n = batch["answer_len"][b]
+    assert batch["answer_tokens"][b, n - 1] == 2 and hf_tok.decode(batch["answer_tokens"][b, :n]) == answer
+
+
 # ----------------------------------------------------------------------------- sampler: several stop ids
 
 
