@@ -148,12 +148,11 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
 def check_shared_tokenizer(c: ml_collections.ConfigDict, path: str, tokenizer) -> None:
   """Raises ConfigError when the teacher folder's own tokenizer (if it has one) is not the student's."""
   from jaxrl_llm.config import ConfigError
-  from jaxrl_llm.models.tokenizer import has_tokenizer_files
+  from jaxrl_llm.models.tokenizer import CheckpointTokenizer, has_tokenizer_files, load_checkpoint_tokenizer
   from jaxrl_llm.tasks.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
   if has_tokenizer_files(path):
-    from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer
-    theirs = load_checkpoint_tokenizer(path)
-    same = hasattr(tokenizer, "hf") and theirs.hf.get_vocab() == tokenizer.hf.get_vocab()
+    same = isinstance(tokenizer, CheckpointTokenizer) and \
+        load_checkpoint_tokenizer(path).hf.get_vocab() == tokenizer.hf.get_vocab()
   elif os.path.isfile(os.path.join(path, CHAR_TOKENIZER_FILE)):
     same = isinstance(tokenizer, CharTokenizer)
   else:
