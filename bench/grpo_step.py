@@ -36,7 +36,7 @@ def build(model: dict, run: dict = workloads.GRPO_RUN) -> dict:
   tx = learner.make_optimizer(run["lr"], grad_clip=1.0)
   return {
       "task": task, "P": P, "cfg": cfg, "run": run,
-      "sampler_cfg": SamplerConfig(max_new_tokens=N, eos_id=tok.eos_id, pad_id=tok.pad_id,
+      "sampler_cfg": SamplerConfig(max_new_tokens=N, stop_ids=tok.CHAR_TOKENIZER.stop_ids, pad_id=tok.pad_id,
                                    temperature=run["temperature"]),
       "state": learner.init_state(params, tx),
       "ref_params": jax.tree.map(lambda x: jnp.array(x, copy=True), params),

@@ -22,7 +22,10 @@ def get_config():
   c.task.source = "memory"  # "memory" (generated on the fly) or "tfds" (ArrayRecord built locally, read by grain)
   c.task.data_dir = ""  # TFDS data dir; "" = ~/.cache/jaxrl_llm/tfds
   c.task.held_out = 0.0  # test split: a count (>= 1), a fraction (0, 1) of a data file, or 0 = auto (10% of a file, max 500; 500 generated)
-  c.task.prompt_width = 0  # prompts are left-padded to this many tokens (0 = the task's longest prompt + BOS)
+  c.task.prompt_width = 0  # prompts are left-padded to this many tokens (0 = the task's longest prompt + BOS;
+  # with a checkpoint's tokenizer: the longest encoded prompt rounded up to a multiple of 16)
+  c.task.chat_template = "auto"  # "auto" (the tokenizer's chat template if it has one) | "chat" (required) | "none" (raw)
+  c.task.system_prompt = ""  # system message of chat prompts ("" = none)
 
   c.model = ml_collections.ConfigDict()
   c.model.d_model = 128

@@ -72,8 +72,9 @@ def warm_start(base: str, overrides: dict, out_dir: str) -> str:
   """Runs the SFT warm start once (0 RL steps) and exports it; returns the folder for `model.init_from`."""
   from jaxrl_llm import loop
   out_dir = out_dir if base == "default" else f"{out_dir}_{base}"
-  if os.path.exists(os.path.join(out_dir, "model", "config.json")):
-    return os.path.join(out_dir, "model")
+  if os.path.exists(os.path.join(out_dir, "model", "config.json")) and any(
+      os.path.exists(os.path.join(out_dir, "model", f)) for f in ("char_tokenizer.json", "tokenizer.json")):
+    return os.path.join(out_dir, "model")  # (an export without its tokenizer file predates them: redone)
   c = make_config(base, {**overrides, "num_steps": 0, "sft.save_to": os.path.join(out_dir, "model")})
   loop.run(c, os.path.join(out_dir, "sft_run"))
   return os.path.join(out_dir, "model")

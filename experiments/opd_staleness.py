@@ -76,11 +76,10 @@ def teacher_accuracy(base: str, overrides: dict) -> float:
   import jax
   from jaxrl_llm import loop
   from jaxrl_llm.distill import teacher as teacher_lib
-  from jaxrl_llm.tasks import tokenizer as tok
   c = common.make_config(base, overrides)
   r = loop.setup(c)
-  cfg, params = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
-  return loop.evaluate(params, cfg, c, r.test, r.task, jax.random.key(0))
+  cfg, params = teacher_lib.load_teacher(c, r.P, r.train_examples, r.model_cfg.vocab_size, r.encoder)
+  return loop.evaluate(params, cfg, c, r.test, r.task, jax.random.key(0), r.encoder.tokenizer)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -108,7 +107,7 @@ def heldout_kls(params, r, teacher) -> dict:
   tcfg, tparams = teacher
   g = generate(params, jnp.asarray(r.test.tokens_BP), jnp.asarray(r.test.len_B), jax.random.key(1234),
                r.sampler_model_cfg, r.samp_cfg)
-  seq = loop.full_sequence(r.test, np.asarray(g["tokens_BN"]), np.asarray(g["mask_BN"]))
+  seq = loop.full_sequence(r.test, np.asarray(g["tokens_BN"]), np.asarray(g["mask_BN"]), r.encoder.tokenizer.pad_id)
   mask = jnp.asarray(g["mask_BN"], jnp.float32)
   rev, fwd = _dense_kls(params, tparams, r.model_cfg, tcfg, float(r.c.sampler.temperature), *seq, mask)
   return {"kl_rev": float(rev), "kl_fwd": float(fwd)}
@@ -133,11 +132,10 @@ def run_with_probe(base: str, overrides: dict, workdir: str) -> dict:
   """`common.run_one` plus held-out teacher–student KLs at every evaluation (`divergence_probe`)."""
   from jaxrl_llm import loop
   from jaxrl_llm.distill import teacher as teacher_lib
-  from jaxrl_llm.tasks import tokenizer as tok
   c = common.make_config(base, overrides)
   shutil.rmtree(workdir, ignore_errors=True)
   r = loop.setup(c)
-  teacher = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
+  teacher = teacher_lib.load_teacher(c, r.P, r.train_examples, r.model_cfg.vocab_size, r.encoder)
   on_step, kls = divergence_probe(r, teacher)
   kl0 = heldout_kls(loop.initial_policy(c, r.model_cfg, r.k_init)[1], r, teacher)
   t0 = time.perf_counter()

@@ -44,17 +44,82 @@ from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.tasks import get_task, num_held_out
+from jaxrl_llm.tasks import encoder as encoder_lib
 from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 
 
-def prompt_width(c: ml_collections.ConfigDict, task) -> int:
-  """Bucket width P of left-padded prompts: the config's, or the task's bound + BOS when 0."""
-  return c.task.prompt_width or task.max_prompt_len + 1
+def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
+  """The run's prompt `Encoder`: the tokenizer of `model.init_from` (the char tokenizer without one),
+  rendered per `task.chat_template` ("auto" | "chat" | "none") with `task.system_prompt`."""
+  mode, system = c.task.get("chat_template", "auto"), c.task.get("system_prompt", "")
+  if mode not in encoder_lib.CHAT_MODES:
+    raise config_lib.ConfigError(f"config.task.chat_template={mode!r}: must be one of {encoder_lib.CHAT_MODES}")
+  tokenizer = tok.CHAR_TOKENIZER
+  if c.model.init_from:
+    try:
+      tokenizer = encoder_lib.tokenizer_for_checkpoint(c.model.init_from)
+    except (FileNotFoundError, ValueError) as e:
+      hf = os.path.join(c.model.init_from, "config.json")
+      vocab = ""
+      if os.path.isfile(hf):
+        with open(hf) as f:
+          vocab = f" (checkpoint vocab_size={json.load(f).get('vocab_size')})"
+      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}{vocab}") from None
+  try:
+    return Encoder(tokenizer, mode, system)
+  except ValueError as e:
+    field = "task.system_prompt" if "system_prompt" in str(e) else "task.chat_template"
+    raise config_lib.ConfigError(f"config.{field}={c.task.get(field.split('.')[1])!r}: {e}") from None
 
 
-def model_config(c: ml_collections.ConfigDict, width: int) -> ModelConfig:
+def prompt_width(c: ml_collections.ConfigDict, task, encoder: Encoder = CHAR_ENCODER, prompts=(),
+                 context: int | None = None) -> int:
+  """Bucket width P (tokens) of left-padded prompts: `task.prompt_width` when set; else the task's bound
+  + BOS for the char tokenizer in raw mode (exact); else the longest encoded `prompts` rounded up to a
+  multiple of `tasks.encoder.WIDTH_MULTIPLE`, at most `context - sampler.max_new_tokens`."""
+  if c.task.prompt_width:
+    return c.task.prompt_width
+  if encoder.exact_char_widths:
+    return task.max_prompt_len + 1
+  cap = None if context is None else context - c.sampler.max_new_tokens
+  return encoder_lib.measured_width(encoder, prompts, cap)
+
+
+def check_context(c: ml_collections.ConfigDict, width: int, context: int | None) -> None:
+  """Raises ConfigError when a prompt of `width` tokens plus the completion do not fit the checkpoint's context."""
+  if context is None:
+    return
+  N = c.sampler.max_new_tokens
+  where = f"the model's context of {context} tokens (max_position_embeddings of {c.model.init_from!r})"
+  if N >= context:
+    raise config_lib.ConfigError(f"config.sampler.max_new_tokens={N}: reaches past {where}; leave room for the prompt")
+  if width + N > context:
+    field = "task.prompt_width" if c.task.prompt_width else "sampler.max_new_tokens"
+    raise config_lib.ConfigError(f"config.{field}={c.task.prompt_width or N}: prompt width {width} + "
+                                 f"sampler.max_new_tokens {N} reach past {where}")
+
+
+def checkpoint_config(c: ml_collections.ConfigDict) -> ModelConfig | None:
+  """The architecture of `model.init_from` from its config.json (no weights read), None without one."""
+  if not c.model.init_from:
+    return None
+  from jaxrl_llm.models.hf import config_from_hf
+  path = os.path.join(c.model.init_from, "config.json")
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: not a Hugging Face checkpoint "
+                                 "folder (no config.json there)")
+  with open(path) as f:
+    try:
+      return config_from_hf(json.load(f), param_dtype="float32")
+    except (ValueError, KeyError) as e:
+      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}") from None
+
+
+def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok.vocab_size) -> ModelConfig:
+  """The from-scratch model of the config's `model` fields, over the tokenizer's `vocab_size`."""
   m = c.model
-  return ModelConfig(vocab_size=tok.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+  return ModelConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                      n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
                      layer_unroll=layer_unroll(c),
@@ -68,9 +133,11 @@ def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> i
   return c.model.layer_unroll or n_layers or c.model.n_layers
 
 
-def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False) -> SamplerConfig:
+def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
+                   tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> SamplerConfig:
+  """The sampler settings of `config.sampler` (greedy for evaluation); stop and pad ids are the tokenizer's."""
   s = c.sampler
-  return SamplerConfig(max_new_tokens=s.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+  return SamplerConfig(max_new_tokens=s.max_new_tokens, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                        temperature=0.0 if greedy else s.temperature, top_k=0 if greedy else s.top_k,
                        top_p=1.0 if greedy else s.top_p)
 
@@ -107,23 +174,31 @@ def replay_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict | N
   return r
 
 
-def initial_policy(c, model_cfg: ModelConfig, key) -> tuple[ModelConfig, Any]:
-  """Random init, or a Hugging Face checkpoint folder (`model.init_from`) whose vocabulary must match."""
+def checkpoint_model_config(c, model_cfg: ModelConfig, hf_cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
+  """The checkpoint's architecture with the run's numerics; its embedding must cover the tokenizer's ids
+  (a larger, padded vocabulary is fine)."""
+  if hf_cfg.vocab_size < tokenizer_vocab:
+    raise config_lib.ConfigError(
+        f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} is smaller than "
+        f"its tokenizer's vocab_size={tokenizer_vocab}")
+  return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
+                             layer_unroll=layer_unroll(c, hf_cfg.n_layers),
+                             max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len))
+
+
+def initial_policy(c, model_cfg: ModelConfig, key, tokenizer_vocab: int | None = None) -> tuple[ModelConfig, Any]:
+  """Random init, or a Hugging Face checkpoint folder (`model.init_from`) whose vocabulary covers the
+  tokenizer's (`tokenizer_vocab`, default `model_cfg.vocab_size`)."""
   if not c.model.init_from:
     return model_cfg, init_params(model_cfg, key)
   from jaxrl_llm.models import load_hf
   hf_cfg, params = load_hf(c.model.init_from, param_dtype="float32")
-  if hf_cfg.vocab_size != model_cfg.vocab_size:
-    raise config_lib.ConfigError(
-        f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} does not match "
-        f"the task tokenizer's vocab_size={model_cfg.vocab_size}")
-  return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
-                             layer_unroll=layer_unroll(c, hf_cfg.n_layers),
-                             max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len)), params
+  return checkpoint_model_config(c, model_cfg, hf_cfg, tokenizer_vocab or model_cfg.vocab_size), params
 
 
-def full_sequence(p: collect.Prompts, tokens_BN, mask_BN):
-  """(sequence, positions, segment ids) of left-padded prompts followed by completions (sampler layout)."""
+def full_sequence(p: collect.Prompts, tokens_BN, mask_BN, pad_id: int = tok.pad_id):
+  """(sequence, positions, segment ids) of left-padded prompts followed by completions (sampler layout);
+  `pad_id` (the tokenizer's) fills every position that is not a real token."""
   P = p.tokens_BP.shape[1]
   N = tokens_BN.shape[1]
   first = P - p.len_B
@@ -131,13 +206,14 @@ def full_sequence(p: collect.Prompts, tokens_BN, mask_BN):
   real = col[None, :] >= first[:, None]
   pos_P = np.where(real, col[None, :] - first[:, None], 0)
   pos_N = p.len_B[:, None] + np.arange(N)[None, :]
-  seq = np.concatenate([np.where(real, p.tokens_BP, tok.pad_id), np.where(mask_BN, tokens_BN, tok.pad_id)], 1)
+  seq = np.concatenate([np.where(real, p.tokens_BP, pad_id), np.where(mask_BN, tokens_BN, pad_id)], 1)
   seg = np.concatenate([real, mask_BN], 1).astype(np.int32)
   return (jnp.asarray(seq, jnp.int32), jnp.asarray(np.concatenate([pos_P, pos_N], 1), jnp.int32), jnp.asarray(seg))
 
 
-def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int) -> tuple[Any, float]:
-  """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy."""
+def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int, encoder: Encoder = CHAR_ENCODER) -> tuple[Any, float]:
+  """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy; prompts and
+  targets (answer + EOS, or the chat end-of-turn id) through the run's `encoder`, cut at N tokens."""
   if c.sft.steps <= 0:
     return params, float("nan")
   tx = learner.make_optimizer(c.sft.lr, grad_clip=1.0, warmup_steps=min(20, c.sft.steps // 10))
@@ -148,18 +224,20 @@ def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int) -> tuple[An
   loss = float("nan")
   for _ in range(c.sft.steps):
     exs = [train[int(i)] for i in rng.choice(len(train), c.sft.batch_size)]
-    p = collect.encode_prompts(exs, P)
-    tgt, _ = tok.pad_right([tok.encode(ex["answer"], add_eos=True)[:N] for ex in exs], N)
-    mask_BN = (np.arange(N)[None, :] < np.array([min(len(ex["answer"]) + 1, N) for ex in exs])[:, None])
-    seq, pos, seg = full_sequence(p, tgt, mask_BN)
+    p = collect.encode_prompts(exs, P, encoder)
+    tgt, len_B = encoder.pad_targets([ex["answer"] for ex in exs], N, truncate=True)
+    mask_BN = np.arange(N)[None, :] < len_B[:, None]
+    seq, pos, seg = full_sequence(p, tgt, mask_BN, encoder.tokenizer.pad_id)
     params, opt_state, loss = step_fn(params, opt_state, seq, pos, seg, jnp.asarray(mask_BN, jnp.float32))
   return params, float(loss)
 
 
-def evaluate(params, model_cfg, c, test: collect.Prompts, task, key) -> float:
+def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
+             tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> float:
   """Held-out greedy accuracy (fraction of test prompts with reward 1)."""
-  out = generate(params, jnp.asarray(test.tokens_BP), jnp.asarray(test.len_B), key, model_cfg, sampler_config(c, True))
-  reward_B, _, _ = collect.score_completions(task, test.examples, np.asarray(out["tokens_BN"]))
+  out = generate(params, jnp.asarray(test.tokens_BP), jnp.asarray(test.len_B), key, model_cfg,
+                 sampler_config(c, True, tokenizer))
+  reward_B, _, _ = collect.score_completions(task, test.examples, np.asarray(out["tokens_BN"]), tokenizer=tokenizer)
   return float(np.mean(reward_B >= 1.0))
 
 
@@ -186,22 +264,50 @@ class Run(NamedTuple):
   state_shardings: Any = None
   batch_sharding: Any = None
   sampler_shardings: Any = None
+  encoder: Encoder = CHAR_ENCODER  # prompts -> ids (tokenizer + chat template); its tokenizer decodes completions
+  prompts_dropped: int = 0  # train + test prompts longer than P tokens, left out at setup
+
+
+def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):
+  """(P, train examples, test examples, dropped): the prompt bucket width and the examples whose prompt fits.
+
+  The char tokenizer in raw mode with the task's own bound needs no pass over the data; otherwise
+  the prompts are encoded once (cached by the encoder) and longer ones are dropped and counted.
+  """
+  if encoder.exact_char_widths and not c.task.prompt_width:
+    return prompt_width(c, task), train_examples, test_examples, 0
+  train_examples = [train_examples[i] for i in range(len(train_examples))]
+  P = prompt_width(c, task, encoder, [ex["prompt"] for ex in train_examples + test_examples], context)
+  train_examples, d_train = encoder_lib.fit_examples(encoder, train_examples, P)
+  test_examples, d_test = encoder_lib.fit_examples(encoder, test_examples, P)
+  if not train_examples:
+    raise config_lib.ConfigError(f"config.task.prompt_width={c.task.prompt_width}: every train prompt is longer "
+                                 f"than the prompt width of {P} tokens")
+  if d_train + d_test:
+    print(f"prompt width P={P} tokens: {d_train} train and {d_test} test prompts are longer and were dropped", flush=True)
+  return P, train_examples, test_examples, d_train + d_test
 
 
 def setup(c: ml_collections.ConfigDict) -> Run:
   task = get_task(c.task.name, **dict(c.task.kwargs))
-  P = prompt_width(c, task)
+  encoder = encoder_from_config(c)
   num_test = num_held_out(task, c.task.get("held_out", 0.0))  # rows held out of a data file, or generated prompts
+  hf_cfg = checkpoint_config(c)
+  context = hf_cfg.max_seq_len if hf_cfg is not None else None
   split = lambda name: collect.load_split(c.task.name, name, dict(c.task.kwargs), c.task.source, c.task.data_dir, c.seed,
                                           num_test=num_test)
   train_examples = split("train")
   test_split = split("test")
-  test = collect.encode_prompts([test_split[i] for i in range(min(c.eval.num_prompts, len(test_split)))], P)
+  test_examples = [test_split[i] for i in range(min(c.eval.num_prompts, len(test_split)))]
+  check_context(c, 1, context)  # max_new_tokens alone, before prompts are measured against it
+  P, train_examples, test_examples, dropped = fit_prompts(c, task, encoder, train_examples, test_examples, context)
+  check_context(c, P, context)
+  test = collect.encode_prompts(test_examples, P, encoder)
   root = jax.random.key(c.seed)
   k_init, k_sample, k_learn, k_eval = (jax.random.fold_in(root, i) for i in range(4))
-  model_cfg = model_config(c, P)
-  if c.model.init_from:  # the checkpoint's architecture wins over the config's model fields
-    model_cfg, _ = initial_policy(c, model_cfg, k_init)
+  model_cfg = model_config(c, P, encoder.tokenizer.vocab_size)
+  if hf_cfg is not None:  # the checkpoint's architecture wins over the config's model fields
+    model_cfg = checkpoint_model_config(c, model_cfg, hf_cfg, encoder.tokenizer.vocab_size)
   hp_over = dict(c.loss.hparams)
   tx = learner.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.b1, c.optim.b2, c.optim.grad_clip,
                               c.optim.warmup_steps)
@@ -225,11 +331,11 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   if c.get("distill") and c.distill.teacher:
     from jaxrl_llm.distill import opd
     batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,
-                                         student_cfg=model_cfg)
+                                         student_cfg=model_cfg, encoder=encoder)
   return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=dataclasses.replace(model_cfg, dtype=c.sampler.dtype),
-             samp_cfg=sampler_config(c), k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
+             samp_cfg=sampler_config(c, tokenizer=encoder.tokenizer), k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step,
-             score=score, hook_params=hook_params, **mesh_kw)
+             score=score, hook_params=hook_params, encoder=encoder, prompts_dropped=dropped, **mesh_kw)
 
 
 def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
@@ -295,7 +401,7 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
   G, n = c.rollout.group_size, n or c.rollout.prompts_per_step
   snap = store.acquire(v_b)
   try:
-    ps = [collect.prompts_for_step(run.train_examples, t, n, c.seed, run.P, call) for t in steps]
+    ps = [collect.prompts_for_step(run.train_examples, t, n, c.seed, run.P, call, run.encoder) for t in steps]
     p = collect.Prompts(np.repeat(np.concatenate([q.tokens_BP for q in ps]), G, 0),
                         np.repeat(np.concatenate([q.len_B for q in ps]), G),
                         [ex for q in ps for ex in q.examples for _ in range(G)])
@@ -307,7 +413,8 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  reward_B, status, _ = collect.score_completions(run.task, p.examples, out["tokens_BN"])
+  reward_B, status, _ = collect.score_completions(run.task, p.examples, out["tokens_BN"],
+                                                 tokenizer=run.encoder.tokenizer)
   B = n * G
   keys = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN")
   if "routes_BTLk" in out and c.model.routing_replay:  # R3: the learner replays the sampler's expert ids
@@ -444,7 +551,8 @@ def async_engine(run: Run, store: ParamStore, state_dict: dict | None):
                              key_root=run.k_sample, model_cfg=run.sampler_model_cfg, sampler_cfg=run.samp_cfg,
                              store=store, chunk_steps=c.rollout.partial_chunk or None,
                              keep_routes=c.model.routing_replay,  # R3: collate then hands routes_BTLk to make_batch
-                             score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None)
+                             score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None,
+                             encoder=run.encoder)
   kw = dict(batch_groups=c.rollout.prompts_per_step, eta=c.rollout.lag, num_workers=c.rollout.num_workers)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
@@ -530,15 +638,16 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
   if restored is None:
     start = 0
     t0 = time.perf_counter()
-    model_cfg, params = initial_policy(c, r.model_cfg, r.k_init)
-    params, sft_loss = sft_warm_start(c, model_cfg, params, r.train_examples, r.P)
+    model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
+    params, sft_loss = sft_warm_start(c, model_cfg, params, r.train_examples, r.P, r.encoder)
     meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0, "stage_version": 0}
     if c.sft.save_to:
       from jaxrl_llm.models import save_hf
       save_hf(c.sft.save_to, model_cfg, params, family="qwen3" if model_cfg.qk_norm else "llama")
+      r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
     state, extra = fresh_state(r, params)
     store.publish(state.params)
-    meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval) if c.eval.every > 0 else None
+    meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer) if c.eval.every > 0 else None
     if os.path.exists(metrics_path):
       os.remove(metrics_path)  # a fresh run (no valid checkpoint) starts a fresh metrics stream
   else:
@@ -611,7 +720,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       if mode == "async":
         row["request_ids"] = ro["request_ids"]
       if c.eval.every > 0 and ((t + 1) % c.eval.every == 0 or t + 1 == c.num_steps):
-        row["eval_accuracy"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval)
+        row["eval_accuracy"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer)
       row["time_step_s"] = time.perf_counter() - t_step
       writer.write(row)
       rows.append(row)
@@ -646,7 +755,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
       flag.uninstall()
   info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"), "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
-          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals()}
+          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(),
+          "prompts_dropped": r.prompts_dropped, **store.sync_totals()}
   with open(os.path.join(workdir, "run_info.json"), "w") as f:
     json.dump(info, f, indent=2)
   return rows

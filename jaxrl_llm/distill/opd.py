@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxrl_llm.distill import teacher as teacher_lib
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 
 PROVIDED_NEEDS = ("teacher_logp", "teacher_logits", "teacher_topk", "sup_drift", "student_logits", "student_topk")
 # Needs whose fields this module fills; the student_* ones are computed by the learner.
@@ -77,17 +78,19 @@ def extra_fields(loss_name: str) -> tuple[str, ...]:
   return tuple(sorted(fields))
 
 
-def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_examples, student_cfg):
+def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_examples, student_cfg,
+                      encoder: Encoder = CHAR_ENCODER):
   """Loads (or trains once and caches) the frozen teacher; returns `extras(ro, seq, mask) -> dict`.
 
   `extras` scores the rollout's sequences with the teacher (one jitted forward) and returns the
   `LossInputs` fields the configured loss reads, each [B, N(, K|V)] over the completion positions.
-  `task` is accepted for the loop's hook signature (the teacher is trained on `train_examples`).
+  `task` is accepted for the loop's hook signature (the teacher is trained on `train_examples`);
+  `encoder` is the run's prompt encoding, whose tokenizer teacher and student share.
   """
   del task
   validate(c)
   fields = extra_fields(c.loss.name)
-  cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size)
+  cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size, encoder)
   score = teacher_lib.make_teacher_scorer(cfg, scoring_temperature(c), c.distill.topk)
 
   def extras(ro: dict, seq, mask_BN) -> dict:

@@ -6,7 +6,12 @@ Two sources (config `distill.teacher`):
               `distill.teacher_sft_steps` steps). It is trained once per (task, seed, size, SFT
               settings) and cached as a Hugging Face folder under `distill.teacher_cache_dir`; later
               runs load the cached folder bit for bit.
-  PATH        any Hugging Face checkpoint folder (`models.load_hf`) whose vocabulary is the task's.
+  PATH        any Hugging Face checkpoint folder (`models.load_hf`) sharing the student's tokenizer: same
+              vocabulary size and, when the folder has tokenizer files, the same tokens.
+
+Teacher and student share the run's tokenizer and prompt encoding (`tasks.encoder.Encoder`): the
+"sft" teacher is trained on prompts and targets encoded exactly like the student's, and exported
+with that tokenizer.
 
 Scoring (`make_teacher_scorer`) is one jitted forward of the teacher over the student's sampled
 sequences: the teacher's log-prob of each sampled completion token, its tempered logits over the
@@ -36,6 +41,7 @@ import ml_collections
 
 from jaxrl_llm.distill.topk_cache import build_topk_cache
 from jaxrl_llm.models import ModelConfig, forward, init_params
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 
 Array = jax.Array
 
@@ -62,12 +68,17 @@ def teacher_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return ct
 
 
-def cache_key(c: ml_collections.ConfigDict) -> str:
-  """Folder name of the cached SFT teacher: task + seed + size + a hash of everything that shapes it."""
+def cache_key(c: ml_collections.ConfigDict, encoder: Encoder = CHAR_ENCODER) -> str:
+  """Folder name of the cached SFT teacher: task + seed + size + a hash of everything that shapes it
+  (the tokenizer and chat settings too, unless they are the default char tokenizer in raw mode)."""
   ct = teacher_config(c)
   what = {"task": c.task.name, "kwargs": dict(c.task.kwargs), "source": c.task.source, "seed": c.seed,
           "prompt_width": c.task.prompt_width, "max_new_tokens": c.sampler.max_new_tokens,
           "model": ct.model.to_dict(), "sft": {k: ct.sft[k] for k in ("steps", "batch_size", "lr")}}
+  if not encoder.exact_char_widths:
+    what["tokenizer"] = {"source": str(getattr(encoder.tokenizer, "source", type(encoder.tokenizer).__name__)),
+                         "vocab_size": encoder.tokenizer.vocab_size, "chat": encoder.chat,
+                         "system_prompt": encoder.system_prompt}
   h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]
   return f"{c.task.name}_s{c.seed}_d{ct.model.d_model}_l{ct.model.n_layers}_sft{ct.sft.steps}_{h}"
 
@@ -77,14 +88,15 @@ def cache_dir(c: ml_collections.ConfigDict) -> str:
   return c.distill.teacher_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxrl_llm", "teachers")
 
 
-def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples) -> tuple[ModelConfig, Any, float]:
+def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples,
+                      encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any, float]:
   """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task."""
   from jaxrl_llm import loop  # local: loop imports this package lazily, never the other way at import time
   ct = teacher_config(c)
-  cfg = loop.model_config(ct, width)
+  cfg = loop.model_config(ct, width, encoder.tokenizer.vocab_size)
   # Its own init key, so the teacher never shares an initialisation with the student of the same seed.
   params = init_params(cfg, jax.random.fold_in(jax.random.key(c.seed), 0x7EAC))
-  params, loss = loop.sft_warm_start(ct, cfg, params, train_examples, width)
+  params, loss = loop.sft_warm_start(ct, cfg, params, train_examples, width, encoder)
   return cfg, params, loss
 
 
@@ -92,21 +104,25 @@ def _family(cfg: ModelConfig) -> str:
   return "qwen3" if cfg.qk_norm else "llama"
 
 
-def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab_size: int) -> tuple[ModelConfig, Any]:
+def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab_size: int,
+                 encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any]:
   """The frozen teacher (config, params): an HF folder, or the cached (trained on first use) SFT teacher.
 
-  Raises ConfigError naming `config.distill.teacher` when the folder is missing or its vocabulary
-  differs from the task tokenizer's.
+  `vocab_size` is the student's model vocabulary; `encoder` the run's prompt encoding (its tokenizer
+  is the one teacher and student share). Raises ConfigError naming `config.distill.teacher` when the
+  folder is missing, its vocabulary or tokenizer differs from the student's, or its context is
+  shorter than a prompt plus `sampler.max_new_tokens`.
   """
   from jaxrl_llm.config import ConfigError
   from jaxrl_llm.models import load_hf, save_hf
   seq_len = width + c.sampler.max_new_tokens
   if c.distill.teacher == "sft":
-    path = os.path.join(cache_dir(c), cache_key(c))
+    path = os.path.join(cache_dir(c), cache_key(c, encoder))
     if not os.path.exists(os.path.join(path, "config.json")):
-      cfg, params, _ = train_sft_teacher(c, width, train_examples)
+      cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder)
       tmp = f"{path}.tmp{os.getpid()}"
       save_hf(tmp, cfg, params, family=_family(cfg))
+      encoder.tokenizer.save(tmp)
       if os.path.exists(path):  # a concurrent run cached the same teacher first: keep theirs
         shutil.rmtree(tmp)
       else:
@@ -119,9 +135,31 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
   cfg, params = load_hf(path, param_dtype="float32")
   if cfg.vocab_size != vocab_size:
     raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: teacher vocab_size={cfg.vocab_size} does not "
-                      f"match the task tokenizer's vocab_size={vocab_size}")
+                      f"match the student's vocab_size={vocab_size}")
+  check_shared_tokenizer(c, path, encoder.tokenizer)
+  if cfg.max_seq_len < seq_len:
+    raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: the teacher's context of {cfg.max_seq_len} "
+                      f"tokens is shorter than the prompt width {width} + sampler.max_new_tokens "
+                      f"{c.sampler.max_new_tokens}")
   cfg = dataclasses.replace(cfg, dtype=c.model.dtype, max_seq_len=max(cfg.max_seq_len, seq_len))
   return cfg, place_teacher(params, cfg, c)
+
+
+def check_shared_tokenizer(c: ml_collections.ConfigDict, path: str, tokenizer) -> None:
+  """Raises ConfigError when the teacher folder's own tokenizer (if it has one) is not the student's."""
+  from jaxrl_llm.config import ConfigError
+  from jaxrl_llm.models.tokenizer import CheckpointTokenizer, has_tokenizer_files, load_checkpoint_tokenizer
+  from jaxrl_llm.tasks.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+  if has_tokenizer_files(path):
+    same = isinstance(tokenizer, CheckpointTokenizer) and \
+        load_checkpoint_tokenizer(path).hf.get_vocab() == tokenizer.hf.get_vocab()
+  elif os.path.isfile(os.path.join(path, CHAR_TOKENIZER_FILE)):
+    same = isinstance(tokenizer, CharTokenizer)
+  else:
+    return  # a folder without tokenizer files (older exports): only the vocabulary size is checked
+  if not same:
+    raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: the teacher's tokenizer ({path}) is not the "
+                      "student's; on-policy distillation compares both models token by token")
 
 
 def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):

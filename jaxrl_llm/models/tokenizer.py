@@ -1,8 +1,15 @@
 """Hugging Face tokenizers (`tokenizer.json`) and the vocabulary check against a model config.
 
-Only "fast" tokenizers are supported: a checkpoint folder must hold `tokenizer.json`, which the
-`tokenizers` library reads without transformers. Special-token names come from
-`tokenizer_config.json` when present.
+Two views of a checkpoint's tokenizer:
+  `load_tokenizer` -> `HFTokenizer`: the bare `tokenizers` library (no transformers), special-token
+    ids from `tokenizer_config.json`; used to check vocabularies.
+  `load_checkpoint_tokenizer` -> `CheckpointTokenizer`: the `Tokenizer` protocol
+    (`jaxrl_llm.tasks.tokenizer`) the training loop uses for `model.init_from`, through
+    `transformers.AutoTokenizer` (no torch needed): its special tokens, BOS rules and chat template
+    (`chat_template` in tokenizer_config.json or a `chat_template.jinja` file) are the library's, so
+    rendered prompts are token for token what `apply_chat_template` gives.
+
+Only "fast" tokenizers are supported: a checkpoint folder must hold `tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -10,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Optional, Sequence
+import shutil
+from typing import Any, Optional, Sequence
+
+import numpy as np
 
 import tokenizers
 
@@ -85,3 +95,115 @@ def check_vocab(cfg: ModelConfig, tokenizer: HFTokenizer) -> None:
         f"vocabulary mismatch: the tokenizer emits ids up to {tokenizer.vocab_size - 1} but the model "
         f"config has vocab_size={cfg.vocab_size}; use the tokenizer saved with this checkpoint"
     )
+
+
+# Files that make up a checkpoint's tokenizer (copied verbatim by `CheckpointTokenizer.save`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckpointTokenizer:
+  """A checkpoint's own tokenizer behind the `Tokenizer` protocol (see `load_checkpoint_tokenizer`).
+
+  Attributes:
+    hf: the `transformers` tokenizer (`AutoTokenizer.from_pretrained(source)`).
+    source: the folder it was loaded from.
+    vocab_size, bos_id, eos_id, pad_id, stop_ids, end_of_turn_id, chat_template: see the protocol.
+      `pad_id` is the checkpoint's pad token, else EOS (pad positions are masked everywhere, so any
+      id inside the vocabulary does; EOS always is one).
+  """
+  hf: Any
+  source: pathlib.Path
+  vocab_size: int
+  bos_id: Optional[int]
+  eos_id: int
+  pad_id: int
+  stop_ids: tuple[int, ...]
+  end_of_turn_id: Optional[int]
+  chat_template: Optional[str]
+
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Ids of `text`; `add_special_tokens` applies the tokenizer's own rules (e.g. Llama's BOS)."""
+    return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+  def decode(self, ids) -> str:
+    """Text of `ids` (a list or an int array), special tokens dropped."""
+    return self.hf.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+  def chat_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+    """`apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`'s ids."""
+    if self.chat_template is None:
+      raise ValueError(f"{self.source}: the tokenizer has no chat template (no 'chat_template' in "
+                       "tokenizer_config.json and no chat_template.jinja)")
+    return list(self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))
+
+  def save(self, folder) -> None:
+    """Copies the tokenizer files of `source` into `folder` (a checkpoint exported from this model)."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+      if (self.source / name).is_file() and (self.source / name).resolve() != (folder / name).resolve():
+        shutil.copyfile(self.source / name, folder / name)
+
+
+def has_tokenizer_files(path) -> bool:
+  """Whether a folder holds a Hugging Face fast tokenizer (`tokenizer.json`)."""
+  return (pathlib.Path(path) / "tokenizer.json").is_file()
+
+
+def _generation_eos_ids(folder: pathlib.Path) -> list[int]:
+  """`eos_token_id` of generation_config.json (an int or a list), [] when absent."""
+  file = folder / "generation_config.json"
+  ids = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+  if ids is None:
+    return []
+  return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def _end_of_turn_id(hf, chat_template: Optional[str]) -> Optional[int]:
+  """The special token the chat template writes right after an assistant message (None if none).
+
+  Rendered through the template itself: the first special token of the text that follows an
+  assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3, EOS for others).
+  """
+  if chat_template is None:
+    return None
+  mark = "\u2063jaxrl-answer\u2063"
+  try:
+    text = hf.apply_chat_template([{"role": "user", "content": "1+1"}, {"role": "assistant", "content": mark}],
+                                  tokenize=False)
+  except Exception:  # a template that rejects this conversation: no end-of-turn token known
+    return None
+  if mark not in text:
+    return None
+  special = {i for i, t in hf.added_tokens_decoder.items() if t.special} | set(hf.all_special_ids)
+  tail = hf.encode(text[text.rindex(mark) + len(mark):], add_special_tokens=False)
+  return next((int(i) for i in tail if i in special), None)
+
+
+def load_checkpoint_tokenizer(path) -> CheckpointTokenizer:
+  """The `Tokenizer` of a Hugging Face checkpoint folder, through `transformers.AutoTokenizer`.
+
+  stop_ids = EOS, the chat template's end-of-turn token and generation_config.json's eos_token_id.
+  Raises FileNotFoundError naming the folder when it has no tokenizer.json, ValueError when the
+  tokenizer names no EOS token.
+  """
+  folder = pathlib.Path(path)
+  if not has_tokenizer_files(folder):
+    raise FileNotFoundError(f"{folder}: no tokenizer files (expected tokenizer.json and tokenizer_config.json of a "
+                            "Hugging Face checkpoint)")
+  from transformers import AutoTokenizer  # local: transformers is heavy, and only checkpoints need it
+  hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+  if hf.eos_token_id is None:
+    raise ValueError(f"{folder}: the tokenizer names no eos_token (tokenizer_config.json); completions could never end")
+  template = hf.chat_template if isinstance(hf.chat_template, str) else None
+  eot = _end_of_turn_id(hf, template)
+  eos = int(hf.eos_token_id)
+  stop = {eos, *_generation_eos_ids(folder)} | ({eot} if eot is not None else set())
+  return CheckpointTokenizer(
+      hf=hf, source=folder, vocab_size=max(hf.get_vocab().values()) + 1,
+      bos_id=None if hf.bos_token_id is None else int(hf.bos_token_id), eos_id=eos,
+      pad_id=eos if hf.pad_token_id is None else int(hf.pad_token_id), stop_ids=tuple(sorted(stop)),
+      end_of_turn_id=eot, chat_template=template)

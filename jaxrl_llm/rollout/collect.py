@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxrl_llm import advantages
 from jaxrl_llm.tasks import tokenizer as tok
-from jaxrl_llm.tasks.base import Task, prompt_ids
+from jaxrl_llm.tasks.base import Task
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import safe_reward_batch
 
 ADVANTAGE_FNS: dict[str, Callable] = {
@@ -32,9 +33,9 @@ class Prompts(NamedTuple):
   examples: list  # dicts with prompt / answer / example_id
 
 
-def encode_prompts(examples: list[dict], width: int) -> Prompts:
-  ids = [prompt_ids(ex["prompt"]) for ex in examples]
-  tokens, lens = tok.pad_left(ids, width)
+def encode_prompts(examples: list[dict], width: int, encoder: Encoder = CHAR_ENCODER) -> Prompts:
+  """The examples' prompts through the run's `Encoder` (raw or chat template), left-padded to `width`."""
+  tokens, lens = encoder.pad_prompts([ex["prompt"] for ex in examples], width)
   return Prompts(tokens, lens, examples)
 
 
@@ -55,18 +56,20 @@ def load_split(task_name: str, split: str, task_kwargs: dict, source: str, data_
       lambda r: {"prompt": text(r["prompt"]), "answer": text(r["answer"]), "example_id": int(r["example_id"])})
 
 
-def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int, call: int = 0) -> Prompts:
+def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int, call: int = 0,
+                     encoder: Encoder = CHAR_ENCODER) -> Prompts:
   """The prompts of learner step `step` (its sampler call `call`, replay): a pure function of
   (seed, step, call), so resume is exact. Call 0 draws what a step always drew."""
   rng = np.random.default_rng([seed, 7, step] + ([call] if call else []))
   idx = rng.choice(len(train_examples), size=n, replace=len(train_examples) < n)
-  return encode_prompts([train_examples[int(i)] for i in idx], width)
+  return encode_prompts([train_examples[int(i)] for i in idx], width, encoder)
 
 
-def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
-                      timeout_s: float = 5.0) -> tuple[np.ndarray, dict, list[str]]:
-  """Rewards of decoded completions; a reward fn that raises or hangs costs that sample (reward 0)."""
-  texts = [tok.decode(row) for row in tokens_BN]
+def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray, timeout_s: float = 5.0,
+                      tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> tuple[np.ndarray, dict, list[str]]:
+  """Rewards of completions decoded up to their first stop id; a reward fn that raises or hangs costs
+  that sample (reward 0)."""
+  texts = [tok.completion_text(tokenizer, row) for row in tokens_BN]
   args = [(ex["prompt"], ex["answer"], t) for ex, t in zip(examples, texts)]
   rb = safe_reward_batch(task.reward, args, timeout_s)
   return rb.reward_B.astype(np.float32), rb.counts, texts

@@ -8,22 +8,34 @@ class SamplerConfig:
   """Static sampling settings (hashable: a static argument of the jitted `generate`).
 
   Attributes:
-    max_new_tokens: N, completion width; generation stops earlier once every row hit EOS.
-    eos_id: token id that ends a completion (included in the completion mask).
+    max_new_tokens: N, completion width; generation stops earlier once every row hit a stop id.
+    stop_ids: every token id that ends a completion (the tokenizer's `stop_ids`: EOS, a chat
+      end-of-turn token, ...); the stop token is included in the completion mask. Empty: never stop
+      before N.
     temperature: softmax temperature; 0 means greedy (argmax).
     top_k: keep only the k most likely tokens (0 = off).
     top_p: nucleus sampling; keep the smallest set of most likely tokens with mass >= top_p (1 = off).
     pad_id: id written at every position that is not a real token.
+    eos_id: init-only shorthand for `stop_ids=(eos_id,)` (one stop id); given, it replaces `stop_ids`
+      (so `dataclasses.replace(cfg, eos_id=i)` works too). Not stored.
   """
 
   max_new_tokens: int
-  eos_id: int
+  stop_ids: tuple[int, ...] = ()
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   pad_id: int = 0
+  eos_id: dataclasses.InitVar[int | None] = None
 
-  def __post_init__(self):
+  def __post_init__(self, eos_id):
+    if eos_id is not None:
+      object.__setattr__(self, "stop_ids", (int(eos_id),))
+    try:
+      stop = tuple(sorted({int(i) for i in self.stop_ids}))
+    except (TypeError, ValueError):
+      raise ValueError(f"sampler stop_ids must be a sequence of ints, got {self.stop_ids!r}") from None
+    object.__setattr__(self, "stop_ids", stop)  # canonical: equal stop sets hash (and compile) alike
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
       raise ValueError(f"sampler.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
     if not self.temperature >= 0:

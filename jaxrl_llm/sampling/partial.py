@@ -9,7 +9,7 @@ continues the same sequences with the new parameters and records the version of 
     token after the switch is exactly a sample of the new policy given its prefix.
 
 The jitted pieces (`prefill`, `decode_until`, `reprefill_cache`) follow `sampling.generate` line
-for line (left-padded prompts, key `fold_in(key, n)` for column n, EOS included in the mask, pads
+for line (left-padded prompts, key `fold_in(key, n)` for column n, the stop id included in the mask, pads
 after it), so without a switch the result equals `generate`. Shapes are static: one compilation
 per (B, P, N) bucket and pair of configs, whatever the chunk boundaries.
 
@@ -72,7 +72,7 @@ def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Arr
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"), donate_argnames=("carry",))
 def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Array,
                  model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
-  """Decodes with `params` until column `stop` (exclusive) is sampled or every row hit EOS."""
+  """Decodes with `params` until column `stop` (exclusive) is sampled or every row hit a stop id."""
   version = jnp.asarray(version, jnp.int32)
   params, cache = decode_view(params, carry["cache"], model_cfg)  # the same decode math as `generate`
 

@@ -1,7 +1,7 @@
 """Jitted generation: one prefill call over left-padded prompts, then a decode loop over a KV cache.
 
 Shapes are static (one compilation per (B, P, N) bucket and pair of configs); the decode loop is a
-`lax.while_loop` that also stops once every row has emitted EOS.
+`lax.while_loop` that also stops once every row has emitted a stop id (`SamplerConfig.stop_ids`).
 """
 
 from __future__ import annotations
@@ -53,10 +53,18 @@ def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, 
   return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
 
 
+def is_stop(token_B: Array, stop_ids: tuple[int, ...]) -> Array:
+  """Whether each token is one of the (static, few) stop ids: an OR of comparisons, False when none."""
+  hit_B = jnp.zeros(token_B.shape, bool)
+  for i in stop_ids:
+    hit_B = hit_B | (token_B == i)
+  return hit_B
+
+
 def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig,
                noise_NBK: Array | None = None) -> dict:
   """Samples completion column `carry["step"]` with key `fold_in(key, step)`, masks rows that already
-  finished (pad, mask 0, logp 0), marks rows that emitted EOS, and advances the step.
+  finished (pad, mask 0, logp 0), marks rows that emitted a stop id, and advances the step.
 
   `noise_NBK`: that key's Gumbel noise for every column, drawn before the loop (`predraw_noise`);
   None draws it here. The tokens are the same either way.
@@ -72,7 +80,7 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
       "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
       "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
       "mask_BN": carry["mask_BN"].at[:, step].set(live_B.astype(jnp.float32)),
-      "done_B": carry["done_B"] | (live_B & (token_B == sampler_cfg.eos_id)),
+      "done_B": carry["done_B"] | (live_B & is_stop(token_B, sampler_cfg.stop_ids)),
   }
 
 
@@ -87,14 +95,14 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   - The model runs in `model_cfg.dtype` (e.g. a bf16 sampler against an fp32 learner).
   - Step n draws with key `fold_in(key, n)`: no key is reused across steps. When the noise of all N
     steps is small (`sample.PREDRAW_MAX_ELEMENTS`) it is drawn before the decode loop, same bits.
-  - A completion ends with its first EOS, which is included in the mask; later columns hold
-    pad_id with mask 0 and behaviour logp 0.
+  - A completion ends with its first stop id (EOS, end-of-turn, ...: `sampler_cfg.stop_ids`), which is
+    included in the mask; later columns hold pad_id with mask 0 and behaviour logp 0.
   - `behavior_logp` follows `sampling.sample.sample_token` (temperature applied; renormalised
     truncated distribution under top-k/top-p; temperature-1 log-softmax when greedy).
 
   Returns a dict:
-    tokens_BN (int32), mask_BN (float32, 1 on completion tokens incl. EOS), behavior_logp_BN
-    (float32), lengths_B (int32, completion length incl. EOS), finished_B (bool, emitted EOS), and
+    tokens_BN (int32), mask_BN (float32, 1 on completion tokens incl. the stop id), behavior_logp_BN
+    (float32), lengths_B (int32, completion length incl. the stop id), finished_B (bool, emitted a stop id), and
     the whole sequence for the learner, T = P + N:
     sequence_BT (prompt with pads set to pad_id, then tokens_BN), positions_BT, segment_ids_BT
     (1 on real tokens, 0 on pads), completion_mask_BT (mask_BN placed in columns P..P+N-1).

@@ -169,24 +169,25 @@ def split_examples(task: Task, split: str, *, seed: int = 0, num_train: int = 50
 
 
 def prompt_ids(prompt: str) -> list[int]:
-  """Token ids of a prompt as the policy sees it: BOS then one id per character."""
+  """Char-tokenizer ids of a prompt: BOS then one id per character (a run encodes through its
+  ``tasks.encoder.Encoder``, whose default is exactly this)."""
   return tok.encode(prompt, add_bos=True)
 
 
 def target_ids(answer: str) -> list[int]:
-  """Token ids of a reference completion: the answer then EOS."""
+  """Char-tokenizer ids of a reference completion: the answer then EOS (``Encoder.target_ids``)."""
   return tok.encode(answer, add_eos=True)
 
 
 def score_completions(task: Task, prompts: Sequence[str | bytes], answers: Sequence[str | bytes],
-                      completion_ids_BN: np.ndarray) -> np.ndarray:
-  """``reward_B`` float32 for sampled completion ids ``[B, N]`` (char tokenizer).
+                      completion_ids_BN: np.ndarray, tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> np.ndarray:
+  """``reward_B`` float32 for sampled completion ids ``[B, N]``.
 
-  Each row is decoded up to its first EOS (pad skipped) and scored by ``task.reward``; prompts
-  and answers may be the ``bytes`` fields of a pipeline batch.
+  Each row is decoded up to its first stop id (``tokenizer.stop_ids``; special tokens dropped) and
+  scored by ``task.reward``; prompts and answers may be the ``bytes`` fields of a pipeline batch.
   """
   text = lambda s: s.decode() if isinstance(s, bytes) else s
-  return np.asarray([task.reward(text(p), text(a), tok.decode(ids))
+  return np.asarray([task.reward(text(p), text(a), tok.completion_text(tokenizer, ids))
                      for p, a, ids in zip(prompts, answers, np.asarray(completion_ids_BN))],
                     dtype=np.float32)
 

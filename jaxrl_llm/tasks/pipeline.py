@@ -5,11 +5,12 @@
   state = it.get_state()      # goes into the checkpoint
   it2 = make_prompt_iterator(...same args...); it2.set_state(state)   # next(it2) == next(it)
 
-Batch fields (B = batch size, P = prompt width, A = answer width):
-  prompt_tokens  int32[B, P]  BOS + prompt characters, left-padded with pad_id
+Batch fields (B = batch size, P = prompt width, A = answer width), encoded by ``encoder``
+(``tasks.encoder.Encoder``; default the char tokenizer: BOS + prompt characters, answer + EOS):
+  prompt_tokens  int32[B, P]  prompt ids, left-padded with the tokenizer's pad id
   prompt_len     int32[B]     number of non-pad prompt tokens (BOS included)
-  answer_tokens  int32[B, A]  reference answer + EOS, right-padded with pad_id
-  answer_len     int32[B]     number of answer tokens (EOS included)
+  answer_tokens  int32[B, A]  reference answer + its end id, right-padded with the pad id
+  answer_len     int32[B]     number of answer tokens (end id included)
   prompt, answer bytes[B]     UTF-8 text, for the host-side reward
   example_id     int64[B]     index of the example in its split
 
@@ -29,8 +30,8 @@ import grain
 import numpy as np
 
 from jaxrl_llm.tasks import get_task
-from jaxrl_llm.tasks import tokenizer as tok
-from jaxrl_llm.tasks.base import Task, num_held_out, prompt_ids, split_examples, target_ids
+from jaxrl_llm.tasks.base import Task, num_held_out, split_examples
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder, round_width
 
 
 def _memory_source(task_name, split, task_kwargs, *, data_dir, seed, num_train, num_test):
@@ -50,12 +51,13 @@ def _tfds_source(task_name, split, task_kwargs, *, data_dir, seed, num_train, nu
 SOURCES: dict[str, Callable[..., Any]] = {"memory": _memory_source, "tfds": _tfds_source}
 
 
-def to_element(record: dict[str, Any], *, prompt_width: int, answer_width: int) -> dict[str, Any]:
+def to_element(record: dict[str, Any], *, prompt_width: int, answer_width: int,
+               encoder: Encoder = CHAR_ENCODER) -> dict[str, Any]:
   """Turns a record ``{"prompt", "answer": bytes|str, "example_id"}`` into padded token arrays."""
   prompt = record["prompt"].decode() if isinstance(record["prompt"], bytes) else record["prompt"]
   answer = record["answer"].decode() if isinstance(record["answer"], bytes) else record["answer"]
-  prompt_tokens, prompt_len = tok.pad_left([prompt_ids(prompt)], prompt_width)
-  answer_tokens, answer_len = tok.pad_right([target_ids(answer)], answer_width)
+  prompt_tokens, prompt_len = encoder.pad_prompts([prompt], prompt_width)
+  answer_tokens, answer_len = encoder.pad_targets([answer], answer_width)
   return {
       "prompt_tokens": prompt_tokens[0],
       "prompt_len": prompt_len[0],
@@ -67,9 +69,16 @@ def to_element(record: dict[str, Any], *, prompt_width: int, answer_width: int) 
   }
 
 
-def widths(task: Task) -> tuple[int, int]:
-  """Default ``(prompt_width, answer_width)``: the task's bounds plus BOS / EOS."""
-  return task.max_prompt_len + 1, task.max_answer_len + 1
+def widths(task: Task, records=(), encoder: Encoder = CHAR_ENCODER) -> tuple[int, int]:
+  """Default ``(prompt_width, answer_width)``: the task's bounds plus BOS / EOS (char tokenizer, raw),
+  else the longest encoding among ``records`` rounded up to a shape bucket (``tasks.encoder.round_width``)."""
+  if encoder.exact_char_widths:
+    return task.max_prompt_len + 1, task.max_answer_len + 1
+  text = lambda x: x.decode() if isinstance(x, bytes) else x
+  rows = [records[i] for i in range(len(records))]
+  longest = lambda ids: max((len(x) for x in ids), default=1)
+  return (round_width(longest(encoder.prompt_ids(text(r["prompt"])) for r in rows)),
+          round_width(longest(encoder.target_ids(text(r["answer"])) for r in rows)))
 
 
 def make_prompt_dataset(task_name: str, split: str, batch_size: int, seed: int,
@@ -78,22 +87,23 @@ def make_prompt_dataset(task_name: str, split: str, batch_size: int, seed: int,
                         num_train: int = 5000, num_test: int | None = None,
                         prompt_width: int | None = None, answer_width: int | None = None,
                         shuffle: bool = True, num_epochs: int | None = None,
-                        drop_remainder: bool = True) -> grain.MapDataset:
+                        drop_remainder: bool = True, encoder: Encoder = CHAR_ENCODER) -> grain.MapDataset:
   """The batched grain ``MapDataset`` behind ``make_prompt_iterator`` (same arguments)."""
   if source not in SOURCES:
     raise ValueError(f"unknown source {source!r}; valid sources: {sorted(SOURCES)}")
   task = get_task(task_name, **(task_kwargs or {}))
-  default_p, default_a = widths(task)
   if num_test is None:  # auto: 500 generated prompts, or 10% of a data file's rows (base.num_held_out)
     num_test = num_held_out(task, 0, num_train)
   records = SOURCES[source](task_name, split, task_kwargs, data_dir=data_dir, seed=data_seed,
                             num_train=num_train, num_test=num_test)
+  default_p, default_a = (prompt_width, answer_width) if prompt_width and answer_width else widths(
+      task, records, encoder)
   ds = grain.MapDataset.source(records)
   if shuffle:
     ds = ds.shuffle(seed=seed)  # reshuffled each epoch (grain folds the epoch into the seed)
   ds = ds.repeat(num_epochs)
   ds = ds.map(lambda r: to_element(r, prompt_width=prompt_width or default_p,
-                                   answer_width=answer_width or default_a))
+                                   answer_width=answer_width or default_a, encoder=encoder))
   return ds.batch(batch_size, drop_remainder=drop_remainder)
 
 
@@ -114,7 +124,8 @@ def make_prompt_iterator(task_name: str, split: str, batch_size: int, seed: int,
     data_dir: TFDS data dir (default ``~/.cache/jaxrl_llm/tfds``); unused by ``source="memory"``.
     **kwargs: ``source`` ("tfds" | "memory"), ``task_kwargs``, ``data_seed``, ``num_train``,
       ``num_test`` (None = ``base.num_held_out``'s automatic size), ``prompt_width``, ``answer_width``, ``shuffle``, ``num_epochs`` (None =
-      forever), ``drop_remainder``; see ``make_prompt_dataset``.
+      forever), ``drop_remainder``, ``encoder`` (``tasks.encoder.Encoder``, default the char
+      tokenizer); see ``make_prompt_dataset``.
   """
   ds = make_prompt_dataset(task_name, split, batch_size, seed, data_dir, **kwargs)
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
