@@ -63,12 +63,12 @@ def sampler_availability(task: str, base: str = "default") -> dict:
 
 def _unwired_model_fields(base: str, task: str, over: dict) -> str | None:
   """A reason when a `model.*` override validates but does not reach the model the loop builds."""
-  from jaxrl_llm import loop
+  from jaxrl_llm import policy_init
   c = common.make_config(base, {**common.TASKS[task], **over})
-  mc = loop.model_config(c, 8)
+  mc = policy_init.model_config(c, 8)
   for dotted, value in over.items():
     if dotted.startswith("model.") and getattr(mc, dotted.split(".", 1)[1], None) != value:
-      return f"not available yet: config.{dotted} is accepted but jaxrl_llm.loop.model_config does not pass it on"
+      return f"not available yet: config.{dotted} is accepted but jaxrl_llm.policy_init.model_config does not pass it on"
   return None
 
 

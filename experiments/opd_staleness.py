@@ -102,12 +102,12 @@ def heldout_kls(params, r, teacher) -> dict:
   held-out prompts, so the numbers measure the distillation objective itself, free of the staleness
   of the training batches.
   """
-  from jaxrl_llm import loop
   from jaxrl_llm.sampling import generate
+  from jaxrl_llm.sft import full_sequence
   tcfg, tparams = teacher
   g = generate(params, jnp.asarray(r.test.tokens_BP), jnp.asarray(r.test.len_B), jax.random.key(1234),
                r.sampler_model_cfg, r.samp_cfg)
-  seq = loop.full_sequence(r.test, np.asarray(g["tokens_BN"]), np.asarray(g["mask_BN"]), r.encoder.tokenizer.pad_id)
+  seq = full_sequence(r.test, np.asarray(g["tokens_BN"]), np.asarray(g["mask_BN"]), r.encoder.tokenizer.pad_id)
   mask = jnp.asarray(g["mask_BN"], jnp.float32)
   rev, fwd = _dense_kls(params, tparams, r.model_cfg, tcfg, float(r.c.sampler.temperature), *seq, mask)
   return {"kl_rev": float(rev), "kl_fwd": float(fwd)}
@@ -130,14 +130,14 @@ def divergence_probe(r, teacher):
 
 def run_with_probe(base: str, overrides: dict, workdir: str) -> dict:
   """`common.run_one` plus held-out teacher–student KLs at every evaluation (`divergence_probe`)."""
-  from jaxrl_llm import loop
+  from jaxrl_llm import loop, policy_init
   from jaxrl_llm.distill import teacher as teacher_lib
   c = common.make_config(base, overrides)
   shutil.rmtree(workdir, ignore_errors=True)
   r = loop.setup(c)
   teacher = teacher_lib.load_teacher(c, r.P, r.train_examples, r.model_cfg.vocab_size, r.encoder)
   on_step, kls = divergence_probe(r, teacher)
-  kl0 = heldout_kls(loop.initial_policy(c, r.model_cfg, r.k_init)[1], r, teacher)
+  kl0 = heldout_kls(policy_init.initial_policy(c, r.model_cfg, r.k_init)[1], r, teacher)
   t0 = time.perf_counter()
   rows = loop.run(c, workdir, on_step=on_step)
   with open(os.path.join(workdir, "run_info.json")) as f:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+from typing import Callable, Iterable
 
 import ml_collections
 
@@ -190,14 +191,24 @@ def _validate_replay(c: ml_collections.ConfigDict) -> None:
           f"must be >= rollout.lag={c.rollout.lag} under stale_policy='drop' (fresh groups already have that lag)")
 
 
+# Loss needs that optional run components add (on-policy distillation: `jaxrl_llm.distill.opd`), by
+# component name. Each component registers itself when imported, so this module imports none of them;
+# `jaxrl_llm.loop` imports them all, so a run (and `python -m jaxrl_llm`) validates with every one.
+_NEEDS_PROVIDERS: dict[str, Callable[[ml_collections.ConfigDict], Iterable[str]]] = {}
+
+
+def register_needs(component: str, provided: Callable[[ml_collections.ConfigDict], Iterable[str]]) -> None:
+  """Registers `provided(c)`: the loss needs `component` supplies to a run of config `c` (none when it is off)."""
+  _NEEDS_PROVIDERS[component] = provided
+
+
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:
   """Loss needs an RL run can satisfy; the learner computes only those the chosen loss declares.
 
   Distillation needs (teacher scores, student logits/top-k, Monte-Carlo samples, eviction masks) are
-  provided by the distillation runs, not by this RL loop.
+  provided by the components registered with `register_needs`, not by the RL loop itself.
   """
   need = {"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag", "tokens", "state", "perturb"}
-  if c.get("distill") and c.distill.teacher:
-    from jaxrl_llm.distill import opd
-    need |= set(opd.PROVIDED_NEEDS)
+  for provided in _NEEDS_PROVIDERS.values():
+    need |= set(provided(c))
   return need

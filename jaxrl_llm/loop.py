@@ -37,12 +37,15 @@ import numpy as np
 from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import advantages, learner, losses, metrics as metrics_lib, preemption
+from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, initial_policy, model_config
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.sft import sft_warm_start
 from jaxrl_llm.tasks import get_task, num_held_out
 from jaxrl_llm.tasks import encoder as encoder_lib
 from jaxrl_llm.tasks import tokenizer as tok
@@ -100,39 +103,6 @@ def check_context(c: ml_collections.ConfigDict, width: int, context: int | None)
                                  f"sampler.max_new_tokens {N} reach past {where}")
 
 
-def checkpoint_config(c: ml_collections.ConfigDict) -> ModelConfig | None:
-  """The architecture of `model.init_from` from its config.json (no weights read), None without one."""
-  if not c.model.init_from:
-    return None
-  from jaxrl_llm.models.hf import config_from_hf
-  path = os.path.join(c.model.init_from, "config.json")
-  if not os.path.isfile(path):
-    raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: not a Hugging Face checkpoint "
-                                 "folder (no config.json there)")
-  with open(path) as f:
-    try:
-      return config_from_hf(json.load(f), param_dtype="float32")
-    except (ValueError, KeyError) as e:
-      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}") from None
-
-
-def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok.vocab_size) -> ModelConfig:
-  """The from-scratch model of the config's `model` fields, over the tokenizer's `vocab_size`."""
-  m = c.model
-  return ModelConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-                     n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
-                     tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
-                     layer_unroll=layer_unroll(c),
-                     num_experts=m.num_experts, experts_per_token=m.experts_per_token,
-                     capacity_factor=m.capacity_factor, max_seq_len=width + c.sampler.max_new_tokens)
-
-
-def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> int:
-  """`model.layer_unroll` with 0 meaning every layer (a config stays valid when n_layers changes);
-  `n_layers` defaults to the config's (a Hugging Face checkpoint brings its own)."""
-  return c.model.layer_unroll or n_layers or c.model.n_layers
-
-
 def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
                    tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> SamplerConfig:
   """The sampler settings of `config.sampler` (greedy for evaluation); stop and pad ids are the tokenizer's."""
@@ -172,64 +142,6 @@ def replay_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict | N
   r = c.rollout.replay.copy_and_resolve_references()
   r.fresh_per_step = r.fresh_per_step or c.rollout.prompts_per_step
   return r
-
-
-def checkpoint_model_config(c, model_cfg: ModelConfig, hf_cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
-  """The checkpoint's architecture with the run's numerics; its embedding must cover the tokenizer's ids
-  (a larger, padded vocabulary is fine)."""
-  if hf_cfg.vocab_size < tokenizer_vocab:
-    raise config_lib.ConfigError(
-        f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} is smaller than "
-        f"its tokenizer's vocab_size={tokenizer_vocab}")
-  return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
-                             layer_unroll=layer_unroll(c, hf_cfg.n_layers),
-                             max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len))
-
-
-def initial_policy(c, model_cfg: ModelConfig, key, tokenizer_vocab: int | None = None) -> tuple[ModelConfig, Any]:
-  """Random init, or a Hugging Face checkpoint folder (`model.init_from`) whose vocabulary covers the
-  tokenizer's (`tokenizer_vocab`, default `model_cfg.vocab_size`)."""
-  if not c.model.init_from:
-    return model_cfg, init_params(model_cfg, key)
-  from jaxrl_llm.models import load_hf
-  hf_cfg, params = load_hf(c.model.init_from, param_dtype="float32")
-  return checkpoint_model_config(c, model_cfg, hf_cfg, tokenizer_vocab or model_cfg.vocab_size), params
-
-
-def full_sequence(p: collect.Prompts, tokens_BN, mask_BN, pad_id: int = tok.pad_id):
-  """(sequence, positions, segment ids) of left-padded prompts followed by completions (sampler layout);
-  `pad_id` (the tokenizer's) fills every position that is not a real token."""
-  P = p.tokens_BP.shape[1]
-  N = tokens_BN.shape[1]
-  first = P - p.len_B
-  col = np.arange(P)
-  real = col[None, :] >= first[:, None]
-  pos_P = np.where(real, col[None, :] - first[:, None], 0)
-  pos_N = p.len_B[:, None] + np.arange(N)[None, :]
-  seq = np.concatenate([np.where(real, p.tokens_BP, pad_id), np.where(mask_BN, tokens_BN, pad_id)], 1)
-  seg = np.concatenate([real, mask_BN], 1).astype(np.int32)
-  return (jnp.asarray(seq, jnp.int32), jnp.asarray(np.concatenate([pos_P, pos_N], 1), jnp.int32), jnp.asarray(seg))
-
-
-def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int, encoder: Encoder = CHAR_ENCODER) -> tuple[Any, float]:
-  """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy; prompts and
-  targets (answer + EOS, or the chat end-of-turn id) through the run's `encoder`, cut at N tokens."""
-  if c.sft.steps <= 0:
-    return params, float("nan")
-  tx = learner.make_optimizer(c.sft.lr, grad_clip=1.0, warmup_steps=min(20, c.sft.steps // 10))
-  opt_state = tx.init(params)
-  step_fn = learner.make_sft_step(model_cfg, tx)
-  N = c.sampler.max_new_tokens
-  rng = np.random.default_rng([c.seed, 11])
-  loss = float("nan")
-  for _ in range(c.sft.steps):
-    exs = [train[int(i)] for i in rng.choice(len(train), c.sft.batch_size)]
-    p = collect.encode_prompts(exs, P, encoder)
-    tgt, len_B = encoder.pad_targets([ex["answer"] for ex in exs], N, truncate=True)
-    mask_BN = np.arange(N)[None, :] < len_B[:, None]
-    seq, pos, seg = full_sequence(p, tgt, mask_BN, encoder.tokenizer.pad_id)
-    params, opt_state, loss = step_fn(params, opt_state, seq, pos, seg, jnp.asarray(mask_BN, jnp.float32))
-  return params, float(loss)
 
 
 def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
@@ -329,7 +241,6 @@ def setup(c: ml_collections.ConfigDict) -> Run:
     train_step = learner.fuse_reference(train_step, score, **shard_kw)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
-    from jaxrl_llm.distill import opd
     batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,
                                          student_cfg=model_cfg, encoder=encoder)
   return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=dataclasses.replace(model_cfg, dtype=c.sampler.dtype),

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxrl_llm import loop
+from jaxrl_llm import loop, policy_init
 from jaxrl_llm.config import load_file
 from jaxrl_llm.metrics import read_jsonl
 
@@ -26,7 +26,7 @@ def fresh_run(c):
   """(run, train state, extra copies, ParamStore with version 0 published) of config `c`, without SFT:
   what a test needs to call the loop's pieces (`sync_rollout`, `make_batch`, ...) directly."""
   r = loop.setup(c)
-  state, extra = loop.fresh_state(r, loop.initial_policy(c, r.model_cfg, r.k_init)[1])
+  state, extra = loop.fresh_state(r, policy_init.initial_policy(c, r.model_cfg, r.k_init)[1])
   store = loop.new_store(r)
   store.publish(state.params)
   return r, state, extra, store

@@ -234,13 +234,13 @@ def test_moe_tiny_config_is_a_valid_moe_delta():
 
 
 def _loop_wired_for_moe() -> bool:
-  from jaxrl_llm import loop
+  from jaxrl_llm import policy_init
   c = _moe_tiny()
-  return getattr(loop.model_config(c, 8), "num_experts", 0) == c.model.num_experts
+  return getattr(policy_init.model_config(c, 8), "num_experts", 0) == c.model.num_experts
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _loop_wired_for_moe(), reason="loop.model_config does not pass model.num_experts yet")
+@pytest.mark.skipif(not _loop_wired_for_moe(), reason="policy_init.model_config does not pass model.num_experts yet")
 def test_moe_tiny_runs_end_to_end(tmp_path):
   from jaxrl_llm import loop
   c = _moe_tiny()

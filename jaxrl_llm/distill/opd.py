@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import ml_collections
 
+from jaxrl_llm import config as config_lib
 from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 
@@ -39,6 +40,14 @@ _TEACHER_NEEDS = ("teacher_logp", "teacher_logits", "teacher_topk", "sup_drift")
 # Fields every distill section must have, and those only the "sft" teacher reads.
 _COMMON_FIELDS = ("teacher", "teacher_cache_dir", "topk", "temperature")
 _SFT_FIELDS = ("teacher_d_model", "teacher_n_layers", "teacher_sft_steps")
+
+
+def provided_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The loss needs this module supplies to a run of config `c`: `PROVIDED_NEEDS` when `distill.teacher` is set."""
+  return PROVIDED_NEEDS if c.get("distill") and c.distill.teacher else ()
+
+
+config_lib.register_needs("distill", provided_needs)  # config.validate accepts OPD losses once this is imported
 
 
 def validate(c: ml_collections.ConfigDict) -> None:

@@ -2,7 +2,7 @@
 
 Two sources (config `distill.teacher`):
   "sft"       a larger model of the student's family (`distill.teacher_d_model`, `teacher_n_layers`)
-              trained by a teacher-forced SFT on the task's reference answers (`loop.sft_warm_start`,
+              trained by a teacher-forced SFT on the task's reference answers (`sft.sft_warm_start`,
               `distill.teacher_sft_steps` steps). It is trained once per (task, seed, size, SFT
               settings) and cached as a Hugging Face folder under `distill.teacher_cache_dir`; later
               runs load the cached folder bit for bit.
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jaxrl_llm import policy_init, sft
 from jaxrl_llm.distill.topk_cache import build_topk_cache
 from jaxrl_llm.models import ModelConfig, forward, init_params
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
@@ -91,12 +92,11 @@ def cache_dir(c: ml_collections.ConfigDict) -> str:
 def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples,
                       encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any, float]:
   """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task."""
-  from jaxrl_llm import loop  # local: loop imports this package lazily, never the other way at import time
   ct = teacher_config(c)
-  cfg = loop.model_config(ct, width, encoder.tokenizer.vocab_size)
+  cfg = policy_init.model_config(ct, width, encoder.tokenizer.vocab_size)
   # Its own init key, so the teacher never shares an initialisation with the student of the same seed.
   params = init_params(cfg, jax.random.fold_in(jax.random.key(c.seed), 0x7EAC))
-  params, loss = loop.sft_warm_start(ct, cfg, params, train_examples, width, encoder)
+  params, loss = sft.sft_warm_start(ct, cfg, params, train_examples, width, encoder)
   return cfg, params, loss
 
 

@@ -1,0 +1,73 @@
+"""The policy a run starts from: its architecture (config fields or a Hugging Face checkpoint) and
+initial parameters (random init or the checkpoint's weights).
+
+Used by the loop for the student and by `distill.teacher` for an SFT teacher; imports no run wiring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.tasks import tokenizer as tok
+
+
+def checkpoint_config(c: ml_collections.ConfigDict) -> ModelConfig | None:
+  """The architecture of `model.init_from` from its config.json (no weights read), None without one."""
+  if not c.model.init_from:
+    return None
+  from jaxrl_llm.models.hf import config_from_hf
+  path = os.path.join(c.model.init_from, "config.json")
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: not a Hugging Face checkpoint "
+                                 "folder (no config.json there)")
+  with open(path) as f:
+    try:
+      return config_from_hf(json.load(f), param_dtype="float32")
+    except (ValueError, KeyError) as e:
+      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}") from None
+
+
+def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok.vocab_size) -> ModelConfig:
+  """The from-scratch model of the config's `model` fields, over the tokenizer's `vocab_size`."""
+  m = c.model
+  return ModelConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                     n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
+                     tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
+                     layer_unroll=layer_unroll(c),
+                     num_experts=m.num_experts, experts_per_token=m.experts_per_token,
+                     capacity_factor=m.capacity_factor, max_seq_len=width + c.sampler.max_new_tokens)
+
+
+def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> int:
+  """`model.layer_unroll` with 0 meaning every layer (a config stays valid when n_layers changes);
+  `n_layers` defaults to the config's (a Hugging Face checkpoint brings its own)."""
+  return c.model.layer_unroll or n_layers or c.model.n_layers
+
+
+def checkpoint_model_config(c, model_cfg: ModelConfig, hf_cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
+  """The checkpoint's architecture with the run's numerics; its embedding must cover the tokenizer's ids
+  (a larger, padded vocabulary is fine)."""
+  if hf_cfg.vocab_size < tokenizer_vocab:
+    raise config_lib.ConfigError(
+        f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} is smaller than "
+        f"its tokenizer's vocab_size={tokenizer_vocab}")
+  return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
+                             layer_unroll=layer_unroll(c, hf_cfg.n_layers),
+                             max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len))
+
+
+def initial_policy(c, model_cfg: ModelConfig, key, tokenizer_vocab: int | None = None) -> tuple[ModelConfig, Any]:
+  """Random init, or a Hugging Face checkpoint folder (`model.init_from`) whose vocabulary covers the
+  tokenizer's (`tokenizer_vocab`, default `model_cfg.vocab_size`)."""
+  if not c.model.init_from:
+    return model_cfg, init_params(model_cfg, key)
+  from jaxrl_llm.models import load_hf
+  hf_cfg, params = load_hf(c.model.init_from, param_dtype="float32")
+  return checkpoint_model_config(c, model_cfg, hf_cfg, tokenizer_vocab or model_cfg.vocab_size), params
