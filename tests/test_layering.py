@@ -55,3 +55,25 @@ def test_contracts_catch_a_back_arrow(tmp_path, path, stmt, reported):
   out = lint_imports(str(tmp_path))
   assert out.returncode == 1, out.stdout + out.stderr
   assert "BROKEN" in out.stdout and reported in out.stdout, out.stdout
+
+
+def test_config_learns_the_opd_needs_from_the_component_not_an_import():
+  """`config` imports no distillation code; importing the loop (as every run does) registers OPD's needs."""
+  code = """if True:
+    import sys
+    from jaxrl_llm import config
+    c = config.load_file(sys.argv[1])
+    assert c.distill.teacher and "jaxrl_llm.distill.opd" not in sys.modules
+    assert "teacher_logits" not in config.available_needs(c)
+    from jaxrl_llm import loop
+    assert {"teacher_logp", "teacher_logits", "teacher_topk", "student_logits"} <= config.available_needs(c)
+    c.loss.name = "opd_forward_kl"
+    config.validate(c)
+    c.distill.teacher = ""
+    assert "teacher_logits" not in config.available_needs(c)
+    print("ok")
+  """
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "configs", "opd_tiny.py")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
