@@ -97,8 +97,17 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
   h_BTD, routing = hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT,
                                       segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk,
                                       query_start=query_start)
-  targets_BT = targets_BT[:, query_start:]
-  w_DV = lm_head_weights(params, cfg)
+  return {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
+                         chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                         max_chunk_elements=max_chunk_elements), **routing}
+
+
+def head_logprobs(h_BTD: Array, targets_BT: Array, w_DV: Array, *, temperature: float = 1.0, chunk_size: int = 256,
+                  with_entropy: bool = False, topk: int = 0, gather_ids_BTK: Array | None = None,
+                  max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> dict:
+  """The chunked lm-head of `token_logprobs` on given final hidden states `h_BTD` (compute dtype) and
+  head weights `w_DV` (`models.lm_head_weights`): per-token statistics without any [B, T, V] array.
+  Arguments and outputs as in `token_logprobs` (targets already aligned with h_BTD)."""
   B, T, D = h_BTD.shape
   C = chunk_positions(B, T, w_DV.shape[-1], chunk_size, max_chunk_elements)
   N = math.ceil(T / C)
@@ -114,5 +123,4 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
 
   out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), xs)
   # [N, B, C, ...] -> [B, N*C, ...] -> drop the padded tail.
-  out = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
-  return {**out, **routing}
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
