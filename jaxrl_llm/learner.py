@@ -78,29 +78,32 @@ class Batch:
 
 
 def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
-                        temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None) -> dict:
+                        temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None,
+                        gather_ids_BTK=None) -> dict:
   """Log-probs (and entropy) of the last `n_new` tokens of each sequence under `params`.
 
   Position j of the result scores completion token j given everything before it, exactly the
   context the sampler used (see `sampling.generate`). `routes_BTLk` (MoE) replays the sampler's
   expert ids for every input token; the result then also holds the scalar "router_aux_loss".
+  `gather_ids_BTK` [B, n_new, K]: also return "gathered_logp_BTK", the tempered log-probs at those ids
+  (chunked lm-head: no [B, n_new, V] array).
   """
   routes = None if routes_BTLk is None else routes_BTLk[:, :-1]
   P = sequence_BT.shape[1] - n_new
   # query_start: prompt positions only feed keys/values; their outputs are never scored.
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       perturb=perturb, routes_BTLk=routes, query_start=P - 1)
+                       perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTK=gather_ids_BTK)
   out.pop("routes_BTLk", None)
   return out
 
 
 def student_distribution_inputs(params, batch: Batch, cfg: ModelConfig, temperature: float, n_new: int) -> dict:
-  """Differentiable student distributions over the completion positions, for distillation losses.
+  """Differentiable student distributions over the completion positions, for dense distillation losses.
 
   `student_logits_BTV`: tempered logits [B, N, V]; `student_topk_logp_BTK`: the student's log-probs at
-  the teacher's top-k ids (when the batch carries them). This is the plain full-vocabulary path, fine
-  for the small vocabularies of the built-in tasks; large vocabularies want a chunked gather.
+  the teacher's top-k ids (when the batch carries them). Full-vocabulary: only losses that read
+  `student_logits` come here; top-k-only losses get the chunked gather of `completion_logprobs`.
   """
   from jaxrl_llm.models import forward
   P = batch.sequence_BT.shape[1] - n_new
@@ -186,7 +189,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   hp = losses.make_hparams(spec, loss_hparams)
   with_entropy = True  # logged every step (DESIGN §3); it enters the loss only via needs / entropy_coef
   perturbed = "perturb" in spec.needs
-  student_dense = bool({"student_logits", "student_topk"} & spec.needs)
+  # Dense losses read [B, N, V] student logits; top-k losses only the student at the teacher's ids,
+  # which the chunked lm-head gathers without any [B, N, V] array.
+  student_dense = "student_logits" in spec.needs
+  student_topk = "student_topk" in spec.needs and not student_dense
   if not isinstance(grad_accum, int) or grad_accum < 1:
     raise ValueError(f"optim.grad_accum must be an int >= 1, got {grad_accum!r}")
   if grad_accum > 1 and spec.init_state is not None:
@@ -203,8 +209,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     n_new = batch.mask_BN.shape[1]
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
     perturb = (hook["log_sigma_L"], key) if perturbed else None
+    topk_ids = (batch.extra or {}).get("teacher_topk_ids_BTK") if student_topk else None
     out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                              model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk)
+                              model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk,
+                              gather_ids_BTK=topk_ids)
     prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
@@ -215,6 +223,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
       inputs = inputs.replace(**batch.extra)
     if student_dense:
       inputs = inputs.replace(**student_distribution_inputs(params, batch, model_cfg, temperature, n_new))
+    elif topk_ids is not None:
+      inputs = inputs.replace(student_topk_logp_BTK=out["gathered_logp_BTK"])
     losses.check_needs(spec, inputs)
     loss_BT, aux = spec.fn(inputs, hp)
     aux = dict(aux)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import logits_from_hidden
+from jaxrl_llm.models.logprobs import head_logprobs, token_logprobs
+from jaxrl_llm.models.transformer import lm_head_weights
 
 Array = jax.Array
 
@@ -161,18 +162,18 @@ def packed_logprobs(params: dict, packed: dict, cfg: ModelConfig) -> Array:
   tokens = jnp.asarray(packed["tokens_T"])[None]
   h = hidden_masked(params, tokens, cfg, positions_BT=jnp.asarray(packed["positions_T"])[None],
                     mask_BTT=jnp.asarray(packed["mask_TT"])[None])
-  logp_TV = jax.nn.log_softmax(logits_from_hidden(params, h, cfg)[0], axis=-1)
   par = jnp.asarray(packed["parent_T"])
-  out = logp_TV[jnp.maximum(par, 0), tokens[0]]
+  # Token i is scored at its parent's position; the chunked lm-head holds no [T, V] logits.
+  h_parent = h[:, jnp.maximum(par, 0)].astype(cfg.compute_dtype)
+  out = head_logprobs(h_parent, tokens, lm_head_weights(params, cfg))["logp_BT"][0]
   return jnp.where(par >= 0, out, 0.0)
 
 
 def logit_tree_logprobs(params: dict, tree: dict, cfg: ModelConfig, T: int) -> Array:
   """Per physical token [T]: its log-prob from the branch that counts it (0 elsewhere); K+1 rows, one forward each."""
-  from jaxrl_llm.models.transformer import forward  # noqa: PLC0415 (kept local: the packed path does not need it)
-  logits = forward(params, jnp.asarray(tree["tokens_BT"]), cfg, positions_BT=jnp.asarray(tree["positions_BT"]),
-                   segment_ids_BT=jnp.asarray(tree["segment_ids_BT"]))
-  lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(tree["targets_BT"])[..., None], -1)[..., 0]
+  lp = token_logprobs(params, jnp.asarray(tree["tokens_BT"]), jnp.asarray(tree["targets_BT"]), cfg,
+                      positions_BT=jnp.asarray(tree["positions_BT"]),
+                      segment_ids_BT=jnp.asarray(tree["segment_ids_BT"]))["logp_BT"]
   m = jnp.asarray(tree["loss_mask_BT"]) > 0
   src = jnp.where(m, jnp.asarray(tree["target_src_BT"]), T)  # uncounted slots scatter into a dropped bin
   return jnp.zeros(T + 1, jnp.float32).at[src.reshape(-1)].add(jnp.where(m, lp, 0.0).reshape(-1))[:T]

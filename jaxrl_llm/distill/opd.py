@@ -100,7 +100,9 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   validate(c)
   fields = extra_fields(c.loss.name)
   cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size, encoder)
-  score = teacher_lib.make_teacher_scorer(cfg, scoring_temperature(c), c.distill.topk)
+  # Only dense losses get [B, N, V] teacher log-probs; the others are scored with a chunked lm-head.
+  score = teacher_lib.make_teacher_scorer(cfg, scoring_temperature(c), c.distill.topk,
+                                          dense="teacher_logits_BTV" in fields)
 
   def extras(ro: dict, seq, mask_BN) -> dict:
     del ro  # the sequences carry everything; a frozen teacher does not depend on the rollout's version

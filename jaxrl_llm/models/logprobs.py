@@ -1,8 +1,10 @@
 """Token log-probabilities (+ entropy, top-k) from a chunked lm-head.
 
 The full [B, T, V] logits are never materialised: the final hidden states are computed once, then the
-sequence is cut into chunks of `chunk_size` positions and each chunk applies the lm-head and reduces
-its logits to per-token statistics. The chunk function is rematerialised (`jax.checkpoint`), so the
+sequence is cut into chunks of C positions and each chunk applies the lm-head and reduces its logits
+to per-token statistics. C is `chunk_size` capped so that one chunk's [B, C, V] logits hold at most
+`max_chunk_elements` values (16 MiB of float32 by default): at a real vocabulary (V = 49,152, B = 32)
+that is a few positions per chunk. The chunk function is rematerialised (`jax.checkpoint`), so the
 backward pass recomputes one chunk's logits at a time instead of storing all of them.
 """
 
@@ -19,6 +21,15 @@ from jaxrl_llm.models.transformer import hidden_with_routing, lm_head_weights
 
 Array = jax.Array
 
+# Default cap on B * C * V, the logits of one lm-head chunk (2^22 float32 = 16 MiB).
+MAX_CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_positions(batch: int, length: int, vocab: int, chunk_size: int,
+                    max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> int:
+  """Positions per lm-head chunk: `chunk_size`, at most `length`, and B * C * V <= max_chunk_elements."""
+  return max(1, min(chunk_size, length, max_chunk_elements // max(1, batch * vocab)))
+
 
 def logprobs_from_logits(logits_BTV: Array, targets_BT: Array, temperature: float = 1.0) -> Array:
   """Reference path: log_softmax(logits / temperature) at the target ids, float32 [B, T]."""
@@ -27,7 +38,7 @@ def logprobs_from_logits(logits_BTV: Array, targets_BT: Array, temperature: floa
 
 
 def _head_stats(logits_BCV: Array, targets_BC: Array, temperature: float, with_entropy: bool,
-                topk: int) -> dict:
+                topk: int, gather_ids_BCK: Array | None = None) -> dict:
   """Per-token statistics of softmax(logits / temperature) for one chunk."""
   scaled_BCV = logits_BCV / temperature
   lse_BC = jax.nn.logsumexp(scaled_BCV, axis=-1)
@@ -40,6 +51,13 @@ def _head_stats(logits_BCV: Array, targets_BC: Array, temperature: float, with_e
     vals_BCK, ids_BCK = jax.lax.top_k(scaled_BCV, topk)
     out["topk_logp_BTK"] = vals_BCK - lse_BC[..., None]
     out["topk_ids_BTK"] = ids_BCK
+    # log(1 - sum_k p_k) from the logits outside the top-k (exact; no 1 - sum cancellation).
+    b_BCK, c_BCK = jnp.indices(ids_BCK.shape)[:2]
+    in_top_BCV = jnp.zeros(scaled_BCV.shape, bool).at[b_BCK, c_BCK, ids_BCK].set(True)
+    out["topk_residual_logp_BT"] = jax.nn.logsumexp(jnp.where(in_top_BCV, -jnp.inf, scaled_BCV), axis=-1) - lse_BC
+  if gather_ids_BCK is not None:
+    got_BCK = jnp.take_along_axis(scaled_BCV, jnp.maximum(gather_ids_BCK, 0), axis=-1) - lse_BC[..., None]
+    out["gathered_logp_BTK"] = jnp.where(gather_ids_BCK >= 0, got_BCK, -jnp.inf)
   return out
 
 
@@ -47,7 +65,8 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
                    positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
                    temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
                    topk: int = 0, perturb: tuple[Array, Array] | None = None,
-                   routes_BTLk: Array | None = None, query_start: int = 0) -> dict:
+                   routes_BTLk: Array | None = None, query_start: int = 0, gather_ids_BTK: Array | None = None,
+                   max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> dict:
   """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
 
   The distribution is softmax(logits / temperature): use the sampler's temperature so the learner
@@ -60,34 +79,48 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     temperature: > 0.
     chunk_size: positions per lm-head chunk; T need not be a multiple (padded internally).
     with_entropy: also return the entropy of the tempered distribution.
-    topk: if > 0, also return the k most likely ids and their log-probs.
+    topk: if > 0, also return the k most likely ids, their log-probs and the log of the rest's mass.
     query_start: static; score only targets query_start..T-1 (see `hidden_with_routing`): the
       per-token outputs then have T - query_start positions.
+    gather_ids_BTK: optional int ids [B, T - query_start, K]; also return the log-probs at them
+      (differentiable; -inf at ids < 0), e.g. the student at the teacher's top-k ids.
+    max_chunk_elements: cap on B * C * V per chunk (see `chunk_positions`).
 
   Returns:
-    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK"; for an
-    MoE model also "routes_BTLk" (expert ids used) and the scalar "router_aux_loss".
+    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK",
+    "topk_residual_logp_BT" (log(1 - sum of the top-k probabilities); -inf when they hold all the mass),
+    "gathered_logp_BTK"; for an MoE model also "routes_BTLk" (expert ids used) and the scalar
+    "router_aux_loss".
   """
   if isinstance(temperature, (int, float)) and temperature <= 0:
     raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
   h_BTD, routing = hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT,
                                       segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk,
                                       query_start=query_start)
-  targets_BT = targets_BT[:, query_start:]
-  w_DV = lm_head_weights(params, cfg)
+  return {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
+                         chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                         max_chunk_elements=max_chunk_elements), **routing}
+
+
+def head_logprobs(h_BTD: Array, targets_BT: Array, w_DV: Array, *, temperature: float = 1.0, chunk_size: int = 256,
+                  with_entropy: bool = False, topk: int = 0, gather_ids_BTK: Array | None = None,
+                  max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> dict:
+  """The chunked lm-head of `token_logprobs` on given final hidden states `h_BTD` (compute dtype) and
+  head weights `w_DV` (`models.lm_head_weights`): per-token statistics without any [B, T, V] array.
+  Arguments and outputs as in `token_logprobs` (targets already aligned with h_BTD)."""
   B, T, D = h_BTD.shape
-  C = max(1, min(chunk_size, T))
+  C = chunk_positions(B, T, w_DV.shape[-1], chunk_size, max_chunk_elements)
   N = math.ceil(T / C)
   pad = N * C - T
-  h_NBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, N, C, D).swapaxes(0, 1)
-  targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, N, C).swapaxes(0, 1)
+  to_chunks = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
+      B, N, C, *x.shape[2:]).swapaxes(0, 1)
+  xs = (to_chunks(h_BTD), to_chunks(targets_BT)) + (() if gather_ids_BTK is None else (to_chunks(gather_ids_BTK),))
 
   @jax.checkpoint
-  def chunk(w_DV, h_BCD, targets_BC):
+  def chunk(w_DV, h_BCD, targets_BC, gather_ids_BCK=None):
     logits_BCV = project(h_BCD, w_DV, preferred_element_type=jnp.float32)
-    return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk)
+    return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk, gather_ids_BCK)
 
-  out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), (h_NBCD, targets_NBC))
+  out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), xs)
   # [N, B, C, ...] -> [B, N*C, ...] -> drop the padded tail.
-  out = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
-  return {**out, **routing}
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)

@@ -1,0 +1,168 @@
+"""Memory at a real vocabulary: no [B, T, V] float32 logits in the learner, sampler or teacher scoring.
+
+Memory checks compile (never run) at V = 65,536 with a 1-layer d = 32 model, where one [B, T, V]
+float32 array is 512 MiB and everything else is small, and bound XLA's temp allocation
+(`compiled.memory_analysis()`) well below it. The value checks run the chunked paths at a tiny
+vocabulary with chunks of a few positions and compare them with the full-vocabulary computation.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import learner
+from jaxrl_llm.distill import teacher as teacher_lib
+from jaxrl_llm.models import ModelConfig, forward, init_params, logprobs_from_logits, token_logprobs
+from jaxrl_llm.models.logprobs import chunk_positions
+from jaxrl_llm.sampling import generate
+from jaxrl_llm.sampling.config import SamplerConfig
+
+BIG = ModelConfig(vocab_size=65536, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
+                  max_seq_len=512)
+B, T, N, K = 8, 256, 128, 8
+FULL_BTV_BYTES = B * T * BIG.vocab_size * 4  # 512 MiB
+
+
+def _sampler_cfg(**kw):
+  # `eos_id` today; a set of stop ids once the sampler takes several (the config may spell either).
+  fields = SamplerConfig.__dataclass_fields__
+  stop = {"eos_id": 1} if "eos_id" in fields else {"stop_ids": (1,)}
+  return SamplerConfig(**stop, **kw)
+
+
+def _temp_bytes(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def big_params():
+  return jax.eval_shape(lambda: init_params(BIG, jax.random.key(0)))
+
+
+def _batch(n_new, extra=None, seq_len=T):
+  z = lambda *s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt)
+  return learner.Batch(sequence_BT=z(B, seq_len, dt=jnp.int32), positions_BT=z(B, seq_len, dt=jnp.int32),
+                       segment_ids_BT=z(B, seq_len, dt=jnp.int32), mask_BN=z(B, n_new), adv_BN=z(B, n_new),
+                       behavior_logp_BN=z(B, n_new), versions_BN=z(B, n_new, dt=jnp.int32),
+                       lag_B=z(B, dt=jnp.int32), extra=extra)
+
+
+def test_full_logits_would_be_large(big_params):
+  """The bound below is meaningful: the unchunked log-prob gradient holds at least one [B, T, V] array."""
+  tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
+  unchunked = jax.grad(lambda p, t: logprobs_from_logits(forward(p, t, BIG), t).sum())
+  assert _temp_bytes(unchunked, big_params, tok) >= FULL_BTV_BYTES
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "opd_topk_kl"])
+def test_train_step_holds_no_btv_logits(big_params, loss):
+  tx = learner.make_optimizer(1e-3)
+  extra = None
+  if loss == "opd_topk_kl":
+    extra = {"teacher_topk_ids_BTK": jax.ShapeDtypeStruct((B, N, K), jnp.int32),
+             "teacher_topk_logp_BTK": jax.ShapeDtypeStruct((B, N, K), jnp.float32)}
+  state = jax.eval_shape(lambda p: learner.init_state(p, tx), big_params)
+  step = learner.make_train_step(BIG, tx, loss)
+  temp = step.lower(state, _batch(N, extra), jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
+  assert temp < FULL_BTV_BYTES // 4, temp
+
+
+def test_generate_holds_no_bpv_logits(big_params):
+  """Prefill needs the last prompt position's logits only; decode one position per step."""
+  cfg = _sampler_cfg(max_new_tokens=4)
+  temp = _temp_bytes(lambda p, t, n, k: generate(p, t, n, k, BIG, cfg), big_params,
+                     jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32),
+                     jax.random.key(0))
+  assert temp < FULL_BTV_BYTES // 4, temp
+
+
+def test_teacher_scoring_without_dense_logits_holds_no_bnv(big_params):
+  args = (big_params,) + tuple(jax.ShapeDtypeStruct((B, T), jnp.int32) for _ in range(3)) + (
+      jax.ShapeDtypeStruct((B, N), jnp.float32),)
+  score = lambda dense: lambda p, s, q, g, m: teacher_lib.score_completions(p, BIG, s, q, g, m, temperature=1.0,
+                                                                            topk=K, dense=dense)
+  chunked = _temp_bytes(score(False), *args)
+  assert chunked < B * N * BIG.vocab_size * 4 // 4, chunked
+  assert _temp_bytes(score(True), *args) > 2 * chunked  # the dense path really is the large one
+
+
+# ----------------------------------------------------------------------------- values
+
+SMALL = ModelConfig(vocab_size=48, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                    max_seq_len=32, tie_embeddings=False)
+Bs, Ts, Ns = 3, 12, 6
+
+
+def _small_batch(seed=0):
+  rng = np.random.default_rng(seed)
+  seq = jnp.asarray(rng.integers(0, SMALL.vocab_size, (Bs, Ts)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(Ts, dtype=jnp.int32), (Bs, Ts))
+  seg = jnp.ones((Bs, Ts), jnp.int32)
+  mask = jnp.asarray(rng.random((Bs, Ns)) > 0.2, jnp.float32)
+  ids = jnp.asarray(rng.integers(0, SMALL.vocab_size, (Bs, Ns, 4)), jnp.int32)
+  return seq, pos, seg, mask, ids
+
+
+def test_chunk_positions_caps_b_c_v():
+  assert chunk_positions(32, 256, 49152, 256) == 2  # 2^22 // (32 * 49152)
+  assert chunk_positions(32, 256, 64, 256) == 256  # toy vocabularies keep whole-sequence chunks
+  assert chunk_positions(1 << 10, 8, 1 << 20, 256) == 1  # never below one position
+  assert chunk_positions(2, 5, 10, 256, max_chunk_elements=40) == 2
+
+
+def test_capped_chunks_equal_the_full_vocabulary_numpy_reference():
+  """logp, top-k, residual and gathered log-probs from 1-position chunks vs float64 numpy on full logits."""
+  params = init_params(SMALL, jax.random.key(1))
+  seq, pos, seg, _, _ = _small_batch()
+  temp = 0.7
+  ids = jnp.asarray(np.random.default_rng(2).integers(-1, SMALL.vocab_size, (Bs, Ts - 1, 5)), jnp.int32)
+  out = token_logprobs(params, seq[:, :-1], seq[:, 1:], SMALL, positions_BT=pos[:, :-1], temperature=temp, topk=4,
+                       gather_ids_BTK=ids, max_chunk_elements=Bs * SMALL.vocab_size)  # C = 1
+  z = np.asarray(forward(params, seq[:, :-1], SMALL, positions_BT=pos[:, :-1]), np.float64) / temp
+  lp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+  np.testing.assert_allclose(out["logp_BT"], np.take_along_axis(lp, np.asarray(seq[:, 1:])[..., None], -1)[..., 0],
+                             atol=1e-5)
+  order = np.argsort(-lp, axis=-1)[..., :4]
+  np.testing.assert_array_equal(out["topk_ids_BTK"], order)
+  top = np.take_along_axis(lp, order, -1)
+  np.testing.assert_allclose(out["topk_logp_BTK"], top, atol=1e-5)
+  np.testing.assert_allclose(out["topk_residual_logp_BT"], np.log1p(-np.exp(top).sum(-1)), atol=1e-5)
+  want = np.where(np.asarray(ids) >= 0, np.take_along_axis(lp, np.maximum(np.asarray(ids), 0), -1), -np.inf)
+  np.testing.assert_allclose(out["gathered_logp_BTK"], want, atol=1e-5)
+
+
+def test_gathered_student_topk_equals_the_dense_path_in_value_and_gradient():
+  params = init_params(SMALL, jax.random.key(3))
+  seq, pos, seg, mask, ids = _small_batch(4)
+  batch = learner.Batch(sequence_BT=seq, positions_BT=pos, segment_ids_BT=seg, mask_BN=mask,
+                        adv_BN=jnp.zeros_like(mask), behavior_logp_BN=jnp.zeros_like(mask),
+                        versions_BN=jnp.zeros((Bs, Ns), jnp.int32), lag_B=jnp.zeros((Bs,), jnp.int32),
+                        extra={"teacher_topk_ids_BTK": ids})
+
+  def chunked(p):
+    return learner.completion_logprobs(p, seq, pos, seg, Ns, SMALL, 0.8, gather_ids_BTK=ids)["gathered_logp_BTK"]
+
+  def dense(p):
+    return learner.student_distribution_inputs(p, batch, SMALL, 0.8, Ns)["student_topk_logp_BTK"]
+
+  np.testing.assert_allclose(chunked(params), dense(params), atol=1e-5)
+  w = jnp.asarray(np.random.default_rng(5).standard_normal((Bs, Ns, 4)), jnp.float32)
+  g_c = jax.grad(lambda p: jnp.sum(w * chunked(p)))(params)
+  g_d = jax.grad(lambda p: jnp.sum(w * dense(p)))(params)
+  for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_d)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("topk", [5, SMALL.vocab_size])
+def test_chunked_teacher_scores_equal_the_dense_path(topk):
+  params = init_params(SMALL, jax.random.key(6))
+  seq, pos, seg, mask, _ = _small_batch(7)
+  score = lambda dense: teacher_lib.make_teacher_scorer(SMALL, 0.9, topk, dense=dense)(params, seq, pos, seg, mask)
+  dense, chunked = score(True), score(False)
+  assert "teacher_logits_BTV" in dense and "teacher_logits_BTV" not in chunked
+  for k, v in chunked.items():
+    if k.endswith("ids_BTK"):
+      np.testing.assert_array_equal(v, dense[k], err_msg=k)
+    else:
+      np.testing.assert_allclose(v, dense[k], atol=1e-5, err_msg=k)
