@@ -73,9 +73,7 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
     jax.block_until_ready(metrics["loss"])
     extra = {"loss": float(metrics["loss"])}
   else:
-    fields = SamplerConfig.__dataclass_fields__
-    stop = {"eos_id": cfg.vocab_size - 1} if "eos_id" in fields else {"stop_ids": (cfg.vocab_size - 1,)}
-    scfg = SamplerConfig(max_new_tokens=N, temperature=1.0, **stop)
+    scfg = SamplerConfig(max_new_tokens=N, temperature=1.0, stop_ids=(cfg.vocab_size - 1,))
     prompts = np.asarray(rng.integers(3, cfg.vocab_size, (B, P)), np.int32)
     lens = np.full((B,), P, np.int32)
     compiled = _checked(generate.lower(params, prompts, lens, jax.random.key(0), model_cfg=cfg,

@@ -25,10 +25,7 @@ FULL_BTV_BYTES = B * T * BIG.vocab_size * 4  # 512 MiB
 
 
 def _sampler_cfg(**kw):
-  # `eos_id` today; a set of stop ids once the sampler takes several (the config may spell either).
-  fields = SamplerConfig.__dataclass_fields__
-  stop = {"eos_id": 1} if "eos_id" in fields else {"stop_ids": (1,)}
-  return SamplerConfig(**stop, **kw)
+  return SamplerConfig(stop_ids=(1,), **kw)
 
 
 def _temp_bytes(fn, *args) -> int:
