@@ -16,7 +16,7 @@ import numpy as np
 from jaxrl_llm import advantages
 from jaxrl_llm.tasks import tokenizer as tok
 from jaxrl_llm.tasks.base import Task, prompt_ids
-from jaxrl_llm.tasks.reward import safe_reward_batch
+from jaxrl_llm.tasks.reward import RewardPolicy, score_batch
 
 ADVANTAGE_FNS: dict[str, Callable] = {
     "grpo": lambda r, g, n, std: advantages.grpo(r, g, n, std_normalize=std),
@@ -64,11 +64,13 @@ def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int, c
 
 
 def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
-                      timeout_s: float = 5.0) -> tuple[np.ndarray, dict, list[str]]:
-  """Rewards of decoded completions; a reward fn that raises or hangs costs that sample (reward 0)."""
+                      policy: RewardPolicy = RewardPolicy()) -> tuple[np.ndarray, dict, list[str]]:
+  """Rewards of decoded completions, and the counts of `ok` / `error` / `timeout` calls: a reward fn
+  that raises, hangs or returns a non-finite or out-of-bound value costs that sample (reward 0).
+  `policy`: the run's `reward.*` settings (`loop.reward_policy`)."""
   texts = [tok.decode(row) for row in tokens_BN]
   args = [(ex["prompt"], ex["answer"], t) for ex, t in zip(examples, texts)]
-  rb = safe_reward_batch(task.reward, args, timeout_s)
+  rb = score_batch(task.reward, args, policy)
   return rb.reward_B.astype(np.float32), rb.counts, texts
 
 
