@@ -10,8 +10,6 @@ Run:  python -m jaxrl_llm --config=configs/tiny.py --workdir=/tmp/tiny
 
 import pathlib
 
-import ml_collections
-
 from jaxrl_llm.config import load_file
 
 
@@ -22,7 +20,7 @@ def _base():
 def get_config():
   c = _base()
   c.num_steps = 6
-  c.task.kwargs = ml_collections.ConfigDict({"num_digits": 2, "partial_credit": True})
+  c.task.kwargs.partial_credit = True
   c.model.d_model = 32
   c.model.n_heads = 2
   c.model.n_kv_heads = 1

@@ -68,7 +68,7 @@ def main(argv):
   except KeyboardInterrupt:
     if _DEBUG.value:
       raise
-    _fail("interrupted (Ctrl-C) before the training loop started; nothing was saved", 130)
+    _fail("interrupted (Ctrl-C before the training loop, or twice): nothing saved since the last checkpoint", 130)
   except config_lib.ConfigError as e:
     if _DEBUG.value:
       raise

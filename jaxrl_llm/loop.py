@@ -561,7 +561,9 @@ def _restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
       if fields:
         warnings.warn(f"resuming although the config differs in {', '.join(fields)} (checkpoint.config_change="
                       "'resume')", RuntimeWarning, stacklevel=2)
-    return {**base, "host": checkpoint_lib.host_template(meta.get("host_sizes", {})) or None}
+    if "host_sizes" not in meta:  # a checkpoint from before host arrays (no async / replay state in it)
+      return base
+    return {**base, "host": checkpoint_lib.host_template(meta["host_sizes"]) or None}
 
   try:
     found = ckpt.latest_valid(template)
@@ -575,7 +577,7 @@ def _restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
     return None
   step, tree, meta = found
   try:
-    host = checkpoint_lib.unpack_host(meta.get("host"), tree["host"] or {}) or {}
+    host = checkpoint_lib.unpack_host(meta.get("host"), tree.get("host") or {}) or {}
     if not isinstance(host, dict):
       raise checkpoint_lib.MetaError("host state is not a JSON object")
   except checkpoint_lib.MetaError as e:

@@ -99,7 +99,12 @@ def test_config_change_on_resume_is_refused_and_nothing_is_touched(base_run, tmp
   assert sorted(os.listdir(d / "checkpoints")) == steps  # nothing quarantined
   assert {p: open(d / p, "rb").read() for p in before} == before  # config.json not overwritten, metrics kept
   assert not os.path.exists(d / ".lock")
-  # Allowed differences resume; "restart" moves the old run aside and starts at step 0.
+  # "resume" is deliberate, but arrays that no longer fit are still refused, and left in place.
+  c.checkpoint.config_change = "resume"
+  with pytest.warns(RuntimeWarning, match="model.d_ff"), pytest.raises(RunError, match="step 2.*does not fit"):
+    loop.run(c, str(d))
+  assert sorted(os.listdir(d / "checkpoints")) == steps
+  # "restart" moves the old run aside and starts at step 0.
   c.checkpoint.config_change = "restart"
   c.num_steps = 1
   loop.run(c, str(d))
