@@ -15,7 +15,9 @@ may hang or spin for good (a sympy simplification, a regex catastrophe), pass ``
 call that overruns has its process killed and replaced, so it costs only its own sample and its
 time limit, and no thread or process is leaked. Needs a picklable ``fn`` (a module-level function
 or a bound method of a picklable object) and arguments; a worker's start-up (imports) is not
-counted against ``timeout_s``.
+counted against ``timeout_s``. Workers are started with ``spawn``, which re-imports the main module:
+a script that starts a run in process mode needs the usual ``if __name__ == "__main__":`` guard
+(``python -m jaxrl_llm`` has it).
 """
 
 from __future__ import annotations
