@@ -124,6 +124,16 @@ def get_config():
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # learner steps between checkpoints (0 = only on SIGTERM / at the end)
   c.checkpoint.keep = 3
+  # A resumed run whose config differs from its checkpoint's in a field that changes shapes or semantics:
+  # "error" stops with the list of fields; "resume" resumes anyway (deliberate: the arrays must still fit);
+  # "restart" moves the old checkpoints and metrics to DIR/previous-<time>/ and starts at step 0.
+  c.checkpoint.config_change = "error"
+
+  c.reward = ml_collections.ConfigDict()  # how the task's reward function is called (jaxrl_llm.tasks.reward)
+  c.reward.timeout_s = 5.0  # per call; a call that overruns scores 0 and counts in reward_errors
+  c.reward.max_abs = 1e6  # |reward| above this (or NaN/inf) is an error: scores 0, counted
+  c.reward.executor = "thread"  # "thread" | "process" (worker processes: a hung reward is killed)
+  c.reward.workers = 8  # concurrent reward calls
 
   c.log = ml_collections.ConfigDict()
   c.log.every = 1

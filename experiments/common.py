@@ -143,9 +143,10 @@ def run_one(base: str, overrides: dict, workdir: str) -> dict:
   # A workdir holding checkpoints would be resumed: every run starts from an empty one.
   shutil.rmtree(workdir, ignore_errors=True)
   t0 = time.perf_counter()
+  from jaxrl_llm.errors import RunError
   try:
     rows = loop.run(c, workdir)
-  except config_lib.ConfigError as e:
+  except (config_lib.ConfigError, RunError) as e:  # RunError: e.g. optim.max_skips reached, every update skipped
     return {"error": str(e)}
   with open(os.path.join(workdir, "run_info.json")) as f:
     info = json.load(f)

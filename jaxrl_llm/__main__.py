@@ -1,4 +1,11 @@
-"""Command line: python -m jaxrl_llm --config=PATH --workdir=DIR [--config.FIELD=VALUE ...]"""
+"""Command line: python -m jaxrl_llm --config=PATH --workdir=DIR [--config.FIELD=VALUE ...] [--debug]
+
+Exit codes: 0 done (or preempted by SIGTERM after saving a checkpoint); 2 a bad config value or flag;
+1 a run that cannot start or had to stop (`error: <one line naming the field, file or directory>`: an
+unusable workdir, a workdir owned by another run, a changed config on resume, optim.max_skips reached,
+every update skipped, ...); 130 stopped by Ctrl-C (SIGINT: a checkpoint is saved first once the loop
+runs). Errors print one line without a traceback; `--debug` shows the traceback.
+"""
 
 import os
 import sys
@@ -12,11 +19,71 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of an error instead of a one-line message.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _flag_error(argv, e: Exception) -> str:
+  """One line for a command line that does not parse, naming the bad `--config.FIELD` when it is one."""
+  from ml_collections import ConfigDict
+  from jaxrl_llm import config as config_lib
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  try:
+    c = config_lib.load_file(path)
+  except Exception:  # noqa: BLE001 -- the config file itself is the problem
+    return f"--config={path}: cannot load the config file ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+  for a in argv:
+    if a.startswith("--config.") and "=" in a:
+      field = a[len("--config."):].split("=", 1)[0]
+      node = c
+      for part in field.split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+          return f"--config.{field}: unknown config field {part!r} (not in {path})"
+        node = node[part]
+  return f"bad command line: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 -- absl and config_flags raise several types
+    if any(a in ("--debug", "--debug=true", "--debug=True", "--debug=1") for a in argv):
+      raise
+    print(f"error: {_flag_error(argv, e)} (--debug shows the traceback)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _fail(message: str, code: int):
+  print(f"error: {' '.join(str(message).split())}" + ("" if _DEBUG.value else " (--debug shows the traceback)"),
+        file=sys.stderr)
+  sys.exit(code)
 
 
 def main(argv):
   del argv
+  from jaxrl_llm import config as config_lib
+  from jaxrl_llm.errors import RunError
+  try:
+    _main()
+  except KeyboardInterrupt:
+    if _DEBUG.value:
+      raise
+    _fail("interrupted (Ctrl-C before the training loop, or twice): nothing saved since the last checkpoint", 130)
+  except config_lib.ConfigError as e:
+    if _DEBUG.value:
+      raise
+    _fail(e, 2)
+  except RunError as e:
+    if _DEBUG.value:
+      raise
+    _fail(e, 1)
+  except Exception as e:  # noqa: BLE001 -- anything else is still one line (the type names the failure)
+    if _DEBUG.value:
+      raise
+    _fail(f"{type(e).__name__}: {e}", 1)
+
+
+def _main():
   from absl import logging
   if not flags.FLAGS["verbosity"].present:  # Orbax/JAX INFO logs drown the progress bar; -v 0 brings them back
     logging.set_verbosity(logging.WARNING)
@@ -24,14 +91,13 @@ def main(argv):
   distributed.maybe_initialize()  # multi-host: from JAX_COORDINATOR_ADDRESS etc.; a no-op on one process
 
   c = _CONFIG.value
-  try:
-    config_lib.validate(c)
-  except config_lib.ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  config_lib.validate(c)
   rows = loop.run(c, _WORKDIR.value)
   import json
   info = json.load(open(os.path.join(_WORKDIR.value, "run_info.json")))
+  if info.get("stopped_by_signal") == 2:  # SIGINT: the checkpoint is saved; exit as an interrupted program
+    print(f"interrupted (Ctrl-C): checkpoint saved; run the same command to resume", file=sys.stderr)
+    sys.exit(130)
   if not rows:
     print(f"nothing to do: {_WORKDIR.value} already holds a run that reached num_steps={c.num_steps} "
           f"(resumed at step {info['resumed_from_step']}); use another --workdir or a larger --config.num_steps")
@@ -47,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

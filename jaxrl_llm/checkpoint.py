@@ -19,6 +19,14 @@ step again. What is detected:
     (two wrapping uint32 sums over the leaf's bit pattern, one position-weighted) no longer matches.
 Not detected: corruption of the caller's JSON that still parses to valid JSON.
 
+A step whose saved tree (leaf paths, shapes, dtypes: recorded in `integrity`) does not fit the
+requested `abstract_state` is not corrupt: it is skipped with a warning, listed in `mismatched`, and
+never moved to quarantine (a run whose config changed must not destroy the checkpoints of the old one).
+
+Nothing is ever unpickled or evaluated on restore: items are arrays and plain JSON. Host-side data of
+variable size (buffers of rollouts) goes through `pack_host` / `unpack_host`: a JSON skeleton for `meta`
+and one flat array per dtype for `state`, rebuilt with `abstract_state` given as a function of `meta`.
+
 Leaves of `state` must be arrays (jax or numpy) or None; store PRNG keys as `jax.random.key_data`.
 """
 
@@ -53,6 +61,126 @@ class CheckpointWarning(UserWarning):
 
 class _Invalid(Exception):
   """A checkpoint step failed a check; the message is the reason."""
+
+
+class _Mismatch(Exception):
+  """A checkpoint step is readable but its tree does not fit the requested state; the message says where."""
+
+
+class MetaError(ValueError):
+  """Raised by an `abstract_state` function whose `meta` is unusable: the step is treated as corrupt."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Host data as JSON + arrays (never pickle).
+
+_HOST_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                "float32", "float64")
+_ARRAY_TAG = "__array__"
+
+
+def pack_host(obj) -> tuple[Any, dict[str, np.ndarray]]:
+  """(JSON skeleton, {dtype name: flat array}) of nested dicts (str keys), lists, tuples, numpy arrays,
+  numbers, strings, bools and None. Arrays become `{"__array__": [dtype, offset, shape]}` into the flat
+  array of their dtype; tuples become lists. Raises TypeError on anything else (objects, callables)."""
+  chunks: dict[str, list[np.ndarray]] = {}
+  sizes: dict[str, int] = {}
+
+  def walk(x):
+    if x is None or isinstance(x, (bool, str)):
+      return x
+    if isinstance(x, (int, float)):
+      return x
+    if isinstance(x, np.generic):
+      return walk(x.item())
+    if isinstance(x, (np.ndarray, jax.Array)):
+      a = np.asarray(x)
+      name = a.dtype.name
+      if name not in _HOST_DTYPES:
+        raise TypeError(f"pack_host: arrays of dtype {name} are not supported")
+      off = sizes.get(name, 0)
+      chunks.setdefault(name, []).append(a.reshape(-1))
+      sizes[name] = off + a.size
+      return {_ARRAY_TAG: [name, off, list(a.shape)]}
+    if isinstance(x, dict):
+      if not all(isinstance(k, str) for k in x):
+        raise TypeError(f"pack_host: dict keys must be str, got {sorted(map(repr, x))[:3]}")
+      return {k: walk(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [walk(v) for v in x]
+    raise TypeError(f"pack_host: cannot store a {type(x).__name__} as plain data")
+
+  skeleton = walk(obj)
+  arrays = {k: np.concatenate(v) for k, v in chunks.items() if sizes[k] > 0}
+  return skeleton, arrays
+
+
+def host_sizes(arrays: dict[str, np.ndarray]) -> dict[str, int]:
+  """{dtype name: length} of `pack_host` arrays (store it in `meta` to rebuild the restore target)."""
+  return {k: int(v.shape[0]) for k, v in arrays.items()}
+
+
+def host_template(sizes: dict) -> dict[str, np.ndarray]:
+  """Restore target of `pack_host` arrays from `host_sizes`; raises MetaError on anything unexpected."""
+  if not isinstance(sizes, dict):
+    raise MetaError(f"host array sizes must be a JSON object, got {type(sizes).__name__}")
+  out = {}
+  for k, n in sizes.items():
+    if k not in _HOST_DTYPES or not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+      raise MetaError(f"bad host array entry {k!r}: {n!r}")
+    out[k] = np.zeros(n, np.dtype(k))
+  return out
+
+
+def unpack_host(skeleton, arrays: dict[str, np.ndarray]):
+  """Inverse of `pack_host` (lists stay lists). Raises MetaError when a reference is malformed or out of range."""
+  def walk(x):
+    if isinstance(x, dict):
+      if _ARRAY_TAG in x:
+        ref = x[_ARRAY_TAG]
+        if not (isinstance(ref, list) and len(ref) == 3 and ref[0] in _HOST_DTYPES and isinstance(ref[1], int)
+                and isinstance(ref[2], list) and all(isinstance(d, int) and d >= 0 for d in ref[2])):
+          raise MetaError(f"malformed array reference {str(ref)[:80]}")
+        name, off, shape = ref
+        n = int(np.prod(shape, dtype=np.int64))
+        if n == 0:
+          return np.zeros(shape, np.dtype(name))
+        flat = arrays.get(name)
+        if flat is None or off < 0 or off + n > flat.shape[0]:
+          raise MetaError(f"array reference {str(ref)[:80]} is out of range")
+        return np.asarray(flat[off:off + n]).astype(np.dtype(name)).reshape(shape)
+      return {k: walk(v) for k, v in x.items()}
+    if isinstance(x, list):
+      return [walk(v) for v in x]
+    return x
+
+  return walk(skeleton)
+
+
+def tree_signature(state) -> list[list]:
+  """[[leaf path, shape, canonical dtype], ...] of an array pytree (what a restore target must match)."""
+  return [[jax.tree_util.keystr(p), [int(d) for d in np.shape(x)],
+           str(jax.dtypes.canonicalize_dtype(np.dtype(x.dtype)))]
+          for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def _signature_diff(saved, want) -> str | None:
+  """The first difference between two tree signatures, or None."""
+  if not isinstance(saved, list):
+    return None  # a checkpoint from before signatures: the restore itself checks
+  saved_by = {tuple(s[0:1]): s for s in saved}
+  want_by = {tuple(w[0:1]): w for w in want}
+  missing = [k[0] for k in want_by if k not in saved_by]
+  extra = [k[0] for k in saved_by if k not in want_by]
+  if missing or extra:
+    return f"tree structure differs (missing {missing[:3]}, unexpected {extra[:3]})"
+  for k, w in want_by.items():
+    s = saved_by[k]
+    if list(s[1]) != list(w[1]):
+      return f"shape mismatch at {k[0]}: saved {tuple(s[1])}, target {tuple(w[1])}"
+    if s[2] != w[2]:
+      return f"dtype mismatch at {k[0]}: saved {s[2]}, target {w[2]}"
+  return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,6 +297,7 @@ class Checkpointer:
       raise ValueError(f"keep must be >= 1 or None, got {keep}")
     self.directory = os.path.abspath(os.fspath(directory))
     self._best_metric = best_metric
+    self.mismatched: list[tuple[int, str]] = []  # (step, reason) of steps that did not fit the last target
     options = ocp.CheckpointManagerOptions(
         # best_fn only makes Orbax write the metrics; retention is the explicit policy below.
         best_fn=(lambda m: m[best_metric]) if best_metric else None,
@@ -209,7 +338,7 @@ class Checkpointer:
     if step in self._mngr.all_steps():
       return False
     integrity = {"format": FORMAT_VERSION, "jaxrl_llm_version": jaxrl_llm.__version__,
-                 "checksums": state_checksums(state)}
+                 "checksums": state_checksums(state), "tree": tree_signature(state)}
     args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta),
                               integrity=ocp.args.JsonSave(integrity))
     if metrics is not None:
@@ -224,18 +353,24 @@ class Checkpointer:
     self._mngr.wait_until_finished()
     try:
       return self._restore_checked(int(step), abstract_state)
-    except _Invalid as e:
+    except (_Invalid, _Mismatch) as e:
       raise ValueError(f"checkpoint step {step} in {self.directory}: {e}") from None
 
   def latest_valid(self, abstract_state, *, quarantine: bool = True) -> tuple[int, Any, dict] | None:
     """(step, state, meta) of the newest checkpoint that passes every check, or None when there is none.
 
     `abstract_state` is the live state or `jax.eval_shape` of its initialiser (ShapeDtypeStructs; those
-    without a sharding go to the first local device). Each skipped step gets a `CheckpointWarning` naming
-    the step and the reason; with `quarantine` (default) it is moved to `<directory>/quarantine/` so the
-    resumed run can write that step again. Pass `quarantine=False` to inspect a directory read-only.
+    without a sharding go to the first local device), or a function `meta -> abstract_state` called with
+    each candidate step's meta before its arrays are read (it may raise `MetaError`: the step is then
+    treated as corrupt; any other exception propagates, e.g. a refusal to resume). Each skipped step gets
+    a `CheckpointWarning` naming the step and the reason; with `quarantine` (default) a corrupt or
+    partial one is moved to `<directory>/quarantine/` so the resumed run can write that step again (if
+    the move fails, the step is left in place and the search goes on). Steps that are intact but do not
+    fit `abstract_state` are never moved: they are listed in `self.mismatched`. Pass `quarantine=False`
+    to inspect a directory read-only.
     """
     self._mngr.wait_until_finished()
+    self.mismatched = []
     for name in sorted(os.listdir(self.directory)):
       match = _TMP_STEP_RE.match(name)
       if match:
@@ -247,6 +382,10 @@ class Checkpointer:
         state, meta = self._restore_checked(step, abstract_state)
       except _Invalid as e:
         self._skip(step, os.path.join(self.directory, str(step)), str(e), quarantine)
+        continue
+      except _Mismatch as e:
+        self.mismatched.append((step, str(e)))
+        self._skip(step, os.path.join(self.directory, str(step)), f"does not fit this state: {e}", False)
         continue
       found = (step, state, meta)
       break
@@ -277,25 +416,42 @@ class Checkpointer:
         json.load(f)
     except (OSError, ValueError) as e:
       raise _Invalid(f"missing or unreadable step metadata: {type(e).__name__}: {e}") from None
+    try:  # the JSON items first: the target may depend on meta, and the tree signature is in integrity
+      js = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                            integrity=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 -- any failure to read a step means this step is unusable
+      raise _Invalid(f"restore failed: {type(e).__name__}: {str(e)[:300]}") from None
+    if js["meta"] is None or js["integrity"] is None:
+      raise _Invalid("missing meta or integrity item")
+    if not isinstance(js["meta"], dict) or not isinstance(js["integrity"], dict):
+      raise _Invalid("meta or integrity item is not a JSON object")
+    if callable(abstract_state):
+      try:
+        abstract_state = abstract_state(js["meta"])
+      except MetaError as e:
+        raise _Invalid(f"unusable meta: {e}") from None
+    diff = _signature_diff(js["integrity"].get("tree"), tree_signature(abstract_state))
+    if diff:
+      raise _Mismatch(diff)
     target, restore_args = _restore_args(abstract_state)
-    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args),
-                              meta=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore())
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args))
     try:
       out = self._mngr.restore(step, args=args)
     except Exception as e:  # noqa: BLE001 -- any failure to read a step means this step is unusable
       raise _Invalid(f"restore failed: {type(e).__name__}: {str(e)[:300]}") from None
-    if out["meta"] is None or out["integrity"] is None:
-      raise _Invalid("missing meta or integrity item")
     _check_against(out["state"], abstract_state)
-    _check_integrity(out["state"], out["integrity"])
-    return out["state"], out["meta"]
+    _check_integrity(out["state"], js["integrity"])
+    return out["state"], js["meta"]
 
   def _skip(self, step: int, path: str, reason: str, quarantine: bool) -> None:
     where = ""
     if quarantine and jax.process_index() == 0:
       dest = os.path.join(self.directory, _QUARANTINE, f"{os.path.basename(path)}-{time.time_ns()}")
-      os.makedirs(os.path.dirname(dest), exist_ok=True)
-      shutil.move(path, dest)
-      where = f"; moved to {dest}"
+      try:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.move(path, dest)
+        where = f"; moved to {dest}"
+      except OSError as e:  # unreadable / read-only directory: report, leave it, fall back to older steps
+        where = f"; could not move it aside ({type(e).__name__}: {e}), left in place"
     warnings.warn(f"checkpoint step {step} in {self.directory} skipped: {reason}{where}", CheckpointWarning,
                   stacklevel=3)

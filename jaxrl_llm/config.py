@@ -18,6 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 WEIGHT_SYNC = ("full", "sparse")
 REPLAY_STALE_POLICIES = ("drop", "keep", "downweight")
+CONFIG_CHANGE = ("error", "resume", "restart")
 
 
 def load_file(path) -> ml_collections.ConfigDict:
@@ -116,6 +117,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_replay(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
+  if "config_change" in c.checkpoint:
+    _need(c.checkpoint.config_change in CONFIG_CHANGE, "checkpoint.config_change", c.checkpoint.config_change,
+          f"must be one of {CONFIG_CHANGE}")
   if c.loss.name not in losses.names():
     raise ConfigError(f"config.loss.name={c.loss.name!r}: unknown loss; valid names: {', '.join(losses.names())}")
   spec = losses.get(c.loss.name)
@@ -129,6 +133,21 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
   _need(c.optim.grad_clip >= 0, "optim.grad_clip", c.optim.grad_clip, "must be >= 0 (0 = off)")
   _need(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = never)")
+  _need(isinstance(c.eval.num_prompts, int) and c.eval.num_prompts >= 0, "eval.num_prompts", c.eval.num_prompts,
+        "must be a non-negative int")
+  if c.eval.every > 0:
+    _need(c.eval.num_prompts > 0, "eval.num_prompts", c.eval.num_prompts,
+          f"must be > 0 when eval.every={c.eval.every} (set eval.every=0 to turn evaluation off)")
+  _need(isinstance(c.sft.steps, int) and c.sft.steps >= 0, "sft.steps", c.sft.steps, "must be a non-negative int")
+  _need(isinstance(c.sft.batch_size, int) and c.sft.batch_size >= 0, "sft.batch_size", c.sft.batch_size,
+        "must be a non-negative int")
+  if c.sft.steps > 0:
+    _need(c.sft.batch_size > 0, "sft.batch_size", c.sft.batch_size,
+          f"must be > 0 when sft.steps={c.sft.steps} (set sft.steps=0 to skip the warm start)")
+    _need(c.sft.lr > 0, "sft.lr", c.sft.lr, "must be > 0")
+  _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
+        "must be an int >= 1")
+  _validate_reward(c)
   if c.optim.grad_accum > 1 and spec.init_state is not None:
     raise ConfigError(f"config.optim.grad_accum={c.optim.grad_accum}: loss {c.loss.name!r} carries state across "
                       "steps and needs whole-batch statistics; use grad_accum=1")
@@ -189,6 +208,50 @@ def _validate_replay(c: ml_collections.ConfigDict) -> None:
   if r.stale_policy == "drop" and r.max_lag >= 0 and c.rollout.mode == "fixed_lag":
     _need(r.max_lag >= c.rollout.lag, "rollout.replay.max_lag", r.max_lag,
           f"must be >= rollout.lag={c.rollout.lag} under stale_policy='drop' (fresh groups already have that lag)")
+
+
+def _validate_reward(c: ml_collections.ConfigDict) -> None:
+  """`reward`: a positive time limit and bound, a known executor, at least one worker (absent: defaults)."""
+  r = c.get("reward")
+  if r is None:
+    return
+  from jaxrl_llm.tasks.reward import EXECUTORS  # local: numpy only, but keep `import jaxrl_llm.config` light
+  _need(isinstance(r.timeout_s, (int, float)) and r.timeout_s > 0, "reward.timeout_s", r.timeout_s, "must be > 0 seconds")
+  _need(isinstance(r.max_abs, (int, float)) and r.max_abs > 0, "reward.max_abs", r.max_abs,
+        "must be > 0 (rewards with a larger magnitude count as errors)")
+  _need(r.executor in EXECUTORS, "reward.executor", r.executor, f"must be one of {EXECUTORS}")
+  _need(isinstance(r.workers, int) and r.workers >= 1, "reward.workers", r.workers, "must be an int >= 1")
+
+
+# Fields a resumed run may change: they affect neither array shapes nor what a learner step computes.
+RESUMABLE = ("num_steps", "log.", "checkpoint.every", "checkpoint.keep", "checkpoint.config_change", "eval.every",
+             "reward.timeout_s", "reward.executor", "reward.workers", "rollout.num_workers", "sft.save_to",
+             "task.data_dir")
+
+
+def _flatten(d, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def resume_diff(stored: dict, new: dict) -> list[str]:
+  """`field: old -> new` for every field (dotted name) that differs between a checkpoint's stored config
+  and the new one (both as plain JSON, `json.loads(c.to_json_best_effort())`), except `RESUMABLE` ones."""
+  if not isinstance(stored, dict):
+    return [f"(stored config is not a JSON object: {type(stored).__name__})"]
+  a, b = _flatten(stored), _flatten(new)
+  out = []
+  for k in sorted(set(a) | set(b)):
+    if any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUMABLE):
+      continue
+    if a.get(k, "(absent)") != b.get(k, "(absent)"):
+      out.append(f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}")
+  return out
 
 
 # Loss needs that optional run components add (on-policy distillation: `jaxrl_llm.distill.opd`), by

@@ -14,19 +14,26 @@ Randomness is derived, never shared: init from the root, the sampler key from (r
 version, step or request id), the learner key `fold_in(root, step)`.
 
 Checkpoints (Orbax) hold the train state, the held ParamStore snapshots, the reference / EWMA
-copies and, in async mode, the buffered groups and request-id cursor; a run started in a workdir
-holding checkpoints resumes from the latest valid one. In sync / fixed_lag / staged modes a resumed
-run writes the same metrics as an uninterrupted one (wall-clock `time_*` fields excepted).
+copies, in async mode the buffered groups and request-id cursor, with replay the replay buffer (as
+arrays + a JSON skeleton: nothing is ever unpickled), and the resolved config; a run started in a
+workdir holding checkpoints resumes from the latest valid one. In sync / fixed_lag / staged modes a
+resumed run writes the same metrics as an uninterrupted one (wall-clock `time_*` fields excepted).
+
+Workdir safety (`jaxrl_llm.workdir`): one run owns a workdir (lock file). A resume whose config differs
+from the checkpoint's in a field that changes shapes or semantics (anything but `config_lib.RESUMABLE`)
+stops with the list of fields unless `checkpoint.config_change` says "resume" (deliberately) or
+"restart" (old run moved to `previous-<time>/`). `metrics.jsonl` is never deleted: a resume truncates
+it past the resumed step; a fresh start moves an old one aside.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import os
-import pickle
+import signal
 import time
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +45,8 @@ from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import advantages, learner, losses, metrics as metrics_lib, preemption
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
+from jaxrl_llm import workdir as workdir_lib
+from jaxrl_llm.errors import RunError
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, initial_policy, model_config
@@ -112,6 +121,15 @@ def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
                        top_p=1.0 if greedy else s.top_p)
 
 
+def reward_policy(c: ml_collections.ConfigDict):
+  """The run's reward settings (`reward.*`; defaults when a config has no `reward` section)."""
+  from jaxrl_llm.tasks.reward import RewardPolicy
+  r = c.get("reward")
+  if r is None:
+    return RewardPolicy()
+  return RewardPolicy(timeout_s=float(r.timeout_s), max_abs=float(r.max_abs), executor=r.executor, workers=r.workers)
+
+
 def behavior_version(mode: str, k: int, version: int, stage_version: int) -> int:
   """Which published version generates the batch consumed now (sync / fixed_lag / staged)."""
   if mode == "sync":
@@ -149,7 +167,8 @@ def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
   """Held-out greedy accuracy (fraction of test prompts with reward 1)."""
   out = generate(params, jnp.asarray(test.tokens_BP), jnp.asarray(test.len_B), key, model_cfg,
                  sampler_config(c, True, tokenizer))
-  reward_B, _, _ = collect.score_completions(task, test.examples, np.asarray(out["tokens_BN"]), tokenizer=tokenizer)
+  reward_B, _, _ = collect.score_completions(task, test.examples, np.asarray(out["tokens_BN"]), reward_policy(c),
+                                             tokenizer=tokenizer)
   return float(np.mean(reward_B >= 1.0))
 
 
@@ -325,7 +344,7 @@ def sync_rollout(run: Run, store: ParamStore, steps: list[int], version: int, v_
   finally:
     store.release(snap)
   reward_B, status, _ = collect.score_completions(run.task, p.examples, out["tokens_BN"],
-                                                 tokenizer=run.encoder.tokenizer)
+                                                 reward_policy(c), tokenizer=run.encoder.tokenizer)
   B = n * G
   keys = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN")
   if "routes_BTLk" in out and c.model.routing_replay:  # R3: the learner replays the sampler's expert ids
@@ -463,7 +482,7 @@ def async_engine(run: Run, store: ParamStore, state_dict: dict | None):
                              store=store, chunk_steps=c.rollout.partial_chunk or None,
                              keep_routes=c.model.routing_replay,  # R3: collate then hands routes_BTLk to make_batch
                              score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None,
-                             encoder=run.encoder)
+                             encoder=run.encoder, reward_policy=reward_policy(c))
   kw = dict(batch_groups=c.rollout.prompts_per_step, eta=c.rollout.lag, num_workers=c.rollout.num_workers)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
@@ -474,7 +493,7 @@ def async_rollout(engine, version: int) -> dict:
   from jaxrl_llm.rollout.buffer import collate
   groups, st = engine.next_batch(version, timeout=600)
   ro = collate(groups, version)
-  ro.update(reward_errors=0, time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
+  ro.update(time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
             async_buffered=st["buffered"], async_running=st["running"])
   ro["request_ids"] = sorted({int(g.request_id) for g in groups})
   return ro
@@ -484,42 +503,120 @@ def async_rollout(engine, version: int) -> dict:
 # Checkpoints.
 
 
-def _full_state(state, store: ParamStore, extra: dict, slots: int) -> tuple[dict, list[int]]:
-  """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies."""
+def _full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: dict) -> tuple[dict, list[int]]:
+  """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies +
+  the flat host arrays of the async engine / replay state (`checkpoint.pack_host`; None when empty)."""
   held = store.held_versions()[-slots:]
   snaps = [store.acquire(v) for v in held]
   try:
     pick = lambda i: snaps[min(i, len(snaps) - 1)]
     tree = {"train": state, "snap": [pick(i).params for i in range(slots)],
-            "snap_learner": [pick(i).learner_params for i in range(slots)], "ref": extra["ref"], "ewma": extra["ewma"]}
+            "snap_learner": [pick(i).learner_params for i in range(slots)], "ref": extra["ref"], "ewma": extra["ewma"],
+            "host": host_arrays or None}
   finally:
     for s in snaps:
       store.release(s)
   return tree, held
 
 
-def _save(ckpt, step: int, state, store, extra, slots: int, meta: dict, force: bool = False, metrics=None) -> None:
-  tree, held = _full_state(state, store, extra, slots)
-  ckpt.save(step, tree, {**meta, "snapshot_versions": held}, metrics=metrics, force=force)
+def _save(ckpt, step: int, state, store, extra, slots: int, meta: dict, host: dict, force: bool = False,
+          metrics=None) -> None:
+  """Saves checkpoint `step`; `host` (plain data: dicts, lists, numpy arrays, numbers, strings) is split
+  into a JSON skeleton in meta and flat arrays in the tree, so that restoring never unpickles anything."""
+  skeleton, arrays = checkpoint_lib.pack_host(host)
+  tree, held = _full_state(state, store, extra, slots, arrays)
+  meta = metrics_lib.json_safe({**meta, "snapshot_versions": held, "host": skeleton,
+                                "host_sizes": checkpoint_lib.host_sizes(arrays)})
+  if not ckpt.save(step, tree, meta, metrics=metrics, force=force):
+    warnings.warn(f"checkpoint step {step} already exists in {ckpt.directory} (left by an earlier run); "
+                  "not rewritten", checkpoint_lib.CheckpointWarning, stacklevel=2)
   ckpt.wait()
 
 
-def _restore(ckpt, run: Run, store: ParamStore, slots: int):
-  """(step, state, extra, meta) from the latest valid checkpoint, or None. Rebuilds the ParamStore."""
+class ConfigChanged(Exception):
+  """The checkpoint to resume was written under a config that differs in `fields` (dotted names)."""
+
+  def __init__(self, fields: list[str]):
+    super().__init__(f"config differs in {', '.join(fields)}")
+    self.fields = fields
+
+
+def _restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
+  """(step, state, extra, meta, host) from the latest valid checkpoint, or None. Rebuilds the ParamStore.
+
+  Each candidate's stored config is compared with `config_json` before its arrays are read: a difference
+  outside `config_lib.RESUMABLE` raises `ConfigChanged`, unless `checkpoint.config_change="resume"`.
+  Steps that are intact but do not fit this run's state are never moved aside: RunError.
+  """
   if not ckpt.all_steps():
     return None
   params = init_params(run.model_cfg, run.k_init)
   state, extra = fresh_state(run, params)
-  template = {"train": state, "snap": [store.sampler_copy(params)] * slots,
-              "snap_learner": [params if store.keeps_learner_copy else None] * slots, **extra}
-  found = ckpt.latest_valid(template)
+  base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
+          "snap_learner": [params if store.keeps_learner_copy else None] * slots, **extra}
+  policy = run.c.checkpoint.get("config_change", "error")
+
+  def template(meta):
+    for k in ("async_engine", "replay"):
+      if k in meta:  # the pickled format (base64 strings) of earlier versions, or a tampered checkpoint
+        raise checkpoint_lib.MetaError(f"meta[{k!r}] holds pickled state, which is never loaded")
+    versions = meta.get("snapshot_versions")
+    if not (isinstance(versions, list) and 0 < len(versions) <= slots and all(type(v) is int for v in versions)):
+      raise checkpoint_lib.MetaError(f"bad snapshot_versions {str(versions)[:80]}")
+    if "config" in meta:
+      fields = config_lib.resume_diff(meta["config"], config_json)
+      if fields and policy != "resume":
+        raise ConfigChanged(fields)
+      if fields:
+        warnings.warn(f"resuming although the config differs in {', '.join(fields)} (checkpoint.config_change="
+                      "'resume')", RuntimeWarning, stacklevel=2)
+    if "host_sizes" not in meta:  # a checkpoint from before host arrays (no async / replay state in it)
+      return base
+    return {**base, "host": checkpoint_lib.host_template(meta["host_sizes"]) or None}
+
+  try:
+    found = ckpt.latest_valid(template)
+  except OSError as e:
+    raise RunError(f"{ckpt.directory}: cannot read the checkpoint directory ({e.strerror or e})") from None
   if found is None:
+    if ckpt.mismatched:
+      step, why = ckpt.mismatched[0]
+      raise RunError(f"checkpoint step {step} in {ckpt.directory} does not fit this run ({why}); left in place. "
+                     "Use another --workdir, or --config.checkpoint.config_change=restart to move the old run aside")
     return None
   step, tree, meta = found
+  try:
+    host = checkpoint_lib.unpack_host(meta.get("host"), tree.get("host") or {}) or {}
+    if not isinstance(host, dict):
+      raise checkpoint_lib.MetaError("host state is not a JSON object")
+  except checkpoint_lib.MetaError as e:
+    raise RunError(f"checkpoint step {step} in {ckpt.directory}: unusable host state ({e})") from None
   for i, v in enumerate(meta["snapshot_versions"]):
     learner_copy = tree["snap_learner"][i]
     store.restore(v, tree["snap"][i], learner_copy)
-  return step, tree["train"], {"ref": tree["ref"], "ewma": tree["ewma"]}, meta
+  return step, tree["train"], {"ref": tree["ref"], "ewma": tree["ewma"]}, meta, host
+
+
+def _resume_error(e: ConfigChanged, directory: str) -> RunError:
+  return RunError(f"{directory}: the checkpoint to resume was written with a different config "
+                  f"({'; '.join(e.fields)}). Nothing was changed on disk. Use another --workdir, restore the old "
+                  "values, --config.checkpoint.config_change=restart (moves the old run to previous-<time>/ and "
+                  "starts at step 0) or =resume (resume anyway, deliberately)")
+
+
+def _open_checkpointer(c, workdir: str):
+  d = os.path.join(workdir, "checkpoints")
+  try:
+    return checkpoint_lib.Checkpointer(d, keep=c.checkpoint.keep,
+                                       best_metric="eval_accuracy" if c.eval.every > 0 else None)
+  except OSError as e:
+    raise RunError(f"{d}: cannot open the checkpoint directory ({e.strerror or e})") from None
+
+
+def _host_state(engine, buf) -> dict:
+  """Plain-data state of the async engine and the replay buffer for a checkpoint (None when unused)."""
+  return {"async_engine": engine.state() if engine is not None else None,
+          "replay": buf.state() if buf is not None else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,23 +627,48 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
 
   `on_step(row, store)`, if given, is called on the host after every learner step (soak tests and
   notebooks observe the run without adding non-deterministic fields to the metrics stream).
+  Raises `RunError` (one-line message) when the workdir cannot be used or is owned by another run, the
+  checkpoint's config differs (see the module docstring), `optim.max_skips` consecutive updates were
+  non-finite (after writing that step's row and a checkpoint), or every update of the call was skipped.
+  SIGTERM and SIGINT save a checkpoint at the end of the current step and return
+  (`run_info.json` records `stopped_by_signal`).
   """
   config_lib.validate(c)
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2, sort_keys=True))
+  workdir = workdir_lib.prepare(workdir)
+  lock = workdir_lib.acquire(workdir)
+  try:
+    return _run(c, workdir, on_step)
+  finally:
+    workdir_lib.release(lock)
+
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "run_info.json", "tb", "reward_accuracy.png")
+
+
+def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   r = setup(c)
   mode, k = c.rollout.mode, c.rollout.lag
   store = new_store(r)
   rc = replay_config(c)
   slots = retention(mode, k)
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=c.checkpoint.keep,
-                                     best_metric="eval_accuracy" if c.eval.every > 0 else None)
+  ckpt = _open_checkpointer(c, workdir)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
+  config_json = json.loads(c.to_json_best_effort())  # the resolved config, stored with every checkpoint
 
-  restored = _restore(ckpt, r, store, slots)
+  try:
+    restored = _restore(ckpt, r, store, slots, config_json)
+  except ConfigChanged as e:
+    ckpt.close()
+    if c.checkpoint.get("config_change", "error") != "restart":
+      raise _resume_error(e, workdir) from None
+    moved = workdir_lib.move_aside(workdir, list(RUN_FILES))
+    print(f"config changed ({'; '.join(e.fields)}): previous run moved to {moved}; starting at step 0", flush=True)
+    ckpt, restored = _open_checkpointer(c, workdir), None
   engine_state = replay_state = None
   if restored is None:
+    moved = workdir_lib.move_aside(workdir, ["metrics.jsonl", "run_info.json"])
+    if moved:  # rows of a run that left no usable checkpoint: kept, never deleted
+      print(f"no checkpoint to resume: the earlier metrics.jsonl was moved to {moved}; starting at step 0", flush=True)
     start = 0
     t0 = time.perf_counter()
     model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
@@ -559,23 +681,28 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
     state, extra = fresh_state(r, params)
     store.publish(state.params)
     meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer) if c.eval.every > 0 else None
-    if os.path.exists(metrics_path):
-      os.remove(metrics_path)  # a fresh run (no valid checkpoint) starts a fresh metrics stream
   else:
-    start, state, extra, meta = restored
+    start, state, extra, meta, host = restored
     metrics_lib.truncate_after(metrics_path, start - 1)
-    if meta.get("async_engine"):
-      engine_state = pickle.loads(base64.b64decode(meta["async_engine"]))
-    if meta.get("replay"):
-      replay_state = pickle.loads(base64.b64decode(meta["replay"]))
-  buf = new_replay(rc, replay_state) if rc is not None else None
+    engine_state, replay_state = host.get("async_engine"), host.get("replay")
+  meta = {k_: v for k_, v in meta.items() if k_ not in ("host", "host_sizes")}
+  meta["config"] = config_json
+  with open(os.path.join(workdir, "config.json"), "w") as f:  # after the resume check: never the old run's
+    f.write(c.to_json_best_effort(indent=2, sort_keys=True))
+  try:
+    buf = new_replay(rc, replay_state) if rc is not None else None
+    engine = async_engine(r, store, engine_state) if mode == "async" else None
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise RunError(f"checkpoint step {start} in {ckpt.directory}: unusable async engine / replay state "
+                   f"({type(e).__name__}: {e})") from None
   stage_version = meta["stage_version"]
   stage: dict[int, dict] = {}  # staged mode: the current stage's rollouts by learner step
 
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
-  flag = preemption.install_sigterm_handler() if _main_thread() else None
-  engine = async_engine(r, store, engine_state).start() if mode == "async" else None
+  flag = preemption.install_sigterm_handler(sigint=True) if _main_thread() else None
+  engine = engine.start() if engine is not None else None
   rows: list[dict] = []
+  failure = None  # optim.max_skips reached: the message; the row and a checkpoint are written first
   bar = None
   if c.log.progress:
     from tqdm import tqdm
@@ -616,8 +743,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
         if extra["ewma"] is not None:
           extra["ewma"] = ewma_update(extra["ewma"], state.params, c.rollout.ewma_beta)
       elif m["skipped_consecutive"] >= c.optim.max_skips:
-        raise FloatingPointError(f"{c.optim.max_skips} consecutive non-finite updates (last at step {t}); stopping. "
-                                 "Lower optim.lr or check the loss inputs.")
+        failure = (f"optim.max_skips={c.optim.max_skips}: {m['skipped_consecutive']} consecutive non-finite updates "
+                   f"(last at step {t}); stopped after saving a checkpoint. Lower optim.lr, raise "
+                   "sampler.temperature or check the loss inputs")
       reward_B, mask_BN, lag_B = ro["reward_B"], ro["mask_BN"], ro["lag_B"]
       row = {
           "step": t, "version": store.latest_version, "behavior_version": int(np.min(ro["versions_BN"])),
@@ -641,17 +769,18 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", eval=row.get("eval_accuracy", ""))
       preempted = flag is not None and flag.requested
-      if preempted or (c.checkpoint.every > 0 and (t + 1) % c.checkpoint.every == 0) or t + 1 == c.num_steps:
+      stop = preempted or failure is not None
+      if stop or (c.checkpoint.every > 0 and (t + 1) % c.checkpoint.every == 0) or t + 1 == c.num_steps:
         if engine is not None:
           engine.stop()
-          meta["async_engine"] = base64.b64encode(pickle.dumps(engine.state())).decode()
-        if buf is not None:  # the buffered groups, ids and counters: a resumed run samples what this one would
-          meta["replay"] = base64.b64encode(pickle.dumps(buf.state())).decode()
+        # the engine's and replay's buffered groups, ids and counters: a resumed run samples what this one would
         best = {"eval_accuracy": row["eval_accuracy"]} if "eval_accuracy" in row else None  # keep-N + best
-        _save(ckpt, t + 1, state, store, extra, slots, {**meta, "stage_version": stage_version}, force=preempted,
-              metrics=best)
+        _save(ckpt, t + 1, state, store, extra, slots, {**meta, "stage_version": stage_version},
+              _host_state(engine, buf), force=stop, metrics=best)
         if preempted:
           print(f"preempted (signal {flag.signum}): checkpoint saved at step {t + 1}; exiting", flush=True)
+          break
+        if failure is not None:
           break
         if engine is not None and t + 1 < c.num_steps:
           engine = async_engine(r, store, engine.state()).start()
@@ -664,12 +793,21 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
     ckpt.close()
     if flag is not None:
       flag.uninstall()
+  skipped = sum(1 for row in rows if row.get("update_skipped"))
   info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"), "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
-          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(),
-          "prompts_dropped": r.prompts_dropped, **store.sync_totals()}
+          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals(),
+          "prompts_dropped": r.prompts_dropped,
+          "updates_skipped": skipped, "reward_errors": sum(int(row.get("reward_errors") or 0) for row in rows),
+          "stopped_by_signal": flag.signum if flag is not None and flag.requested else None, "error": failure}
+  if failure is None and rows and skipped == len(rows):
+    failure = (f"every update of this run ({skipped} of {len(rows)} learner steps) was skipped as non-finite: the "
+               "policy did not change. Check optim.lr, sampler.temperature and the loss inputs (metrics.jsonl)")
+    info["error"] = failure
   with open(os.path.join(workdir, "run_info.json"), "w") as f:
-    json.dump(info, f, indent=2)
+    json.dump(metrics_lib.json_safe(info), f, indent=2, allow_nan=False)
+  if failure is not None:
+    raise RunError(failure)
   return rows
 
 

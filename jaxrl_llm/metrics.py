@@ -1,7 +1,8 @@
 """Metric writers (JSONL + TensorBoard), the end-of-run summary table and the reward/accuracy plot.
 
 `DIR/metrics.jsonl` holds one JSON object per learner step (DESIGN §4). Wall-clock fields are named
-`time_*` so that repeatability checks can drop them.
+`time_*` so that repeatability checks can drop them. The file is strict JSON: non-finite numbers are
+written as null (`json_safe`), so `json.loads(line, parse_constant=...)` never meets NaN or Infinity.
 """
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ def to_python(metrics: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def json_safe(x):
+  """`x` as strict JSON data: non-finite floats -> None, numpy scalars/arrays -> Python numbers/lists
+  (recursively through dicts, lists and tuples)."""
+  if isinstance(x, dict):
+    return {k: json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [json_safe(v) for v in x]
+  if isinstance(x, np.ndarray):
+    return json_safe(x.tolist())
+  if isinstance(x, np.generic):
+    x = x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
 class MetricsWriter:
   """Appends metric rows to DIR/metrics.jsonl and (optionally) TensorBoard events beside it."""
 
@@ -41,7 +58,8 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, row: dict[str, Any]) -> None:
-    self._f.write(json.dumps(row, sort_keys=True) + "\n")
+    row = json_safe(row)
+    self._f.write(json.dumps(row, sort_keys=True, allow_nan=False) + "\n")
     self._f.flush()
     if self._tb is not None:
       step = row["step"]
@@ -65,9 +83,11 @@ def truncate_after(path: str, step: int) -> None:
   if not os.path.exists(path):
     return
   rows = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
-  with open(path, "w", encoding="utf-8") as f:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:  # then renamed: a crash mid-write leaves the old file whole
     for r in rows:
-      f.write(json.dumps(r, sort_keys=True) + "\n")
+      f.write(json.dumps(json_safe(r), sort_keys=True, allow_nan=False) + "\n")
+  os.replace(tmp, path)
 
 
 def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
@@ -85,6 +105,12 @@ def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
   if t:
     lines.append(f"{'seconds per learner step':<28}{'':>12}{np.median(t):>12.3f}")
   lines.append(f"{'learner steps':<28}{'':>12}{len(rows):>12d}")
+  skipped = sum(1 for r in rows if r.get("update_skipped"))
+  if skipped:
+    lines.append(f"{'updates skipped (non-finite)':<28}{'':>12}{skipped:>12d}")
+  errors = sum(int(r.get("reward_errors") or 0) for r in rows)
+  if errors:
+    lines.append(f"{'reward errors / timeouts':<28}{'':>12}{errors:>12d}")
   return "\n".join(lines)
 
 

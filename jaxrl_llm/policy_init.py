@@ -69,5 +69,18 @@ def initial_policy(c, model_cfg: ModelConfig, key, tokenizer_vocab: int | None =
   if not c.model.init_from:
     return model_cfg, init_params(model_cfg, key)
   from jaxrl_llm.models import load_hf
-  hf_cfg, params = load_hf(c.model.init_from, param_dtype="float32")
+  path = c.model.init_from
+  cfg_file = os.path.join(path, "config.json")
+  try:
+    with open(cfg_file) as f:
+      json.load(f)
+  except (OSError, ValueError) as e:
+    raise config_lib.ConfigError(f"config.model.init_from={path!r}: cannot read {cfg_file}: "
+                                 f"{type(e).__name__}: {str(e)[:200]}") from None
+  try:
+    hf_cfg, params = load_hf(path, param_dtype="float32")
+  except Exception as e:  # noqa: BLE001 -- truncated / foreign safetensors raise many types; name the folder
+    raise config_lib.ConfigError(f"config.model.init_from={path!r}: cannot load the checkpoint (its *.safetensors "
+                                 f"or config.json): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                                 ) from None
   return checkpoint_model_config(c, model_cfg, hf_cfg, tokenizer_vocab or model_cfg.vocab_size), params

@@ -1,4 +1,7 @@
-"""Preemption: a signal sets a flag; the loop checks it each step, saves a checkpoint and exits 0.
+"""Preemption: a signal sets a flag; the loop checks it each step, saves a checkpoint and stops.
+
+`loop.run` installs it for SIGTERM and SIGINT (Ctrl-C): both save; the command line then exits 0 after
+SIGTERM (a preemption) and 130 after SIGINT.
 
     flag = install_sigterm_handler()
     try:

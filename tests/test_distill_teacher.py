@@ -83,11 +83,12 @@ def test_topk_equal_to_vocab_has_no_residual_and_bad_k_is_rejected():
 
 def test_teacher_config_scales_width_and_keeps_head_dim():
   c = opd_tiny()
+  c.sft.steps = run_sft_steps = 7  # differs from distill.teacher_sft_steps: a mutation would show
   ct = teacher_lib.teacher_config(c)
   assert (ct.model.d_model, ct.model.n_layers) == (64, 2)
   assert ct.model.d_ff == c.model.d_ff * 2 and ct.model.head_dim == c.model.head_dim
   assert (ct.model.n_heads, ct.model.n_kv_heads) == (2 * c.model.n_heads, 2 * c.model.n_kv_heads)
-  assert ct.sft.steps == c.distill.teacher_sft_steps and c.sft.steps == 10  # the run config is untouched
+  assert ct.sft.steps == c.distill.teacher_sft_steps and c.sft.steps == run_sft_steps  # the run config is untouched
 
 
 def test_sft_teacher_is_trained_once_and_reused(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
-from test_loop import tiny
+from test_loop import assert_learns, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1", "--config.loss.entropy_coef=0.01",
@@ -24,6 +24,7 @@ def test_mesh_run_matches_one_device_and_resumes(tmp_path):
   c = tiny(rollout__mode="fixed_lag", rollout__lag=1, optim__lr=0.01, optim__warmup_steps=0)
   c.loss.entropy_coef, c.loss.kl_coef, c.eval.every, c.num_steps = 0.01, 0.05, 2, 4  # KL: the fused reference step
   ref = loop.run(c, str(tmp_path / "one"))
+  assert_learns(ref)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   d = str(tmp_path / "mesh")
   base = [sys.executable, "-m", "jaxrl_llm", "--config=configs/tiny.py", f"--workdir={d}", *FLAGS,

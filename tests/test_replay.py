@@ -184,12 +184,19 @@ def test_drop_max_lag_below_the_fixed_lag_is_rejected():
 # The loop with replay on (configs/tiny.py: 4 prompts × 4 completions per step).
 
 
-def cfg(mode="sync", k=0, steps=6, **replay_kw):
-  c = tiny(rollout__mode=mode, rollout__lag=k, optim__lr=1e-2, optim__warmup_steps=0)
-  c.loss.entropy_coef = 0.01  # a gradient even when every reward of the untrained policy is 0
-  c.num_steps, c.eval.every, c.sft.steps = steps, 0, 0  # replay invariants need no warm-started policy
+def cfg(mode="sync", k=0, steps=6, learn=False, **replay_kw):
+  """Replay invariants need no warm-started policy; equality tests (`learn=True`) compare runs whose every
+  step has a non-zero policy gradient from the rewards alone (tiny's SFT warm start, no entropy bonus)."""
+  c = tiny(rollout__mode=mode, rollout__lag=k, optim__lr=1e-3 if learn else 1e-2, optim__warmup_steps=0)
+  sft_steps = c.sft.steps
+  c.loss.entropy_coef = 0.0 if learn else 0.01  # a gradient even when every reward of the untrained policy is 0
+  c.num_steps, c.eval.every, c.sft.steps = steps, 0, sft_steps if learn else 0
   c.rollout.replay.update(replay_kw)
   return c
+
+
+def assert_learns(rows):
+  assert all(r["grad_norm"] > 0 and not r["update_skipped"] for r in rows), [r["grad_norm"] for r in rows]
 
 
 def uses_by_group(rows):
@@ -229,11 +236,18 @@ def test_downweight_scales_the_advantages_of_over_stale_groups(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,k", [("sync", 0), ("fixed_lag", 2)])
-def test_replay_that_consumes_each_batch_once_equals_no_replay(tmp_path, mode, k):
+def test_replay_that_consumes_each_batch_once_equals_no_replay(tmp_path, mode, k, monkeypatch):
   """capacity = fresh_per_step = prompts_per_step, reuse_limit 1: the buffer holds exactly the fresh batch,
-  so the metrics equal a run without replay (which is also what capacity 0 runs)."""
-  off = loop.run(cfg(mode, k, steps=4), str(tmp_path / "off"))
-  on = loop.run(cfg(mode, k, steps=4, capacity=4, fresh_per_step=4, reuse_limit=1), str(tmp_path / "on"))
+  so the metrics equal a run without replay (which is also what capacity 0 runs).
+
+  Like with like: replay scores π_old with the generating snapshot when it pushes a group; without replay,
+  sync mode would take π_old from the learner's own forward (`prox_is_current`), a different computation
+  whose last bits may differ by CPU. The run without replay is made to score π_old the same way."""
+  with monkeypatch.context() as m:
+    m.setattr(loop, "prox_is_current", lambda c: False)
+    off = loop.run(cfg(mode, k, steps=4, learn=True), str(tmp_path / "off"))
+  on = loop.run(cfg(mode, k, steps=4, learn=True, capacity=4, fresh_per_step=4, reuse_limit=1), str(tmp_path / "on"))
+  assert_learns(off)
   assert not any(k_.startswith("replay_") for r in off for k_ in r)
   assert all(r["replay_fresh_frac"] == 1.0 and r["replay_mean_uses"] == 1.0 for r in on)
   assert strip(off) == [{k_: v for k_, v in r.items() if not k_.startswith("replay_")} for r in strip(on)]
@@ -241,9 +255,10 @@ def test_replay_that_consumes_each_batch_once_equals_no_replay(tmp_path, mode, k
 
 @pytest.mark.slow
 def test_fixed_lag_replay_is_bitwise_repeatable(tmp_path):
-  c = cfg("fixed_lag", 2, steps=5, capacity=8, fresh_per_step=2, reuse_limit=3, recency=0.8)
+  c = cfg("fixed_lag", 2, steps=5, learn=True, capacity=8, fresh_per_step=2, reuse_limit=3, recency=0.8)
   a = loop.run(c, str(tmp_path / "a"))
   b = loop.run(c, str(tmp_path / "b"))
+  assert_learns(a)
   assert strip(a) == strip(b)
   assert max(r["lag_max"] for r in a) > 2  # replayed groups older than the fixed lag were consumed
 
@@ -251,7 +266,7 @@ def test_fixed_lag_replay_is_bitwise_repeatable(tmp_path):
 @pytest.mark.slow
 def test_fixed_lag_replay_resume_equals_uninterrupted(tmp_path):
   def c(steps):
-    x = cfg("fixed_lag", 1, steps=steps, capacity=8, fresh_per_step=2, reuse_limit=2, recency=0.8)
+    x = cfg("fixed_lag", 1, steps=steps, learn=True, capacity=8, fresh_per_step=2, reuse_limit=2, recency=0.8)
     x.checkpoint.every = 1
     return x
   loop.run(c(6), str(tmp_path / "a"))
@@ -259,6 +274,7 @@ def test_fixed_lag_replay_resume_equals_uninterrupted(tmp_path):
   loop.run(c(6), str(tmp_path / "b"))
   a, b = (strip(read_jsonl(str(tmp_path / x / "metrics.jsonl"))) for x in "ab")
   assert json.load(open(tmp_path / "b" / "run_info.json"))["resumed_from_step"] == 3
+  assert_learns(a)
   assert a == b
   assert any(r["replay_fresh_frac"] < 1.0 for r in a[3:])  # the resumed steps really consumed restored groups
 

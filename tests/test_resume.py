@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
-from test_loop import strip, tiny
+from test_loop import assert_learns, strip, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -38,7 +38,9 @@ def config():
 def reference(tmp_path_factory):
   d = tmp_path_factory.mktemp("ref")
   loop.run(config(), str(d))
-  return strip(read_jsonl(str(d / "metrics.jsonl")))
+  rows = strip(read_jsonl(str(d / "metrics.jsonl")))
+  assert_learns(rows)  # resumed runs are compared with a run whose parameters move every step
+  return rows
 
 
 def launch(workdir):
@@ -136,5 +138,6 @@ def test_staged_resume_mid_stage_regenerates_the_stage(tmp_path):
   loop.run(cfg(2), str(tmp_path / "b"))  # stops inside the first stage (steps 0-2)
   loop.run(cfg(5), str(tmp_path / "b"))
   a, b = (strip(read_jsonl(str(tmp_path / x / "metrics.jsonl"))) for x in "ab")
+  assert_learns(a)
   assert a == b
   assert [r["lag_max"] for r in a] == [0, 1, 2, 0, 1]

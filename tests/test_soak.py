@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrl_llm import loop, losses
+from jaxrl_llm.errors import RunError
 from test_loop import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,10 +42,11 @@ def test_consecutive_non_finite_updates_stop_the_run_with_a_clear_message(tmp_pa
     c.optim.max_skips = 3
     c.num_steps = 10
     c.eval.every = 0
-    with pytest.raises(FloatingPointError, match="3 consecutive non-finite updates"):
+    with pytest.raises(RunError, match="optim.max_skips=3: 3 consecutive non-finite updates"):
       loop.run(c, str(tmp_path))
     rows = [l for l in open(tmp_path / "metrics.jsonl")]
-    assert len(rows) == 2  # the third skip raises before its row is written
+    assert len(rows) == 3  # the third skip's row is written, then a checkpoint, then the run stops
     assert all('"update_skipped": 1' in r for r in rows)
+    assert "3" in os.listdir(tmp_path / "checkpoints")
   finally:
     losses.unregister("_test_nan")

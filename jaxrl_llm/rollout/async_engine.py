@@ -30,6 +30,7 @@ from jaxrl_llm.rollout.param_store import ParamStore, Snapshot
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling import partial as partial_lib
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
+from jaxrl_llm.tasks.reward import RewardPolicy
 
 RolloutFn = Callable[[Snapshot, int], Trajectory]
 
@@ -49,7 +50,8 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
                        model_cfg, sampler_cfg, store: ParamStore | None = None,
                        chunk_steps: int | None = None, reprefill: bool = False,
                        keep_routes: bool = False, score_fn: Callable | None = None,
-                       encoder: Encoder = CHAR_ENCODER) -> RolloutFn:
+                       encoder: Encoder = CHAR_ENCODER,
+                       reward_policy: RewardPolicy = RewardPolicy()) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
 
   With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
@@ -60,6 +62,7 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
   every token with the learner-dtype snapshot of its generating version (`prox_logp_GN`), so the
   learner does not spend a forward per distinct version of its batch.
   `encoder`: the run's prompt encoder (`tasks.encoder`); its tokenizer decodes the completions.
+  `reward_policy`: time limit, bound and executor of the reward calls; the group records how many failed.
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
@@ -79,13 +82,14 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
     out = jax.tree.map(np.asarray, out)
     routes_GTLk = out["routes_BTLk"] if keep_routes and "routes_BTLk" in out else None
     prox_GN = None if score_fn is None else prox_at_versions(score_fn, store, snap, out, versions_GN, routes_GTLk)
-    reward_G, _, _ = collect.score_completions(task, p.examples, out["tokens_BN"], tokenizer=encoder.tokenizer)
+    reward_G, counts, _ = collect.score_completions(task, p.examples, out["tokens_BN"], reward_policy,
+                                                    tokenizer=encoder.tokenizer)
     return Trajectory(
         request_id=request_id, group_id=int(example["example_id"]), start_version=snap.version,
         sequence_GT=out["sequence_BT"], positions_GT=out["positions_BT"], segment_ids_GT=out["segment_ids_BT"],
         tokens_GN=out["tokens_BN"], mask_GN=out["mask_BN"], behavior_logp_GN=out["behavior_logp_BN"],
         versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example), routes_GTLk=routes_GTLk,
-        prox_logp_GN=prox_GN)
+        prox_logp_GN=prox_GN, reward_errors=counts["error"] + counts["timeout"])
 
   return rollout
 

@@ -34,6 +34,7 @@ class Trajectory(NamedTuple):
   # float32 [G, N] π_old scored by the worker at each token's generating version (`old_logp=recompute`);
   # None when not scored (other strategies, pre-existing checkpoints): the learner computes it.
   prox_logp_GN: np.ndarray | None = None
+  reward_errors: int = 0  # reward calls of this group that raised, timed out or returned a bad value
 
 
 def lag(group: Trajectory, learner_version: int) -> int:
@@ -59,6 +60,7 @@ def collate(groups: list[Trajectory], learner_version: int) -> dict:
       "group_id_B": np.repeat(np.arange(len(groups), dtype=np.int32), G_B),
       "lag_B": np.repeat(np.array([lag(g, learner_version) for g in groups], np.int32), G_B),
       "request_id_B": np.repeat(np.array([g.request_id for g in groups], np.int64), G_B),
+      "reward_errors": sum(int(g.reward_errors) for g in groups),
   }
 
 

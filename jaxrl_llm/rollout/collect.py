@@ -17,7 +17,7 @@ from jaxrl_llm import advantages
 from jaxrl_llm.tasks import tokenizer as tok
 from jaxrl_llm.tasks.base import Task
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
-from jaxrl_llm.tasks.reward import safe_reward_batch
+from jaxrl_llm.tasks.reward import RewardPolicy, score_batch
 
 ADVANTAGE_FNS: dict[str, Callable] = {
     "grpo": lambda r, g, n, std: advantages.grpo(r, g, n, std_normalize=std),
@@ -65,13 +65,15 @@ def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int, c
   return encode_prompts([train_examples[int(i)] for i in idx], width, encoder)
 
 
-def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray, timeout_s: float = 5.0,
+def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
+                      policy: RewardPolicy = RewardPolicy(),
                       tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> tuple[np.ndarray, dict, list[str]]:
-  """Rewards of completions decoded up to their first stop id; a reward fn that raises or hangs costs
-  that sample (reward 0)."""
+  """Rewards of completions decoded up to their first stop id, and the counts of `ok` / `error` /
+  `timeout` calls: a reward fn that raises, hangs or returns a non-finite or out-of-bound value costs
+  that sample (reward 0). `policy`: the run's `reward.*` settings (`loop.reward_policy`)."""
   texts = [tok.completion_text(tokenizer, row) for row in tokens_BN]
   args = [(ex["prompt"], ex["answer"], t) for ex, t in zip(examples, texts)]
-  rb = safe_reward_batch(task.reward, args, timeout_s)
+  rb = score_batch(task.reward, args, policy)
   return rb.reward_B.astype(np.float32), rb.counts, texts
 
 

@@ -4,6 +4,11 @@ Operands have exactly ``num_digits`` digits (0..9 when ``num_digits == 1``). ``o
 over ``"+-*"``; each example draws one op uniformly, so ``ops="+-"`` mixes addition and
 subtraction (answers may then be negative, e.g. ``"12-47="`` → ``"-35"``). The default, 2-digit
 addition, is learnable in part by a ~100k-parameter transformer with SFT + RL in minutes on CPU.
+
+``partial_credit=True`` (shaping, for the smallest test configs): a wrong completion scores
+``0.5 × (characters equal to the answer's at the same position) / max(len(answer), len(completion))``,
+so even a barely trained policy earns varied rewards and a non-zero RL gradient; only an exact
+answer scores 1 (accuracy, ``reward >= 1``, is unchanged).
 """
 
 from __future__ import annotations
@@ -41,7 +46,17 @@ def reward(prompt: str, answer: str, completion: str) -> float:
   return 1.0 if completion.strip() == answer else 0.0
 
 
-def make_task(num_digits: int = 2, ops: str = "+") -> Task:
+def partial_reward(prompt: str, answer: str, completion: str) -> float:
+  """``reward``, but a wrong completion earns 0.5 × its fraction of answer characters in place (< 0.5)."""
+  full = reward(prompt, answer, completion)
+  if full == 1.0 or not isinstance(completion, str) or not isinstance(answer, str):
+    return full
+  got = completion.strip()[:_MAX_COMPLETION_CHARS]
+  same = sum(1 for a, b in zip(answer, got) if a == b)
+  return 0.5 * same / max(len(answer), len(got), 1)
+
+
+def make_task(num_digits: int = 2, ops: str = "+", partial_credit: bool = False) -> Task:
   """The arithmetic task with ``num_digits``-digit operands and operators from ``ops``."""
   if not isinstance(num_digits, int) or not 1 <= num_digits <= 9:
     raise ValueError(f"num_digits must be an int in [1, 9], got {num_digits!r}")
@@ -53,8 +68,8 @@ def make_task(num_digits: int = 2, ops: str = "+") -> Task:
   return Task(
       name="arithmetic",
       make_example=functools.partial(make_example, num_digits=num_digits, ops=ops),
-      reward=reward,
+      reward=partial_reward if partial_credit else reward,
       max_prompt_len=2 * num_digits + 2,
       max_answer_len=answer_len,
-      kwargs=(("num_digits", num_digits), ("ops", ops)),
+      kwargs=(("num_digits", num_digits), ("ops", ops)) + ((("partial_credit", True),) if partial_credit else ()),
   )
