@@ -157,13 +157,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       f"(available: {sorted(available_needs(c))})")
 
 
+def task_kwargs(c: ml_collections.ConfigDict) -> dict:
+  """The `task.kwargs` the chosen task takes (unset ones and other tasks' arguments left out)."""
+  from jaxrl_llm import tasks  # local: keep `import jaxrl_llm.config` light
+  return tasks.config_task_kwargs(c.task.name, dict(c.task.kwargs))[0]
+
+
 def _validate_task(c: ml_collections.ConfigDict) -> None:
-  """`task`: the name, its kwargs (None = the task's default; one it does not take is an error), the
-  data file (read here, so a missing file or wrong columns fail at start-up) and the held-out split."""
+  """`task`: the name, its kwargs (None = the task's default; another task's argument is set aside with
+  a note; a name no task takes is an error), the data file (read here, so a missing file or wrong
+  columns fail at start-up) and the held-out split."""
   from jaxrl_llm import tasks  # local: keep `import jaxrl_llm.config` light
   _need(c.task.name in tasks.task_names(), "task.name", c.task.name, f"must be one of {tasks.task_names()}")
   _need(c.task.source in ("memory", "tfds"), "task.source", c.task.source, "must be 'memory' or 'tfds'")
-  kwargs = dict(c.task.kwargs)
+  kwargs, foreign = tasks.config_task_kwargs(c.task.name, dict(c.task.kwargs))
+  for k, v in foreign.items():
+    print(f"note: config.task.kwargs.{k}={v!r} is not an argument of task {c.task.name!r}; ignored", flush=True)
   try:
     task = tasks.get_task(c.task.name, **kwargs)
   except (ValueError, TypeError, OSError) as e:

@@ -27,11 +27,12 @@ def checkpoint_config(c: ml_collections.ConfigDict) -> ModelConfig | None:
   if not os.path.isfile(path):
     raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: not a Hugging Face checkpoint "
                                  "folder (no config.json there)")
-  with open(path) as f:
-    try:
+  try:
+    with open(path) as f:
       return config_from_hf(json.load(f), param_dtype="float32")
-    except (ValueError, KeyError) as e:
-      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}") from None
+  except (OSError, ValueError, KeyError) as e:
+    raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: cannot use {path}: "
+                                 f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok.vocab_size) -> ModelConfig:

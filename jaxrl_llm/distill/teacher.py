@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxrl_llm import policy_init, sft
+from jaxrl_llm.config import task_kwargs
 from jaxrl_llm.distill.topk_cache import build_topk_cache
 from jaxrl_llm.models import ModelConfig, forward, init_params, token_logprobs
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
@@ -73,7 +74,7 @@ def cache_key(c: ml_collections.ConfigDict, encoder: Encoder = CHAR_ENCODER) -> 
   """Folder name of the cached SFT teacher: task + seed + size + a hash of everything that shapes it
   (the tokenizer and chat settings too, unless they are the default char tokenizer in raw mode)."""
   ct = teacher_config(c)
-  what = {"task": c.task.name, "kwargs": dict(c.task.kwargs), "source": c.task.source, "seed": c.seed,
+  what = {"task": c.task.name, "kwargs": task_kwargs(c), "source": c.task.source, "seed": c.seed,
           "prompt_width": c.task.prompt_width, "max_new_tokens": c.sampler.max_new_tokens,
           "model": ct.model.to_dict(), "sft": {k: ct.sft[k] for k in ("steps", "batch_size", "lr")}}
   if not encoder.exact_char_widths:

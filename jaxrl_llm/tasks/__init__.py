@@ -63,6 +63,21 @@ def resolve_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def config_task_kwargs(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Splits a config's ``task.kwargs`` for task ``name``: (the set arguments it takes, the set ones
+  only other tasks take).
+
+  A config carries every task's arguments, so switching ``task.name`` on the command line leaves the
+  config file's settings for its own task behind (``configs/tiny.py``'s arithmetic shaping under
+  ``--config.task.name=jsonl``); those are set aside, not errors. A name that no task takes stays in
+  the first dict, so ``get_task`` still refuses it.
+  """
+  accepted, known = set(task_kwarg_names(name)), set(kwarg_types())
+  given = {k: v for k, v in kwargs.items() if v is not None}
+  foreign = {k: v for k, v in given.items() if k not in accepted and k in known}
+  return {k: v for k, v in given.items() if k not in foreign}, foreign
+
+
 def get_task(name: str, **kwargs: Any) -> Task:
   """Builds the task registered as ``name`` with its keyword arguments (None = the default).
 
@@ -101,6 +116,6 @@ def kwargs_config():
                                     for k, t in sorted(kwarg_types().items())})
 
 
-__all__ = ["Task", "TaskError", "get_task", "task_names", "task_kwarg_names", "resolve_kwargs",
+__all__ = ["Task", "TaskError", "get_task", "task_names", "task_kwarg_names", "resolve_kwargs", "config_task_kwargs",
            "kwarg_types", "kwargs_config", "num_held_out", "sft_examples", "split_examples",
            "prompt_ids", "target_ids", "score_completions"]
