@@ -29,7 +29,11 @@ def main(argv):
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  rows = loop.run(c, _WORKDIR.value)
+  try:
+    rows = loop.run(c, _WORKDIR.value)
+  except config_lib.ConfigError as e:  # found at set-up (e.g. a missing checkpoint folder): one line, no traceback
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   import json
   info = json.load(open(os.path.join(_WORKDIR.value, "run_info.json")))
   if not rows:

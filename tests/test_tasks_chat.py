@@ -72,6 +72,21 @@ def test_chat_reward_survives_hostile_completions(completion):
   assert task.reward(ex["prompt"], completion, ex["answer"]) in (0.0, 1.0)
 
 
+def test_arithmetic_chat_task_is_the_chat_style():
+  """The registered `arithmetic_chat` task: same examples and reward as style="chat", its own name."""
+  a = tasks.get_task("arithmetic_chat", num_digits=3, ops="*")
+  b = tasks.get_task("arithmetic", num_digits=3, ops="*", style="chat")
+  assert a.name == "arithmetic_chat" and a.kwargs == (("num_digits", 3), ("ops", "*"))
+  assert a.make_example(np.random.default_rng(5)) == b.make_example(np.random.default_rng(5))
+  assert a.reward is arithmetic.chat_reward and a.max_prompt_len == b.max_prompt_len
+  # Its kwargs rebuild it (TFDS builders call get_task(name, **kwargs)).
+  again = tasks.get_task(a.name, **dict(a.kwargs))
+  assert (again.name, again.kwargs) == (a.name, a.kwargs)
+  assert again.make_example(np.random.default_rng(1)) == a.make_example(np.random.default_rng(1))
+  with pytest.raises(tasks.TaskError, match="'arithmetic_chat' takes no argument 'style'"):
+    tasks.get_task("arithmetic_chat", style="chat")
+
+
 def test_chat_style_validation():
   with pytest.raises(ValueError, match="style"):
     tasks.get_task("arithmetic", style="prose")

@@ -7,11 +7,14 @@ addition, is learnable in part by a ~100k-parameter transformer with SFT + RL in
 
 ``style="chat"`` phrases the same problem as a question for an instruct model
 (``"What is 12 + 47? Reply with only the number."``) and scores a free-form completion by the last
-integer in it (``"12 + 47 = 59."`` scores 1); the answer (SFT target) stays ``"59"``.
+integer in it (``"12 + 47 = 59."`` scores 1); the answer (SFT target) stays ``"59"``. The task
+``arithmetic_chat`` (``make_chat_task``) is the same with the style fixed, so a config can switch
+between it and a data-file task (``gsm8k``) by ``task.name`` alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -114,3 +117,10 @@ def make_task(num_digits: int = 2, ops: str = "+", style: str = "raw") -> Task:
       max_answer_len=answer_len,
       kwargs=kwargs,
   )
+
+
+def make_chat_task(num_digits: int = 2, ops: str = "+") -> Task:
+  """``arithmetic`` with ``style="chat"``, registered as its own task ``arithmetic_chat``."""
+  task = make_task(num_digits, ops, style="chat")
+  return dataclasses.replace(task, name="arithmetic_chat",
+                             kwargs=tuple(kv for kv in task.kwargs if kv[0] != "style"))
