@@ -91,3 +91,21 @@ def test_smollm2_grpo_two_steps(smollm2, tmp_path):
   rows = loop.run(c, str(tmp_path))
   _check_run(tmp_path, rows, 2)
   assert rows[0]["completion_len"] > 0
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_opd_two_steps(smollm2, tmp_path):
+  """The 30-layer model teaches its first 8 layers (configs/smollm2_opd.py), 2 steps at a tiny batch."""
+  from jaxrl_llm.models.truncate import truncate_checkpoint
+  student = truncate_checkpoint(smollm2, 8, None if os.environ.get("JAXRL_LLM_CACHE") or
+                                smollm2 == gg.default_cache_dir() else tmp_path / "student")
+  c = _config("smollm2_opd.py", **{
+      "model.init_from": str(student), "distill.teacher": str(smollm2), "num_steps": 2,
+      "rollout.prompts_per_step": 2, "rollout.group_size": 2, "sampler.max_new_tokens": 8, "task.held_out": 4,
+      "eval.num_prompts": 4, "eval.every": 2, "log.progress": False})
+  rows = loop.run(c, str(tmp_path / "run"))
+  _check_run(tmp_path / "run", rows, 2)
+  # Reverse KL to the teacher is a signal on every token: positive for an 8-layer copy of a 30-layer model.
+  assert all(r["grad_norm"] > 0 for r in rows)
