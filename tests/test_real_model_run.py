@@ -56,6 +56,22 @@ def test_cli_missing_checkpoint_is_one_line(tmp_path):
   assert len(lines) == 1 and lines[0].startswith("error: config.model.init_from=") and "make smollm2" in lines[0]
 
 
+def test_configs_are_valid_and_load_without_torch():
+  """Both real-model configs validate (OPD needs registered by importing the loop) and pull in no torch."""
+  code = ("import sys; from jaxrl_llm import loop; from jaxrl_llm.config import load_file, validate\n"
+          "for name in ('smollm2_grpo', 'smollm2_opd'):\n"
+          "  c = load_file(f'configs/{name}.py'); validate(c)\n"
+          "  print(name, c.task.name, c.sft.steps, c.model.remat, c.model.init_from, c.get('distill', {}).get('teacher'))\n"
+          "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAXRL_LLM_CACHE": "/cache"}
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.splitlines() == [
+      "smollm2_grpo arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct None",
+      "smollm2_opd arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct-first8 /cache/SmolLM2-135M-Instruct",
+      "[]"]
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
   """The SmolLM2 folder: the default cache's when it is there (or $JAXRL_LLM_CACHE is set), else a temp import."""
