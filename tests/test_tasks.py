@@ -71,11 +71,11 @@ def test_import_is_light():
 # --- registry ----------------------------------------------------------------------------------
 
 def test_registry():
-  assert tasks.task_names() == ["arithmetic", "countdown", "dapo", "gsm8k", "jsonl", "math"]
+  assert tasks.task_names() == ["arithmetic", "arithmetic_chat", "countdown", "dapo", "gsm8k", "jsonl", "math"]
   assert tasks.get_task("arithmetic").name == "arithmetic"
   assert tasks.get_task("countdown", max_count=3).kwargs == tasks.get_task(
       "countdown", max_count=3).kwargs
-  with pytest.raises(ValueError, match="arithmetic, countdown, dapo, gsm8k, jsonl, math"):
+  with pytest.raises(ValueError, match="arithmetic, arithmetic_chat, countdown, dapo, gsm8k, jsonl, math"):
     tasks.get_task("nope")
   # None = the task's default; an argument the task does not take is named.
   assert tasks.get_task("arithmetic", num_digits=None, path=None).kwargs == (("num_digits", 2), ("ops", "+"))

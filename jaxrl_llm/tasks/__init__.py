@@ -26,6 +26,7 @@ from jaxrl_llm.tasks.base import (Task, TaskError, num_held_out, prompt_ids, sco
 
 _FACTORIES: dict[str, Callable[..., Task]] = {
     "arithmetic": arithmetic.make_task,
+    "arithmetic_chat": arithmetic.make_chat_task,
     "countdown": countdown.make_task,
     "jsonl": jsonl.make_task,
     "gsm8k": math_data.make_gsm8k_task,

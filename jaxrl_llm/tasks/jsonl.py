@@ -67,17 +67,11 @@ def parse_jsonl_lines(lines: Sequence[bytes], *, prompt_key: str = "prompt",
   """Parses raw lines; returns rows ``{"prompt", "answer", "line"}`` and the report."""
   rows, bad = [], []
   for line_no, raw in enumerate(lines, start=1):
-    try:
-      text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-    except UnicodeDecodeError:
-      bad.append((line_no, "invalid UTF-8"))
+    row, error = math_data.decode_json_line(raw)
+    if error is not None:
+      bad.append((line_no, error))
       continue
-    if not text.strip():
-      continue
-    try:
-      row = json.loads(text)
-    except (ValueError, RecursionError) as e:
-      bad.append((line_no, f"invalid JSON: {str(e)[:80]}"))
+    if row is None:  # blank line
       continue
     error = _row_error(row, prompt_key, answer_key)
     if error is not None:

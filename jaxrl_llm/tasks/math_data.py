@@ -171,6 +171,20 @@ def _describe(columns: tuple[tuple[str, ...], ...]) -> str:
   return ", ".join(" or ".join(repr(c) for c in alts) for alts in columns)
 
 
+def decode_json_line(raw: bytes | str) -> tuple[Any, str | None]:
+  """(the parsed row, None), (None, None) for a blank line, or (None, why it is unreadable)."""
+  try:
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+  except UnicodeDecodeError:
+    return None, "invalid UTF-8"
+  if not text.strip():
+    return None, None
+  try:
+    return json.loads(text), None
+  except (ValueError, RecursionError) as e:
+    return None, f"invalid JSON: {str(e)[:80]}"
+
+
 def _read_records(path: str) -> tuple[list[tuple[int, Any]], frozenset]:
   """``[(row_number, row dict or reason str)]`` and the columns seen (parquet: its schema)."""
   if path.endswith(".parquet"):
@@ -184,17 +198,11 @@ def _read_records(path: str) -> tuple[list[tuple[int, Any]], frozenset]:
   records, columns = [], set()
   with open(path, "rb") as f:
     for line_no, raw in enumerate(f, start=1):
-      try:
-        text = raw.decode("utf-8")
-      except UnicodeDecodeError:
-        records.append((line_no, "invalid UTF-8"))
+      row, error = decode_json_line(raw)
+      if error is not None:
+        records.append((line_no, error))
         continue
-      if not text.strip():
-        continue
-      try:
-        row = json.loads(text)
-      except (ValueError, RecursionError) as e:
-        records.append((line_no, f"invalid JSON: {str(e)[:80]}"))
+      if row is None:  # blank line
         continue
       if not isinstance(row, dict):
         records.append((line_no, f"row is a {type(row).__name__}, not an object"))

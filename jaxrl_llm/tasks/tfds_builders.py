@@ -79,6 +79,11 @@ class JaxrlArithmetic(_TaskBuilder):
   TASK_NAME = "arithmetic"
 
 
+class JaxrlArithmeticChat(_TaskBuilder):
+  """TFDS name ``jaxrl_arithmetic_chat``."""
+  TASK_NAME = "arithmetic_chat"
+
+
 class JaxrlCountdown(_TaskBuilder):
   """TFDS name ``jaxrl_countdown``."""
   TASK_NAME = "countdown"
@@ -104,7 +109,7 @@ class JaxrlDapo(_TaskBuilder):
   TASK_NAME = "dapo"
 
 
-BUILDERS = {b.TASK_NAME: b for b in (JaxrlArithmetic, JaxrlCountdown, JaxrlJsonl, JaxrlGsm8k, JaxrlMath,
+BUILDERS = {b.TASK_NAME: b for b in (JaxrlArithmetic, JaxrlArithmeticChat, JaxrlCountdown, JaxrlJsonl, JaxrlGsm8k, JaxrlMath,
                                      JaxrlDapo)}
 
 
