@@ -45,7 +45,9 @@ def test_minibatch_runs_publish_once_per_step(tmp_path, mode, lag, epochs):
   # π_old is fixed for the batch: the second minibatch's ratio departs from 1 in every step.
   assert all(r["ratio_old_abs_dev_last"] > 1e-5 for r in rows)
   with open(os.path.join(str(tmp_path), "run_info.json")) as f:
-    assert json.load(f)["compiles_train_step"] == 1
+    # at most one: jit's cache-size counter can read 0 when the C++ fast path served every call
+    # (seen under xdist); a recompilation would make it 2
+    assert json.load(f)["compiles_train_step"] <= 1
 
 
 @pytest.mark.slow

@@ -90,7 +90,9 @@ def _check_run(workdir: pathlib.Path, rows: list[dict], steps: int) -> None:
   assert 0.0 <= written[-1]["eval_accuracy"] <= 1.0
   info = json.loads((workdir / "run_info.json").read_text())
   assert 0.0 <= info["eval_accuracy_initial"] <= 1.0
-  assert info["compiles_train_step"] == 1
+  # at most one: jit's cache-size counter can read 0 when the C++ fast path served every call
+  # (seen under xdist); a recompilation would make it 2
+  assert info["compiles_train_step"] <= 1
   shutil.rmtree(workdir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights + AdamW moments
 
 
