@@ -96,7 +96,7 @@ def _main():
   import json
   info = json.load(open(os.path.join(_WORKDIR.value, "run_info.json")))
   if info.get("stopped_by_signal") == 2:  # SIGINT: the checkpoint is saved; exit as an interrupted program
-    print(f"interrupted (Ctrl-C): checkpoint saved; run the same command to resume", file=sys.stderr)
+    print("interrupted (Ctrl-C): checkpoint saved; run the same command to resume", file=sys.stderr)
     sys.exit(130)
   if not rows:
     print(f"nothing to do: {_WORKDIR.value} already holds a run that reached num_steps={c.num_steps} "

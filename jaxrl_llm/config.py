@@ -42,7 +42,7 @@ def _need(cond: bool, field: str, value, why: str) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first invalid field."""
-  from jaxrl_llm import losses, tasks  # local: keep `import jaxrl_llm.config` light
+  from jaxrl_llm import losses  # local: keep `import jaxrl_llm.config` light
 
   _need(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be a non-negative int")
   _need(isinstance(c.num_steps, int) and c.num_steps >= 0, "num_steps", c.num_steps, "must be a non-negative int")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import time
 import warnings
 from typing import Any, NamedTuple
