@@ -1,7 +1,7 @@
 """Sampler throughput of `sampling.generate`: prefill and decode tokens/s against compute / bandwidth bounds.
 
 prefill: `generate` with one new token (the prefill plus one sampled column), B·P / time.
-decode:  (time(N) − time(1)) per B·(N − 1) decoded tokens (best-of-k times). EOS is disabled (eos_id = −1) so every row
+decode:  (time(N) − time(1)) per B·(N − 1) decoded tokens (best-of-k times). Stopping is disabled (no stop ids) so every row
 decodes all N tokens.
 Bounds: prefill is compute bound (2·N_params·tokens + attention, lm-head on the last position only,
 at the matmul peak); a decode step
@@ -24,7 +24,7 @@ def _time_generate(params, cfg: ModelConfig, B: int, P: int, N: int, repeats: in
   contention spikes in either would distort it)."""
   prompt_BP = jax.random.randint(jax.random.key(1), (B, P), 4, cfg.vocab_size, jnp.int32)
   len_B = jnp.full((B,), P, jnp.int32)
-  scfg = SamplerConfig(max_new_tokens=N, eos_id=-1, pad_id=0, temperature=1.0)
+  scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=0, temperature=1.0)
   key = jax.random.key(2)
   return common.time_calls(lambda: generate(params, prompt_BP, len_B, key, cfg, scfg), warmup=1,
                            repeats=repeats)["best_s"]

@@ -230,12 +230,13 @@ def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, 
 
 
 def setup(c: ml_collections.ConfigDict) -> Run:
-  task = get_task(c.task.name, **config_lib.task_kwargs(c))
+  task_kwargs = config_lib.task_kwargs(c)
+  task = get_task(c.task.name, **task_kwargs)
   encoder = encoder_from_config(c)
   num_test = num_held_out(task, c.task.get("held_out", 0.0))  # rows held out of a data file, or generated prompts
   hf_cfg = checkpoint_config(c)
   context = hf_cfg.max_seq_len if hf_cfg is not None else None
-  split = lambda name: collect.load_split(c.task.name, name, config_lib.task_kwargs(c), c.task.source, c.task.data_dir, c.seed,
+  split = lambda name: collect.load_split(c.task.name, name, task_kwargs, c.task.source, c.task.data_dir, c.seed,
                                           num_test=num_test)
   train_examples = split("train")
   test_split = split("test")

@@ -132,7 +132,7 @@ def task_setup():
 def test_tiny_model_end_to_end(task_setup, chunk):
   task, examples = task_setup
   width = task.max_prompt_len + 1
-  sc = SamplerConfig(max_new_tokens=N, eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=1.0)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(tok.eos_id,), pad_id=tok.pad_id, temperature=1.0)
   params = init_params(CFG, jax.random.key(0))
   store = ParamStore(keep_last=1)
   store.publish(params)
@@ -167,7 +167,7 @@ def test_worker_scores_prox_at_each_tokens_version(task_setup, chunk):
   from jaxrl_llm import learner
   task, examples = task_setup
   width = task.max_prompt_len + 1
-  sc = SamplerConfig(max_new_tokens=N, eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=1.0)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(tok.eos_id,), pad_id=tok.pad_id, temperature=1.0)
   score = learner.make_score_fn(CFG, 1.0)
   params = {0: init_params(CFG, jax.random.key(0))}
   store = ParamStore(keep_last=8)

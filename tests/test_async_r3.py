@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=32,
                   num_experts=4, experts_per_token=2, max_seq_len=32)
 B, P, N = 4, 5, 8
-SC = SamplerConfig(max_new_tokens=N, eos_id=2, temperature=1.0)
+SC = SamplerConfig(max_new_tokens=N, stop_ids=(2,), temperature=1.0)
 PROMPTS = jax.random.randint(jax.random.key(1), (B, P), 4, 64)
 PROMPT_LEN = jnp.array([5, 2, 3, 4])
 KEY = jax.random.key(7)
@@ -115,7 +115,7 @@ def test_group_rollout_carries_routes_through_buffer_and_collate(task_setup, chu
   task, examples = task_setup
   width, G = task.max_prompt_len + 1, 3
   cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size, max_seq_len=width + 4)
-  sc = SamplerConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=1.0)
+  sc = SamplerConfig(max_new_tokens=4, stop_ids=(tok.eos_id,), pad_id=tok.pad_id, temperature=1.0)
   store = ParamStore(keep_last=1)
   store.publish(init_params(cfg, jax.random.key(0)))
   kw = dict(width=width, group_size=G, seed=3, key_root=jax.random.key(5), model_cfg=cfg, sampler_cfg=sc, store=store,

@@ -143,7 +143,7 @@ def _sample(params, sampler_cfg_model, B=8):
   P = 5
   prompts = jax.random.randint(jax.random.key(3), (B, P), 4, 32)
   plen = jnp.tile(jnp.array([5, 2, 3, 5, 1, 4, 5, 3]), B // 8)
-  sc = SamplerConfig(max_new_tokens=6, eos_id=3, temperature=1.0)
+  sc = SamplerConfig(max_new_tokens=6, stop_ids=(3,), temperature=1.0)
   return generate(params, prompts, plen, jax.random.key(4), sampler_cfg_model, sc)
 
 

@@ -14,7 +14,7 @@ from jaxrl_llm.sampling import partial
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
 B, P, N = 3, 5, 8
 EOS = 2
-SC = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.8)
+SC = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.8)
 PROMPTS = jax.random.randint(jax.random.key(1), (B, P), 4, 64)
 PROMPT_LEN = jnp.array([5, 2, 3])
 KEY = jax.random.key(7)

@@ -60,7 +60,7 @@ def check_eos_convention(out, eos_id, pad_id=0):
 
 
 def test_behavior_logp_equals_learner_logp():
-  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.7)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7)
   out = run(sc)
   assert out["tokens_BN"].shape == (B, N) and out["sequence_BT"].shape == (B, P + N)
   mask = np.asarray(out["mask_BN"]) > 0
@@ -75,7 +75,7 @@ def test_behavior_logp_equals_learner_logp():
 
 def test_left_padding_does_not_change_samples():
   """A short prompt padded to a wider bucket gives the same completion and logp."""
-  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.7)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7)
   key = jax.random.key(5)
   narrow = generate(PARAMS, PROMPTS[1:2, 3:], PROMPT_LEN[1:2], key, CFG, sc)
   wide = generate(PARAMS, PROMPTS[1:2], PROMPT_LEN[1:2], key, CFG, sc)
@@ -84,7 +84,7 @@ def test_left_padding_does_not_change_samples():
 
 
 def test_same_key_same_samples_different_key_different_samples():
-  sc = SamplerConfig(max_new_tokens=N, eos_id=-1, temperature=1.0)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(), temperature=1.0)
   a, b = run(sc), run(sc)
   np.testing.assert_array_equal(a["tokens_BN"], b["tokens_BN"])
   c = run(sc, key=jax.random.key(3))
@@ -95,7 +95,7 @@ def test_step_keys_are_fold_in_of_step():
   """With a zero lm-head the logits are 0, so token n is exactly categorical(fold_in(key, n), 0)."""
   params = {**PARAMS, "lm_head": jnp.zeros_like(PARAMS["lm_head"])}
   key = jax.random.key(7)
-  out = run(SamplerConfig(max_new_tokens=N, eos_id=-1, temperature=1.0), params=params, key=key)
+  out = run(SamplerConfig(max_new_tokens=N, stop_ids=(), temperature=1.0), params=params, key=key)
   expected = jnp.stack([jax.random.categorical(jax.random.fold_in(key, n), jnp.zeros((B, 32)))
                         for n in range(N)], axis=1)
   np.testing.assert_array_equal(out["tokens_BN"], expected)
@@ -104,8 +104,8 @@ def test_step_keys_are_fold_in_of_step():
 
 
 def test_top_k_one_equals_greedy():
-  greedy = run(SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.0))
-  top1 = run(SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.9, top_k=1))
+  greedy = run(SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.0))
+  top1 = run(SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.9, top_k=1))
   np.testing.assert_array_equal(greedy["tokens_BN"], top1["tokens_BN"])
   # Renormalised over one candidate: log 1 = 0. Greedy reports the temperature-1 log-softmax.
   np.testing.assert_array_equal(top1["behavior_logp_BN"], 0.0)
@@ -116,7 +116,7 @@ def test_top_k_one_equals_greedy():
 
 
 def test_top_p_logp_is_renormalised():
-  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=1.0, top_p=0.6)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=1.0, top_p=0.6)
   out = run(sc)
   mask = np.asarray(out["mask_BN"]) > 0
   untruncated = np.asarray(learner_logp(PARAMS, out, CFG, 1.0))[mask]
@@ -131,31 +131,31 @@ def test_sample_token_truncated_distribution_golden():
   probs = np.array([0.5, 0.3, 0.15, 0.05])
   logits_BV = jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)), (20000, 4))
   # top_k=3 keeps {0,1,2}; then top_p=0.7 keeps tokens whose preceding mass < 0.7: {0,1} -> (5/8, 3/8).
-  sc = SamplerConfig(max_new_tokens=1, eos_id=-1, top_k=3, top_p=0.7)
+  sc = SamplerConfig(max_new_tokens=1, stop_ids=(), top_k=3, top_p=0.7)
   token_B, logp_B = jax.jit(sample_token, static_argnums=2)(logits_BV, jax.random.key(8), sc)
   freq = np.bincount(np.asarray(token_B), minlength=4) / 20000
   np.testing.assert_allclose(freq, [5 / 8, 3 / 8, 0, 0], atol=0.015)
   expected = np.log(np.array([5 / 8, 3 / 8, 1.0, 1.0]))[np.asarray(token_B)]
   np.testing.assert_allclose(logp_B, expected, rtol=1e-5)
   # Untruncated at temperature 2: logp = log softmax(log p / 2).
-  sc2 = SamplerConfig(max_new_tokens=1, eos_id=-1, temperature=2.0)
+  sc2 = SamplerConfig(max_new_tokens=1, stop_ids=(), temperature=2.0)
   token_B, logp_B = sample_token(logits_BV[:4], jax.random.key(9), sc2)
   tempered = np.sqrt(probs) / np.sqrt(probs).sum()
   np.testing.assert_allclose(logp_B, np.log(tempered)[np.asarray(token_B)], rtol=1e-5)
 
 
 def test_eos_stops_each_row_and_masks_the_rest():
-  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.0)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.0)
   greedy = run(sc)
   # Make each row's greedy first token the EOS: every row stops after one token.
   first = int(greedy["tokens_BN"][0, 0])
-  out = run(dataclasses.replace(sc, eos_id=first, pad_id=31))
+  out = run(dataclasses.replace(sc, stop_ids=(first,), pad_id=31))
   assert out["mask_BN"][0].tolist() == [1.0] + [0.0] * (N - 1)
   check_eos_convention(out, first, pad_id=31)
   # Stochastic rows end at different steps; the convention holds row by row.
   params = {**PARAMS, "lm_head": PARAMS["lm_head"] * 0.05}  # near-uniform: EOS comes early in some rows
   many = generate(params, jnp.tile(PROMPTS, (4, 1)), jnp.tile(PROMPT_LEN, 4), jax.random.key(10), CFG,
-                  SamplerConfig(max_new_tokens=24, eos_id=EOS, temperature=1.0))
+                  SamplerConfig(max_new_tokens=24, stop_ids=(EOS,), temperature=1.0))
   check_eos_convention(many, EOS)
   assert 0 < int(np.sum(many["finished_B"])) < 12
 
@@ -163,7 +163,7 @@ def test_eos_stops_each_row_and_masks_the_rest():
 def test_generate_compiles_once_per_shape(caplog):
   # Count compilations of `generate` from JAX's compile log (the jit cache size is not a counter:
   # entries of garbage-collected static arguments can leave it while a test runs).
-  sc = SamplerConfig(max_new_tokens=3, eos_id=EOS, temperature=0.83, top_k=7)  # a config no other test uses
+  sc = SamplerConfig(max_new_tokens=3, stop_ids=(EOS,), temperature=0.83, top_k=7)  # a config no other test uses
   count = lambda: sum("Compiling" in r.getMessage() and "generate" in r.getMessage() for r in caplog.records)
   with caplog.at_level(logging.WARNING), jax.log_compiles():
     run(sc, key=jax.random.key(11))
@@ -173,7 +173,7 @@ def test_generate_compiles_once_per_shape(caplog):
 
 
 def test_bf16_sampler_vs_fp32_learner_mismatch_is_small_but_nonzero():
-  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.7)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7)
   out = run(sc, model_cfg=dataclasses.replace(CFG, dtype="bfloat16"))
   mask = np.asarray(out["mask_BN"]) > 0
   diff = np.abs(np.asarray(learner_logp(PARAMS, out, CFG, 0.7) - out["behavior_logp_BN"]))[mask]
@@ -189,7 +189,7 @@ def test_bf16_sampler_vs_fp32_learner_mismatch_is_small_but_nonzero():
 ])
 def test_sampler_config_validation(bad, field):
   with pytest.raises(ValueError, match=field):
-    SamplerConfig(**{"max_new_tokens": 4, "eos_id": 1, **bad})
+    SamplerConfig(**{"max_new_tokens": 4, "stop_ids": (1,), **bad})
 
 
 def test_first_argmax_equals_argmax_with_ties_and_minus_inf():
@@ -206,9 +206,9 @@ def test_predrawn_noise_rows_are_the_per_step_draws():
     np.testing.assert_array_equal(noise_NBK[n], step_noise(key, n, shape))
 
 
-@pytest.mark.parametrize("sc", [SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.8),
-                                SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=1.0, top_k=5),
-                                SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=1.0, top_p=0.7)],
+@pytest.mark.parametrize("sc", [SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.8),
+                                SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=1.0, top_k=5),
+                                SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=1.0, top_p=0.7)],
                          ids=["plain", "top_k", "top_p"])
 def test_noise_drawn_before_or_inside_the_decode_loop_gives_the_same_samples(sc, monkeypatch):
   before = run(sc)
@@ -227,7 +227,7 @@ MOE = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2
 def test_unrolled_decode_view_matches_the_layer_scan(cfg):
   """A fully unrolled model decodes from per-layer weights and caches (`decode_view`): same samples,
   log-probs and routes as the rolled layer scan (rounding aside)."""
-  sc = SamplerConfig(max_new_tokens=N, eos_id=EOS, temperature=0.7)
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7)
   params = random_params(cfg)
   scan = run(sc, params=params, model_cfg=cfg)
   unrolled = run(sc, params=params, model_cfg=dataclasses.replace(cfg, layer_unroll=cfg.n_layers))

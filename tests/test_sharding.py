@@ -127,7 +127,7 @@ def _sampler_checks(out):
   from jaxrl_llm import sharding
   from jaxrl_llm.models import init_params
   from jaxrl_llm.sampling import SamplerConfig, generate
-  sc = SamplerConfig(max_new_tokens=5, eos_id=3, temperature=0.8)
+  sc = SamplerConfig(max_new_tokens=5, stop_ids=(3,), temperature=0.8)
   B, P = 8, 4
   prompts = jnp.asarray(np.random.default_rng(1).integers(4, 32, (B, P)), jnp.int32)
   plen = jnp.asarray([4, 2, 3, 4, 1, 4, 2, 3], jnp.int32)

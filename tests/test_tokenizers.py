@@ -16,7 +16,6 @@ from jaxrl_llm.config import ConfigError, load_file
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.sampling import partial as partial_lib
-from jaxrl_llm.tasks import tokenizer as char_tok
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder, fit_examples, round_width, tokenizer_for_checkpoint
 from jaxrl_llm.tasks.tokenizer import CHAR_TOKENIZER, Tokenizer, completion_text
 
@@ -186,9 +185,7 @@ def test_prompts_of_different_lengths_share_one_compiled_bucket():
   assert generate._cache_size() == n
 
 
-def test_sampler_config_eos_id_shorthand():
-  assert SamplerConfig(max_new_tokens=2, eos_id=5).stop_ids == (5,)
-  assert dataclasses.replace(SamplerConfig(max_new_tokens=2, stop_ids=(3, 1)), eos_id=7).stop_ids == (7,)
+def test_sampler_config_stop_ids_are_canonical():
   assert SamplerConfig(max_new_tokens=2, stop_ids=[3, 1, 3]).stop_ids == (1, 3)
   with pytest.raises(ValueError, match="stop_ids"):
     SamplerConfig(max_new_tokens=2, stop_ids=("x",))

@@ -16,8 +16,6 @@ class SamplerConfig:
     top_k: keep only the k most likely tokens (0 = off).
     top_p: nucleus sampling; keep the smallest set of most likely tokens with mass >= top_p (1 = off).
     pad_id: id written at every position that is not a real token.
-    eos_id: init-only shorthand for `stop_ids=(eos_id,)` (one stop id); given, it replaces `stop_ids`
-      (so `dataclasses.replace(cfg, eos_id=i)` works too). Not stored.
   """
 
   max_new_tokens: int
@@ -26,11 +24,8 @@ class SamplerConfig:
   top_k: int = 0
   top_p: float = 1.0
   pad_id: int = 0
-  eos_id: dataclasses.InitVar[int | None] = None
 
-  def __post_init__(self, eos_id):
-    if eos_id is not None:
-      object.__setattr__(self, "stop_ids", (int(eos_id),))
+  def __post_init__(self):
     try:
       stop = tuple(sorted({int(i) for i in self.stop_ids}))
     except (TypeError, ValueError):
