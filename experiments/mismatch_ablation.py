@@ -31,7 +31,7 @@ METHODS = {
 SAMPLERS = {
     "fp32": {"sampler.dtype": "float32"},
     "bf16": {"sampler.dtype": "bfloat16"},
-    "int8": {"sampler.quantization": "int8"},
+    "int8": {"sampler.quantize": "int8"},
     # MoE policy (own warm start) sampled in bf16: precision gaps can flip top-k routing decisions.
     "moe_bf16": {"model.num_experts": 4, "sampler.dtype": "bfloat16"},
 }

@@ -118,12 +118,13 @@ def main_real(args, argv) -> str:
   runs = [r for r in plan({"grid": grid}, seeds)]
   out_name = "staleness_smollm2" + ("_full" if args.full else "")
   path = os.path.join(args.out, f"{out_name}.json")
-  done = []
+  done, planned = [], {run_key(r): r for r in runs}
   if os.path.exists(path):
     with open(path) as f:
       prev = json.load(f)
     if prev.get("steps") == steps:  # cells of another run length are not comparable: start over
       done = [r for r in prev["runs"] if "summary" in r]
+      planned = {**{run_key(r): r for r in prev.get("planned", [])}, **planned}  # every invocation's plan
   if args.redo:
     redo = {run_key(r) for r in runs}
     done = [r for r in done if run_key(r) not in redo]
@@ -149,7 +150,7 @@ def main_real(args, argv) -> str:
         "setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)",
         "steps": steps, "seeds": seeds, "base_overrides": {**extra, "base_config": setting["base"]},
         "methods": {m: {**methods.overrides(m), **REAL_METHOD_EXTRAS.get(m, {})} for m in methods.METHODS},
-        "baseline": methods.BASELINE, "planned": [dict(r) for r in runs], "runs": results}, args.out, argv)
+        "baseline": methods.BASELINE, "planned": [dict(r) for r in planned.values()], "runs": results}, args.out, argv)
   return written or path
 
 

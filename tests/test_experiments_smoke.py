@@ -65,7 +65,7 @@ def test_report_verdicts_follow_the_numbers(tmp_path):
   figs = sorted(os.listdir(tmp_path / "docs" / "figures"))
   assert figs == ["staleness_arithmetic_acc_vs_lag.png", "staleness_arithmetic_grpo_curves.png"]
   assert "](figures/staleness_arithmetic_acc_vs_lag.png)" in text
-  assert "| grpo | 0.505 ± 0.007 | 0.305 ± 0.007 |" in text
+  assert "| grpo | 0.505 ± 0.005 (n=2) | 0.305 ± 0.005 (n=2) |" in text  # mean ± std/√n
 
   # Same files, but the baseline does not degrade: the stability claim becomes untestable.
   (results / "staleness_ablation.json").write_text(json.dumps(_staleness_doc(grpo_late=0.50)))
@@ -73,6 +73,90 @@ def test_report_verdicts_follow_the_numbers(tmp_path):
   text = out.read_text()
   assert _verdict(text, "GRPO degrades") == "does not reproduce"
   assert _verdict(text, "m2po stays stable") == "not testable here"
+
+
+def _real_doc(gains, planned_extra=()):
+  """A staleness_smollm2 results file: grpo at lags 0 and 16, per-seed late accuracy 0.2 + gain."""
+  runs = []
+  for seed, g in enumerate(gains):
+    runs += [_run("arithmetic_chat", "grpo", 0, seed, 0.2 + g), _run("arithmetic_chat", "grpo", 16, seed, 0.2)]
+  planned = [{k: r[k] for k in ("task", "method", "lag", "seed")} for r in runs] + list(planned_extra)
+  return {"experiment": "staleness_smollm2", "command": "python -m experiments.staleness_ablation --real",
+          "commit": "abc", "machine": {}, "setting": "smollm2-ci", "model": "SmolLM2-135M-Instruct", "steps": 20,
+          "seeds": len(gains), "base_overrides": {}, "methods": {"grpo": {}}, "baseline": "grpo", "runs": runs,
+          "planned": planned}
+
+
+def test_real_model_sections_verdicts_and_missing_cells(tmp_path):
+  results = tmp_path / "results"
+  results.mkdir()
+  missing = [{"task": "arithmetic_chat", "method": "m2po", "lag": 16, "seed": s} for s in (0, 1)]
+  # Gains 0.30, 0.34, 0.32: mean 0.32 > 0.03 and > 2 se (se ≈ 0.0115): RL learns at lag 0.
+  (results / "staleness_smollm2.json").write_text(json.dumps(_real_doc([0.30, 0.34, 0.32], missing)))
+  (results / "mismatch_real.json").write_text(json.dumps({
+      "experiment": "mismatch_real", "model": "M", "prompts": 4, "group": 2, "max_new_tokens": 8, "temperature": 0.7,
+      "bands": {"icepop": [0.5, 5.0], "mis": [0.5, 2.0], "tis_cap": 2.0},
+      "variants": {n: {"tokens": 10, "abs_mean": a, "abs_median": a, "abs_p99": a, "abs_max": a,
+                       "seq_abs_sum_mean": a, "icepop_out_frac": 0.0, "mis_out_frac": 0.01, "tis_capped_frac": 0.0}
+                   for n, a in (("float32", 1e-6), ("bfloat16", 2e-2))}}))
+  (results / "sparse_sync_real.json").write_text(json.dumps({
+      "experiment": "sparse_sync_real", "model": "M", "steps": 3, "runs": [
+          {"lr": 1e-6, "changed_frac_mean": 0.1, "payload_ratio_mean": 0.2,
+           "steps": [{"changed_frac": 1.0}, {"changed_frac": 0.1}, {"changed_frac": 0.1}]},
+          {"lr": 1e-5, "changed_frac_mean": 0.7, "payload_ratio_mean": 1.0,
+           "steps": [{"changed_frac": 1.0}, {"changed_frac": 0.7}, {"changed_frac": 0.7}]}]}))
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "RL improves the real model at lag 0") == "reproduces"
+  assert "m2po lag 16 seeds [0, 1]" in text  # the cells still to run are named
+  assert _verdict(text, "A bf16 sampler's log-probs differ") == "reproduces"
+  assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-06") == "reproduces"
+  assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-05") == "does not reproduce"
+  # Gains 0.30, -0.20, 0.05: mean 0.05 > margin but se ≈ 0.144: within noise, so not a gain.
+  (results / "staleness_smollm2.json").write_text(json.dumps(_real_doc([0.30, -0.20, 0.05])))
+  report.main(["--results", str(results), "--out", str(out)])
+  assert _verdict(out.read_text(), "RL improves the real model at lag 0") == "does not reproduce"
+
+
+def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeypatch):
+  calls = []
+
+  def fake_run_one(base, overrides, workdir):
+    calls.append((base, overrides["loss.name"], overrides["rollout.lag"], overrides["seed"],
+                  overrides.get("optim.minibatches")))
+    return {"summary": {"eval_accuracy_initial": 0.2, "eval_accuracy_late": 0.5}, "curves": {}, "wall_s": 1.0}
+
+  monkeypatch.setattr(exp_common, "run_one", fake_run_one)
+  monkeypatch.setattr(exp_common, "enable_compile_cache", lambda path: None)
+  args = ["--real", "--seeds", "2", "--methods", "grpo,decoupled_ppo", "--lags", "0", "--out", str(tmp_path),
+          "--workdir", str(tmp_path / "wd")]
+  path = staleness_ablation.main(args)
+  assert calls[0][:4] == ("smollm2_grpo", "ppo_clip", 0, 0)  # the baseline first
+  assert ("smollm2_grpo", "decoupled_ppo", 0, 1, 2) in calls  # decoupled PPO runs with 2 minibatches
+  assert len(json.load(open(path))["runs"]) == len(calls) == 4
+  calls.clear()
+  staleness_ablation.main(args)  # every planned cell is in the file: nothing reruns
+  assert calls == []
+  staleness_ablation.main(args + ["--redo"])
+  assert len(calls) == 4 and len(json.load(open(path))["runs"]) == 4
+
+
+def test_mismatch_token_stats_golden_values():
+  from experiments import mismatch_real
+  bands = {"icepop": (0.5, 5.0), "mis": (0.5, 2.0), "tis_cap": 2.0}
+  delta = [[0.0, 1.0, -1.0, 9.0], [0.5, 2.0, 0.0, 0.0]]  # the last two of row 1 are masked out
+  mask = [[1, 1, 1, 1], [1, 1, 0, 0]]
+  import numpy as np
+  s = mismatch_real.token_stats(np.array(delta), np.array(mask), bands)
+  # |Δ| on the 6 kept tokens: 0, 1, 1, 9, 0.5, 2.
+  assert s["tokens"] == 6 and s["abs_mean"] == pytest.approx(13.5 / 6) and s["abs_max"] == 9.0
+  assert s["abs_median"] == pytest.approx(1.0)
+  assert s["seq_abs_sum_mean"] == pytest.approx((9.0 + 2.5) / 2)
+  # IcePop keeps log k in [log .5, log 5] = [-0.693, 1.609]: out are -1 and 9 and 2 -> 3/6.
+  assert s["icepop_out_frac"] == pytest.approx(3 / 6)
+  # MIS keeps [-0.693, 0.693]: out are 1, -1, 9, 2 -> 4/6; TIS caps Δ > log 2 = 0.693: 1, 9, 2 -> 3/6.
+  assert s["mis_out_frac"] == pytest.approx(4 / 6) and s["tis_capped_frac"] == pytest.approx(3 / 6)
 
 
 def test_argument_parsing_and_plans(capsys):
