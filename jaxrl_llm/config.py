@@ -93,7 +93,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "must be > 0 for training (greedy decoding is used only for evaluation)")
   _need(0 < c.sampler.top_p <= 1, "sampler.top_p", c.sampler.top_p, "must be in (0, 1]")
   _need(c.sampler.top_k >= 0, "sampler.top_k", c.sampler.top_k, "must be >= 0 (0 = off)")
-  _need(c.rollout.mode in ROLLOUT_MODES, "rollout.mode", c.rollout.mode, f"must be one of {ROLLOUT_MODES}")
+  modes = rollout_modes()
+  _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode, f"must be one of {modes}")
   _need(isinstance(c.rollout.lag, int) and c.rollout.lag >= 0, "rollout.lag", c.rollout.lag,
         "must be a non-negative int")
   if c.rollout.mode == "staged":
@@ -272,6 +273,21 @@ _NEEDS_PROVIDERS: dict[str, Callable[[ml_collections.ConfigDict], Iterable[str]]
 def register_needs(component: str, provided: Callable[[ml_collections.ConfigDict], Iterable[str]]) -> None:
   """Registers `provided(c)`: the loss needs `component` supplies to a run of config `c` (none when it is off)."""
   _NEEDS_PROVIDERS[component] = provided
+
+
+# Rollout modes beyond the built-in ones: a batch source (`jaxrl_llm.rollout.sources`) registers its mode
+# name when imported, as the loss needs above.
+_EXTRA_MODES: list[str] = []
+
+
+def register_rollout_mode(name: str) -> None:
+  """Accepts `rollout.mode=name` (called by `rollout.sources.register`)."""
+  if name not in ROLLOUT_MODES and name not in _EXTRA_MODES:
+    _EXTRA_MODES.append(name)
+
+
+def rollout_modes() -> tuple[str, ...]:
+  return ROLLOUT_MODES + tuple(_EXTRA_MODES)
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

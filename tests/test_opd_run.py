@@ -10,6 +10,7 @@ import pytest
 from jaxrl_llm import loop
 from jaxrl_llm.config import load_file
 from jaxrl_llm.distill import teacher as teacher_lib
+from jaxrl_llm.rollout.sources.common import sync_rollout
 from jaxrl_llm.tasks import tokenizer as tok
 from test_loop import fresh_run
 
@@ -36,7 +37,7 @@ def cache(tmp_path_factory):
 def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
   c = opd_tiny(cache, rollout__mode="fixed_lag", rollout__lag=1, loss__name="f_opd")
   r, state, extra, store = fresh_run(c)
-  ro = loop.sync_rollout(r, store, [0], 0, 0)[0]
+  ro = sync_rollout(r, store, [0], 0, 0)[0]
   batch, _ = loop.make_batch(r, store, state, extra, ro)
   assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]
   # Independently: the cached teacher scoring the rollout's own sequences.

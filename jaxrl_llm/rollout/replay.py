@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxrl_llm.config import REPLAY_STALE_POLICIES as STALE_POLICIES
 
-# Per-row arrays of a rollout dict (loop.sync_rollout) that a group carries; routes_BTLk when present.
+# Per-row arrays of a rollout dict (sources.common.sync_rollout) that a group carries; routes_BTLk when present.
 ROW_KEYS = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN", "versions_BN", "reward_B")
 # routes_BTLk (MoE R3); prox_logp_BN: π_old scored once at push time under `old_logp=recompute` (it depends
 # only on the generating version, so a replayed group is never rescored and its snapshot need not be kept).

@@ -1,0 +1,75 @@
+"""`async(η)`: rollout worker threads generate groups continuously from the newest published snapshot;
+AReaL-style admission (`rollout/admission.py`) keeps every consumed lag ≤ η = `rollout.lag`. Optional
+partial rollouts (`rollout.partial_chunk`) switch to newer parameters mid-sequence and record each
+token's version. Not bitwise repeatable (which version generates which request depends on timing).
+
+State: the engine's buffered groups, admission counters and request-id cursor (ids in flight are
+redone after a resume). `state()` stops the workers (a consistent cut); the next batch restarts them.
+"""
+
+from __future__ import annotations
+
+from jaxrl_llm.rollout import async_engine as ae
+from jaxrl_llm.rollout.buffer import collate
+from jaxrl_llm.rollout.sources.base import register
+from jaxrl_llm.rollout.sources.common import reward_policy
+
+
+def async_engine(run, store, state_dict: dict | None) -> ae.AsyncRollout:
+  """The run's (not yet started) engine, fresh or continuing from `state_dict`."""
+  c = run.c
+  fn = ae.make_group_rollout(run.task, run.train_examples, width=run.P, group_size=c.rollout.group_size, seed=c.seed,
+                             key_root=run.k_sample, model_cfg=run.sampler_model_cfg, sampler_cfg=run.samp_cfg,
+                             store=store, chunk_steps=c.rollout.partial_chunk or None,
+                             keep_routes=c.model.routing_replay,  # R3: collate then hands routes_BTLk to make_batch
+                             score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None,
+                             encoder=run.encoder, reward_policy=reward_policy(c))
+  kw = dict(batch_groups=c.rollout.prompts_per_step, eta=c.rollout.lag, num_workers=c.rollout.num_workers)
+  if state_dict is not None:
+    return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
+  return ae.AsyncRollout(store, fn, **kw)
+
+
+@register("async")
+class Async:
+
+  @staticmethod
+  def retention(lag: int) -> int:
+    return lag + 1
+
+  def __init__(self, run, store):
+    self.run, self.store = run, store
+    self.engine: ae.AsyncRollout | None = None  # built by restore or the first batch; started by a batch
+    self.running = False
+
+  def next_batch(self, step: int, version: int) -> dict:
+    del step  # which request a batch holds depends on the workers, not the step
+    if self.engine is None:
+      self.engine = async_engine(self.run, self.store, None)
+    if not self.running:
+      self.engine.start()
+      self.running = True
+    groups, st = self.engine.next_batch(version, timeout=600)
+    ro = collate(groups, version)
+    ro.update(time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
+              async_buffered=st["buffered"], async_running=st["running"])
+    ro["request_ids"] = sorted({int(g.request_id) for g in groups})
+    return ro
+
+  def state(self) -> dict | None:
+    """Stops the workers after their current rollout; the next batch continues from this state."""
+    if self.engine is None:
+      return None
+    self.close()
+    st = self.engine.state()
+    self.engine = async_engine(self.run, self.store, st)
+    return st
+
+  def restore(self, state: dict | None) -> None:
+    self.close()
+    self.engine = async_engine(self.run, self.store, state)
+
+  def close(self) -> None:
+    if self.running:
+      self.running = False
+      self.engine.stop()
