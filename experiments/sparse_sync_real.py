@@ -5,8 +5,8 @@ bitwise unchanged after an update (the fp32 change is below half a bf16 ulp), so
 only the changed elements. This runs GRPO on the real SmolLM2-135M-Instruct (configs/smollm2_grpo.py)
 with a bf16 sampler and `rollout.weight_sync=sparse` at several learning rates, and records the
 per-publish `sync_changed_frac` (changed elements / all elements) and `sync_payload_ratio` (payload
-bytes / dense bf16 bytes) that `rollout/param_store.py` measures on the real parameter deltas. The
-first publish is dense by construction and is left out of the means.
+bytes / dense bf16 bytes) that `rollout/param_store.py` measures on the real parameter deltas. Every
+row is the publish after that step's update (the dense initial publish of version 0 has no row).
 
     python -m experiments.sparse_sync_real                      # lr 1e-6, 1e-5; 6 steps each
     python -m experiments.sparse_sync_real --lrs 1e-7,1e-6,1e-5 --steps 20   # an accelerator
@@ -39,7 +39,7 @@ def main(argv=None) -> str:
     shutil.rmtree(wd, ignore_errors=True)  # a real-model checkpoint is ~1.6 GB
     per_step = [{"step": r["step"], "changed_frac": r.get("sync_changed_frac"),
                  "payload_ratio": r.get("sync_payload_ratio"), "reward_mean": r.get("reward_mean")} for r in rows]
-    later = [s for s in per_step[1:] if s["changed_frac"] is not None]
+    later = [s for s in per_step if s["changed_frac"] is not None]
     mean = lambda k: sum(s[k] for s in later) / len(later) if later else None  # noqa: E731
     runs.append({"lr": lr, "steps": per_step, "changed_frac_mean": mean("changed_frac"),
                  "payload_ratio_mean": mean("payload_ratio"), "wall_s": time.perf_counter() - t0})

@@ -101,10 +101,8 @@ def test_real_model_sections_verdicts_and_missing_cells(tmp_path):
                    for n, a in (("float32", 1e-6), ("bfloat16", 2e-2))}}))
   (results / "sparse_sync_real.json").write_text(json.dumps({
       "experiment": "sparse_sync_real", "model": "M", "steps": 3, "runs": [
-          {"lr": 1e-6, "changed_frac_mean": 0.1, "payload_ratio_mean": 0.2,
-           "steps": [{"changed_frac": 1.0}, {"changed_frac": 0.1}, {"changed_frac": 0.1}]},
-          {"lr": 1e-5, "changed_frac_mean": 0.7, "payload_ratio_mean": 1.0,
-           "steps": [{"changed_frac": 1.0}, {"changed_frac": 0.7}, {"changed_frac": 0.7}]}]}))
+          {"lr": 1e-6, "steps": [{"changed_frac": 0.1, "payload_ratio": 0.3}, {"changed_frac": 0.3, "payload_ratio": 0.9}]},
+          {"lr": 1e-5, "steps": [{"changed_frac": 0.6, "payload_ratio": 1.0}, {"changed_frac": 0.8, "payload_ratio": 1.0}]}]}))
   out = tmp_path / "RESULTS.md"
   report.main(["--results", str(results), "--out", str(out)])
   text = out.read_text()
@@ -113,6 +111,7 @@ def test_real_model_sections_verdicts_and_missing_cells(tmp_path):
   assert _verdict(text, "A bf16 sampler's log-probs differ") == "reproduces"
   assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-06") == "reproduces"
   assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-05") == "does not reproduce"
+  assert "| 1e-06 | 0.2000 | 0.6000 | 0.100, 0.300 |" in text  # means over every step
   # Gains 0.30, -0.20, 0.05: mean 0.05 > margin but se ≈ 0.144: within noise, so not a gain.
   (results / "staleness_smollm2.json").write_text(json.dumps(_real_doc([0.30, -0.20, 0.05])))
   report.main(["--results", str(results), "--out", str(out)])
