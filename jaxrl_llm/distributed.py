@@ -226,20 +226,33 @@ class PeerWatchdog:
           return
         return self._exit(f"process {self.me} of {self.n}: lost contact with the coordinator (process 0) "
                           f"({type(e).__name__}: {' '.join(str(e).split())[:160]})")
-      for key, msg in failed.items():
-        peer = key.rsplit("/", 1)[-1]
-        if peer != str(self.me) and not self._stop.is_set():
-          return self._exit(f"process {self.me} of {self.n}: process {peer} stopped with an error: {msg}")
-      now = time.monotonic()
-      for p, (value, since) in seen.items():
-        v = alive.get(f"{_ALIVE}{p}")
-        if v == "done":
-          continue
-        if v != value:
-          seen[p] = (v, now)
-        elif now - since > self.timeout_s and not self._stop.is_set():
-          return self._exit(f"process {self.me} of {self.n}: process {p} stopped responding "
-                            f"({now - since:.0f} s without a heartbeat: killed, out of memory or its host is gone)")
+      message = peer_verdict(self.me, self.n, alive, failed, seen, time.monotonic(), self.timeout_s)
+      if message is not None and not self._stop.is_set():
+        return self._exit(message)
+
+
+def peer_verdict(me: int, n: int, alive: dict, failed: dict, seen: dict, now: float, timeout_s: float) -> str | None:
+  """The watchdog's decision for one poll: a one-line reason to stop this process, or None.
+
+  `alive` / `failed`: the key-value entries under `jaxrl_llm/alive/` (a beat counter or "done") and
+  `jaxrl_llm/failed/` (a peer's error line); `seen`: peer -> (last counter, when it last changed),
+  updated in place. A peer that reported a failure, or whose counter has not moved for more than
+  `timeout_s` (and that is not done), is the reason.
+  """
+  for key, msg in sorted(failed.items()):
+    peer = key.rsplit("/", 1)[-1]
+    if peer != str(me):
+      return f"process {me} of {n}: process {peer} stopped with an error: {msg}"
+  for p, (value, since) in sorted(seen.items()):
+    v = alive.get(f"{_ALIVE}{p}")
+    if v == "done":
+      continue
+    if v != value:
+      seen[p] = (v, now)
+    elif now - since > timeout_s:
+      return (f"process {me} of {n}: process {p} stopped responding ({now - since:.0f} s without a heartbeat: "
+              "killed, out of memory or its host is gone)")
+  return None
 
 
 def _exit_now(message: str) -> None:

@@ -4,8 +4,8 @@ fixed_lag modes; a SIGTERM to one process stops both after the same step with on
 restarted pair continues the metrics of the uninterrupted run; a killed process makes the other exit 1
 with a one-line error, bounded by the heartbeat timeout (no hang).
 
-Field by field: integers, booleans and strings equal; floats within 1e-4 relative (the learner's
-cross-process reductions run through gloo instead of in-process, so summation order may differ);
+Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
+learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);
 wall-clock `time_*` fields are left out.
 """
 
@@ -23,11 +23,13 @@ import pytest
 from jaxrl_llm.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Floats: 1e-4 relative, and 1e-5 absolute for fields that are float noise by construction (the loss of an
+# on-policy GRPO step is ~1e-9, |π_old − μ| ~1e-6: summation order alone changes them by their own size).
+ATOL = 1e-5
 HEARTBEAT_S = 20  # config.dist.heartbeat_timeout_seconds of the 2-process runs (their watchdog: half of it)
 COMMON = ["--config=configs/tiny.py", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.num_steps=4",
-          "--config.sft.steps=20", "--config.eval.every=2", "--config.eval.num_prompts=8",
-          "--config.log.tensorboard=False", "--config.optim.lr=0.01", "--config.optim.warmup_steps=0",
-          "--config.checkpoint.every=2"]
+          "--config.eval.every=2", "--config.eval.num_prompts=8",
+          "--config.log.tensorboard=False", "--config.checkpoint.every=2"]
 
 
 def _free_port() -> int:
@@ -89,7 +91,7 @@ def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
     for k in sorted(keys):
       x, y = a[k], b[k]
       if isinstance(y, float) or isinstance(x, float):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7, err_msg=f"step {b['step']} {k}")
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=ATOL, err_msg=f"step {b['step']} {k}")
       else:
         assert x == y, f"step {b['step']} {k}: {x} != {y}"
 
@@ -143,5 +145,6 @@ def test_a_killed_process_makes_the_other_exit_with_an_error(tmp_path):
   procs[1].send_signal(signal.SIGKILL)
   log = _finish(procs[:1], timeout=6 * HEARTBEAT_S)[0]  # bounded: a hang is killed and fails below
   _finish(procs[1:])
+  errors = [line for line in log.splitlines() if line.startswith("error: ")]
   assert procs[0].returncode == 1, log[-3000:]
-  assert "error: process 0 of 2: process 1 stopped responding" in log, log[-3000:]
+  assert len(errors) == 1 and errors[0].startswith("error: process 0 of 2: process 1 "), errors or log[-3000:]
