@@ -93,7 +93,8 @@ def main(argv):
   except Exception as e:  # noqa: BLE001 -- anything else is still one line (the type names the failure)
     if _DEBUG.value:
       raise
-    _fail(f"{type(e).__name__}: {e}", 1)
+    from jaxrl_llm import distributed
+    _fail(distributed.describe_peer_loss(e) or f"{type(e).__name__}: {e}", 1)
 
 
 def _main():

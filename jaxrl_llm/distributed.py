@@ -17,6 +17,7 @@ This module only reads the environment when called: importing it has no side eff
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -253,6 +254,22 @@ def peer_verdict(me: int, n: int, alive: dict, failed: dict, seen: dict, now: fl
       return (f"process {me} of {n}: process {p} stopped responding ({now - since:.0f} s without a heartbeat: "
               "killed, out of memory or its host is gone)")
   return None
+
+
+_PEER_LOSS = re.compile(r"gloo|nccl|connection (reset|refused|closed)|broken pipe|peer|socket", re.IGNORECASE)
+
+
+def describe_peer_loss(e: BaseException) -> str | None:
+  """A one-line explanation when `e` is a collective that failed because another process is gone (gloo
+  reports a closed connection at once; NCCL usually hangs instead and the watchdog reports it), else None."""
+  if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    return None
+  text = " ".join(str(e).split())
+  if "RuntimeError" not in type(e).__name__ or not _PEER_LOSS.search(text):
+    return None
+  return (f"process {jax.process_index()} of {jax.process_count()}: lost another process during a collective (it "
+          f"stopped, or its host is unreachable: see its log): {type(e).__name__}: {text[:300]}; restart every "
+          "process with the same command to resume from the last checkpoint")
 
 
 def _exit_now(message: str) -> None:

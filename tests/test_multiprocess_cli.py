@@ -1,8 +1,8 @@
 """`python -m jaxrl_llm` over 2 processes x 4 forced CPU devices (gloo collectives, localhost) writes the
 metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync and
 fixed_lag modes; a SIGTERM to one process stops both after the same step with one checkpoint, and the
-restarted pair continues the metrics of the uninterrupted run; a killed process makes the other exit 1
-with a one-line error, bounded by the heartbeat timeout (no hang).
+restarted pair continues the metrics of the uninterrupted run; a killed (or frozen) process makes the
+other exit 1 with a one-line error, bounded by the heartbeat timeout (no hang).
 
 Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
 learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);
@@ -139,12 +139,19 @@ def test_sigterm_to_one_process_stops_both_and_resumes_identically(tmp_path, ref
 
 
 @pytest.mark.slow
-def test_a_killed_process_makes_the_other_exit_with_an_error(tmp_path):
+@pytest.mark.parametrize("sig, expected", [
+    (signal.SIGKILL, "lost another process during a collective"),  # gloo: the connection is reset at once
+    (signal.SIGSTOP, "process 1 stopped responding"),  # frozen, no reset (a hung NCCL peer): the watchdog's case
+])
+def test_a_lost_process_makes_the_other_exit_with_an_error(tmp_path, sig, expected):
   procs = _launch(str(tmp_path), 2, ["--config.num_steps=1000", "--config.eval.every=0"])
   _wait_for_rows(str(tmp_path / "metrics.jsonl"), 1, procs)
-  procs[1].send_signal(signal.SIGKILL)
-  log = _finish(procs[:1], timeout=6 * HEARTBEAT_S)[0]  # bounded: a hang is killed and fails below
-  _finish(procs[1:])
+  procs[1].send_signal(sig)
+  try:
+    log = _finish(procs[:1], timeout=6 * HEARTBEAT_S)[0]  # bounded: a hang is killed and fails below
+  finally:
+    procs[1].kill()
+    _finish(procs[1:])
   errors = [line for line in log.splitlines() if line.startswith("error: ")]
   assert procs[0].returncode == 1, log[-3000:]
-  assert len(errors) == 1 and errors[0].startswith("error: process 0 of 2: process 1 "), errors or log[-3000:]
+  assert len(errors) == 1 and errors[0].startswith(f"error: process 0 of 2: {expected}"), errors or log[-3000:]
