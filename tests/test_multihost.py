@@ -36,7 +36,6 @@ def _setup():
 def _train(mesh=None):
   """STEPS ppo_clip steps; on a mesh everything is sharded (the batch split across processes)."""
   import jax
-  import jax.numpy as jnp
   from jaxrl_llm import learner, sharding
   cfg, tx, d = _setup()
   if mesh is None:

@@ -1,6 +1,6 @@
 """`python -m jaxrl_llm` over 2 processes x 4 forced CPU devices (gloo collectives, localhost) writes the
-metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync and
-fixed_lag modes; a SIGTERM to one process stops both after the same step with one checkpoint, and the
+metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync, fixed_lag
+and staged modes; a SIGTERM to one process stops both after the same step with one checkpoint, and the
 restarted pair continues the metrics of the uninterrupted run; a killed (or frozen) process makes the
 other exit 1 with a one-line error, bounded by the heartbeat timeout (no hang).
 
@@ -30,6 +30,10 @@ HEARTBEAT_S = 20  # config.dist.heartbeat_timeout_seconds of the 2-process runs 
 COMMON = ["--config=configs/tiny.py", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.num_steps=4",
           "--config.eval.every=2", "--config.eval.num_prompts=8",
           "--config.log.tensorboard=False", "--config.checkpoint.every=2"]
+
+
+MODES = {"sync": [], "fixed_lag": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1"],
+         "staged": ["--config.rollout.mode=staged", "--config.rollout.lag=2"]}  # 2 stages of 2 learner steps
 
 
 def _free_port() -> int:
@@ -98,10 +102,9 @@ def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """1 process x 8 devices, sync and fixed_lag (lag 1), uninterrupted: launched together."""
+  """1 process x 8 devices, uninterrupted, each mode (all launched together)."""
   d = tmp_path_factory.mktemp("one")
-  modes = {"sync": [], "fixed_lag": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1"]}
-  procs = {m: _launch(str(d / m), 1, f) for m, f in modes.items()}
+  procs = {m: _launch(str(d / m), 1, f) for m, f in MODES.items()}
   out = {}
   for m, ps in procs.items():
     logs = _finish(ps)
@@ -111,11 +114,12 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_processes_write_the_metrics_of_one(tmp_path, reference):
-  rows = _run(str(tmp_path), 2, [])
+@pytest.mark.parametrize("mode", ["sync", "staged"])
+def test_two_processes_write_the_metrics_of_one(tmp_path, reference, mode):
+  rows = _run(str(tmp_path), 2, MODES[mode])
   assert len(rows) == 4 and "eval_accuracy" in rows[1]
   assert rows[0]["grad_norm"] > 0 and rows[0]["reward_std"] > 0  # a real update on varied rewards
-  assert_same_metrics(rows, reference["sync"])
+  assert_same_metrics(rows, reference[mode])
   info = json.load(open(tmp_path / "run_info.json"))
   assert info["resumed_from_step"] == 0 and info["error"] is None
   assert {"2", "4"} <= set(os.listdir(tmp_path / "checkpoints"))
@@ -123,7 +127,7 @@ def test_two_processes_write_the_metrics_of_one(tmp_path, reference):
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_and_resumes_identically(tmp_path, reference):
-  flags = ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1"]
+  flags = MODES["fixed_lag"]
   procs = _launch(str(tmp_path), 2, flags)
   _wait_for_rows(str(tmp_path / "metrics.jsonl"), 1, procs)
   procs[1].send_signal(signal.SIGTERM)  # one host preempted: both stop after the same step
