@@ -5,6 +5,10 @@ staged, replay, async). `run` validates, sets up, picks the source (`sources.pic
 uniform step loop: batch (`source.next_batch`) → train → publish → log → checkpoint (with the
 source's plain-data `state()`).
 
+Several processes (one per host, `python -m jaxrl_llm` on each) run this same loop on the same host-side
+data; `jaxrl_llm.multiprocess` says which process generates and scores which rows, what is gathered and
+agreed on (stop signals, timings), and that process 0 alone writes the run's files.
+
 Randomness is derived, never shared: init from the root, the sampler key from (root, behaviour
 version, step or request id), the learner key `fold_in(root, step)`.
 
