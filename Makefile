@@ -4,8 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 WORKDIR ?= runs/default
-# JAX on CPU everywhere by default; set JAX_PLATFORMS="" to use an accelerator.
+# JAX on CPU everywhere by default; set JAX_PLATFORMS="" to use an accelerator, and JAX_EXTRA=gpu (CUDA 12)
+# or JAX_EXTRA=tpu to install JAX for it (the pyproject extras), e.g. `JAX_PLATFORMS= JAX_EXTRA=gpu make demo`.
 export JAX_PLATFORMS ?= cpu
+JAX_EXTRA ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test test-fast docs clean smollm2
@@ -14,6 +16,11 @@ $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
+	touch $@
+
+# JAX for an accelerator on top of the base install (`JAX_EXTRA=gpu|tpu`; nothing when unset).
+$(VENV)/.jax-$(JAX_EXTRA): $(VENV)/.base
+	$(if $(JAX_EXTRA),$(PIP) install -q -e '.[$(JAX_EXTRA)]',@true)
 	touch $@
 
 # torch is pinned to the CPU wheel in the `hf` extra (an unpinned torch pulls a multi-GB CUDA build).
@@ -34,7 +41,7 @@ smollm2: $(VENV)/.base
 	$(PY) -m jaxrl_llm.models.truncate --layers 8 $(if $(SMOLLM2_DIR),--src $(SMOLLM2_DIR))
 
 ## Train the default demo policy (≈ minutes on a 2-core CPU); writes $(WORKDIR)/metrics.jsonl and a PNG plot.
-demo: $(VENV)/.base
+demo: $(VENV)/.base $(VENV)/.jax-$(JAX_EXTRA)
 	rm -rf $(WORKDIR)  # the demo always starts fresh (a workdir with checkpoints would resume)
 	$(PY) -m jaxrl_llm --config=configs/default.py --workdir=$(WORKDIR)
 

@@ -121,6 +121,16 @@ def get_config():
   c.mesh.tensor = 1
   c.mesh.expert = 1
 
+  # Multi-process runs (one process per host; docs/scaling.md), named after `jax.distributed.initialize`'s
+  # arguments. All None: TPU slices, SLURM, Open MPI and Kubernetes are detected (else one process);
+  # $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID fill unset ones.
+  c.dist = ml_collections.ConfigDict()
+  c.dist.coordinator_address = ml_collections.config_dict.placeholder(str)  # "host:port" of process 0
+  c.dist.num_processes = ml_collections.config_dict.placeholder(int)
+  c.dist.process_id = ml_collections.config_dict.placeholder(int)
+  c.dist.initialization_timeout = 300  # seconds to wait for every process to connect
+  c.dist.heartbeat_timeout_seconds = 100  # a silent peer is declared dead after this (ours: after half of it)
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # learner steps between checkpoints (0 = only on SIGTERM / at the end)
   c.checkpoint.keep = 3

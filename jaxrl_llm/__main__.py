@@ -5,6 +5,12 @@ Exit codes: 0 done (or preempted by SIGTERM after saving a checkpoint); 2 a bad 
 unusable workdir, a workdir owned by another run, a changed config on resume, optim.max_skips reached,
 every update skipped, ...); 130 stopped by Ctrl-C (SIGINT: a checkpoint is saved first once the loop
 runs). Errors print one line without a traceback; `--debug` shows the traceback.
+
+Multi-process (one process per host, docs/scaling.md): the same command on every host; `jax.distributed`
+is initialised first from `--config.dist.*` (else $JAX_COORDINATOR_ADDRESS etc., else a detected TPU slice /
+SLURM job). Process 0 writes the run's files and prints the summary. A process that stops with an error
+tells the others, which then exit 1 too; one that dies silently is noticed by the others' watchdog within
+`dist.heartbeat_timeout_seconds / 2` (`distributed.PeerWatchdog`).
 """
 
 import os
@@ -54,8 +60,15 @@ def _parse_flags(argv):
 
 
 def _fail(message: str, code: int):
-  print(f"error: {' '.join(str(message).split())}" + ("" if _DEBUG.value else " (--debug shows the traceback)"),
-        file=sys.stderr)
+  line = ' '.join(str(message).split())
+  print(f"error: {line}" + ("" if _DEBUG.value else " (--debug shows the traceback)"), file=sys.stderr)
+  from jaxrl_llm import distributed
+  import jax
+  if jax.distributed.is_initialized() and jax.process_count() > 1:
+    distributed.report_failure(line)  # the other processes exit at once instead of waiting in a collective
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)  # not `sys.exit`: JAX's shutdown barrier would wait for the peers this process abandons
   sys.exit(code)
 
 
@@ -80,7 +93,8 @@ def main(argv):
   except Exception as e:  # noqa: BLE001 -- anything else is still one line (the type names the failure)
     if _DEBUG.value:
       raise
-    _fail(f"{type(e).__name__}: {e}", 1)
+    from jaxrl_llm import distributed
+    _fail(distributed.describe_peer_loss(e) or f"{type(e).__name__}: {e}", 1)
 
 
 def _main():
@@ -88,11 +102,15 @@ def _main():
   if not flags.FLAGS["verbosity"].present:  # Orbax/JAX INFO logs drown the progress bar; -v 0 brings them back
     logging.set_verbosity(logging.WARNING)
   from jaxrl_llm import config as config_lib, distributed, loop, metrics
-  distributed.maybe_initialize()  # multi-host: from JAX_COORDINATOR_ADDRESS etc.; a no-op on one process
 
   c = _CONFIG.value
+  distributed.initialize_from_config(c)  # before any device is touched; a no-op for one process
   config_lib.validate(c)
   rows = loop.run(c, _WORKDIR.value)
+  import jax
+  distributed.stop_watchdog()  # finished normally: peers no longer expect heartbeats from this process
+  if jax.process_index() != 0:
+    return  # process 0 reports the run
   import json
   info = json.load(open(os.path.join(_WORKDIR.value, "run_info.json")))
   if info.get("stopped_by_signal") == 2:  # SIGINT: the checkpoint is saved; exit as an interrupted program

@@ -47,6 +47,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be a non-negative int")
   _need(isinstance(c.num_steps, int) and c.num_steps >= 0, "num_steps", c.num_steps, "must be a non-negative int")
   _validate_task(c)
+  validate_dist(c)
   for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
     v = c.model[f]
     _need(isinstance(v, int) and v > 0, f"model.{f}", v, "must be a positive int")
@@ -67,12 +68,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if n_mesh != jax.device_count():
       raise ConfigError(f"config.mesh={dict(c.mesh)}: the axis sizes multiply to {n_mesh} but {jax.device_count()} "
                         "devices are visible")
-    if jax.process_count() > 1:
-      raise ConfigError(f"config.mesh={dict(c.mesh)}: loop.run feeds batches from one process; multi-host runs "
-                        "use jaxrl_llm.sharding + distributed directly (docs/scaling.md)")
     if c.rollout.mode == "async":
       raise ConfigError("config.rollout.mode='async': async rollouts run on one device for now; use a one-device "
                         "mesh or a synchronous mode")
+
+  _validate_multiprocess(c, n_mesh)
 
   _need(c.optim.grad_accum >= 1, "optim.grad_accum", c.optim.grad_accum, "must be >= 1")
   B = c.rollout.prompts_per_step * c.rollout.group_size
@@ -158,6 +158,45 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       f"(available: {sorted(available_needs(c))})")
 
 
+def validate_dist(c: ml_collections.ConfigDict) -> None:
+  """`dist`: the `jax.distributed.initialize` settings (checked before it is called; absent: all None)."""
+  d = c.get("dist")
+  if d is None:
+    return
+  addr, n, i = d.get("coordinator_address"), d.get("num_processes"), d.get("process_id")
+  if addr is not None:
+    host, _, port = str(addr).rpartition(":")
+    _need(isinstance(addr, str) and host != "" and port.isdigit() and 0 < int(port) < 65536,
+          "dist.coordinator_address", addr, "must be 'host:port' (the address of process 0)")
+  _need(n is None or (isinstance(n, int) and n >= 1), "dist.num_processes", n, "must be an int >= 1")
+  _need(i is None or (isinstance(i, int) and i >= 0), "dist.process_id", i, "must be an int >= 0")
+  if n is not None and i is not None:
+    _need(i < n, "dist.process_id", i, f"must be < config.dist.num_processes={n}")
+  for f in ("initialization_timeout", "heartbeat_timeout_seconds"):
+    v = d.get(f, 1)
+    _need(isinstance(v, int) and v >= 1, f"dist.{f}", v, "must be an int >= 1 (seconds)")
+
+
+def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
+  """What a run over several processes (`jax.process_count() > 1`) supports: one mesh over every device
+  and the deterministic rollout modes (the rest is refused by name rather than run untested)."""
+  import jax  # local: and no device is touched unless `jax.distributed` is initialised (the CLI does it first)
+  if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    return
+  n_proc = jax.process_count()
+  if n_mesh == 1:
+    raise ConfigError(f"config.mesh={dict(c.mesh)}: {n_proc} processes run one model over all "
+                      f"{jax.device_count()} devices: set the mesh axes to multiply to {jax.device_count()}")
+  _need(c.rollout.mode in ("sync", "fixed_lag", "staged"), "rollout.mode", c.rollout.mode,
+        f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag' and 'staged' for now")
+  r = c.rollout.get("replay")
+  _need(r is None or not r.capacity, "rollout.replay.capacity", None if r is None else r.capacity,
+        f"replay is not supported in multi-process runs ({n_proc} processes) yet: set 0")
+  teacher = c.get("distill") and c.distill.get("teacher")
+  _need(not teacher, "distill.teacher", teacher,
+        f"on-policy distillation is not supported in multi-process runs ({n_proc} processes) yet")
+
+
 def task_kwargs(c: ml_collections.ConfigDict) -> dict:
   """The `task.kwargs` the chosen task takes (unset ones and other tasks' arguments left out)."""
   from jaxrl_llm import tasks  # local: keep `import jaxrl_llm.config` light
@@ -234,7 +273,7 @@ def _validate_reward(c: ml_collections.ConfigDict) -> None:
 
 
 # Fields a resumed run may change: they affect neither array shapes nor what a learner step computes.
-RESUMABLE = ("num_steps", "log.", "checkpoint.every", "checkpoint.keep", "checkpoint.config_change", "eval.every",
+RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep", "checkpoint.config_change", "eval.every",
              "reward.timeout_s", "reward.executor", "reward.workers", "rollout.num_workers", "sft.save_to",
              "task.data_dir")
 

@@ -5,6 +5,10 @@ staged, replay, async). `run` validates, sets up, picks the source (`sources.pic
 uniform step loop: batch (`source.next_batch`) → train → publish → log → checkpoint (with the
 source's plain-data `state()`).
 
+Several processes (one per host, `python -m jaxrl_llm` on each) run this same loop on the same host-side
+data; `jaxrl_llm.multiprocess` says which process generates and scores which rows, what is gathered and
+agreed on (stop signals, timings), and that process 0 alone writes the run's files.
+
 Randomness is derived, never shared: init from the root, the sampler key from (root, behaviour
 version, step or request id), the learner key `fold_in(root, step)`.
 
@@ -38,7 +42,7 @@ import numpy as np
 
 from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import advantages, learner, losses, metrics as metrics_lib, preemption
+from jaxrl_llm import advantages, distributed, learner, losses, metrics as metrics_lib, multiprocess, preemption
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
 from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm.errors import RunError
@@ -134,12 +138,14 @@ def retention(mode: str, k: int) -> int:
 
 
 def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
-             tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> float:
-  """Held-out greedy accuracy (fraction of test prompts with reward 1)."""
-  out = generate(params, jnp.asarray(test.tokens_BP), jnp.asarray(test.len_B), key, model_cfg,
-                 sampler_config(c, True, tokenizer))
-  reward_B, _, _ = collect.score_completions(task, test.examples, np.asarray(out["tokens_BN"]), reward_policy(c),
-                                             tokenizer=tokenizer)
+             tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER, mesh=None) -> float:
+  """Held-out greedy accuracy (fraction of test prompts with reward 1); on `mesh` the prompts are split
+  over its batch axes and each process scores its own (`multiprocess`)."""
+  out, owners = multiprocess.generate_on_mesh(generate, params, test.tokens_BP, test.len_B, key, model_cfg,
+                                              sampler_config(c, True, tokenizer), mesh)
+  reward_B, _ = multiprocess.score_rows(lambda ex, t: collect.score_completions(task, ex, t, reward_policy(c),
+                                                                                tokenizer=tokenizer)[:2],
+                                        test.examples, out["tokens_BN"], owners)
   return float(np.mean(reward_B >= 1.0))
 
 
@@ -487,11 +493,12 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
   """
   config_lib.validate(c)
   workdir = workdir_lib.prepare(workdir)
-  lock = workdir_lib.acquire(workdir)
+  lock = workdir_lib.acquire(workdir) if multiprocess.is_writer() else None  # several processes: process 0's
   try:
     return _run(c, workdir, on_step)
   finally:
-    workdir_lib.release(lock)
+    if lock is not None:
+      workdir_lib.release(lock)
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "run_info.json", "tb", "reward_accuracy.png")
@@ -504,15 +511,17 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   config_json = json.loads(c.to_json_best_effort())  # the resolved config, stored with every checkpoint
   ckpt, restored = _resume_point(c, workdir, r, store, slots, config_json)
   start, state, extra, meta, host = restored or _fresh_start(c, r, store, workdir)
-  if restored is not None:
+  writes = multiprocess.is_writer()  # process 0 writes the run's files; every process checkpoints
+  if restored is not None and writes:
     metrics_lib.truncate_after(os.path.join(workdir, "metrics.jsonl"), start - 1)
-  with open(os.path.join(workdir, "config.json"), "w") as f:  # after the resume check: never the old run's
-    f.write(c.to_json_best_effort(indent=2, sort_keys=True))
+  if writes:
+    with open(os.path.join(workdir, "config.json"), "w") as f:  # after the resume check: never the old run's
+      f.write(c.to_json_best_effort(indent=2, sort_keys=True))
   name = sources.pick(c)
   source = _open_source(r, store, name, _source_state(name, meta, host), f"checkpoint step {start} in {ckpt.directory}")
   meta = {**{k_: v for k_, v in meta.items() if k_ not in ("host", "host_sizes", "stage_version")}, "config": config_json}
 
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if writes else multiprocess.NullWriter()
   flag = preemption.install_sigterm_handler(sigint=True) if _main_thread() else None
   rows: list[dict] = []
   failure = None  # optim.max_skips reached: the message; the row and a checkpoint are written first
@@ -525,6 +534,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
       failure = _skip_failure(c, m, t)
       row = _row(r, store, state, t, ro, m, info)
       row["time_step_s"] = time.perf_counter() - t_step
+      row = multiprocess.reduce_times(row)  # several processes: the slowest one's timings; the rest agrees already
       writer.write(row)
       rows.append(row)
       if on_step is not None:
@@ -532,7 +542,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
       if bar is not None:
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", eval=row.get("eval_accuracy", ""))
-      preempted = flag is not None and flag.requested
+      preempted = multiprocess.agree_stop(flag)  # a signal on any process stops all after this step
       stop = preempted or failure is not None
       if stop or (c.checkpoint.every > 0 and (t + 1) % c.checkpoint.every == 0) or t + 1 == c.num_steps:
         best = {"eval_accuracy": row["eval_accuracy"]} if "eval_accuracy" in row else None  # keep-N + best
@@ -567,7 +577,8 @@ def _resume_point(c, workdir: str, r: Run, store: ParamStore, slots: int, config
     ckpt.close()
     if c.checkpoint.get("config_change", "error") != "restart":
       raise _resume_error(e, workdir) from None
-    moved = workdir_lib.move_aside(workdir, list(RUN_FILES))
+    moved = workdir_lib.move_aside(workdir, list(RUN_FILES)) if multiprocess.is_writer() else None
+    distributed.barrier("config_change_restart")  # every process reopens the checkpoints after the move
     print(f"config changed ({'; '.join(e.fields)}): previous run moved to {moved}; starting at step 0", flush=True)
     return _open_checkpointer(c, workdir), None
 
@@ -575,20 +586,21 @@ def _resume_point(c, workdir: str, r: Run, store: ParamStore, slots: int, config
 def _fresh_start(c, r: Run, store: ParamStore, workdir: str):
   """(0, state, extra, meta, host) of a run without a checkpoint: initial policy, SFT warm start, version 0
   published, the initial evaluation."""
-  moved = workdir_lib.move_aside(workdir, ["metrics.jsonl", "run_info.json"])
+  moved = workdir_lib.move_aside(workdir, ["metrics.jsonl", "run_info.json"]) if multiprocess.is_writer() else None
   if moved:  # rows of a run that left no usable checkpoint: kept, never deleted
     print(f"no checkpoint to resume: the earlier metrics.jsonl was moved to {moved}; starting at step 0", flush=True)
   t0 = time.perf_counter()
   model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
   params, sft_loss = sft_warm_start(c, model_cfg, params, r.train_examples, r.P, r.encoder)
   meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
-  if c.sft.save_to:
+  if c.sft.save_to and multiprocess.is_writer():
     from jaxrl_llm.models import save_hf
     save_hf(c.sft.save_to, model_cfg, params, family="qwen3" if model_cfg.qk_norm else "llama")
     r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
   state, extra = fresh_state(r, params)
   store.publish(state.params)
-  meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer) if c.eval.every > 0 else None
+  meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer,
+                                           r.mesh) if c.eval.every > 0 else None
   return 0, state, extra, meta, {}
 
 
@@ -658,12 +670,13 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: dict, m: dict, info: dict
   if "request_ids" in ro:  # async: which requests the batch holds
     row["request_ids"] = ro["request_ids"]
   if c.eval.every > 0 and ((t + 1) % c.eval.every == 0 or t + 1 == c.num_steps):
-    row["eval_accuracy"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer)
+    row["eval_accuracy"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer,
+                                    r.mesh)
   return row
 
 
 def _progress_bar(c, start: int):
-  if not c.log.progress:
+  if not c.log.progress or not multiprocess.is_writer():
     return None
   from tqdm import tqdm
   return tqdm(total=c.num_steps, initial=start, desc="learner steps", dynamic_ncols=True)
@@ -683,8 +696,9 @@ def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, star
     failure = (f"every update of this run ({skipped} of {len(rows)} learner steps) was skipped as non-finite: the "
                "policy did not change. Check optim.lr, sampler.temperature and the loss inputs (metrics.jsonl)")
     info["error"] = failure
-  with open(os.path.join(workdir, "run_info.json"), "w") as f:
-    json.dump(metrics_lib.json_safe(info), f, indent=2, allow_nan=False)
+  if multiprocess.is_writer():
+    with open(os.path.join(workdir, "run_info.json"), "w") as f:
+      json.dump(metrics_lib.json_safe(info), f, indent=2, allow_nan=False)
   if failure is not None:
     raise RunError(failure)
 

@@ -36,7 +36,6 @@ def _setup():
 def _train(mesh=None):
   """STEPS ppo_clip steps; on a mesh everything is sharded (the batch split across processes)."""
   import jax
-  import jax.numpy as jnp
   from jaxrl_llm import learner, sharding
   cfg, tx, d = _setup()
   if mesh is None:
@@ -134,6 +133,81 @@ def test_maybe_initialize_is_a_no_op_for_one_process(monkeypatch):
   assert distributed.maybe_initialize() is False
   assert distributed.maybe_initialize("localhost:1", 1, 0) is False
   assert not jax.distributed.is_initialized() and distributed.is_coordinator()
+
+
+def test_dist_config_errors_name_the_field(monkeypatch):
+  from jaxrl_llm import config as config_lib, distributed
+  from test_loop import tiny
+  for k in distributed.ENV_VARS.values():
+    monkeypatch.delenv(k, raising=False)
+  monkeypatch.setattr(distributed, "detected_cluster", lambda: None)  # not inside a SLURM job / TPU slice
+  cases = [({"coordinator_address": "node0"}, r"config\.dist\.coordinator_address='node0': must be 'host:port'"),
+           ({"num_processes": 0}, r"config\.dist\.num_processes=0: must be an int >= 1"),
+           ({"num_processes": 2, "process_id": 2}, r"config\.dist\.process_id=2: must be < config\.dist\.num_processes=2"),
+           ({"heartbeat_timeout_seconds": 0}, r"config\.dist\.heartbeat_timeout_seconds=0"),
+           ({"num_processes": 2, "process_id": 0}, r"config\.dist\.coordinator_address=None: .*2 processes need"),
+           ({"coordinator_address": "h:1", "num_processes": 2}, r"config\.dist\.process_id=None: .*set both")]
+  for fields, msg in cases:
+    c = tiny()
+    c.dist.update(fields)
+    with pytest.raises(config_lib.ConfigError, match=msg):
+      distributed.initialize_from_config(c)
+  c = tiny()
+  assert distributed.initialize_from_config(c) is False  # nothing set, no cluster: one plain process
+  c.dist.num_processes, c.dist.process_id = 1, 0
+  assert distributed.initialize_from_config(c) is False
+  import jax
+  assert not jax.distributed.is_initialized()
+  assert any(f.startswith("dist.") for f in config_lib.RESUMABLE)  # a run may resume on another process count
+
+
+class _Dev:
+  def __init__(self, process_index):
+    self.process_index = process_index
+
+
+class _Sharding:
+  """`devices_indices_map` of a batch of 8 rows: process 0 holds rows 0-3, process 1 rows 4-7, and
+  process 2 holds a replica of rows 4-7 (a replicated axis that spans processes)."""
+
+  def devices_indices_map(self, shape):
+    assert shape == (8,)
+    return {_Dev(0): (slice(0, 2),), _Dev(0): (slice(2, 4),), _Dev(1): (slice(4, 8),), _Dev(2): (slice(4, 8),)}
+
+
+def test_row_owners_are_the_lowest_process_holding_each_row():
+  from jaxrl_llm import multiprocess
+  np.testing.assert_array_equal(multiprocess.row_owners(_Sharding(), 8), [0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def test_one_process_helpers_are_the_plain_behaviour():
+  from jaxrl_llm import multiprocess, preemption
+  calls = []
+  score = lambda ex, t: (calls.append(len(ex)) or np.arange(len(ex), dtype=np.float32), {"ok": len(ex)})
+  reward_B, counts = multiprocess.score_rows(score, ["a", "b", "c"], np.zeros((3, 2), np.int32), np.zeros(3, np.int32))
+  np.testing.assert_array_equal(reward_B, [0, 1, 2])
+  assert counts == {"ok": 3} and calls == [3]
+  flag = preemption.PreemptionFlag()
+  assert multiprocess.agree_stop(flag) is False and multiprocess.agree_stop(None) is False
+  flag.request(15)
+  assert multiprocess.agree_stop(flag) is True
+  row = {"step": 0, "time_step_s": 1.5}
+  assert multiprocess.reduce_times(row) is row and multiprocess.is_writer()
+
+
+def test_peer_verdict():
+  from jaxrl_llm.distributed import peer_verdict
+  seen = {1: (None, 0.0), 2: (None, 0.0)}
+  alive = {"jaxrl_llm/alive/0": "5", "jaxrl_llm/alive/1": "3", "jaxrl_llm/alive/2": "done"}
+  assert peer_verdict(0, 3, alive, {}, seen, 1.0, 10.0) is None
+  assert seen[1] == ("3", 1.0)  # the counter moved at t=1
+  assert peer_verdict(0, 3, alive, {}, seen, 11.0, 10.0) is None  # 10 s: not more than the timeout
+  assert "process 1 stopped responding (11 s" in peer_verdict(0, 3, alive, {}, seen, 12.0, 10.0)
+  assert peer_verdict(0, 3, {**alive, "jaxrl_llm/alive/1": "4"}, {}, seen, 12.0, 10.0) is None  # it beat again
+  failed = {"jaxrl_llm/failed/0": "mine", "jaxrl_llm/failed/2": "config.x: bad"}
+  assert peer_verdict(0, 3, alive, failed, seen, 12.0, 10.0) == \
+      "process 0 of 3: process 2 stopped with an error: config.x: bad"
+  assert peer_verdict(0, 3, alive, {"jaxrl_llm/failed/0": "mine"}, seen, 12.0, 10.0) is None  # its own report
 
 
 if __name__ == "__main__":

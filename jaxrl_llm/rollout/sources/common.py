@@ -2,7 +2,8 @@
 
 Nothing here knows a run mode; the sources (one file each) decide which version generates which step.
 `run` is the loop's static wiring (`loop.Run`); a source reads only `c`, `task`, `train_examples`, `P`,
-`encoder`, `k_sample`, `sampler_model_cfg`, `samp_cfg` and `score` from it.
+`encoder`, `k_sample`, `sampler_model_cfg`, `samp_cfg`, `score` and `mesh` (None: one device; else
+generation is split over its batch axes, over every process: `jaxrl_llm.multiprocess`) from it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from jaxrl_llm import multiprocess
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.param_store import ParamStore
@@ -64,13 +66,14 @@ def sync_rollout(run, store: ParamStore, steps: list[int], version: int, v_b: in
     key = fold_in(fold_in(run.k_sample, v_b), steps[0])
     key = fold_in(key, call) if call else key
     t0 = time.perf_counter()
-    out = generate(snap.params, p.tokens_BP, p.len_B, key, run.sampler_model_cfg, run.samp_cfg)  # numpy: no eager put
-    out = jax.tree.map(np.asarray, out)
+    out, owners = multiprocess.generate_on_mesh(generate, snap.params, p.tokens_BP, p.len_B, key,  # numpy: no eager put
+                                                run.sampler_model_cfg, run.samp_cfg, run.mesh)
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  reward_B, status, _ = collect.score_completions(run.task, p.examples, out["tokens_BN"],
-                                                 reward_policy(c), tokenizer=run.encoder.tokenizer)
+  reward_B, status = multiprocess.score_rows(  # several processes: each scores the rows its devices generated
+      lambda ex, t: collect.score_completions(run.task, ex, t, reward_policy(c), tokenizer=run.encoder.tokenizer)[:2],
+      p.examples, out["tokens_BN"], owners)
   B = n * G
   keys = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN")
   if "routes_BTLk" in out and c.model.routing_replay:  # R3: the learner replays the sampler's expert ids

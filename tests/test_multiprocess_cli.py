@@ -1,0 +1,161 @@
+"""`python -m jaxrl_llm` over 2 processes x 4 forced CPU devices (gloo collectives, localhost) writes the
+metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync, fixed_lag
+and staged modes; a SIGTERM to one process stops both after the same step with one checkpoint, and the
+restarted pair continues the metrics of the uninterrupted run; a killed (or frozen) process makes the
+other exit 1 with a one-line error, bounded by the heartbeat timeout (no hang).
+
+Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
+learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);
+wall-clock `time_*` fields are left out.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Floats: 1e-4 relative, and 1e-5 absolute for fields that are float noise by construction (the loss of an
+# on-policy GRPO step is ~1e-9, |π_old − μ| ~1e-6: summation order alone changes them by their own size).
+ATOL = 1e-5
+HEARTBEAT_S = 20  # config.dist.heartbeat_timeout_seconds of the 2-process runs (their watchdog: half of it)
+COMMON = ["--config=configs/tiny.py", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.num_steps=4",
+          "--config.eval.every=2", "--config.eval.num_prompts=8",
+          "--config.log.tensorboard=False", "--config.checkpoint.every=2"]
+
+
+MODES = {"sync": [], "fixed_lag": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1"],
+         "staged": ["--config.rollout.mode=staged", "--config.rollout.lag=2"]}  # 2 stages of 2 learner steps
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _launch(workdir: str, n_proc: int, flags: list[str]) -> list[subprocess.Popen]:
+  """`n_proc` processes of `python -m jaxrl_llm` over 8 devices in all (8 / n_proc forced CPU devices each)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // n_proc}",
+         "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    env.pop(k, None)
+  base = [sys.executable, "-m", "jaxrl_llm", f"--workdir={workdir}", *COMMON, *flags]
+  if n_proc == 1:
+    return [subprocess.Popen(base, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+  dist = [f"--config.dist.coordinator_address=localhost:{_free_port()}", f"--config.dist.num_processes={n_proc}",
+          f"--config.dist.heartbeat_timeout_seconds={HEARTBEAT_S}", "--config.dist.initialization_timeout=120"]
+  return [subprocess.Popen(base + dist + [f"--config.dist.process_id={i}"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n_proc)]
+
+
+def _finish(procs, timeout: float = 600) -> list[str]:
+  logs = []
+  for p in procs:
+    try:
+      logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+      p.kill()
+      logs.append(p.communicate()[0] + "\n[killed by the test: timeout]")
+  return logs
+
+
+def _run(workdir: str, n_proc: int, flags: list[str]) -> list[dict]:
+  procs = _launch(workdir, n_proc, flags)
+  logs = _finish(procs)
+  assert all(p.returncode == 0 for p in procs), "\n----\n".join(l[-3000:] for l in logs)
+  return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
+
+def _wait_for_rows(path: str, n: int, procs, timeout: float = 600) -> None:
+  """Blocks until `path` holds `n` rows (the run is past its start-up), failing if a process exits first."""
+  t0 = time.monotonic()
+  while time.monotonic() - t0 < timeout:
+    if os.path.exists(path) and len(read_jsonl(path)) >= n:
+      return
+    if any(p.poll() is not None for p in procs):
+      raise AssertionError("a process exited early:\n" + "\n----\n".join(l[-3000:] for l in _finish(procs)))
+    time.sleep(0.5)
+  raise AssertionError(f"no {n} rows in {path} after {timeout} s")
+
+
+def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for a, b in zip(got, want):
+    keys = {k for k in a.keys() | b.keys() if not k.startswith("time_")}
+    assert keys <= a.keys() and keys <= b.keys(), keys ^ (a.keys() & b.keys())
+    for k in sorted(keys):
+      x, y = a[k], b[k]
+      if isinstance(y, float) or isinstance(x, float):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=ATOL, err_msg=f"step {b['step']} {k}")
+      else:
+        assert x == y, f"step {b['step']} {k}: {x} != {y}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """1 process x 8 devices, uninterrupted, each mode (all launched together)."""
+  d = tmp_path_factory.mktemp("one")
+  procs = {m: _launch(str(d / m), 1, f) for m, f in MODES.items()}
+  out = {}
+  for m, ps in procs.items():
+    logs = _finish(ps)
+    assert ps[0].returncode == 0, logs[0][-3000:]
+    out[m] = read_jsonl(str(d / m / "metrics.jsonl"))
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "staged"])
+def test_two_processes_write_the_metrics_of_one(tmp_path, reference, mode):
+  rows = _run(str(tmp_path), 2, MODES[mode])
+  assert len(rows) == 4 and "eval_accuracy" in rows[1]
+  assert rows[0]["grad_norm"] > 0 and rows[0]["reward_std"] > 0  # a real update on varied rewards
+  assert_same_metrics(rows, reference[mode])
+  info = json.load(open(tmp_path / "run_info.json"))
+  assert info["resumed_from_step"] == 0 and info["error"] is None
+  assert {"2", "4"} <= set(os.listdir(tmp_path / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_and_resumes_identically(tmp_path, reference):
+  flags = MODES["fixed_lag"]
+  procs = _launch(str(tmp_path), 2, flags)
+  _wait_for_rows(str(tmp_path / "metrics.jsonl"), 1, procs)
+  procs[1].send_signal(signal.SIGTERM)  # one host preempted: both stop after the same step
+  logs = _finish(procs)
+  assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(l[-3000:] for l in logs)
+  info = json.load(open(tmp_path / "run_info.json"))
+  assert info["stopped_by_signal"] == signal.SIGTERM, info  # process 0 records process 1's signal
+  stopped = len(read_jsonl(str(tmp_path / "metrics.jsonl")))
+  assert 1 <= stopped < 4 and "preempted" in logs[0]
+  rows = _run(str(tmp_path), 2, flags)  # the same command resumes
+  assert json.load(open(tmp_path / "run_info.json"))["resumed_from_step"] == stopped
+  assert_same_metrics(rows, reference["fixed_lag"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, expected", [
+    (signal.SIGKILL, "lost another process during a collective"),  # gloo: the connection is reset at once
+    (signal.SIGSTOP, "process 1 stopped responding"),  # frozen, no reset (a hung NCCL peer): the watchdog's case
+])
+def test_a_lost_process_makes_the_other_exit_with_an_error(tmp_path, sig, expected):
+  procs = _launch(str(tmp_path), 2, ["--config.num_steps=1000", "--config.eval.every=0"])
+  _wait_for_rows(str(tmp_path / "metrics.jsonl"), 1, procs)
+  procs[1].send_signal(sig)
+  try:
+    log = _finish(procs[:1], timeout=6 * HEARTBEAT_S)[0]  # bounded: a hang is killed and fails below
+  finally:
+    procs[1].kill()
+    _finish(procs[1:])
+  errors = [line for line in log.splitlines() if line.startswith("error: ")]
+  assert procs[0].returncode == 1, log[-3000:]
+  assert len(errors) == 1 and errors[0].startswith(f"error: process 0 of 2: {expected}"), errors or log[-3000:]
