@@ -196,6 +196,32 @@ def test_learner_step_matches_the_dense_loss_and_micro_batches_share_the_teacher
       np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5)
 
 
+def test_minibatch_updates_share_the_teacher_head():
+  """minibatches=2 in one step equals two single-update steps on the halves, each with its half of the
+  teacher's hidden states and the whole teacher lm-head."""
+  import optax
+  params = init_params(SMALL, jax.random.key(1))
+  batch = _learner_batch(2)
+  head = batch.extra["teacher_head"]
+
+  def half(i):
+    sl = slice(i * Bs // 2, (i + 1) * Bs // 2)
+    b = jax.tree.map(lambda x: x[sl], batch.replace(extra=None))
+    return b.replace(extra={"teacher_head": head.replace(hidden_BTD=head.hidden_BTD[sl])})
+
+  tx = optax.sgd(0.5)
+  fresh = lambda: learner.init_state(jax.tree.map(jnp.copy, params), tx)
+  both, m = learner.make_train_step(SMALL, tx, "opd_forward_kl", minibatches=2)(fresh(), batch, jax.random.key(0))
+  one = learner.make_train_step(SMALL, tx, "opd_forward_kl")
+  seq_state = fresh()
+  for i in range(2):
+    seq_state, _ = one(seq_state, half(i), jax.random.key(0))
+  assert int(m["updates_applied"]) == 2
+  for a, b in zip(jax.tree.leaves(both.params), jax.tree.leaves(seq_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(both.params), jax.tree.leaves(params)))
+
+
 # ----------------------------------------------------------------------------- memory
 
 BIG_V, Bb, Nb, Db = 65536, 8, 512, 32

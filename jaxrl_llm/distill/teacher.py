@@ -175,7 +175,10 @@ def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):
 
 def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
                    n_new: int) -> Array:
-  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment)."""
+  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment).
+
+  A dense reference for tiny vocabularies and tests: scoring (`score_completions`) never forms them.
+  """
   P = sequence_BT.shape[1] - n_new
   logits = forward(params, sequence_BT[:, :-1], cfg, positions_BT=positions_BT[:, :-1],
                    segment_ids_BT=segment_ids_BT[:, :-1])
