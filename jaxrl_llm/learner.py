@@ -226,8 +226,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     if batch.extra:
       inputs = inputs.replace(**batch.extra)
     if student_dense:
-      inputs = inputs.replace(student_head=VocabHead(hidden_BTD=out["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg),
-                                                     temperature=temperature))
+      head = VocabHead(hidden_BTD=out["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature)
+      inputs = inputs.replace(student_head=head)
     if topk_ids is not None:
       inputs = inputs.replace(student_topk_logp_BTK=out["gathered_logp_BTK"])
     losses.check_needs(spec, inputs)
