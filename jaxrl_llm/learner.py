@@ -39,8 +39,9 @@ from flax import struct
 
 from jaxrl_llm import losses
 from jaxrl_llm.losses import core
-from jaxrl_llm.models import ModelConfig, token_logprobs
+from jaxrl_llm.models import ModelConfig, lm_head_weights, token_logprobs
 from jaxrl_llm.types import LossInputs
+from jaxrl_llm.vocab_chunks import VocabHead
 
 Array = jax.Array
 
@@ -72,47 +73,32 @@ class Batch:
   prox_logp_BN: Optional[Array] = None
   ref_logp_BN: Optional[Array] = None
   # Extra per-sample loss inputs fixed at rollout time, keyed by `LossInputs` field name (e.g. a
-  # teacher's `teacher_logp_BT`, `teacher_topk_ids_BTK`, ... for distillation).
+  # teacher's `teacher_logp_BT`, `teacher_topk_ids_BTK`, ... for distillation). A `VocabHead` entry
+  # (`teacher_head`) leads with B except its [D, V] lm-head, which every micro-batch shares whole.
   extra: Optional[dict] = None
   routes_BTLk: Optional[Array] = None  # MoE routing replay (R3): the sampler's expert ids, aligned with sequence_BT
 
 
 def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
                         temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None,
-                        gather_ids_BTK=None) -> dict:
+                        gather_ids_BTK=None, return_hidden: bool = False) -> dict:
   """Log-probs (and entropy) of the last `n_new` tokens of each sequence under `params`.
 
   Position j of the result scores completion token j given everything before it, exactly the
   context the sampler used (see `sampling.generate`). `routes_BTLk` (MoE) replays the sampler's
   expert ids for every input token; the result then also holds the scalar "router_aux_loss".
   `gather_ids_BTK` [B, n_new, K]: also return "gathered_logp_BTK", the tempered log-probs at those ids
-  (chunked lm-head: no [B, n_new, V] array).
+  (chunked lm-head: no [B, n_new, V] array). `return_hidden`: also "hidden_BTD", the final hidden states of
+  the scored positions (the student's side of a `VocabHead`).
   """
   routes = None if routes_BTLk is None else routes_BTLk[:, :-1]
   P = sequence_BT.shape[1] - n_new
   # query_start: prompt positions only feed keys/values; their outputs are never scored.
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTK=gather_ids_BTK)
+                       perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTK=gather_ids_BTK,
+                       return_hidden=return_hidden)
   out.pop("routes_BTLk", None)
-  return out
-
-
-def student_distribution_inputs(params, batch: Batch, cfg: ModelConfig, temperature: float, n_new: int) -> dict:
-  """Differentiable student distributions over the completion positions, for dense distillation losses.
-
-  `student_logits_BTV`: tempered logits [B, N, V]; `student_topk_logp_BTK`: the student's log-probs at
-  the teacher's top-k ids (when the batch carries them). Full-vocabulary: only losses that read
-  `student_logits` come here; top-k-only losses get the chunked gather of `completion_logprobs`.
-  """
-  from jaxrl_llm.models import forward
-  P = batch.sequence_BT.shape[1] - n_new
-  logits = forward(params, batch.sequence_BT[:, :-1], cfg, positions_BT=batch.positions_BT[:, :-1],
-                   segment_ids_BT=batch.segment_ids_BT[:, :-1])[:, P - 1:] / temperature
-  out = {"student_logits_BTV": logits}
-  ids = (batch.extra or {}).get("teacher_topk_ids_BTK")
-  if ids is not None:
-    out["student_topk_logp_BTK"] = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), ids, axis=-1)
   return out
 
 
@@ -148,6 +134,22 @@ def perturb_hook(loss_name: str, model_cfg: ModelConfig, tx: optax.GradientTrans
 def _all_finite(tree) -> Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _take_shared(batch: Batch) -> tuple[Batch, dict]:
+  """(batch without its batch-wide arrays, {extra key: array}): the [D, V] lm-heads of `VocabHead`
+  extras are shared by every sequence, so micro-batches and minibatches must not split them."""
+  heads = {k: v.w_DV for k, v in (batch.extra or {}).items() if isinstance(v, VocabHead)}
+  if not heads:
+    return batch, heads
+  return batch.replace(extra={k: v.replace(w_DV=None) if k in heads else v for k, v in batch.extra.items()}), heads
+
+
+def _put_shared(batch: Batch, heads: dict) -> Batch:
+  """Inverse of `_take_shared` (on the whole batch or any micro-batch of it)."""
+  if not heads:
+    return batch
+  return batch.replace(extra={k: v.replace(w_DV=heads[k]) if k in heads else v for k, v in batch.extra.items()})
 
 
 def _split_micro(batch: Batch, m: int, field: str = "optim.grad_accum") -> Batch:
@@ -189,10 +191,11 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   hp = losses.make_hparams(spec, loss_hparams)
   with_entropy = True  # logged every step (DESIGN §3); it enters the loss only via needs / entropy_coef
   perturbed = "perturb" in spec.needs
-  # Dense losses read [B, N, V] student logits; top-k losses only the student at the teacher's ids,
-  # which the chunked lm-head gathers without any [B, N, V] array.
+  # Full-distribution losses read the student as a VocabHead (hidden states + lm-head, logits formed
+  # chunk by chunk in the loss); top-k losses only the student at the teacher's ids, which the chunked
+  # lm-head gathers. Neither holds a [B, N, V] array.
   student_dense = "student_logits" in spec.needs
-  student_topk = "student_topk" in spec.needs and not student_dense
+  student_topk = "student_topk" in spec.needs
   if not isinstance(grad_accum, int) or grad_accum < 1:
     raise ValueError(f"optim.grad_accum must be an int >= 1, got {grad_accum!r}")
   if grad_accum > 1 and spec.init_state is not None:
@@ -203,16 +206,17 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
   n_updates = minibatches * epochs
 
-  def loss_parts(trainable, state: TrainState, batch: Batch, key: Array):
+  def loss_parts(trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
     """(objective numerator, (numerator, denominator, aux)); the gradient is ∇objective / denominator."""
     params, hook = trainable if perturbed else (trainable, None)
+    batch = _put_shared(batch, heads)
     n_new = batch.mask_BN.shape[1]
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
     perturb = (hook["log_sigma_L"], key) if perturbed else None
     topk_ids = (batch.extra or {}).get("teacher_topk_ids_BTK") if student_topk else None
     out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
                               model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk,
-                              gather_ids_BTK=topk_ids)
+                              gather_ids_BTK=topk_ids, return_hidden=student_dense)
     prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
@@ -222,8 +226,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     if batch.extra:
       inputs = inputs.replace(**batch.extra)
     if student_dense:
-      inputs = inputs.replace(**student_distribution_inputs(params, batch, model_cfg, temperature, n_new))
-    elif topk_ids is not None:
+      head = VocabHead(hidden_BTD=out["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature)
+      inputs = inputs.replace(student_head=head)
+    if topk_ids is not None:
       inputs = inputs.replace(student_topk_logp_BTK=out["gathered_logp_BTK"])
     losses.check_needs(spec, inputs)
     loss_BT, aux = spec.fn(inputs, hp)
@@ -260,14 +265,14 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
 
   parts_and_grad = jax.value_and_grad(loss_parts, has_aux=True)
 
-  def accumulate(trainable, state: TrainState, batch: Batch, key: Array):
+  def accumulate(trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
     """(loss, aux, grads) of the whole batch from `grad_accum` sequential micro-batches."""
     if grad_accum == 1:
-      (_, (num, den, aux)), g = parts_and_grad(trainable, state, batch, key)
+      (_, (num, den, aux)), g = parts_and_grad(trainable, state, batch, key, heads)
     else:
       def micro(g_acc, xs):
         mb, i = xs
-        (_, (num, den, aux)), g = parts_and_grad(trainable, state, mb, jax.random.fold_in(key, i))
+        (_, (num, den, aux)), g = parts_and_grad(trainable, state, mb, jax.random.fold_in(key, i), heads)
         return jax.tree.map(jnp.add, g_acc, g), (num, den, aux)
 
       zeros = jax.tree.map(jnp.zeros_like, trainable)
@@ -279,11 +284,12 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     scale = 1.0 / jnp.maximum(den, 1.0)
     return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
 
-  def update(state: TrainState, batch: Batch, key: Array):
+  def update(state: TrainState, batch: Batch, key: Array, heads: dict):
     """One optimiser update on `batch`: (state with new params / opt / loss state / skips, finite, loss,
-    aux, grads). `step` and `version` are left to the caller (they count learner steps)."""
+    aux, grads). `step` and `version` are left to the caller (they count learner steps). `heads`: the
+    batch-wide arrays `_take_shared` took out of `batch`."""
     trainable = (state.params, state.hook_params) if perturbed else state.params
-    loss, aux, grads = accumulate(trainable, state, batch, key)
+    loss, aux, grads = accumulate(trainable, state, batch, key, heads)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     updates, opt_state = tx.update(grads, state.opt_state, trainable)
     new_trainable = optax.apply_updates(trainable, updates)
@@ -307,15 +313,16 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   def train_step(state: TrainState, batch: Batch, key: Array):
     if on_trace is not None:
       on_trace()
+    batch, heads = _take_shared(batch)
     if n_updates > 1:
-      return multi_update_step(state, batch, key)
-    new_state, finite, loss, aux, grads = update(state, batch, key)
+      return multi_update_step(state, batch, key, heads)
+    new_state, finite, loss, aux, grads = update(state, batch, key, heads)
     s, c = aux["ratio_old_abs_dev"]
     return finish(state, new_state, finite, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
                                                   "updates_applied": finite.astype(jnp.int32),
                                                   "ratio_old_abs_dev_last": s / jnp.maximum(c, 1.0)})
 
-  def multi_update_step(state: TrainState, batch: Batch, key: Array):
+  def multi_update_step(state: TrainState, batch: Batch, key: Array, heads: dict):
     """`epochs` passes of `minibatches` updates, π_old fixed at the step start (module docstring)."""
     if batch.prox_logp_BN is None:  # π_old = the parameters at the step start, scored once
       out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
@@ -325,7 +332,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
 
     def one(st, xs):
       mb, i = xs
-      st, finite, loss, aux, grads = update(st, mb, jax.random.fold_in(key, i))
+      st, finite, loss, aux, grads = update(st, mb, jax.random.fold_in(key, i), heads)
       return st, (finite, loss, optax.global_norm(grads), aux)
 
     def epoch(st, e):

@@ -46,9 +46,13 @@ class LossInputs:
   state: Any = None  # state carried across steps by a loss (R²VPO dual variable, EPO entropy history).
   tokens_BT: Optional[Array] = None  # int: the sampled token ids y_t (top-k membership tests, distillation).
   # --- On-policy distillation (jaxrl_llm/losses/opd_*, gkd_jsd, s2d_opd, f_opd, sdcc). ---
-  # Full-vocabulary fields are for tiny vocabularies / tests only: real models use a chunked lm-head.
+  # Full distributions come either as [B, T, V] logits (tiny vocabularies, tests) or as a
+  # `vocab_chunks.VocabHead` (hidden states + lm-head; what the learner and teacher provide), which the
+  # losses turn into logits C positions at a time (`losses.dense`): no [B, T, V] array at a real vocabulary.
   student_logits_BTV: Optional[Array] = None  # π_θ logits over the vocabulary (differentiable).
   teacher_logits_BTV: Optional[Array] = None  # teacher logits (or log-probs) over the same vocabulary.
+  student_head: Any = None  # VocabHead of π_θ (differentiable hidden states and lm-head).
+  teacher_head: Any = None  # VocabHead of the teacher (never differentiated).
   student_topk_logp_BTK: Optional[Array] = None  # log π_θ (full-vocab normalised) at teacher_topk_ids_BTK (differentiable).
   teacher_ref_topk_logp_BTK: Optional[Array] = None  # S²D/Direct-OPD: log π_ref (pre-RL teacher) at teacher_topk_ids_BTK.
   mc_ids_BTN: Optional[Array] = None  # AsyncOPD MC candidates, N per position (N: MC samples); column 0 = y_t.

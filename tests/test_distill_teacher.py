@@ -43,7 +43,7 @@ def test_scores_equal_a_direct_forward(temperature):
   params = init_params(CFG, jax.random.key(0))
   seq, pos, seg, mask = _batch()
   K, N = 4, mask.shape[1]
-  out = teacher_lib.make_teacher_scorer(CFG, temperature, K)(params, seq, pos, seg, mask)
+  out = teacher_lib.make_teacher_scorer(CFG, temperature, K, head=True)(params, seq, pos, seg, mask)
   # Reference: full forward, position P-1+j predicts completion token j (numpy from here on).
   logits = np.asarray(forward(params, seq, CFG, positions_BT=pos, segment_ids_BT=seg), np.float64)
   P = seq.shape[1] - N
@@ -57,7 +57,11 @@ def test_scores_equal_a_direct_forward(temperature):
   # Same alignment as the learner's own scorer (what the student's log-probs are compared with).
   same = learner.make_score_fn(CFG, temperature)(params, seq, pos, seg, mask)
   np.testing.assert_allclose(np.asarray(out["teacher_logp_BT"]), np.asarray(same), atol=1e-5)
-  np.testing.assert_allclose(np.asarray(out["teacher_logits_BTV"])[m], lp[m], atol=2e-5)
+  head = out["teacher_head"]  # hidden states + lm-head: softmax(h @ w / T) is the same distribution
+  zh = np.asarray(head.hidden_BTD, np.float64) @ np.asarray(head.w_DV, np.float64) / head.temperature
+  lph = zh - np.log(np.exp(zh - zh.max(-1, keepdims=True)).sum(-1, keepdims=True)) - zh.max(-1, keepdims=True)
+  np.testing.assert_allclose(lph[m], lp[m], atol=2e-5)
+  assert head.temperature == temperature and np.all(np.asarray(head.hidden_BTD)[~m] == 0)
   ids = np.asarray(out["teacher_topk_ids_BTK"])
   want_ids = np.argsort(-lp, -1)[..., :K]
   assert np.array_equal(ids[m], want_ids[m])
@@ -67,7 +71,7 @@ def test_scores_equal_a_direct_forward(temperature):
   total = np.exp(np.asarray(out["teacher_topk_logp_BTK"], np.float64)).sum(-1) + np.exp(
       np.asarray(out["teacher_topk_residual_logp_BT"], np.float64))
   np.testing.assert_allclose(total[m], 1.0, atol=1e-5)
-  assert out["teacher_logits_BTV"].shape == (3, N, CFG.vocab_size) and ids.shape == (3, N, K)
+  assert head.hidden_BTD.shape == (3, N, CFG.d_model) and ids.shape == (3, N, K)
 
 
 def test_topk_equal_to_vocab_has_no_residual_and_bad_k_is_rejected():
@@ -176,7 +180,7 @@ def test_provided_needs_decide_which_losses_start():
 
 def test_extra_fields_follow_the_loss_needs():
   assert opd.extra_fields("opd_reverse_kl") == ("teacher_logp_BT",)
-  assert opd.extra_fields("opd_forward_kl") == ("teacher_logits_BTV",)
+  assert opd.extra_fields("opd_forward_kl") == ("teacher_head",)  # chunked: hidden states + lm-head, no [B, N, V]
   assert opd.extra_fields("opd_topk_kl") == ("teacher_topk_ids_BTK", "teacher_topk_logp_BTK")
   assert opd.extra_fields("f_opd") == ("sup_drift_B", "teacher_logp_BT")
   assert opd.extra_fields("ppo_clip") == ()

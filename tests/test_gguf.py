@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from jaxrl_llm.models import forward, load_hf  # noqa: E402
 from jaxrl_llm.models import gguf as gg  # noqa: E402
-from jaxrl_llm.models.tokenizer import load_tokenizer  # noqa: E402
+from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -181,11 +181,11 @@ def test_tiny_logits_match_transformers_gguf_loader(tiny, qtype):
 def test_tiny_tokenizer_and_chat_template(tiny):
   _, src, folder = tiny["F32"]
   ref = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-  ours = load_tokenizer(folder)
+  ours = load_checkpoint_tokenizer(folder)
   assert (ours.bos_id, ours.eos_id, ours.vocab_size) == (V - 2, V - 1, V)
   text = "the theme <|im_end|> then"
   assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
-  assert ours.decode(ours.encode(text)) == text
+  assert ours.decode(ours.encode("the theme then")) == "the theme then"  # special tokens are dropped
   config = json.loads((folder / "tokenizer_config.json").read_text())
   assert config["chat_template"] == TEMPLATE
   assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == V - 1
@@ -269,7 +269,7 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
   src = gg.smollm2_gguf()
   ref = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
   saved = transformers.AutoTokenizer.from_pretrained(str(smollm2))
-  ours = load_tokenizer(smollm2)
+  ours = load_checkpoint_tokenizer(smollm2)
   assert (ours.bos_id, ours.eos_id, ours.pad_id) == (1, 2, 2)  # <|im_start|>, <|im_end|>
   assert ours.vocab_size == 49152
   text = "Compute 12*34, then add 7. Answer: \\boxed{415}"

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from jaxrl_llm.models import ModelConfig, forward, init_params, param_shapes  # noqa: E402
 from jaxrl_llm.models import load_hf, save_hf  # noqa: E402  (the public, lazily imported path)
-from jaxrl_llm.models.tokenizer import check_vocab, load_tokenizer  # noqa: E402
+from jaxrl_llm.models.tokenizer import check_vocab, load_checkpoint_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -228,21 +228,23 @@ def tokenizer_dir(tmp_path_factory):
   path = tmp_path_factory.mktemp("tok")
   tok.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps(
-      {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": None}))
+      {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+       "pad_token": None}))
   return path
 
 
 def test_tokenizer_encode_decode(tokenizer_dir):
-  tok = load_tokenizer(tokenizer_dir)
+  tok = load_checkpoint_tokenizer(tokenizer_dir)
   assert tok.encode("the cat sat on the mat") == [3, 4, 5, 6, 3, 7]
   assert tok.encode("the dog") == [3, 0]
   assert tok.decode(np.array([3, 4, 5])) == "the cat sat"
-  assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (8, 1, 2, None)
-  assert load_tokenizer(tokenizer_dir / "tokenizer.json").vocab_size == 8
+  assert tok.decode([1, 3, 4, 2]) == "the cat"  # special tokens dropped
+  # No pad token named: pad = EOS (pad positions are masked everywhere).
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_ids) == (8, 1, 2, 2, (2,))
 
 
 def test_check_vocab(tokenizer_dir):
-  tok = load_tokenizer(tokenizer_dir)
+  tok = load_checkpoint_tokenizer(tokenizer_dir)
   base = ModelConfig(vocab_size=8, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
   check_vocab(base, tok)  # exact fit
   check_vocab(dataclasses.replace(base, vocab_size=64), tok)  # padded embedding is fine
@@ -252,4 +254,4 @@ def test_check_vocab(tokenizer_dir):
 
 def test_tokenizer_missing(tmp_path):
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-    load_tokenizer(tmp_path)
+    load_checkpoint_tokenizer(tmp_path)

@@ -42,7 +42,7 @@ def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
   assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]
   # Independently: the cached teacher scoring the rollout's own sequences.
   cfg, tparams = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
-  want = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk, dense=False)(
+  want = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk)(
       tparams, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN)
   np.testing.assert_array_equal(np.asarray(batch.extra["teacher_logp_BT"]), np.asarray(want["teacher_logp_BT"]))
   assert np.all(np.asarray(batch.extra["sup_drift_B"]) == 0)

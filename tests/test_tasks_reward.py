@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import tasks
-from jaxrl_llm.tasks import jsonl
+from jaxrl_llm.tasks import jsonl, math_answer
 from jaxrl_llm.tasks import reward as reward_lib
 
 
@@ -149,43 +149,50 @@ def test_jsonl_custom_keys_and_task(tmp_path):
     tasks.get_task("jsonl", path=str(empty))
 
 
-# --- math-verify reward --------------------------------------------------------------------------
+# --- the jsonl task's reward: math_answer's extraction + comparison ------------------------------
+
+def _jsonl_task(tmp_path, answer, timeout_s=20.0):
+  path = tmp_path / "one.jsonl"
+  path.write_text(json.dumps({"prompt": "p", "answer": answer}) + "\n")
+  return tasks.get_task("jsonl", path=str(path), timeout_s=timeout_s)
+
 
 @pytest.mark.parametrize("answer,completion,expected", [
     ("\\frac{1}{2}", "0.5", 1.0),
-    ("\\frac{1}{2}", "The answer is $\\frac{1}{2}$.", 1.0),
     ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
-    ("0.5", "$\\frac{2}{4}$", 1.0),
+    ("0.5", "so \\boxed{\\frac{2}{4}}.", 1.0),
     ("\\frac{1}{2}", "1/2", 1.0),
+    ("\\frac{1}{2}", "Answer: $\\frac{1}{2}$", 1.0),
     ("-3", "x = -3", 1.0),
+    # math_answer's formats, which the old LaTeX-only extractor of this task missed or misread:
+    ("1234", "The total is \\boxed{1,234}.", 1.0),  # thousands separator inside a box
+    ("72", "#### 72 dollars", 1.0),  # GSM8K line with a unit
+    ("7", "\\boxed{7} (checked: 3 + 4)", 1.0),  # the boxed answer wins over a later number
     ("\\frac{1}{2}", "0.6", 0.0),
     ("\\frac{1}{2}", "", 0.0),
     ("\\frac{1}{2}", "1/0", 0.0),
     ("\\frac{1}{2}", "__import__('os').system('touch /tmp/pwned_jaxrl')", 0.0),
     ("\\frac{1}{2}", "💥" * 1000 + "{{{{(((", 0.0),
 ])
-def test_math_verify_reward(answer, completion, expected):
-  assert jsonl.math_verify_reward("prompt", answer, completion, timeout_s=20.0) == expected
+def test_jsonl_reward_is_the_math_answer_reward(tmp_path, answer, completion, expected):
+  task = _jsonl_task(tmp_path, answer)
+  assert task.reward("p", answer, completion) == expected
+  assert math_answer.math_reward("p", answer, completion, timeout_s=20.0) == expected
 
 
-def test_math_verify_never_executes_output(tmp_path):
+def test_jsonl_reward_never_executes_output(tmp_path):
   marker = tmp_path / "pwned"
   payload = f"__import__('pathlib').Path('{marker}').touch() or 1"
-  assert jsonl.math_verify_reward("p", "1", payload, timeout_s=20.0) in (0.0, 1.0)
+  assert _jsonl_task(tmp_path, "1").reward("p", "1", payload) in (0.0, 1.0)
   assert not marker.exists()
 
 
-def test_math_verify_rewards_batch_counts_errors_and_timeouts(monkeypatch):
-  out = jsonl.math_verify_rewards(["\\frac{1}{2}", "2", "3"], ["0.5", "3", None], timeout_s=20.0)
-  assert out.reward_B.tolist() == [1.0, 0.0, 0.0]
-  assert out.counts == {"ok": 2, "error": 1, "timeout": 0}
-  assert jsonl.math_verify_reward_with_status("1", 5) == (0.0, "error")
-  # A verifier that hangs (as sympy can on adversarial input) is cut off and counted.
-  monkeypatch.setattr(jsonl, "_verify", _sleeps)
-  assert jsonl.math_verify_reward_with_status("\\frac{1}{2}", "0.5", timeout_s=0.1) == (
-      0.0, "timeout")
-  out = jsonl.math_verify_rewards(["1", "2"], ["1", "2"], timeout_s=0.1)
-  assert out.counts == {"ok": 0, "error": 0, "timeout": 2}
+def test_jsonl_reward_keeps_its_timeout(tmp_path, monkeypatch):
+  """`timeout_s` of the jsonl config still bounds each reward call (a hung verifier scores 0)."""
+  monkeypatch.setattr(math_answer, "_score", _sleeps)
+  assert _jsonl_task(tmp_path, "1", timeout_s=0.1).reward("p", "1", "1") == 0.0
+  with pytest.raises(tasks.TaskError, match="timeout_s"):
+    _jsonl_task(tmp_path, "1", timeout_s=0)
 
 
 def test_safe_reward_batches_from_several_threads_share_the_lanes():

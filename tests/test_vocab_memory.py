@@ -13,6 +13,7 @@ import pytest
 
 from jaxrl_llm import learner
 from jaxrl_llm.distill import teacher as teacher_lib
+from jaxrl_llm.distill.topk_cache import build_topk_cache
 from jaxrl_llm.models import ModelConfig, forward, init_params, logprobs_from_logits, token_logprobs
 from jaxrl_llm.models.logprobs import chunk_positions
 from jaxrl_llm.sampling import generate
@@ -74,14 +75,16 @@ def test_generate_holds_no_bpv_logits(big_params):
   assert temp < FULL_BTV_BYTES // 4, temp
 
 
-def test_teacher_scoring_without_dense_logits_holds_no_bnv(big_params):
+@pytest.mark.parametrize("head", [False, True])
+def test_teacher_scoring_holds_no_bnv(big_params, head):
+  """Log-probs, top-k cache and (for full-distribution losses) the teacher's VocabHead, all chunked."""
   args = (big_params,) + tuple(jax.ShapeDtypeStruct((B, T), jnp.int32) for _ in range(3)) + (
       jax.ShapeDtypeStruct((B, N), jnp.float32),)
-  score = lambda dense: lambda p, s, q, g, m: teacher_lib.score_completions(p, BIG, s, q, g, m, temperature=1.0,
-                                                                            topk=K, dense=dense)
-  chunked = _temp_bytes(score(False), *args)
+  score = lambda p, s, q, g, m: teacher_lib.score_completions(p, BIG, s, q, g, m, temperature=1.0, topk=K, head=head)
+  chunked = _temp_bytes(score, *args)
   assert chunked < B * N * BIG.vocab_size * 4 // 4, chunked
-  assert _temp_bytes(score(True), *args) > 2 * chunked  # the dense path really is the large one
+  dense = _temp_bytes(lambda p, s, q, g, m: teacher_lib.teacher_logits(p, BIG, s, q, g, N), *args)
+  assert dense >= B * N * BIG.vocab_size * 4  # the bound is meaningful: dense teacher logits are that large
 
 
 # ----------------------------------------------------------------------------- values
@@ -132,16 +135,13 @@ def test_capped_chunks_equal_the_full_vocabulary_numpy_reference():
 def test_gathered_student_topk_equals_the_dense_path_in_value_and_gradient():
   params = init_params(SMALL, jax.random.key(3))
   seq, pos, seg, mask, ids = _small_batch(4)
-  batch = learner.Batch(sequence_BT=seq, positions_BT=pos, segment_ids_BT=seg, mask_BN=mask,
-                        adv_BN=jnp.zeros_like(mask), behavior_logp_BN=jnp.zeros_like(mask),
-                        versions_BN=jnp.zeros((Bs, Ns), jnp.int32), lag_B=jnp.zeros((Bs,), jnp.int32),
-                        extra={"teacher_topk_ids_BTK": ids})
 
   def chunked(p):
     return learner.completion_logprobs(p, seq, pos, seg, Ns, SMALL, 0.8, gather_ids_BTK=ids)["gathered_logp_BTK"]
 
-  def dense(p):
-    return learner.student_distribution_inputs(p, batch, SMALL, 0.8, Ns)["student_topk_logp_BTK"]
+  def dense(p):  # the full-vocabulary reference: log_softmax of the tempered logits at the ids
+    logits = forward(p, seq[:, :-1], SMALL, positions_BT=pos[:, :-1], segment_ids_BT=seg[:, :-1])[:, Ts - Ns - 1:]
+    return jnp.take_along_axis(jax.nn.log_softmax(logits / 0.8, -1), ids, axis=-1)
 
   np.testing.assert_allclose(chunked(params), dense(params), atol=1e-5)
   w = jnp.asarray(np.random.default_rng(5).standard_normal((Bs, Ns, 4)), jnp.float32)
@@ -153,13 +153,20 @@ def test_gathered_student_topk_equals_the_dense_path_in_value_and_gradient():
 
 @pytest.mark.parametrize("topk", [5, SMALL.vocab_size])
 def test_chunked_teacher_scores_equal_the_dense_path(topk):
+  """The scorer (chunked lm-head) against the top-k cache built from the full teacher logits."""
   params = init_params(SMALL, jax.random.key(6))
   seq, pos, seg, mask, _ = _small_batch(7)
-  score = lambda dense: teacher_lib.make_teacher_scorer(SMALL, 0.9, topk, dense=dense)(params, seq, pos, seg, mask)
-  dense, chunked = score(True), score(False)
-  assert "teacher_logits_BTV" in dense and "teacher_logits_BTV" not in chunked
+  chunked = teacher_lib.make_teacher_scorer(SMALL, 0.9, topk)(params, seq, pos, seg, mask)
+  logits = teacher_lib.teacher_logits(params, SMALL, seq, pos, seg, Ns)
+  cache = build_topk_cache(logits, topk, temperature=0.9)
+  live = np.asarray(mask) > 0
+  dense = {"teacher_logp_BT": logprobs_from_logits(logits, seq[:, -Ns:], 0.9),
+           "teacher_topk_ids_BTK": cache.ids_BTK, "teacher_topk_logp_BTK": cache.logp_BTK,
+           "teacher_topk_residual_logp_BT": cache.residual_logp_BT}
+  assert sorted(chunked) == sorted(dense)
   for k, v in chunked.items():
+    want = np.where(live[..., None] if v.ndim == 3 else live, np.asarray(dense[k]), 0)
     if k.endswith("ids_BTK"):
-      np.testing.assert_array_equal(v, dense[k], err_msg=k)
+      np.testing.assert_array_equal(v, want, err_msg=k)
     else:
-      np.testing.assert_allclose(v, dense[k], atol=1e-5, err_msg=k)
+      np.testing.assert_allclose(v, want, atol=1e-5, err_msg=k)

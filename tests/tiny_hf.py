@@ -51,9 +51,9 @@ def make_checkpoint(path, *, seed: int = 0, n_layers: int = 1, d_model: int = 32
   multiple of 64 rows, as real checkpoints often are."""
   import jax
   from jaxrl_llm.models import ModelConfig, init_params, save_hf
-  from jaxrl_llm.models.tokenizer import load_tokenizer
+  from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer
   path = make_tokenizer(path, **tokenizer_kw)
-  vocab = -(-load_tokenizer(path).vocab_size // 64) * 64
+  vocab = -(-load_checkpoint_tokenizer(path).vocab_size // 64) * 64
   cfg = ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=2, n_kv_heads=1,
                     head_dim=d_model // 2, d_ff=2 * d_model, max_seq_len=max_seq_len)
   save_hf(str(path), cfg, init_params(cfg, jax.random.key(seed)), family="llama")

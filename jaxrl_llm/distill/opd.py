@@ -77,11 +77,15 @@ def scoring_temperature(c: ml_collections.ConfigDict) -> float:
 
 
 def extra_fields(loss_name: str) -> tuple[str, ...]:
-  """The `LossInputs` fields the teacher must fill for `loss_name` (sorted; empty for non-OPD losses)."""
+  """The `LossInputs` fields the teacher must fill for `loss_name` (sorted; empty for non-OPD losses).
+
+  Full distributions ("teacher_logits") come as the chunked alternative, a `teacher_head` (hidden
+  states + lm-head), never as [B, N, V] logits.
+  """
   from jaxrl_llm import losses
-  from jaxrl_llm.losses.registry import NEED_FIELDS
+  from jaxrl_llm.losses.registry import NEED_ALTERNATIVES, NEED_FIELDS
   needs = losses.get(loss_name).needs
-  fields = {f for n in needs & set(_TEACHER_NEEDS) for f in NEED_FIELDS[n]}
+  fields = {f for n in needs & set(_TEACHER_NEEDS) for f in NEED_ALTERNATIVES.get(n, NEED_FIELDS[n])}
   if "student_topk" in needs:  # the learner gathers the student at the teacher's ids
     fields.add("teacher_topk_ids_BTK")
   return tuple(sorted(fields))
@@ -92,7 +96,9 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   """Loads (or trains once and caches) the frozen teacher; returns `extras(ro, seq, mask) -> dict`.
 
   `extras` scores the rollout's sequences with the teacher (one jitted forward) and returns the
-  `LossInputs` fields the configured loss reads, each [B, N(, K|V)] over the completion positions.
+  `LossInputs` fields the configured loss reads, each [B, N(, K)] over the completion positions, and
+  for full-distribution losses `teacher_head` (its [D, V] lm-head is shared by the whole batch; the
+  learner does not split it into micro-batches).
   `task` is accepted for the loop's hook signature (the teacher is trained on `train_examples`);
   `encoder` is the run's prompt encoding, whose tokenizer teacher and student share.
   """
@@ -100,9 +106,9 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   validate(c)
   fields = extra_fields(c.loss.name)
   cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size, encoder)
-  # Only dense losses get [B, N, V] teacher log-probs; the others are scored with a chunked lm-head.
+  # Scored with a chunked lm-head; full-distribution losses also get the teacher's hidden states + lm-head.
   score = teacher_lib.make_teacher_scorer(cfg, scoring_temperature(c), c.distill.topk,
-                                          dense="teacher_logits_BTV" in fields)
+                                          head="teacher_head" in fields)
 
   def extras(ro: dict, seq, mask_BN) -> dict:
     del ro  # the sequences carry everything; a frozen teacher does not depend on the rollout's version

@@ -14,10 +14,10 @@ Teacher and student share the run's tokenizer and prompt encoding (`tasks.encode
 with that tokenizer.
 
 Scoring (`make_teacher_scorer`) is one jitted forward of the teacher over the student's sampled
-sequences: the teacher's log-prob of each sampled completion token, its tempered logits over the
-vocabulary (tiny vocabularies only) and a top-k cache (`topk_cache.build_topk_cache`: ids, log-probs,
-residual log-mass), all aligned with the completion positions [B, N(, K|V)] exactly like
-`learner.completion_logprobs` aligns the student's.
+sequences with a chunked lm-head (no [B, N, V] array): the teacher's log-prob of each sampled
+completion token, a top-k cache (ids, log-probs, residual log-mass) and, for full-distribution
+losses, its final hidden states with its lm-head (`vocab_chunks.VocabHead`), all aligned with the
+completion positions [B, N(, K|D)] exactly like `learner.completion_logprobs` aligns the student's.
 
 Sharding: on a multi-device mesh (`config.mesh` with more than one device) the teacher's parameters
 are placed with `sharding.TEACHER` (the sampler layout: tensor/expert-parallel, replicated over
@@ -41,9 +41,9 @@ import ml_collections
 
 from jaxrl_llm import policy_init, sft
 from jaxrl_llm.config import task_kwargs
-from jaxrl_llm.distill.topk_cache import build_topk_cache
-from jaxrl_llm.models import ModelConfig, forward, init_params, token_logprobs
+from jaxrl_llm.models import ModelConfig, forward, init_params, lm_head_weights, token_logprobs
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
+from jaxrl_llm.vocab_chunks import VocabHead
 
 Array = jax.Array
 
@@ -175,7 +175,10 @@ def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):
 
 def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
                    n_new: int) -> Array:
-  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment)."""
+  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment).
+
+  A dense reference for tiny vocabularies and tests: scoring (`score_completions`) never forms them.
+  """
   P = sequence_BT.shape[1] - n_new
   logits = forward(params, sequence_BT[:, :-1], cfg, positions_BT=positions_BT[:, :-1],
                    segment_ids_BT=segment_ids_BT[:, :-1])
@@ -183,56 +186,48 @@ def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: A
 
 
 def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
-                      mask_BN: Array, *, temperature: float, topk: int, dense: bool = True) -> dict:
+                      mask_BN: Array, *, temperature: float, topk: int, head: bool = False) -> dict:
   """Teacher scores of sampled completions, all at `temperature` (pure; jit it via `make_teacher_scorer`).
 
   Returns [B, N(, ·)] arrays, zeroed / id 0 where `mask_BN` is 0 (losses mask them anyway):
     teacher_logp_BT        log p(y_t | s_t) of the sampled token y_t
-    teacher_logits_BTV     log_softmax(logits / T) over the vocabulary (normalised; dense losses);
-                           only when `dense`
     teacher_topk_ids_BTK   the teacher's top-k ids, descending by probability
     teacher_topk_logp_BTK  their log-probs (full-vocabulary normalised)
     teacher_topk_residual_logp_BT  log(1 − Σ_k p_k), exact from the logits (-inf when the top-k hold all)
+    teacher_head           only when `head`: a `VocabHead` (final hidden states [B, N, D] and the lm-head
+                           [D, V] at `temperature`) from which full-distribution losses form the teacher's
+                           logits chunk by chunk (`losses.dense`)
 
-  `dense=False` never holds [B, N, V] logits: the lm-head runs in chunks (`models.token_logprobs`),
-  which a real vocabulary (V ~ 50k) needs; the values are the same.
+  No [B, N, V] array anywhere: the lm-head runs in chunks (`models.token_logprobs`), as a real
+  vocabulary (V ~ 50k) needs.
   """
   n_new = mask_BN.shape[1]
   live_BN = mask_BN > 0
-  y_BN = sequence_BT[:, -n_new:]
-  if dense:
-    logits_BNV = teacher_logits(params, cfg, sequence_BT, positions_BT, segment_ids_BT, n_new)
-    logp_BNV = jax.nn.log_softmax(logits_BNV / temperature, axis=-1)
-    cache = build_topk_cache(logits_BNV, topk, temperature=temperature)
-    logp_BN, ids_BNK, topk_logp_BNK, residual_BN = (
-        jnp.take_along_axis(logp_BNV, y_BN[..., None], -1)[..., 0], cache.ids_BTK, cache.logp_BTK,
-        cache.residual_logp_BT)
-  else:
-    P = sequence_BT.shape[1] - n_new
-    out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
-                         segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, topk=topk, query_start=P - 1)
-    logp_BN, ids_BNK, topk_logp_BNK, residual_BN = (
-        out["logp_BT"], out["topk_ids_BTK"].astype(jnp.int32), out["topk_logp_BTK"], out["topk_residual_logp_BT"])
+  P = sequence_BT.shape[1] - n_new
+  out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
+                       segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, topk=topk, query_start=P - 1,
+                       return_hidden=head)
   scores = {
-      "teacher_logp_BT": jnp.where(live_BN, logp_BN, 0.0),
-      "teacher_topk_ids_BTK": jnp.where(live_BN[..., None], ids_BNK, 0),
-      "teacher_topk_logp_BTK": jnp.where(live_BN[..., None], topk_logp_BNK, 0.0),
-      "teacher_topk_residual_logp_BT": jnp.where(live_BN, residual_BN, 0.0),
+      "teacher_logp_BT": jnp.where(live_BN, out["logp_BT"], 0.0),
+      "teacher_topk_ids_BTK": jnp.where(live_BN[..., None], out["topk_ids_BTK"].astype(jnp.int32), 0),
+      "teacher_topk_logp_BTK": jnp.where(live_BN[..., None], out["topk_logp_BTK"], 0.0),
+      "teacher_topk_residual_logp_BT": jnp.where(live_BN, out["topk_residual_logp_BT"], 0.0),
   }
-  if dense:
-    scores["teacher_logits_BTV"] = jnp.where(live_BN[..., None], logp_BNV, 0.0)
+  if head:
+    h_BND = jnp.where(live_BN[..., None], out["hidden_BTD"], 0)
+    scores["teacher_head"] = VocabHead(hidden_BTD=h_BND, w_DV=lm_head_weights(params, cfg), temperature=temperature)
   return scores
 
 
-def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, dense: bool = True):
+def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, head: bool = False):
   """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN) -> dict` of `score_completions`
-  (`dense=False`: no teacher_logits_BTV, and no [B, N, V] array anywhere)."""
+  (`head`: also the teacher's `VocabHead` for full-distribution losses)."""
   if not 0 < topk <= cfg.vocab_size:
     raise ValueError(f"config.distill.topk={topk}: must be in [1, vocab_size={cfg.vocab_size}]")
 
   @jax.jit
   def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN):
     return score_completions(params, cfg, sequence_BT, positions_BT, segment_ids_BT, mask_BN,
-                             temperature=temperature, topk=topk, dense=dense)
+                             temperature=temperature, topk=topk, head=head)
 
   return score

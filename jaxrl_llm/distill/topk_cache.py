@@ -1,4 +1,9 @@
-"""Teacher top-k score cache: ids, log-probs and the residual log-mass, computed in T-chunks."""
+"""Teacher top-k score cache: ids, log-probs and the residual log-mass, computed in T-chunks.
+
+`build_topk_cache` is for callers that already hold [B, T, V] logits (tiny vocabularies, tests, offline
+caches). Scoring a model never forms them: `models.token_logprobs(..., topk=k)` (what the teacher scorer
+uses) builds the same cache from hidden states with the chunked lm-head.
+"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from jaxrl_llm.losses.reduce import MODES, combine_metrics, reduce, reduce_parts
 from jaxrl_llm.losses.registry import (  # noqa: F401
     LossSpec, check_needs, get, make_hparams, missing_needs, names, register, unregister)
 
-_INFRA = {"core", "reduce", "registry"}
+_INFRA = {"core", "dense", "reduce", "registry"}
 # Every other module in this package is a loss file; importing it registers the loss.
 for _m in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
   if _m not in _INFRA and not _m.startswith("_"):

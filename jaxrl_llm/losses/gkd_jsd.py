@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 
 from jaxrl_llm.losses import core, registry
-from jaxrl_llm.losses.opd_reverse_kl_full import dense_pair, kl_dense
+from jaxrl_llm.losses.dense import divergence, kl_dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +16,16 @@ class Hparams:
   # β, named for what it weights: M = β·p + (1−β)·q_θ (TRL's `beta`; EasyDeL uses the opposite convention).
   teacher_weight: float = 0.5  # TRL GKDConfig default.
   temperature: float = 1.0  # TRL scales both logits by its sampling temperature (0.9); we expect tempered logits.
+
+
+def generalized_jsd(lq_BTV, lp_BTV, beta: float):
+  """β·KL(p ‖ M) + (1−β)·KL(q ‖ M) per position from log q, log p; β = 0 / 1: forward / reverse KL."""
+  if beta == 0.0:
+    return kl_dense(lp_BTV, lq_BTV)
+  if beta == 1.0:
+    return kl_dense(lq_BTV, lp_BTV)
+  lm = jnp.logaddexp(lp_BTV + math.log(beta), lq_BTV + math.log1p(-beta))
+  return beta * kl_dense(lp_BTV, lm) + (1.0 - beta) * kl_dense(lq_BTV, lm)
 
 
 def gkd_jsd(inputs, hp: Hparams):
@@ -28,22 +38,16 @@ def gkd_jsd(inputs, hp: Hparams):
   JSD_β/(1−β) → KL(q_θ‖p) (reverse) as β→1. Like TRL, β = 0 exactly returns the forward KL and β = 1
   the reverse KL (un-normalised; JSD itself would vanish there). The GKD data mix λ (fraction of
   student-generated sequences) is a data-pipeline choice, not part of this loss.
-  Reads `student_logits_BTV` (differentiable) and `teacher_logits_BTV`, not `logp_BT`.
+  Reads the student's (differentiable) and teacher's distributions, dense (`student_logits_BTV`,
+  `teacher_logits_BTV`) or chunked (`student_head`, `teacher_head`; `losses.dense`), not `logp_BT`.
   On-policy: no importance ratio; the divergence is the same function of the current student at any
   staleness (only the visited states differ).
   """
   beta = hp.teacher_weight
   if not 0.0 <= beta <= 1.0:
     raise ValueError(f"loss.hparams.teacher_weight={beta} must be in [0, 1]")
-  lq, lp = dense_pair(inputs, hp.temperature)
-  if beta == 0.0:
-    jsd = kl_dense(lp, lq)
-  elif beta == 1.0:
-    jsd = kl_dense(lq, lp)
-  else:
-    lm = jnp.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
-    jsd = beta * kl_dense(lp, lm) + (1.0 - beta) * kl_dense(lq, lm)
-  jsd = core.apply_mask(jsd, inputs.mask_BT)
+  jsd = core.apply_mask(divergence(inputs, lambda lq, lp: generalized_jsd(lq, lp, beta), hp.temperature),
+                        inputs.mask_BT)
   return jsd, {"jsd": core.metric(jsd, inputs.mask_BT)}
 
 

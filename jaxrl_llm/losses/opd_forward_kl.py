@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_llm.losses import core, registry
-from jaxrl_llm.losses.opd_reverse_kl_full import dense_pair, kl_dense
+from jaxrl_llm.losses.dense import divergence, kl_dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,15 +17,15 @@ def opd_forward_kl(inputs, hp: Hparams):
   """Full-vocabulary forward KL: ℓ_t = Σ_v p(v|s_t)[log p(v|s_t) − log q_θ(v|s_t)].
 
   Spec A1.3; gradient −Σ_v p(v)∇log q_θ(v) (logits gradient q − p). Teacher entries with p = 0
-  contribute exactly 0. Reads `student_logits_BTV` (differentiable) and `teacher_logits_BTV`, not
-  `logp_BT` (its gradient w.r.t. `logp_BT` is zero). Tiny vocabularies only; the chunked-head path
-  for real models is a later optimisation. For a finite teacher cache use `opd_topk_kl`.
+  contribute exactly 0. Reads the student's (differentiable) and teacher's distributions, dense
+  (`student_logits_BTV`, `teacher_logits_BTV`) or chunked (`student_head`, `teacher_head`: hidden
+  states + lm-head, no [B, T, V] array; `losses.dense`), not `logp_BT` (its gradient w.r.t. `logp_BT`
+  is zero). For a finite teacher cache use `opd_topk_kl`.
   AsyncOPD (A2): the weights p(v) do not depend on the student, so with stale rollouts only the state
   distribution is stale and the per-state target stays exact; this is why forward KL is robust.
   On-policy: identical to its off-policy form (no importance ratio, nothing depends on μ).
   """
-  lq, lp = dense_pair(inputs, hp.temperature)
-  kl = core.apply_mask(kl_dense(lp, lq), inputs.mask_BT)
+  kl = core.apply_mask(divergence(inputs, lambda lq, lp: kl_dense(lp, lq), hp.temperature), inputs.mask_BT)
   return kl, {"kl_fwd": core.metric(kl, inputs.mask_BT)}
 
 

@@ -40,6 +40,12 @@ NEED_FIELDS: dict[str, tuple[str, ...]] = {
     "sup_drift": ("sup_drift_B",),
     "eviction": ("eviction_mask_BT",),
 }
+# Needs that another set of fields satisfies as well: full distributions as dense [B, T, V] logits or as
+# chunked `vocab_chunks.VocabHead`s (hidden states + lm-head; see `losses.dense`).
+NEED_ALTERNATIVES: dict[str, tuple[str, ...]] = {
+    "student_logits": ("student_head",),
+    "teacher_logits": ("teacher_head",),
+}
 
 
 class LossSpec(NamedTuple):
@@ -95,10 +101,12 @@ def missing_needs(spec: LossSpec, available: set[str] | frozenset[str]) -> list[
 
 
 def check_needs(spec: LossSpec, inputs: LossInputs) -> None:
-  """Raises ValueError naming every declared need whose fields are absent (None) in `inputs`."""
-  absent = [n for n in sorted(spec.needs) if any(getattr(inputs, f) is None for f in NEED_FIELDS[n])]
+  """Raises ValueError naming every declared need whose fields (or their `NEED_ALTERNATIVES`) are absent (None)."""
+  has = lambda fields: bool(fields) and all(getattr(inputs, f) is not None for f in fields)
+  absent = [n for n in sorted(spec.needs)
+            if NEED_FIELDS[n] and not (has(NEED_FIELDS[n]) or has(NEED_ALTERNATIVES.get(n, ())))]
   if absent:
-    fields = [f for n in absent for f in NEED_FIELDS[n]]
+    fields = [f for n in absent for f in NEED_FIELDS[n] + NEED_ALTERNATIVES.get(n, ())]
     raise ValueError(f"loss {spec.name!r} needs {absent} but LossInputs lacks {fields}")
 
 

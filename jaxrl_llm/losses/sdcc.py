@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_llm.losses import core, ppo_clip, registry
-from jaxrl_llm.losses.opd_reverse_kl_full import dense_pair, kl_dense
+from jaxrl_llm.losses.dense import divergence, kl_dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,15 +27,14 @@ def sdcc(inputs, hp: Hparams):
   marks the diverging leaves C (see `jaxrl_llm.distill.memory_walker.eviction_points`). The KL is a
   forward KL, teacher first. The paper sums λ·KL over C; under `reduce` the sum is divided like every
   other token term (token-mean: by the number of loss tokens). λ = 0 is the naive-compressed baseline.
-  Full vocabulary: tiny vocabularies only (a chunked head is a later optimisation).
+  Full vocabulary, dense logits or chunked `student_head` / `teacher_head` (`losses.dense`).
   On-policy (π_θ = π_prox): the task term is vanilla PG (ratio 1); the KL term does not read `logp_BT`,
   so the gradient w.r.t. `logp_BT` equals PG scaled by `task_weight`.
   """
   mask = inputs.mask_BT
   task_BT, aux = ppo_clip.ppo_clip(inputs, ppo_clip.Hparams(eps_low=hp.eps_low, eps_high=hp.eps_high))
-  lq, lp = dense_pair(inputs, hp.temperature)
   evict = (inputs.eviction_mask_BT > 0) & (mask > 0)
-  kl = core.apply_mask(kl_dense(lp, lq), evict)
+  kl = core.apply_mask(divergence(inputs, lambda lq, lp: kl_dense(lp, lq), hp.temperature), evict)
   aux.update(sdcc_kl=core.metric(kl, evict), eviction_frac=core.metric(evict, mask))
   return core.apply_mask(hp.task_weight * task_BT + hp.kl_coef * kl, mask), aux
 

@@ -10,25 +10,15 @@ backward pass recomputes one chunk's logits at a time instead of storing all of 
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import project
 from jaxrl_llm.models.transformer import hidden_with_routing, lm_head_weights
+from jaxrl_llm.vocab_chunks import MAX_CHUNK_ELEMENTS, chunk_positions, map_time_chunks
 
 Array = jax.Array
-
-# Default cap on B * C * V, the logits of one lm-head chunk (2^22 float32 = 16 MiB).
-MAX_CHUNK_ELEMENTS = 1 << 22
-
-
-def chunk_positions(batch: int, length: int, vocab: int, chunk_size: int,
-                    max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> int:
-  """Positions per lm-head chunk: `chunk_size`, at most `length`, and B * C * V <= max_chunk_elements."""
-  return max(1, min(chunk_size, length, max_chunk_elements // max(1, batch * vocab)))
 
 
 def logprobs_from_logits(logits_BTV: Array, targets_BT: Array, temperature: float = 1.0) -> Array:
@@ -66,7 +56,7 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
                    temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
                    topk: int = 0, perturb: tuple[Array, Array] | None = None,
                    routes_BTLk: Array | None = None, query_start: int = 0, gather_ids_BTK: Array | None = None,
-                   max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> dict:
+                   max_chunk_elements: int = MAX_CHUNK_ELEMENTS, return_hidden: bool = False) -> dict:
   """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
 
   The distribution is softmax(logits / temperature): use the sampler's temperature so the learner
@@ -85,6 +75,8 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     gather_ids_BTK: optional int ids [B, T - query_start, K]; also return the log-probs at them
       (differentiable; -inf at ids < 0), e.g. the student at the teacher's top-k ids.
     max_chunk_elements: cap on B * C * V per chunk (see `chunk_positions`).
+    return_hidden: also return "hidden_BTD", the final hidden states of the scored positions (compute
+      dtype, differentiable), e.g. for a `vocab_chunks.VocabHead` of full-distribution losses.
 
   Returns:
     dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK",
@@ -97,9 +89,12 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
   h_BTD, routing = hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT,
                                       segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk,
                                       query_start=query_start)
-  return {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
-                         chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
-                         max_chunk_elements=max_chunk_elements), **routing}
+  out = {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
+                        chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                        max_chunk_elements=max_chunk_elements), **routing}
+  if return_hidden:
+    out["hidden_BTD"] = h_BTD
+  return out
 
 
 def head_logprobs(h_BTD: Array, targets_BT: Array, w_DV: Array, *, temperature: float = 1.0, chunk_size: int = 256,
@@ -108,19 +103,12 @@ def head_logprobs(h_BTD: Array, targets_BT: Array, w_DV: Array, *, temperature: 
   """The chunked lm-head of `token_logprobs` on given final hidden states `h_BTD` (compute dtype) and
   head weights `w_DV` (`models.lm_head_weights`): per-token statistics without any [B, T, V] array.
   Arguments and outputs as in `token_logprobs` (targets already aligned with h_BTD)."""
-  B, T, D = h_BTD.shape
+  B, T, _ = h_BTD.shape
   C = chunk_positions(B, T, w_DV.shape[-1], chunk_size, max_chunk_elements)
-  N = math.ceil(T / C)
-  pad = N * C - T
-  to_chunks = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
-      B, N, C, *x.shape[2:]).swapaxes(0, 1)
-  xs = (to_chunks(h_BTD), to_chunks(targets_BT)) + (() if gather_ids_BTK is None else (to_chunks(gather_ids_BTK),))
+  xs = (h_BTD, targets_BT) + (() if gather_ids_BTK is None else (gather_ids_BTK,))
 
-  @jax.checkpoint
   def chunk(w_DV, h_BCD, targets_BC, gather_ids_BCK=None):
     logits_BCV = project(h_BCD, w_DV, preferred_element_type=jnp.float32)
     return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk, gather_ids_BCK)
 
-  out_N = jax.lax.map(lambda xs: chunk(w_DV, *xs), xs)
-  # [N, B, C, ...] -> [B, N*C, ...] -> drop the padded tail.
-  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
+  return map_time_chunks(chunk, w_DV, xs, C)

@@ -1,4 +1,4 @@
-"""User data as JSONL (``{"prompt": ..., "answer": ...}`` per line) with a math-verify reward.
+"""User data as JSONL (``{"prompt": ..., "answer": ...}`` per line) with the math-answer reward.
 
 Loading never crashes on bad rows: invalid UTF-8, invalid JSON, a non-object row, a missing key or
 a wrong type skip the row and record ``(line_number, reason)`` in the report (1-based line
@@ -7,12 +7,10 @@ The ``jsonl`` task (``make_task``) reads its file through ``math_data.load_rows`
 too; over-long prompts are dropped or truncated and counted; a missing file or missing columns
 raise ``TaskError`` naming both) and splits by held-out rows (``base.num_held_out``).
 
-The reward compares the completion with the answer using ``math_verify`` with **LaTeX extraction
-only**: math-verify's plain-expression path goes through ``sympy.parse_expr``, which evaluates
-Python code, and model output must never be executed. A completion without LaTeX falls back to
-its last plain number (``-3``, ``0.5``, ``1/2``), re-read as LaTeX. Each call runs under
-``reward.call_with_timeout``; math-verify's own ``signal.alarm`` timeouts are disabled because
-they only work on the main thread.
+The reward is the one of every math task, ``math_answer.math_reward``: the completion's final answer
+(the last ``\\boxed{}``, ``#### N`` or ``Answer: X`` line, else its last number) against ``answer``,
+equal after normalisation or equal under math-verify on LaTeX only (model output is never executed),
+under ``reward.call_with_timeout`` with ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -21,17 +19,10 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 from typing import Any, Sequence
 
-from jaxrl_llm.tasks import math_data
-from jaxrl_llm.tasks import reward as reward_lib
+from jaxrl_llm.tasks import math_answer, math_data
 from jaxrl_llm.tasks.base import Task, TaskError
-
-# Completions are cut to their last characters before parsing: answers sit at the end, and
-# parsing cost grows with length.
-MAX_COMPLETION_CHARS = 4096
-_NUMBER_RE = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,53 +85,10 @@ def load_jsonl(path: str | os.PathLike, *, prompt_key: str = "prompt",
   return rows, report
 
 
-def _parse_math(text: str) -> list:
-  """math-verify parse with LaTeX extraction only, falling back to the last plain number."""
-  from math_verify import LatexExtractionConfig, parse  # lazy: sympy import is slow
-  config = [LatexExtractionConfig()]
-  parsed = parse(text, extraction_config=config, parsing_timeout=None)
-  if not parsed:
-    numbers = _NUMBER_RE.findall(text)
-    if numbers:
-      parsed = parse(f"${numbers[-1]}$", extraction_config=config, parsing_timeout=None)
-  return parsed
-
-
-def _verify(answer: str, completion: str) -> float:
-  from math_verify import verify  # lazy: sympy import is slow
-  gold = _parse_math(answer)
-  pred = _parse_math(completion[-MAX_COMPLETION_CHARS:])
-  if not gold or not pred:
-    return 0.0
-  return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
-
-
-def math_verify_reward_with_status(answer: str, completion: str,
-                                   timeout_s: float = 5.0) -> tuple[float, str]:
-  """``(reward, status)``: 1.0 when math-verify finds the completion equal to ``answer``."""
-  if not isinstance(answer, str) or not isinstance(completion, str):
-    return 0.0, "error"
-  return reward_lib.call_with_timeout(_verify, (answer, completion), timeout_s)
-
-
-def math_verify_reward(prompt: str, answer: str, completion: str, *,
-                       timeout_s: float = 5.0) -> float:
-  """Task-style reward ``(prompt, answer, completion) -> {0.0, 1.0}``; never raises."""
-  del prompt
-  return math_verify_reward_with_status(answer, completion, timeout_s)[0]
-
-
-def math_verify_rewards(answers: Sequence[str], completions: Sequence[str],
-                        timeout_s: float = 5.0, max_workers: int = 8) -> reward_lib.RewardBatch:
-  """Batched math-verify rewards with per-status counts (errors and timeouts give 0)."""
-  return reward_lib.safe_reward_batch(_verify, list(zip(answers, completions)), timeout_s,
-                                      max_workers=max_workers)
-
-
 def make_task(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
               timeout_s: float = 5.0, max_prompt_chars: int = 2048,
               long_prompts: str = "drop") -> Task:
-  """A Task over the rows of a JSONL (or parquet) file, rewarded by math-verify.
+  """A Task over the rows of a JSONL (or parquet) file, rewarded by ``math_answer.math_reward``.
 
   Examples are drawn uniformly; splits hold rows out (``Task.rows``). Prompts longer than
   ``max_prompt_chars`` are dropped or truncated (``long_prompts``) and counted; see
@@ -152,6 +100,6 @@ def make_task(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
   rows, _ = math_data.load_rows("jsonl", path, prompt_key=prompt_key, answer_key=answer_key,
                                 max_prompt_chars=max_prompt_chars, long_prompts=long_prompts)
   return math_data.file_task(
-      "jsonl", rows, functools.partial(math_verify_reward, timeout_s=timeout_s),
+      "jsonl", rows, functools.partial(math_answer.math_reward, timeout_s=float(timeout_s)),
       dict(answer_key=answer_key, path=os.fspath(path), prompt_key=prompt_key,
            timeout_s=timeout_s, max_prompt_chars=max_prompt_chars, long_prompts=long_prompts))
