@@ -40,6 +40,7 @@ from flax import struct
 from jaxrl_llm import losses
 from jaxrl_llm.losses import core
 from jaxrl_llm.models import ModelConfig, token_logprobs
+from jaxrl_llm.models.logprobs import token_logprobs_shared
 from jaxrl_llm.types import LossInputs
 
 Array = jax.Array
@@ -344,14 +345,24 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 
 
-def make_score_fn(model_cfg: ModelConfig, temperature: float):
+def make_score_fn(model_cfg: ModelConfig, temperature: float, group_size: int = 1):
   """Jitted no-grad scorer `(params, batch_fields..., routes_BTLk=None) -> logp_BN` (old-log-prob
-  recompute, reference). `routes_BTLk` replays an MoE sampler's expert ids (R3)."""
+  recompute, reference). `routes_BTLk` replays an MoE sampler's expert ids (R3).
+
+  `group_size` G > 1 (GRPO: rows g·G .. g·G+G-1 complete one prompt): a dense model runs each group's
+  prompt once and scores its G completions against those keys/values (`models.token_logprobs_shared`;
+  checked on device, a batch whose groups differ is scored row by row). Same values up to rounding."""
 
   @jax.jit
   def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
-    out = completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
-                              temperature, routes_BTLk=routes_BTLk)
+    if group_size > 1 and routes_BTLk is None and not model_cfg.is_moe:
+      P = sequence_BT.shape[1] - mask_BN.shape[1]
+      out = token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], model_cfg, query_start=P - 1,
+                                  group_size=group_size, positions_BT=positions_BT[:, :-1],
+                                  segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature)
+    else:
+      out = completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
+                                temperature, routes_BTLk=routes_BTLk)
     return jnp.where(mask_BN > 0, out["logp_BT"], 0.0)
 
   return score

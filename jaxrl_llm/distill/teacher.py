@@ -42,7 +42,9 @@ import ml_collections
 from jaxrl_llm import policy_init, sft
 from jaxrl_llm.config import task_kwargs
 from jaxrl_llm.distill.topk_cache import build_topk_cache
-from jaxrl_llm.models import ModelConfig, forward, init_params, token_logprobs
+from jaxrl_llm.models import ModelConfig, forward, init_params
+from jaxrl_llm.models.logprobs import query_hidden, token_logprobs_shared
+from jaxrl_llm.models.transformer import logits_from_hidden
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 
 Array = jax.Array
@@ -174,16 +176,23 @@ def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):
 
 
 def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
-                   n_new: int) -> Array:
-  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment)."""
+                   n_new: int, group_size: int = 1) -> Array:
+  """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment).
+
+  `group_size` G > 1: each group of G rows sharing its prompt runs the prompt once (`models.query_hidden`)."""
   P = sequence_BT.shape[1] - n_new
+  if group_size > 1:
+    h_BND = query_hidden(params, sequence_BT[:, :-1], cfg, query_start=P - 1, group_size=group_size,
+                         positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1])
+    return logits_from_hidden(params, h_BND, cfg)
   logits = forward(params, sequence_BT[:, :-1], cfg, positions_BT=positions_BT[:, :-1],
                    segment_ids_BT=segment_ids_BT[:, :-1])
   return logits[:, P - 1:].astype(jnp.float32)
 
 
 def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
-                      mask_BN: Array, *, temperature: float, topk: int, dense: bool = True) -> dict:
+                      mask_BN: Array, *, temperature: float, topk: int, dense: bool = True,
+                      group_size: int = 1) -> dict:
   """Teacher scores of sampled completions, all at `temperature` (pure; jit it via `make_teacher_scorer`).
 
   Returns [B, N(, ·)] arrays, zeroed / id 0 where `mask_BN` is 0 (losses mask them anyway):
@@ -196,12 +205,14 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
 
   `dense=False` never holds [B, N, V] logits: the lm-head runs in chunks (`models.token_logprobs`),
   which a real vocabulary (V ~ 50k) needs; the values are the same.
+  `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt): the prompt runs once per
+  group (`models.logprobs.query_hidden`, checked on device); the values agree up to rounding.
   """
   n_new = mask_BN.shape[1]
   live_BN = mask_BN > 0
   y_BN = sequence_BT[:, -n_new:]
   if dense:
-    logits_BNV = teacher_logits(params, cfg, sequence_BT, positions_BT, segment_ids_BT, n_new)
+    logits_BNV = teacher_logits(params, cfg, sequence_BT, positions_BT, segment_ids_BT, n_new, group_size)
     logp_BNV = jax.nn.log_softmax(logits_BNV / temperature, axis=-1)
     cache = build_topk_cache(logits_BNV, topk, temperature=temperature)
     logp_BN, ids_BNK, topk_logp_BNK, residual_BN = (
@@ -209,8 +220,9 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
         cache.residual_logp_BT)
   else:
     P = sequence_BT.shape[1] - n_new
-    out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
-                         segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, topk=topk, query_start=P - 1)
+    out = token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
+                                segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, topk=topk,
+                                query_start=P - 1, group_size=group_size)
     logp_BN, ids_BNK, topk_logp_BNK, residual_BN = (
         out["logp_BT"], out["topk_ids_BTK"].astype(jnp.int32), out["topk_logp_BTK"], out["topk_residual_logp_BT"])
   scores = {
@@ -224,15 +236,16 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
   return scores
 
 
-def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, dense: bool = True):
+def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, dense: bool = True, group_size: int = 1):
   """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN) -> dict` of `score_completions`
-  (`dense=False`: no teacher_logits_BTV, and no [B, N, V] array anywhere)."""
+  (`dense=False`: no teacher_logits_BTV, and no [B, N, V] array anywhere; `group_size`: prompts run once
+  per group of that many rows sharing them)."""
   if not 0 < topk <= cfg.vocab_size:
     raise ValueError(f"config.distill.topk={topk}: must be in [1, vocab_size={cfg.vocab_size}]")
 
   @jax.jit
   def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN):
     return score_completions(params, cfg, sequence_BT, positions_BT, segment_ids_BT, mask_BN,
-                             temperature=temperature, topk=topk, dense=dense)
+                             temperature=temperature, topk=topk, dense=dense, group_size=group_size)
 
   return score

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import project
-from jaxrl_llm.models.transformer import hidden_with_routing, lm_head_weights
+from jaxrl_llm.models.cache import groups_equal
+from jaxrl_llm.models.transformer import hidden_shared_prefix, hidden_with_routing, lm_head_weights
 
 Array = jax.Array
 
@@ -100,6 +101,52 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
   return {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
                          chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
                          max_chunk_elements=max_chunk_elements), **routing}
+
+
+def query_hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, query_start: int, group_size: int = 1,
+                 positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
+  """`hidden_with_routing(..., query_start=query_start)[0]` (no gradient needed or not: both paths are
+  differentiable), computing the first query_start + 1 columns once per group of `group_size` rows when
+  the batch allows it.
+
+  With G = group_size > 1, a dense model and query_start >= 1: if every group of G consecutive rows has
+  equal tokens, positions and segments in those columns (the shared prompt of a GRPO group, checked on
+  device), `transformer.hidden_shared_prefix` runs them for B/G rows; otherwise (checked false) the
+  plain forward. The values agree up to rounding either way.
+  """
+  full = lambda: hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                                     query_start=query_start)[0]
+  B, T = tokens_BT.shape
+  if group_size == 1 or cfg.is_moe or query_start < 1:
+    return full()
+  if B % group_size:
+    raise ValueError(f"group_size={group_size} must divide the batch of {B} rows")
+  Pp = query_start + 1
+  cols = lambda x: None if x is None else x[:, :Pp]
+  grouped = groups_equal(tokens_BT[:, :Pp], group_size)
+  for x in (cols(positions_BT), cols(segment_ids_BT)):
+    if x is not None:
+      grouped = grouped & groups_equal(x, group_size)
+  shared = lambda: hidden_shared_prefix(params, tokens_BT, cfg, prefix_len=Pp, group_size=group_size,
+                                        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  if Pp == T:  # nothing after the prefix: the shared forward has no suffix to run
+    return full()
+  return jax.lax.cond(grouped, shared, full)
+
+
+def token_logprobs_shared(params: dict, tokens_BT: Array, targets_BT: Array, cfg: ModelConfig, *, query_start: int,
+                          group_size: int, positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
+                          temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
+                          topk: int = 0, gather_ids_BTK: Array | None = None,
+                          max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> dict:
+  """`token_logprobs` (dense model, no perturbation or route replay) with the columns before
+  `query_start` computed once per group of `group_size` rows that share them (`query_hidden`):
+  the reference / old-policy / teacher scoring of the G completions of one prompt."""
+  h_BTD = query_hidden(params, tokens_BT, cfg, query_start=query_start, group_size=group_size,
+                       positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  return head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
+                       chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                       max_chunk_elements=max_chunk_elements)
 
 
 def head_logprobs(h_BTD: Array, targets_BT: Array, w_DV: Array, *, temperature: float = 1.0, chunk_size: int = 256,
