@@ -166,15 +166,15 @@ def scored_batch(cfg=CFG):
 def test_reference_scorer_shared_equals_unshared():
   seq = scored_batch()
   ref_params = random_params(CFG, 4)
-  want = learner.make_score_fn(CFG, 0.7)(ref_params, *seq)
-  got = learner.make_score_fn(CFG, 0.7, group_size=G)(ref_params, *seq)
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+  unshared, shared = learner.make_score_fn(CFG, 0.7), learner.make_score_fn(CFG, 0.7, group_size=G)
+  want = unshared(ref_params, *seq)
+  np.testing.assert_allclose(shared(ref_params, *seq), want, rtol=0, atol=1e-5)
   assert np.abs(np.asarray(want)).max() > 0.5  # the scores are not trivially 0
   # Rows 2 and 3 swapped: the first two groups mix prompts, so it is scored row by row.
-  shuffled = tuple(jnp.asarray(np.asarray(x)[[0, 1, 3, 2, 4, 5, 6, 7, 8]]) for x in seq)
-  assert not bool(groups_equal(shuffled[0][:, :P], G))
-  np.testing.assert_allclose(learner.make_score_fn(CFG, 0.7, group_size=G)(ref_params, *shuffled),
-                             learner.make_score_fn(CFG, 0.7)(ref_params, *shuffled), rtol=0, atol=1e-5)
+  swapped = tuple(jnp.asarray(np.asarray(x)[[0, 1, 3, 2, 4, 5, 6, 7, 8]]) for x in seq)
+  assert not bool(groups_equal(swapped[0][:, :P], G))
+  np.testing.assert_allclose(shared(ref_params, *swapped), np.asarray(want)[[0, 1, 3, 2, 4, 5, 6, 7, 8]],
+                             rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dense", [True, False])
@@ -205,20 +205,30 @@ def test_shared_prefix_forward_values_and_gradients():
              query_start=P - 1, with_entropy=True, **kw)
     return jnp.sum(w * mask * (out["logp_BT"] + 0.1 * out["entropy_BT"]))
 
-  want_v, want_g = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, False)
-  got_v, got_g = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, True)
+  value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (want_v, want_g), (got_v, got_g) = value_and_grad(params, False), value_and_grad(params, True)
   np.testing.assert_allclose(got_v, want_v, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got_g, want_g)
   assert float(jnp.abs(want_g["layers"]["wq"]).max()) > 0  # the prompt feeds the completion through attention
-  h = hidden_shared_prefix(params, seq[:, :-1], CFG, prefix_len=P, group_size=G, positions_BT=pos[:, :-1],
-                           segment_ids_BT=seg[:, :-1])
-  h_want = hidden_with_routing(params, seq[:, :-1], CFG, positions_BT=pos[:, :-1], segment_ids_BT=seg[:, :-1],
-                               query_start=P - 1)[0]
-  np.testing.assert_allclose(h, h_want, rtol=0, atol=1e-5)
-  # Rows whose prompts differ are computed row by row by `query_hidden` (checked on device).
-  seq2 = seq.at[1, P - 1].set((seq[1, P - 1] + 1) % CFG.vocab_size)
-  got = query_hidden(params, seq2[:, :-1], CFG, query_start=P - 1, group_size=G, positions_BT=pos[:, :-1],
-                     segment_ids_BT=seg[:, :-1])
-  want = hidden_with_routing(params, seq2[:, :-1], CFG, positions_BT=pos[:, :-1], segment_ids_BT=seg[:, :-1],
-                             query_start=P - 1)[0]
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+@jax.jit
+def _hidden_three_ways(params, seq, pos, seg):
+  kw = dict(positions_BT=pos[:, :-1], segment_ids_BT=seg[:, :-1])
+  return (hidden_shared_prefix(params, seq[:, :-1], CFG, prefix_len=P, group_size=G, **kw),
+          query_hidden(params, seq[:, :-1], CFG, query_start=P - 1, group_size=G, **kw),
+          hidden_with_routing(params, seq[:, :-1], CFG, query_start=P - 1, **kw)[0])
+
+
+def test_shared_prefix_hidden_and_fallback():
+  seq, pos, seg, _ = scored_batch()
+  params = random_params(CFG, 6)
+  shared, checked, want = _hidden_three_ways(params, seq, pos, seg)
+  np.testing.assert_allclose(shared, want, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(checked, want, rtol=0, atol=1e-5)
+  # One prompt token of row 1 changed: its group no longer shares the prompt; `query_hidden` (checked
+  # on device) computes every row, the unchecked shared forward gives row 1 its group's prompt.
+  seq2 = seq.at[1, P - 2].set((seq[1, P - 2] + 1) % CFG.vocab_size)
+  shared, checked, want = _hidden_three_ways(params, seq2, pos, seg)
+  np.testing.assert_allclose(checked, want, rtol=0, atol=1e-5)
+  assert np.abs(np.asarray(shared[1]) - np.asarray(want[1])).max() > 1e-3
