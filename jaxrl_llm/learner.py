@@ -99,6 +99,25 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   return out
 
 
+def grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
+                                temperature: float, group_size: int, with_entropy: bool = False, perturb=None,
+                                routes_BTLk=None, gather_ids_BTK=None) -> dict:
+  """`completion_logprobs` with each GRPO group's prompt run once (rows g·G .. g·G+G-1 share it;
+  `models.token_logprobs_shared`, checked on device). Values and gradients equal the plain path up
+  to rounding. Falls back to the plain path where sharing would not be exact or does not apply: G = 1,
+  a batch of B % G != 0 rows (a micro-batch cutting groups), MoE, ALP noise (`perturb`, drawn per row),
+  replayed routes."""
+  B = sequence_BT.shape[0]
+  if group_size == 1 or B % group_size or cfg.is_moe or perturb is not None or routes_BTLk is not None:
+    return completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new, cfg, temperature,
+                               with_entropy, perturb=perturb, routes_BTLk=routes_BTLk, gather_ids_BTK=gather_ids_BTK)
+  P = sequence_BT.shape[1] - n_new
+  return token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, query_start=P - 1,
+                               group_size=group_size, positions_BT=positions_BT[:, :-1],
+                               segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature,
+                               with_entropy=with_entropy, gather_ids_BTK=gather_ids_BTK)
+
+
 def student_distribution_inputs(params, batch: Batch, cfg: ModelConfig, temperature: float, n_new: int) -> dict:
   """Differentiable student distributions over the completion positions, for dense distillation losses.
 
@@ -175,7 +194,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                     agg_mode: str = "token-mean", drop_rejected: bool = False, norm_len: float | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
                     router_aux_coef: float = 0.0, grad_accum: int = 1, minibatches: int = 1, epochs: int = 1,
-                    in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None):
+                    in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None,
+                    group_size: int = 1):
   """Builds the jitted `train_step(state, batch, key) -> (state, metrics)` for one loss.
 
   A non-finite loss or gradient skips the update: parameters and optimiser state stay bitwise
@@ -185,6 +205,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   batch with `routes_BTLk` replays the sampler's expert ids (R3). `grad_accum` micro-batches and the
   `minibatches` x `epochs` update schedule: see the module docstring. `in_shardings` / `out_shardings` are passed to `jax.jit` (see
   `jaxrl_llm.sharding.train_step_shardings`); None keeps the single-device default.
+  `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt): the policy forward and
+  backward run each prompt once (`grouped_completion_logprobs`); same update up to rounding.
   """
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
@@ -211,9 +233,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
     perturb = (hook["log_sigma_L"], key) if perturbed else None
     topk_ids = (batch.extra or {}).get("teacher_topk_ids_BTK") if student_topk else None
-    out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                              model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk,
-                              gather_ids_BTK=topk_ids)
+    out = grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
+                                      model_cfg, temperature, group_size, with_entropy, perturb=perturb,
+                                      routes_BTLk=batch.routes_BTLk, gather_ids_BTK=topk_ids)
     prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
@@ -355,14 +377,8 @@ def make_score_fn(model_cfg: ModelConfig, temperature: float, group_size: int = 
 
   @jax.jit
   def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
-    if group_size > 1 and routes_BTLk is None and not model_cfg.is_moe:
-      P = sequence_BT.shape[1] - mask_BN.shape[1]
-      out = token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], model_cfg, query_start=P - 1,
-                                  group_size=group_size, positions_BT=positions_BT[:, :-1],
-                                  segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature)
-    else:
-      out = completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
-                                temperature, routes_BTLk=routes_BTLk)
+    out = grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
+                                      temperature, group_size, routes_BTLk=routes_BTLk)
     return jnp.where(mask_BN > 0, out["logp_BT"], 0.0)
 
   return score
