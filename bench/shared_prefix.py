@@ -8,6 +8,11 @@ Prints one JSON object: prompt width, FLOPs of the prefill (every row vs once pe
 scorer's forward (FLOP models of bench/common.py), wall seconds of `generate` and of the reference scorer both ways
 (compile excluded: one warm-up call each), and how far the shared results are from the unshared ones.
 Wall times on a shared CPU are noisy: read the FLOP counts for the saving, the times for its effect.
+
+Measured once (2026-12-01, the 2-core CPU shared with other jobs, load ~16; defaults: 8 prompts x 8,
+width 57, 64 new tokens, temperature 1): prefill 785 -> 98 GFLOP, 34.5 -> 4.3 s; `generate` 134 -> 100 s
+(same 3,937 tokens, behaviour log-probs equal); reference scorer forward 1,895 -> 1,210 GFLOP,
+88 -> 54 s (log-probs within 4e-5).
 """
 
 from __future__ import annotations
