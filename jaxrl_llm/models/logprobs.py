@@ -105,9 +105,8 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
 
 def query_hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, query_start: int, group_size: int = 1,
                  positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
-  """`hidden_with_routing(..., query_start=query_start)[0]` (no gradient needed or not: both paths are
-  differentiable), computing the first query_start + 1 columns once per group of `group_size` rows when
-  the batch allows it.
+  """`hidden_with_routing(..., query_start=query_start)[0]`, computing the first query_start + 1 columns
+  once per group of `group_size` rows when the batch allows it (differentiable either way).
 
   With G = group_size > 1, a dense model and query_start >= 1: if every group of G consecutive rows has
   equal tokens, positions and segments in those columns (the shared prompt of a GRPO group, checked on
@@ -117,20 +116,17 @@ def query_hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, query_star
   full = lambda: hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
                                      query_start=query_start)[0]
   B, T = tokens_BT.shape
-  if group_size == 1 or cfg.is_moe or query_start < 1:
+  Pp = query_start + 1  # the shared columns; the last one's output is the first one wanted
+  if group_size == 1 or cfg.is_moe or query_start < 1 or Pp >= T:
     return full()
   if B % group_size:
     raise ValueError(f"group_size={group_size} must divide the batch of {B} rows")
-  Pp = query_start + 1
-  cols = lambda x: None if x is None else x[:, :Pp]
   grouped = groups_equal(tokens_BT[:, :Pp], group_size)
-  for x in (cols(positions_BT), cols(segment_ids_BT)):
+  for x in (positions_BT, segment_ids_BT):
     if x is not None:
-      grouped = grouped & groups_equal(x, group_size)
+      grouped = grouped & groups_equal(x[:, :Pp], group_size)
   shared = lambda: hidden_shared_prefix(params, tokens_BT, cfg, prefix_len=Pp, group_size=group_size,
                                         positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
-  if Pp == T:  # nothing after the prefix: the shared forward has no suffix to run
-    return full()
   return jax.lax.cond(grouped, shared, full)
 
 
