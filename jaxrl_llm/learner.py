@@ -40,6 +40,7 @@ from flax import struct
 from jaxrl_llm import losses
 from jaxrl_llm.losses import core
 from jaxrl_llm.models import ModelConfig, lm_head_weights, token_logprobs
+from jaxrl_llm.models.logprobs import token_logprobs_shared
 from jaxrl_llm.types import LossInputs
 from jaxrl_llm.vocab_chunks import VocabHead
 
@@ -100,6 +101,26 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
                        return_hidden=return_hidden)
   out.pop("routes_BTLk", None)
   return out
+
+
+def grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
+                                temperature: float, group_size: int, with_entropy: bool = False, perturb=None,
+                                routes_BTLk=None, gather_ids_BTK=None, return_hidden: bool = False) -> dict:
+  """`completion_logprobs` with each GRPO group's prompt run once (rows g·G .. g·G+G-1 share it;
+  `models.token_logprobs_shared`, checked on device). Values and gradients equal the plain path up
+  to rounding. Falls back to the plain path where sharing would not be exact or does not apply: G = 1,
+  a batch of B % G != 0 rows (a micro-batch cutting groups), MoE, ALP noise (`perturb`, drawn per row),
+  replayed routes."""
+  B = sequence_BT.shape[0]
+  if group_size == 1 or B % group_size or cfg.is_moe or perturb is not None or routes_BTLk is not None:
+    return completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new, cfg, temperature,
+                               with_entropy, perturb=perturb, routes_BTLk=routes_BTLk, gather_ids_BTK=gather_ids_BTK,
+                               return_hidden=return_hidden)
+  P = sequence_BT.shape[1] - n_new
+  return token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, query_start=P - 1,
+                               group_size=group_size, positions_BT=positions_BT[:, :-1],
+                               segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature,
+                               with_entropy=with_entropy, gather_ids_BTK=gather_ids_BTK, return_hidden=return_hidden)
 
 
 def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.98,
@@ -176,7 +197,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                     agg_mode: str = "token-mean", drop_rejected: bool = False, norm_len: float | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
                     router_aux_coef: float = 0.0, grad_accum: int = 1, minibatches: int = 1, epochs: int = 1,
-                    in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None):
+                    in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None,
+                    group_size: int = 1):
   """Builds the jitted `train_step(state, batch, key) -> (state, metrics)` for one loss.
 
   A non-finite loss or gradient skips the update: parameters and optimiser state stay bitwise
@@ -186,6 +208,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   batch with `routes_BTLk` replays the sampler's expert ids (R3). `grad_accum` micro-batches and the
   `minibatches` x `epochs` update schedule: see the module docstring. `in_shardings` / `out_shardings` are passed to `jax.jit` (see
   `jaxrl_llm.sharding.train_step_shardings`); None keeps the single-device default.
+  `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt): the policy forward and
+  backward run each prompt once (`grouped_completion_logprobs`); same update up to rounding.
   """
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
@@ -214,9 +238,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
     perturb = (hook["log_sigma_L"], key) if perturbed else None
     topk_ids = (batch.extra or {}).get("teacher_topk_ids_BTK") if student_topk else None
-    out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                              model_cfg, temperature, with_entropy, perturb=perturb, routes_BTLk=batch.routes_BTLk,
-                              gather_ids_BTK=topk_ids, return_hidden=student_dense)
+    out = grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
+                                      model_cfg, temperature, group_size, with_entropy, perturb=perturb,
+                                      routes_BTLk=batch.routes_BTLk, gather_ids_BTK=topk_ids,
+                                      return_hidden=student_dense)
     prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
         logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
@@ -351,14 +376,18 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 
 
-def make_score_fn(model_cfg: ModelConfig, temperature: float):
+def make_score_fn(model_cfg: ModelConfig, temperature: float, group_size: int = 1):
   """Jitted no-grad scorer `(params, batch_fields..., routes_BTLk=None) -> logp_BN` (old-log-prob
-  recompute, reference). `routes_BTLk` replays an MoE sampler's expert ids (R3)."""
+  recompute, reference). `routes_BTLk` replays an MoE sampler's expert ids (R3).
+
+  `group_size` G > 1 (GRPO: rows g·G .. g·G+G-1 complete one prompt): a dense model runs each group's
+  prompt once and scores its G completions against those keys/values (`models.token_logprobs_shared`;
+  checked on device, a batch whose groups differ is scored row by row). Same values up to rounding."""
 
   @jax.jit
   def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
-    out = completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
-                              temperature, routes_BTLk=routes_BTLk)
+    out = grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
+                                      temperature, group_size, routes_BTLk=routes_BTLk)
     return jnp.where(mask_BN > 0, out["logp_BT"], 0.0)
 
   return score

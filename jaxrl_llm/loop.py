@@ -129,7 +129,7 @@ def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
   s = c.sampler
   return SamplerConfig(max_new_tokens=s.max_new_tokens, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                        temperature=0.0 if greedy else s.temperature, top_k=0 if greedy else s.top_k,
-                       top_p=1.0 if greedy else s.top_p)
+                       top_p=1.0 if greedy else s.top_p, group_size=1 if greedy else c.rollout.group_size)
 
 
 def retention(mode: str, k: int) -> int:
@@ -230,8 +230,9 @@ def setup(c: ml_collections.ConfigDict) -> Run:
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
       router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
-      minibatches=c.optim.get("minibatches", 1), epochs=c.optim.get("epochs", 1), **shard_kw)
-  score = learner.make_score_fn(model_cfg, c.sampler.temperature)
+      minibatches=c.optim.get("minibatches", 1), epochs=c.optim.get("epochs", 1),
+      group_size=c.rollout.group_size, **shard_kw)  # each group's prompt runs once where that is exact
+  score = learner.make_score_fn(model_cfg, c.sampler.temperature, group_size=c.rollout.group_size)
   if c.loss.kl_coef > 0:  # the reference is scored inside the step: train_step(state, batch, key, ref_params)
     if shard_kw:
       shard_kw["in_shardings"] = (*shard_kw["in_shardings"], mesh_kw["state_shardings"].params)

@@ -108,7 +108,7 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size, encoder)
   # Scored with a chunked lm-head; full-distribution losses also get the teacher's hidden states + lm-head.
   score = teacher_lib.make_teacher_scorer(cfg, scoring_temperature(c), c.distill.topk,
-                                          head="teacher_head" in fields)
+                                          head="teacher_head" in fields, group_size=c.rollout.group_size)
 
   def extras(ro: dict, seq, mask_BN) -> dict:
     del ro  # the sequences carry everything; a frozen teacher does not depend on the rollout's version

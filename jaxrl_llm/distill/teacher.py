@@ -42,6 +42,8 @@ import ml_collections
 from jaxrl_llm import policy_init, sft
 from jaxrl_llm.config import task_kwargs
 from jaxrl_llm.models import ModelConfig, forward, init_params, lm_head_weights, token_logprobs
+from jaxrl_llm.models.logprobs import query_hidden, token_logprobs_shared
+from jaxrl_llm.models.transformer import logits_from_hidden
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.vocab_chunks import VocabHead
 
@@ -174,19 +176,24 @@ def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):
 
 
 def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
-                   n_new: int) -> Array:
+                   n_new: int, group_size: int = 1) -> Array:
   """float32 teacher logits [B, N, V] predicting each of the last `n_new` tokens (the sampler's alignment).
 
   A dense reference for tiny vocabularies and tests: scoring (`score_completions`) never forms them.
-  """
+  `group_size` G > 1: each group of G rows sharing its prompt runs the prompt once (`models.query_hidden`)."""
   P = sequence_BT.shape[1] - n_new
+  if group_size > 1:
+    h_BND = query_hidden(params, sequence_BT[:, :-1], cfg, query_start=P - 1, group_size=group_size,
+                         positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1])
+    return logits_from_hidden(params, h_BND, cfg)
   logits = forward(params, sequence_BT[:, :-1], cfg, positions_BT=positions_BT[:, :-1],
                    segment_ids_BT=segment_ids_BT[:, :-1])
   return logits[:, P - 1:].astype(jnp.float32)
 
 
 def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
-                      mask_BN: Array, *, temperature: float, topk: int, head: bool = False) -> dict:
+                      mask_BN: Array, *, temperature: float, topk: int, head: bool = False,
+                      group_size: int = 1) -> dict:
   """Teacher scores of sampled completions, all at `temperature` (pure; jit it via `make_teacher_scorer`).
 
   Returns [B, N(, ·)] arrays, zeroed / id 0 where `mask_BN` is 0 (losses mask them anyway):
@@ -199,14 +206,19 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
                            logits chunk by chunk (`losses.dense`)
 
   No [B, N, V] array anywhere: the lm-head runs in chunks (`models.token_logprobs`), as a real
-  vocabulary (V ~ 50k) needs.
+  vocabulary (V ~ 50k) needs. `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt):
+  the prompt runs once per group (`models.logprobs.query_hidden`, checked on device); the values agree
+  up to rounding.
   """
   n_new = mask_BN.shape[1]
   live_BN = mask_BN > 0
   P = sequence_BT.shape[1] - n_new
-  out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
-                       segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, topk=topk, query_start=P - 1,
-                       return_hidden=head)
+  kw = dict(positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature,
+            topk=topk, query_start=P - 1, return_hidden=head)
+  if group_size > 1:
+    out = token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, group_size=group_size, **kw)
+  else:
+    out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, **kw)
   scores = {
       "teacher_logp_BT": jnp.where(live_BN, out["logp_BT"], 0.0),
       "teacher_topk_ids_BTK": jnp.where(live_BN[..., None], out["topk_ids_BTK"].astype(jnp.int32), 0),
@@ -219,15 +231,16 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
   return scores
 
 
-def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, head: bool = False):
+def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, head: bool = False, group_size: int = 1):
   """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN) -> dict` of `score_completions`
-  (`head`: also the teacher's `VocabHead` for full-distribution losses)."""
+  (`head`: also the teacher's `VocabHead` for full-distribution losses; `group_size`: prompts run once
+  per group of that many rows sharing them)."""
   if not 0 < topk <= cfg.vocab_size:
     raise ValueError(f"config.distill.topk={topk}: must be in [1, vocab_size={cfg.vocab_size}]")
 
   @jax.jit
   def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN):
     return score_completions(params, cfg, sequence_BT, positions_BT, segment_ids_BT, mask_BN,
-                             temperature=temperature, topk=topk, head=head)
+                             temperature=temperature, topk=topk, head=head, group_size=group_size)
 
   return score

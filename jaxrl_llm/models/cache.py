@@ -67,3 +67,23 @@ def write_metadata(cache: dict, positions_BT: Array, segment_ids_BT: Array) -> d
           cache["segment_ids_BS"], segment_ids_BT.astype(jnp.int32), index, axis=1),
       "index": index + positions_BT.shape[1],
   }
+
+
+# Batch axis of every per-row cache entry ("index" is shared by all rows).
+_ROW_AXIS = {"k": 1, "v": 1, "positions_BS": 0, "segment_ids_BS": 0, "routes_LBSk": 1}
+
+
+def repeat_rows(cache: dict, group_size: int) -> dict:
+  """The cache with each row copied to `group_size` consecutive rows (row b -> rows b·G .. b·G+G-1).
+
+  Why: the G completions of a GRPO group share their prompt, so its keys and values are computed
+  once per group (B/G rows of prefill) and copied to the G rows that decode from it.
+  """
+  return {name: x if name == "index" else jnp.repeat(x, group_size, axis=_ROW_AXIS[name])
+          for name, x in cache.items()}
+
+
+def groups_equal(x_B: Array, group_size: int) -> Array:
+  """Scalar bool: whether rows g·G .. g·G+G-1 of `x_B` (any trailing shape) are equal for every group g."""
+  x_gG = x_B.reshape(x_B.shape[0] // group_size, group_size, *x_B.shape[1:])
+  return jnp.all(x_gG == x_gG[:, :1])

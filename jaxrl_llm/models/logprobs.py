@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import project
-from jaxrl_llm.models.transformer import hidden_with_routing, lm_head_weights
+from jaxrl_llm.models.cache import groups_equal
+from jaxrl_llm.models.transformer import hidden_shared_prefix, hidden_with_routing, lm_head_weights
 from jaxrl_llm.vocab_chunks import MAX_CHUNK_ELEMENTS, chunk_positions, map_time_chunks
 
 Array = jax.Array
@@ -92,6 +93,51 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
   out = {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
                         chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
                         max_chunk_elements=max_chunk_elements), **routing}
+  if return_hidden:
+    out["hidden_BTD"] = h_BTD
+  return out
+
+
+def query_hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, query_start: int, group_size: int = 1,
+                 positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
+  """`hidden_with_routing(..., query_start=query_start)[0]`, computing the first query_start + 1 columns
+  once per group of `group_size` rows when the batch allows it (differentiable either way).
+
+  With G = group_size > 1, a dense model and query_start >= 1: if every group of G consecutive rows has
+  equal tokens, positions and segments in those columns (the shared prompt of a GRPO group, checked on
+  device), `transformer.hidden_shared_prefix` runs them for B/G rows; otherwise (checked false) the
+  plain forward. The values agree up to rounding either way.
+  """
+  full = lambda: hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                                     query_start=query_start)[0]
+  B, T = tokens_BT.shape
+  Pp = query_start + 1  # the shared columns; the last one's output is the first one wanted
+  if group_size == 1 or cfg.is_moe or query_start < 1 or Pp >= T:
+    return full()
+  if B % group_size:
+    raise ValueError(f"group_size={group_size} must divide the batch of {B} rows")
+  grouped = groups_equal(tokens_BT[:, :Pp], group_size)
+  for x in (positions_BT, segment_ids_BT):
+    if x is not None:
+      grouped = grouped & groups_equal(x[:, :Pp], group_size)
+  shared = lambda: hidden_shared_prefix(params, tokens_BT, cfg, prefix_len=Pp, group_size=group_size,
+                                        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  return jax.lax.cond(grouped, shared, full)
+
+
+def token_logprobs_shared(params: dict, tokens_BT: Array, targets_BT: Array, cfg: ModelConfig, *, query_start: int,
+                          group_size: int, positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
+                          temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
+                          topk: int = 0, gather_ids_BTK: Array | None = None,
+                          max_chunk_elements: int = MAX_CHUNK_ELEMENTS, return_hidden: bool = False) -> dict:
+  """`token_logprobs` (dense model, no perturbation or route replay) with the columns before
+  `query_start` computed once per group of `group_size` rows that share them (`query_hidden`):
+  the reference / old-policy / teacher scoring of the G completions of one prompt."""
+  h_BTD = query_hidden(params, tokens_BT, cfg, query_start=query_start, group_size=group_size,
+                       positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  out = head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
+                      chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                      max_chunk_elements=max_chunk_elements)
   if return_hidden:
     out["hidden_BTD"] = h_BTD
   return out

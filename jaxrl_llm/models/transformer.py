@@ -284,6 +284,51 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
   return rms_norm(h_BTD[:, query_start:], p["final_norm"], cfg.rms_eps), _routing_out(routing_L)
 
 
+def hidden_shared_prefix(params: dict, tokens_BT: Array, cfg: ModelConfig, *, prefix_len: int, group_size: int,
+                         positions_BT: Array | None = None, segment_ids_BT: Array | None = None) -> Array:
+  """`hidden_with_routing(..., query_start=prefix_len - 1)[0]` when rows g·G .. g·G+G-1 share their
+  first `prefix_len` columns (tokens, positions, segments): the prefix runs once per group.
+
+  Why: the G completions of a GRPO group share one prompt, so its keys and values are the same for
+  each of them. Each layer computes the prefix of B/G rows and the suffix (columns prefix_len..T-1)
+  of B rows; suffix queries attend to their group's prefix keys/values (segment rule as usual) and
+  causally to their own. Dense models only (MoE routing has its own per-call capacity). The caller
+  guarantees the shared layout (see `logprobs.token_logprobs_shared`, which checks it on device);
+  differentiable: the prefix's gradient sums over the G rows that read it.
+
+  Returns the final-normed hidden states [B, T - prefix_len + 1, D] of positions prefix_len-1 .. T-1.
+  """
+  if cfg.is_moe:
+    raise ValueError("hidden_shared_prefix: dense models only (MoE capacity depends on the call's tokens)")
+  B, T = tokens_BT.shape
+  G, Pp = group_size, prefix_len
+  if B % G or not 0 < Pp < T:
+    raise ValueError(f"hidden_shared_prefix: group_size={G} must divide B={B} and 0 < prefix_len={Pp} < T={T}")
+  positions_BT, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
+  p = _cast(params, cfg)
+  pos_bP, seg_bP = positions_BT[::G, :Pp], segment_ids_BT[::G, :Pp]
+  pos_BS, seg_BS = positions_BT[:, Pp:], segment_ids_BT[:, Pp:]
+  mask_bPP = cache_lib.attention_mask(seg_bP, seg_bP)
+  # Suffix queries: their group's prefix (no causal limit: it precedes them), then causally their own columns.
+  to_prefix_BSP = seg_BS[:, :, None] == jnp.repeat(seg_bP, G, axis=0)[:, None, :]
+  mask_BSX = jnp.concatenate([to_prefix_BSP, cache_lib.attention_mask(seg_BS, seg_BS)], axis=2)
+
+  def layer(h, p_l):
+    h_bPD, h_BSD = h
+    q_bPHd, k_bPKd, v_bPKd = _qkv(rms_norm(h_bPD, p_l["attn_norm"], cfg.rms_eps), p_l, pos_bP, cfg)
+    q_BSHd, k_BSKd, v_BSKd = _qkv(rms_norm(h_BSD, p_l["attn_norm"], cfg.rms_eps), p_l, pos_BS, cfg)
+    k_BXKd = jnp.concatenate([jnp.repeat(k_bPKd, G, axis=0), k_BSKd], axis=1)
+    v_BXKd = jnp.concatenate([jnp.repeat(v_bPKd, G, axis=0), v_BSKd], axis=1)
+    h_bPD, _ = _finish_layer(h_bPD, attention(q_bPHd, k_bPKd, v_bPKd, mask_bPP), p_l, cfg)
+    h_BSD, _ = _finish_layer(h_BSD, attention(q_BSHd, k_BXKd, v_BXKd, mask_BSX), p_l, cfg)
+    return (h_bPD, h_BSD), None
+
+  h0 = (_embed(p, tokens_BT[::G, :Pp]), _embed(p, tokens_BT[:, Pp:]))
+  (h_bPD, h_BSD), _ = jax.lax.scan(_remat(layer, cfg), h0, p["layers"], unroll=cfg.layer_unroll)
+  h_BXD = jnp.concatenate([jnp.repeat(h_bPD[:, -1:], G, axis=0), h_BSD], axis=1)
+  return rms_norm(h_BXD, p["final_norm"], cfg.rms_eps)
+
+
 def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,
            segment_ids_BT: Array | None = None, perturb: tuple[Array, Array] | None = None,
            routes_BTLk: Array | None = None, mask_BTT: Array | None = None) -> Array:

@@ -16,6 +16,11 @@ class SamplerConfig:
     top_k: keep only the k most likely tokens (0 = off).
     top_p: nucleus sampling; keep the smallest set of most likely tokens with mass >= top_p (1 = off).
     pad_id: id written at every position that is not a real token.
+    group_size: G, rows per prompt group (GRPO). With G > 1 and rows g·G .. g·G+G-1 holding one
+      prompt (`np.repeat(prompts, G, 0)`), the prompt is prefilled once per group and its KV cache
+      copied to the G rows (B/G rows of prefill work instead of B). Checked at run time: a batch
+      whose groups do not hold equal prompts is prefilled row by row, so the result never depends
+      on it beyond rounding. B must be a multiple of G.
   """
 
   max_new_tokens: int
@@ -24,6 +29,7 @@ class SamplerConfig:
   top_k: int = 0
   top_p: float = 1.0
   pad_id: int = 0
+  group_size: int = 1
 
   def __post_init__(self):
     try:
@@ -39,6 +45,8 @@ class SamplerConfig:
       raise ValueError(f"sampler.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"sampler.top_p must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.group_size, int) or self.group_size < 1:
+      raise ValueError(f"sampler.group_size must be an int >= 1 (1 = no shared prompts), got {self.group_size!r}")
 
   @property
   def truncated(self) -> bool:

@@ -32,7 +32,7 @@ from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, stack_cache
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import emit_token, prefill_prompts
+from jaxrl_llm.sampling.sampler import emit_token, prefill_grouped, prefill_prompts
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
@@ -92,23 +92,31 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
   return {**carry, "cache": stack_cache(carry["cache"])}
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg",), donate_argnames=("carry",))
-def reprefill_cache(params: dict, carry: dict, model_cfg: ModelConfig) -> dict:
+@functools.partial(jax.jit, static_argnames=("model_cfg", "group_size"), donate_argnames=("carry",))
+def reprefill_cache(params: dict, carry: dict, model_cfg: ModelConfig, group_size: int = 1) -> dict:
   """Recomputes the KV cache of everything decoded so far under `params` (AReaL's switch).
 
   Slots 0..P+step-2 hold the prompt and the completion columns already fed to the model (column
   step-1 is fed by the next decode step); later slots get segment 0 and are overwritten before any
-  query can attend to them.
+  query can attend to them. With `group_size` G > 1 the prompt is re-run once per group of G rows
+  (`sampler.prefill_grouped`), then the completions of all rows attend to its copied keys/values
+  (not for an MoE with capacity limits, whose token drops depend on how many tokens a call holds).
   """
   B, P = carry["prompt_BP"].shape
   N = carry["tokens_BN"].shape[1]
   fed_BN = carry["mask_BN"] * (jnp.arange(N)[None, :] < carry["step"] - 1)
-  tokens_BT = jnp.concatenate([carry["prompt_BP"], carry["tokens_BN"]], axis=1)
-  positions_BT = jnp.concatenate(
-      [carry["positions_BP"], (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)], axis=1)
-  segment_ids_BT = jnp.concatenate([carry["segment_ids_BP"], fed_BN.astype(jnp.int32)], axis=1)
-  _, cache = hidden_with_cache(params, tokens_BT, init_cache(model_cfg, B, P + N), model_cfg,
-                               positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  positions_BN = (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  if group_size == 1 or (model_cfg.is_moe and model_cfg.capacity_factor > 0):
+    tokens_BT = jnp.concatenate([carry["prompt_BP"], carry["tokens_BN"]], axis=1)
+    positions_BT = jnp.concatenate([carry["positions_BP"], positions_BN], axis=1)
+    segment_ids_BT = jnp.concatenate([carry["segment_ids_BP"], fed_BN.astype(jnp.int32)], axis=1)
+    _, cache = hidden_with_cache(params, tokens_BT, init_cache(model_cfg, B, P + N), model_cfg,
+                                 positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+  else:
+    cache, _ = prefill_grouped(params, carry["prompt_BP"], carry["positions_BP"], carry["segment_ids_BP"], model_cfg,
+                               P + N, group_size)
+    _, cache = hidden_with_cache(params, carry["tokens_BN"], cache, model_cfg, positions_BT=positions_BN,
+                                 segment_ids_BT=fed_BN.astype(jnp.int32))
   index = (P + carry["step"] - 1).astype(jnp.int32)
   if "routes_LBSk" in cache:  # slots not fed yet keep their routes (the never-fed last slot holds 0..k-1)
     fed_S = jnp.arange(P + N) < index
@@ -166,7 +174,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       if newer is not None:
         version, params = newer
         if reprefill:
-          carry = reprefill_cache(params, carry, model_cfg)
+          carry = reprefill_cache(params, carry, model_cfg, sampler_cfg.group_size)
       stop = min(stop + chunk_steps, N)
   finally:
     poll(None)

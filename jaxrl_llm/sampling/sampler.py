@@ -2,6 +2,8 @@
 
 Shapes are static (one compilation per (B, P, N) bucket and pair of configs); the decode loop is a
 `lax.while_loop` that also stops once every row has emitted a stop id (`SamplerConfig.stop_ids`).
+With `SamplerConfig.group_size` G > 1 the prompt of each group of G rows is prefilled once and its
+KV cache copied to the G rows (`prefill_grouped`); decoding then reads one cache per row.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.cache import groups_equal, init_cache, repeat_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
                                           stack_cache)
@@ -35,9 +37,50 @@ def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
   return positions_BP, real_BP.astype(jnp.int32)
 
 
+def _prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
+                  model_cfg: ModelConfig, slots: int) -> tuple[dict, Array]:
+  """(cache of `slots` slots holding the left-padded prompts, logits_BV after the last column)."""
+  cache = init_cache(model_cfg, prompt_BP.shape[0], slots)
+  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
+                                   segment_ids_BT=segment_ids_BP)
+  # Left padding puts every row's last real prompt token in the last column.
+  return cache, logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+
+
+def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
+                    model_cfg: ModelConfig, slots: int, group_size: int = 1) -> tuple[dict, Array]:
+  """`_prefill_rows` computed once per prompt group: (cache, logits_BV of the first completion token).
+
+  With G = group_size > 1 and rows g·G .. g·G+G-1 holding one prompt (tokens, positions and segments
+  equal), only rows 0, G, 2G, ... are run (B/G rows of prefill work) and their cache and logits are
+  copied to the G rows of their group (`cache.repeat_rows`). The check runs on device (`lax.cond`):
+  a batch whose groups differ is prefilled row by row, so the result never depends on the layout.
+  """
+  full = lambda: _prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots)
+  G, B = group_size, prompt_BP.shape[0]
+  if G == 1:
+    return full()
+  if B % G:
+    raise ValueError(f"sampler.group_size={G} must divide the batch of {B} prompt rows")
+
+  shared = lambda: prefill_per_group(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, G)
+  grouped = groups_equal(prompt_BP, G) & groups_equal(positions_BP, G) & groups_equal(segment_ids_BP, G)
+  return jax.lax.cond(grouped, shared, full)
+
+
+def prefill_per_group(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
+                      model_cfg: ModelConfig, slots: int, group_size: int) -> tuple[dict, Array]:
+  """The shared branch of `prefill_grouped`, unchecked: runs rows 0, G, 2G, ... and copies each one's
+  cache and logits to the G rows of its group (what the other rows hold is never read)."""
+  G = group_size
+  cache, logits_bV = _prefill_rows(params, prompt_BP[::G], positions_BP[::G], segment_ids_BP[::G], model_cfg, slots)
+  return repeat_rows(cache, G), jnp.repeat(logits_bV, G, axis=0)
+
+
 def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, model_cfg: ModelConfig,
                     sampler_cfg: SamplerConfig):
-  """Runs the left-padded prompts through a fresh KV cache sized P + N.
+  """Runs the left-padded prompts through a fresh KV cache sized P + N (once per prompt group when
+  `sampler_cfg.group_size` > 1, see `prefill_grouped`).
 
   Returns (prompt_BP with pads set to pad_id, positions_BP, segment_ids_BP, cache, logits_BV of the
   first completion token). Shared by `generate` and the partial-rollout sampler.
@@ -45,11 +88,8 @@ def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, 
   B, P = prompt_tokens_BP.shape
   positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
   prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
-  cache = init_cache(model_cfg, B, P + sampler_cfg.max_new_tokens)
-  h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
-                                   segment_ids_BT=segment_ids_BP)
-  # Left padding puts every row's last real prompt token in the last column.
-  first_logits_BV = logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
+  cache, first_logits_BV = prefill_grouped(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg,
+                                           P + sampler_cfg.max_new_tokens, sampler_cfg.group_size)
   return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
 
 
@@ -93,6 +133,9 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   - Prompts are **left-padded** to the bucket width P: row b's real tokens are
     `prompt_tokens_BP[b, P - prompt_len_B[b]:]` (prompt_len_B >= 1); pad columns are ignored.
   - The model runs in `model_cfg.dtype` (e.g. a bf16 sampler against an fp32 learner).
+  - `sampler_cfg.group_size` G > 1: rows g·G .. g·G+G-1 are expected to hold one prompt (GRPO groups,
+    `np.repeat(prompts, G, 0)`); it is prefilled once per group (`prefill_grouped`). Same result up to
+    rounding; a batch whose groups differ falls back to prefilling every row.
   - Step n draws with key `fold_in(key, n)`: no key is reused across steps. When the noise of all N
     steps is small (`sample.PREDRAW_MAX_ELEMENTS`) it is drawn before the decode loop, same bits.
   - A completion ends with its first stop id (EOS, end-of-turn, ...: `sampler_cfg.stop_ids`), which is
