@@ -208,9 +208,22 @@ def _tree_checksums(leaves):
 
 
 def state_checksums(state) -> list[list[int]]:
-  """Per-leaf checksums of an array pytree, in `jax.tree.leaves` order (one jit over the whole tree)."""
+  """Per-leaf checksums of an array pytree, in `jax.tree.leaves` order: one jit per device set (a learner
+  and a sampler on disjoint devices cannot meet in one computation), one jit in all on one device set.
+  Host (numpy) leaves join the first device set."""
   leaves = jax.tree.leaves(state)
-  return [[int(a), int(b)] for a, b in jax.device_get(_tree_checksums(leaves))]
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault(frozenset(x.sharding.device_set) if isinstance(x, jax.Array) else None, []).append(i)
+  if None in groups and len(groups) > 1:
+    host = groups.pop(None)
+    first = next(iter(groups))
+    groups[first] = sorted(groups[first] + host)
+  out: list = [None] * len(leaves)
+  for idx in groups.values():
+    for i, (a, b) in zip(idx, jax.device_get(_tree_checksums([leaves[i] for i in idx]))):
+      out[i] = [int(a), int(b)]
+  return out
 
 
 def _restore_target(leaf):

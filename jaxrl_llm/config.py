@@ -63,14 +63,18 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for ax in ("data", "fsdp", "tensor", "expert"):
     _need(isinstance(c.mesh[ax], int) and c.mesh[ax] >= 1, f"mesh.{ax}", c.mesh[ax], "must be an int >= 1")
   n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
-  if n_mesh > 1:
+  n_sampler = c.rollout.get("sampler_devices", 0)
+  _need(isinstance(n_sampler, int) and n_sampler >= 0, "rollout.sampler_devices", n_sampler,
+        "must be an int >= 0 (0 = the sampler shares the learner's devices)")
+  if n_mesh > 1 or n_sampler:
     import jax  # local: validating a one-device config must not initialise devices
-    if n_mesh != jax.device_count():
+    if n_mesh + n_sampler != jax.device_count():
+      if n_sampler:
+        raise ConfigError(f"config.rollout.sampler_devices={n_sampler}: with config.mesh={dict(c.mesh)} ({n_mesh} "
+                          f"learner devices) the run needs {n_mesh + n_sampler} devices but {jax.device_count()} "
+                          "are visible")
       raise ConfigError(f"config.mesh={dict(c.mesh)}: the axis sizes multiply to {n_mesh} but {jax.device_count()} "
                         "devices are visible")
-    if c.rollout.mode == "async":
-      raise ConfigError("config.rollout.mode='async': async rollouts run on one device for now; use a one-device "
-                        "mesh or a synchronous mode")
 
   _validate_multiprocess(c, n_mesh)
 
@@ -113,8 +117,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       "rollout.mode='async' and rollout.old_logp='recompute'")
   _need(c.rollout.weight_sync in WEIGHT_SYNC, "rollout.weight_sync", c.rollout.weight_sync,
         f"must be one of {WEIGHT_SYNC}")
-  _need(c.rollout.weight_sync != "sparse" or n_mesh == 1, "rollout.weight_sync", c.rollout.weight_sync,
-        "sparse sync rebuilds the sampler copy in the learner's layout: use 'full' with a multi-device config.mesh")
+  _need(c.rollout.weight_sync != "sparse" or (n_mesh == 1 and not n_sampler), "rollout.weight_sync",
+        c.rollout.weight_sync, "sparse sync rebuilds the sampler copy in the learner's layout: use 'full' with a "
+        "multi-device config.mesh or rollout.sampler_devices")
   _validate_replay(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")

@@ -222,7 +222,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
                               c.optim.warmup_steps)
   hook_params, tx = learner.perturb_hook(c.loss.name, model_cfg, tx, hp_over)
   mesh_kw, shard_kw = {}, {}
-  if c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert > 1:
+  if c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert > 1 or c.rollout.get("sampler_devices", 0):
     mesh_kw = mesh_layouts(c, model_cfg, tx, hook_params, k_init)
     shard_kw = dict(in_shardings=mesh_kw.pop("in_shardings"), out_shardings=mesh_kw.pop("out_shardings"))
   train_step = learner.make_train_step(
@@ -249,9 +249,16 @@ def setup(c: ml_collections.ConfigDict) -> Run:
 
 def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   """Mesh, learner (FSDP + tensor) and sampler (tensor / replicated) layouts, and the train step's
-  explicit in/out shardings, for a multi-device `config.mesh` (see docs/scaling.md)."""
+  explicit in/out shardings, for a multi-device `config.mesh` (see docs/scaling.md).
+
+  With `rollout.sampler_devices` = n > 0 the sampler has the last n devices to itself (a `data`-only
+  mesh: weights replicated, a generate batch split) and the learner's mesh the others; publish then
+  reshards every snapshot across the two device sets (`ParamStore.sampler_copy`).
+  """
   from jaxrl_llm import sharding
-  mesh = sharding.mesh_from_config(c.mesh)
+  devices, n_sampler = jax.devices(), c.rollout.get("sampler_devices", 0)
+  mesh = sharding.mesh_from_config(c.mesh, devices=devices[:len(devices) - n_sampler])
+  sampler_mesh = sharding.make_mesh(data=n_sampler, devices=devices[-n_sampler:]) if n_sampler else mesh
   psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
   spec = losses.get(c.loss.name)
   loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
@@ -260,7 +267,7 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   B = c.rollout.prompts_per_step * c.rollout.group_size
   ins, outs = sharding.train_step_shardings(ssh, mesh, sharding.LEARNER, B)
   return {"mesh": mesh, "state_shardings": ssh, "batch_sharding": ins[1], "in_shardings": ins, "out_shardings": outs,
-          "sampler_shardings": sharding.param_shardings(model_cfg, mesh, sharding.SAMPLER)}
+          "sampler_shardings": sharding.param_shardings(model_cfg, sampler_mesh, sharding.SAMPLER)}
 
 
 def new_store(run: Run) -> ParamStore:

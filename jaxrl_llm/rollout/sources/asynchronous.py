@@ -5,12 +5,26 @@ token's version. Not bitwise repeatable (which version generates which request d
 
 State: the engine's buffered groups, admission counters and request-id cursor (ids in flight are
 redone after a resume). `state()` stops the workers (a consistent cut); the next batch restarts them.
+
+Metrics: `async_lag_hist` (this batch's groups by lag 0..η) and `time_learner_idle_frac`, the learner's
+time waiting for batches over its wall time, from the second batch's return on (the first wait and the
+first learner step hold the compiles; a resumed run starts counting again; 0 until the third batch).
+
+On a mesh the sampler may have devices of its own (`rollout.sampler_devices`: e.g. 2 of 8 for the
+workers, 6 for the learner); each publish then reshards the snapshot from the learner's device set to
+the sampler's, and admission bounds every lag by η exactly as on one device. On forced CPU devices
+both sets share the host's cores, so the idle fraction there measures contention, not overlap; on
+GPUs / TPUs the two sets run concurrently and publish is a device-to-device copy over NVLink / ICI.
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
 from jaxrl_llm.rollout import async_engine as ae
-from jaxrl_llm.rollout.buffer import collate
+from jaxrl_llm.rollout.buffer import collate, lag
 from jaxrl_llm.rollout.sources.base import register
 from jaxrl_llm.rollout.sources.common import reward_policy
 
@@ -41,6 +55,10 @@ class Async:
     self.run, self.store = run, store
     self.engine: ae.AsyncRollout | None = None  # built by restore or the first batch; started by a batch
     self.running = False
+    self.eta = run.c.rollout.lag
+    self._returned = None  # perf_counter when the previous batch was handed to the learner
+    self._batches = 0  # batches handed out by this source
+    self._idle_s = self._busy_s = 0.0  # learner waiting / working, from the second batch's return on
 
   def next_batch(self, step: int, version: int) -> dict:
     del step  # which request a batch holds depends on the workers, not the step
@@ -49,10 +67,17 @@ class Async:
     if not self.running:
       self.engine.start()
       self.running = True
+    asked = time.perf_counter()
     groups, st = self.engine.next_batch(version, timeout=600)
+    if self._batches >= 2:  # the first wait and the first learner step hold the compiles
+      self._busy_s += asked - self._returned
+      self._idle_s += st["time_learner_idle_s"]
+    self._returned, self._batches = time.perf_counter(), self._batches + 1
     ro = collate(groups, version)
     ro.update(time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
-              async_buffered=st["buffered"], async_running=st["running"])
+              async_buffered=st["buffered"], async_running=st["running"],
+              async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
+              time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9))
     ro["request_ids"] = sorted({int(g.request_id) for g in groups})
     return ro
 
