@@ -20,6 +20,17 @@ import time
 from experiments import common
 
 
+def finished_rows(workdir: str, steps: int) -> list[dict] | None:
+  """The metrics rows of a run in `workdir` that wrote all `steps` rows with the same config, else None."""
+  import json
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  except (OSError, ValueError):
+    return None
+  return rows if [r.get("step") for r in rows] == list(range(steps)) else None
+
+
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated AdamW learning rates")
@@ -33,10 +44,12 @@ def main(argv=None) -> str:
     c = common.make_config("smollm2_grpo", over)
     wd = os.path.join(args.workdir, "sparse_sync_real", f"lr{lr:g}")
     import shutil
-    shutil.rmtree(wd, ignore_errors=True)
     t0 = time.perf_counter()
-    rows = loop.run(c, wd)
-    shutil.rmtree(wd, ignore_errors=True)  # a real-model checkpoint is ~1.6 GB
+    rows = finished_rows(wd, steps)  # an earlier invocation's complete run (these runs take an hour on 2 cores)
+    if rows is None:
+      shutil.rmtree(wd, ignore_errors=True)
+      rows = loop.run(c, wd)
+    shutil.rmtree(os.path.join(wd, "checkpoints"), ignore_errors=True)  # a real-model checkpoint is ~1.6 GB
     per_step = [{"step": r["step"], "changed_frac": r.get("sync_changed_frac"),
                  "payload_ratio": r.get("sync_payload_ratio"), "reward_mean": r.get("reward_mean")} for r in rows]
     later = [s for s in per_step if s["changed_frac"] is not None]
