@@ -21,7 +21,7 @@ from experiments import common
 
 
 def finished_rows(workdir: str, steps: int) -> list[dict] | None:
-  """The metrics rows of a run in `workdir` that wrote all `steps` rows with the same config, else None."""
+  """The metrics rows of a run in `workdir` (named after its learning rate) that wrote all `steps` rows, else None."""
   import json
   try:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
