@@ -30,6 +30,7 @@ from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.tasks import get_task
 from jaxrl_llm.tasks.encoder import Encoder, measured_width, tokenizer_for_checkpoint
 
+DECODE_BATCH = 64  # decode is also measured at this batch (the issue's decode target)
 SHARED_PREFILL_FIELDS = ("shared_prefill", "share_prompt", "shared_prompt", "prefill_once")
 
 
@@ -159,7 +160,8 @@ def _batch_of(ctx: dict, t: int):
 
 def phases(ctx: dict, t: int) -> dict:
   """Times prefill (a 1-token generate), generate, reference scoring alone and the fused reference +
-  train step on one batch, each once after an untimed call (its compile), with each phase's peak RSS.
+  train step on one batch, each once (after an untimed call when the step has not compiled it), with
+  each phase's peak RSS; and prefill / generate at batch `DECODE_BATCH` (the prompts tiled).
 
   decode = generate − prefill. The train step runs on a copy of the state (the context's state is
   left as it was), so the timed steps before and after see the same policy.
@@ -169,8 +171,9 @@ def phases(ctx: dict, t: int) -> dict:
   one = dataclasses.replace(scfg, max_new_tokens=1)
   out = {}
 
-  def timed(name, fn):
-    common.block(fn())  # compile (first time) and warm
+  def timed(name, fn, warm=True):
+    if warm:
+      common.block(fn())  # compile (first time) and warm
     with RssPeak() as r:
       t0 = time.perf_counter()
       res = common.block(fn())
@@ -180,10 +183,18 @@ def phases(ctx: dict, t: int) -> dict:
 
   params = ctx["state"].params
   timed("prefill", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, one))
-  gen = timed("generate", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, scfg))
+  gen = timed("generate", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, scfg), warm=False)  # the step compiled it
   out["decode_s"] = out["generate_s"] - out["prefill_s"]
   out["decode_steps"] = int(np.asarray(gen["lengths_B"]).max())
   out["completion_len_mean"] = float(np.asarray(gen["mask_BN"]).sum(1).mean())
+  if p.tokens_BP.shape[0] != DECODE_BATCH:  # the issue's decode target is set at batch 64: measure it there too
+    reps = -(-DECODE_BATCH // p.tokens_BP.shape[0])
+    tok64, len64 = (np.tile(x, (reps,) + (1,) * (x.ndim - 1))[:DECODE_BATCH] for x in (p.tokens_BP, p.len_B))
+    timed("prefill_b64", lambda: generate(params, tok64, len64, key, cfg, one))
+    g64 = timed("generate_b64", lambda: generate(params, tok64, len64, key, cfg, scfg))
+    out["decode_b64_s"] = out["generate_b64_s"] - out["prefill_b64_s"]
+    out["decode_b64_steps"] = int(np.asarray(g64["lengths_B"]).max())
+    del g64
   mask_BN = gen["mask_BN"]
   timed("reference", lambda: ctx["score"](ctx["ref_params"], gen["sequence_BT"], gen["positions_BT"],
                                           gen["segment_ids_BT"], mask_BN))
@@ -194,9 +205,7 @@ def phases(ctx: dict, t: int) -> dict:
                         behavior_logp_BN=gen["behavior_logp_BN"], versions_BN=np.zeros(mask_BN.shape, np.int32),
                         lag_B=np.zeros((B,), np.int32), prox_logp_BN=gen["behavior_logp_BN"])
   copy = lambda: jax.tree.map(lambda x: jnp.array(x, copy=True), ctx["state"])  # the step donates its state
-  state = copy()
-  common.block(ctx["train_step"](state, batch, key, ctx["ref_params"]))
-  state = copy()
+  state = copy()  # the step compiled it already
   with RssPeak() as r:
     t0 = time.perf_counter()
     common.block(ctx["train_step"](state, batch, key, ctx["ref_params"]))
@@ -223,33 +232,46 @@ def roofline(ctx: dict, ph: dict, step_s: float, peak_flops: float, bandwidth: f
   P, N = ctx["P"], run["max_new_tokens"]
   T = P + N
   pbytes = common.param_bytes(cfg, 4)
-  S = max(ph["decode_steps"] - 1, 1)  # the first new token comes out of the prefill call
-  dec_flops = dec_bytes = dec_bound = 0.0
-  for n in range(1, S + 1):
-    ctx_len = P + n
-    f = common.forward_flops(cfg, B, ctx_len, causal=False)
-    b = pbytes + common.kv_cache_bytes(cfg, B, ctx_len, 4)
-    dec_flops, dec_bytes, dec_bound = dec_flops + f, dec_bytes + b, dec_bound + max(f / peak_flops, b / bandwidth)
-  dec_compute = dec_flops / peak_flops
+  dec = decode_roofline(cfg, B, P, ph["decode_steps"], ph["decode_s"], peak_flops, bandwidth)
   rows = {
       "prefill": (common.prefill_flops(cfg, B, P), pbytes + common.kv_cache_bytes(cfg, B, P, 4), ph["prefill_s"]),
-      "decode": (dec_flops, dec_bytes, ph["decode_s"]),
       "reference": (common.forward_flops(cfg, B * T, T), pbytes + 4 * B * N * cfg.vocab_size, ph["reference_s"]),
       "train": (common.train_flops(cfg, B, T), 8 * pbytes, ph["train_s"]),  # params, grads, m, v: read + write
   }
-  out, total_bound = {}, 0.0
+  out = {}
   for name, (flops, nbytes, secs) in rows.items():
-    bound = dec_bound if name == "decode" else max(flops / peak_flops, nbytes / bandwidth)
-    kind = ("compute" if dec_compute >= dec_bytes / bandwidth else "memory") if name == "decode" else (
-        "compute" if flops / peak_flops >= nbytes / bandwidth else "memory")
-    total_bound += bound
-    out[name] = {"flops": flops, "bytes": nbytes, "seconds": secs, "flops_per_s": flops / secs,
-                 "bytes_per_s": nbytes / secs, "of_peak_flops": flops / secs / peak_flops,
-                 "of_bandwidth": nbytes / secs / bandwidth, "bound_s": bound, "bound_kind": kind,
-                 "of_bound": bound / secs}
-  out["decode"]["batch"], out["decode"]["steps"] = B, S
+    bound = max(flops / peak_flops, nbytes / bandwidth)
+    out[name] = _rates(flops, nbytes, secs, bound, "compute" if flops / peak_flops >= nbytes / bandwidth else "memory",
+                       peak_flops, bandwidth)
+  out = {"prefill": out["prefill"], "decode": dec, "reference": out["reference"], "train": out["train"]}
+  total_bound = sum(x["bound_s"] for x in out.values())
+  if "decode_b64_s" in ph:
+    out["decode_b64"] = decode_roofline(cfg, DECODE_BATCH, P, ph["decode_b64_steps"], ph["decode_b64_s"], peak_flops,
+                                        bandwidth)
   out["step"] = {"lower_bound_s": total_bound, "measured_s": step_s, "of_lower_bound": total_bound / step_s}
   return out
+
+
+def _rates(flops, nbytes, secs, bound, kind, peak_flops, bandwidth) -> dict:
+  return {"flops": flops, "bytes": nbytes, "seconds": secs, "flops_per_s": flops / secs, "bytes_per_s": nbytes / secs,
+          "of_peak_flops": flops / secs / peak_flops, "of_bandwidth": nbytes / secs / bandwidth, "bound_s": bound,
+          "bound_kind": kind, "of_bound": bound / secs}
+
+
+def decode_roofline(cfg: ModelConfig, B: int, P: int, lengths_max: int, secs: float, peak_flops: float,
+                    bandwidth: float) -> dict:
+  """Decode after the prefill: `lengths_max − 1` steps at batch B (the first new token comes out of
+  the prefill call), context P + n at step n; each step reads every parameter and the KV cache so far.
+  The bound sums max(compute, memory) per step; its kind is the larger of the two totals."""
+  pbytes = common.param_bytes(cfg, 4)
+  S = max(lengths_max - 1, 1)
+  flops = nbytes = bound = 0.0
+  for n in range(1, S + 1):
+    f = common.forward_flops(cfg, B, P + n, causal=False)
+    b = pbytes + common.kv_cache_bytes(cfg, B, P + n, 4)
+    flops, nbytes, bound = flops + f, nbytes + b, bound + max(f / peak_flops, b / bandwidth)
+  kind = "compute" if flops / peak_flops >= nbytes / bandwidth else "memory"
+  return {**_rates(flops, nbytes, secs, bound, kind, peak_flops, bandwidth), "batch": B, "steps": S}
 
 
 def memory(ctx: dict, ph: dict) -> dict:

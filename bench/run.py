@@ -32,7 +32,7 @@ REAL_PEERS = {  # workload R's peers: name -> script (each speaks bench/peers/tu
     "trl": os.path.join(ROOT, "bench", "peers", "trl_grpo.py"),
     "torch": os.path.join(ROOT, "bench", "peers", "torch_grpo.py"),
 }
-REAL_STEPS = (1, 1, 3)  # workload R: warm-up steps, steps per block, blocks per side
+REAL_STEPS = (1, 1, 2)  # workload R: warm-up steps, steps per block, blocks per side
 COMMAND = "make bench"
 GRPO_STEPS = (2, 2, 6)  # GRPO step vs Tunix: warm-up steps, then blocks of 2 steps taking turns, 6 blocks per side
 
@@ -422,9 +422,9 @@ def _real_targets(r: dict) -> list[list[str]]:
     got = r.get(f"{peer}_over_ours")
     rows.append([f"GRPO step ≥ {want}× {peer}", f"{got:.2f}×" if got else f"– ({r[peer].get('status', '?')[:60]})",
                  yes(got >= want) if got else "not measured"])
-  tr, dec = rf["train"], rf["decode"]
+  tr, dec = rf["train"], rf.get("decode_b64", rf["decode"])
   rows.append(["learner step ≥ 75 % of the fp32 peak", _pct(tr["of_peak_flops"]), yes(tr["of_peak_flops"] >= 0.75)])
-  rows.append([f"decode ≥ 60 % of its bound (batch {dec['batch']}; the target is set at 64)",
+  rows.append([f"decode ≥ 60 % of its bound at batch {dec['batch']}",
                f"{_pct(dec['of_bound'])} ({dec['bound_kind']})", yes(dec["of_bound"] >= 0.6)])
   st = rf["step"]
   rows.append(["whole step within 1.3× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×",
@@ -466,9 +466,13 @@ def format_real(name: str, r: dict) -> str:
                  t.get("status", "?") + (ver if t.get("status") == "ok" else "")])
   out = [head, "", _table(["side", "s / step", "peer / ours", "rollouts × mean length", "reward mean", "status"], rows), ""]
   rows = []
-  for ph in ("prefill", "decode", "reference", "train"):
+  for ph in ("prefill", "decode", "reference", "train", "decode_b64"):
+    if ph not in r["roofline"]:
+      continue
     x = r["roofline"][ph]
-    rows.append([ph, _ms(x["seconds"]), _g(x["flops"], "FLOP"), _g(x["flops_per_s"], "FLOP/s"), _pct(x["of_peak_flops"]),
+    label = {"decode": f"decode (batch {x.get('batch')})",
+             "decode_b64": f"decode at batch {x.get('batch')} (extra run, not in the step)"}.get(ph, ph)
+    rows.append([label, _ms(x["seconds"]), _g(x["flops"], "FLOP"), _g(x["flops_per_s"], "FLOP/s"), _pct(x["of_peak_flops"]),
                  _g(x["bytes_per_s"], "B/s"), _pct(x["of_bandwidth"]), f"{_ms(x['bound_s'])} ({x['bound_kind']})",
                  _pct(x["of_bound"])])
   st = r["roofline"]["step"]
@@ -529,11 +533,23 @@ What each number is:
   usual 6·N·tokens + attention over every position.
 - loop: host time = step wall time − blocked jitted parts (generate; reference scoring + train step, one program);
   `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
+- workload R (issue 17): the GRPO step on the real SmolLM2-135M-Instruct (`make smollm2` imports it): its
+  weights, tokenizer and chat template, `arithmetic_chat` prompts, k3 KL β = 0.04 to the initial weights, one
+  update per batch, fp32 (`bench/grpo_real.py`). R = 8 prompts × 8, 128 new tokens (`make bench-r`, slow on a
+  CPU); R_small = 4 × 4, 64 new tokens, what `make bench` runs. Peers, each in `bench/.venv-bench` and taking
+  turns with ours block by block (a peer's process is paused while any other side runs): Tunix
+  (`bench/peers/tunix_grpo.py`, its Llama-3 family with the folder's config and safetensors, its vanilla
+  sampler), TRL (`bench/peers/trl_grpo.py`, `GRPOTrainer`, `loss_type="grpo"`) and plain PyTorch
+  (`bench/peers/torch_grpo.py`: `transformers` `generate` + a hand-written PPO-clip/k3-KL step with AdamW).
+  All sides draw the same prompts in the same order and stop at EOS; torch and TRL pad prompts to the
+  batch's longest, ours and Tunix to the bucket width. Roofline per phase: each phase of ours timed alone
+  after the turns; memory: the process's peak RSS per phase against the budget from shapes.
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
 `bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
 Tunix, or `python -m bench.run --quick` for a short smoke run (tiny shapes, meaningless numbers). `python -m
-bench.run --render bench/results.json --readme bench/README.md` re-renders the tables without measuring.
+bench.run --render bench/results.json --readme bench/README.md` re-renders the tables without measuring;
+`python -m bench.run --only-real [--real R]` measures workload R alone and merges it into `bench/results.json`.
 
 """
 

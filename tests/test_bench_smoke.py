@@ -225,9 +225,11 @@ def test_real_workload_path_merges_into_results(tiny_ckpt, tmp_path, monkeypatch
   assert r["ours"]["compiles_after_warmup"] == 0
   for peer in ("tunix", "trl", "torch"):
     assert r[peer]["status"].startswith("skipped") and r[f"{peer}_over_ours"] is None
+  assert r["roofline"]["decode_b64"]["batch"] == 64
   for ph in ("prefill", "decode", "reference", "train"):
     x = r["roofline"][ph]
-    assert x["flops"] > 0 and x["seconds"] > 0 and x["bound_kind"] in ("compute", "memory")
+    # seconds: decode and train are differences of two timings, noise on a tiny model (no sign asserted)
+    assert x["flops"] > 0 and x["bound_s"] > 0 and math.isfinite(x["seconds"]) and x["bound_kind"] in ("compute", "memory")
     assert r["memory"][ph]["peak_rss"] > 0 and r["memory"][ph]["budget"] > 0
   assert 0 < r["roofline"]["step"]["lower_bound_s"]
   assert r["measured"]["command"].startswith("python -m bench.run") and len(r["loadavg_start"]) == 3

@@ -6,8 +6,8 @@ as `bench/grpo_real.py`: the HF folder's weights in fp32, prompts from `arithmet
 the same prompts in the same order) rendered by the tokenizer's chat template, `prompts × G` sampled
 completions (temperature 1, no top-k / top-p) of up to N new tokens stopping at EOS, reward = the
 task's, GRPO advantages, PPO-clip loss with π_old = the sampling policy (one update per batch: ratio 1),
-k3 KL β to a frozen copy, seq-mean-token-mean, AdamW (β₂ 0.98) with global-norm clip 1.0; torch uses
-every core (`torch.get_num_threads()`).
+k3 KL β to a frozen copy, seq-mean-token-mean, AdamW (β₂ 0.98) with global-norm clip 1.0; torch's
+threads: 1 or every core, whichever runs small ops faster at start (`turns.pick_torch_threads`).
 
 Usage: bench/.venv-bench/bin/python bench/peers/torch_grpo.py --workload R_small --model DIR [--warmup 1 --steps 1 --rounds 2]
 """
@@ -31,6 +31,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   from bench import workloads
   from jaxrl_llm.tasks import arithmetic
 
+  threads = turns.pick_torch_threads()
   r = {**workloads.REAL_RUN, **workloads.REAL[workload]}
   G, N = r["group_size"], r["max_new_tokens"]
   torch.manual_seed(r["seed"])
@@ -96,7 +97,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   out = clock.summary()
   return {**out, "rollouts_per_step": r["prompts_per_step"] * G, "completion_len_mean": float(np.mean(lens)),
           "reward_mean": float(np.mean(rewards_all)), "torch_version": torch.__version__,
-          "transformers_version": transformers.__version__, "threads": torch.get_num_threads()}
+          "transformers_version": transformers.__version__, **threads}
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   from bench import workloads
   from jaxrl_llm.tasks import arithmetic
 
+  threads = turns.pick_torch_threads()
   r = {**workloads.REAL_RUN, **workloads.REAL[workload]}
   G, N, n_prompts = r["group_size"], r["max_new_tokens"], r["prompts_per_step"]
   task = arithmetic.make_chat_task(num_digits=r["num_digits"])
@@ -74,7 +75,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   n_rollouts = len(rewards_all) // max(clock.total, 1)
   return {**out, "rollouts_per_step": n_rollouts, "completion_len_mean": float(np.mean(lens)) if lens else -1.0,
           "reward_mean": float(np.mean(rewards_all)), "trl_version": trl.__version__, "torch_version": torch.__version__,
-          "threads": torch.get_num_threads()}
+          **threads}
 
 
 def main() -> None:

@@ -175,8 +175,9 @@ def run(workload: str, warmup: int, steps: int, rounds: int = 1) -> dict:
 def _real_prompt_width(tok, prompts) -> int:
   """The prompt bucket ours uses (`tasks.encoder.measured_width`): the longest templated prompt of 64
   sample examples, rounded up to a multiple of 16."""
-  longest = max(len(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                            add_generation_prompt=True)) for p in prompts)
+  texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+           for p in prompts]
+  longest = max(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
   return -(-longest // 16) * 16
 
 

@@ -78,3 +78,27 @@ def group_advantages(rewards: list[float], group_size: int) -> list[float]:
     std = (sum((r - mean) ** 2 for r in grp) / max(len(grp) - 1, 1)) ** 0.5
     out += [(r - mean) / (std + 1e-6) for r in grp]
   return out
+
+
+def pick_torch_threads() -> dict:
+  """Sets torch's intra-op threads to whichever of 1 and all cores runs small ops faster right now.
+
+  On a shared, oversubscribed machine torch's thread pool can make each small op 10-50x slower than
+  one thread (a parallel region waits for a descheduled worker); on a quiet one all cores win.
+  Returns the choice and the probe (µs per small matmul + tanh at each setting), for the results.
+  """
+  import torch
+  n_all = os.cpu_count() or 1
+  x, w = torch.randn(16, 576), torch.randn(576, 576)
+  probe = {}
+  for n in sorted({1, n_all}):
+    torch.set_num_threads(n)
+    for _ in range(20):
+      torch.tanh(x @ w)
+    t0 = time.perf_counter()
+    for _ in range(300):
+      torch.tanh(x @ w)
+    probe[n] = 1e6 * (time.perf_counter() - t0) / 300
+  best = min(probe, key=probe.get)
+  torch.set_num_threads(best)
+  return {"threads": best, "thread_probe_us": {str(k): round(v, 1) for k, v in probe.items()}}
