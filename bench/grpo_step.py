@@ -82,7 +82,7 @@ def step(ctx: dict, t: int) -> dict:
   return {"total_s": total, "generate_s": gen_s, "ref_train_s": train_s, "host_s": total - gen_s - train_s,
           "reward_mean": float(reward_B.mean()),
           "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean()),
-          "decode_steps": int(np.asarray(out["lengths_B"]).max())}
+          "decode_steps": int(np.asarray(out["lengths_B"]).max()), "prompt_len_mean": float(np.mean(p.len_B))}
 
 
 def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1,
@@ -115,6 +115,7 @@ def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1,
   med["best_total_s"] = min(r["total_s"] for r in rows)
   med["completion_len_mean"] = statistics.mean(r["completion_len_mean"] for r in rows)
   med["reward_mean"] = statistics.mean(r.get("reward_mean", 0.0) for r in rows)
+  med["prompt_len_mean"] = statistics.mean(r.get("prompt_len_mean", 0.0) for r in rows)
   med["step_s_each"] = [r["total_s"] for r in rows]
   return {**med, "rollouts_per_step": rows[0]["rollouts"], "steps": len(rows), "rounds": rounds, "warmup": warmup,
           "warmup_s": first_s, "compiles_after_warmup": compiles,

@@ -158,28 +158,32 @@ class InterleavedPeer:
 def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, model_dir: str | None = None,
                  shared_prefill: bool = False, steps: tuple[int, int, int] = REAL_STEPS, log=print,
                  peer_timeout_s: float = 1800) -> dict:
-  """Workload `variant` of `bench.workloads.REAL`: ours, then each peer, taking turns block by block
-  (each peer's process is paused while any other side runs; the peers warm up one after another,
-  after ours); then ours phase by phase (roofline, peak RSS per phase)."""
+  """Workload `variant` of `bench.workloads.REAL`: ours warms up; then, one peer at a time (only one
+  peer process alive: memory), the peer warms up and the two take turns block by block (the peer's
+  process paused while ours runs, ours idle while it runs); each ratio is against the ours blocks
+  that alternated with that peer. Then ours phase by phase (roofline, peak RSS per phase)."""
   from bench import common, grpo_real, grpo_step
   warmup, block, rounds = steps
   model_dir = model_dir or grpo_real.default_model_dir()
   load_start = list(os.getloadavg())
   names = list(REAL_PEERS) if peers else []
-  active = {n: InterleavedPeer(variant, warmup, block, rounds, script=REAL_PEERS[n], timeout_s=peer_timeout_s,
-                               extra_args=("--model", model_dir), lazy=True) for n in names}
-
-  def between():
-    for name, peer in active.items():
-      log(f"[bench] {variant}: {name}'s turn")
-      peer.turn()
-
-  log(f"[bench] {variant}: ours (build, {warmup} warm-up step(s)), then {rounds} blocks of {block} step(s) per side "
-      f"with peers {names or 'none'}")
+  log(f"[bench] {variant}: ours (build, {warmup} warm-up step(s)); then per peer {names or '(none)'}: the peer "
+      f"warms up, then {rounds} blocks of {block} step(s) per side, taking turns")
   ctx = grpo_real.build(variant, model_dir, shared_prefill=shared_prefill)
-  ours = grpo_step.measure(ctx, warmup=warmup, steps=block, rounds=rounds, between=between if names else None)
+  theirs, paired = {}, {}
+  if not names:
+    ours = grpo_step.measure(ctx, warmup=warmup, steps=block, rounds=rounds)
+  for i, name in enumerate(names):  # one peer alive at a time (memory), each paired with the ours blocks around it
+    log(f"[bench] {variant}: ours against {name}")
+    peer = InterleavedPeer(variant, warmup, block, rounds, script=REAL_PEERS[name], timeout_s=peer_timeout_s,
+                           extra_args=("--model", model_dir), lazy=True)
+    paired[name] = grpo_step.measure(ctx, warmup=warmup if i == 0 else 0, steps=block, rounds=rounds,
+                                     between=peer.turn)
+    theirs[name] = peer.result()
+    log(f"[bench] {variant}: {name}: {theirs[name].get('status')}")
+  if names:
+    ours = _pool([paired[n] for n in names])
   ours["prompt_width"] = ctx["P"]
-  theirs = {n: p.result() for n, p in active.items()}
   log(f"[bench] {variant}: ours phase by phase")
   with common.count_compiles() as n_phase_compiles:
     ph = grpo_real.phases(ctx, 10 ** 6)
@@ -195,7 +199,24 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
   for n in REAL_PEERS:
     t = theirs.get(n, {"status": "skipped (--no-peers)"})
     out[n] = t
-    out[f"{n}_over_ours"] = t["total_s"] / ours["total_s"] if "total_s" in t else None
+    # Against the ours blocks that took turns with this peer (the same stretch of machine time).
+    mine = paired.get(n, ours)
+    out[f"{n}_over_ours"] = t["total_s"] / mine["total_s"] if "total_s" in t else None
+    out[f"ours_with_{n}_s"] = mine["total_s"]
+  return out
+
+
+def _pool(parts: list[dict]) -> dict:
+  """One summary of several `grpo_step.measure` results of the same context (medians over all steps)."""
+  import statistics
+  each = [t for p in parts for t in p["step_s_each"]]
+  out = dict(parts[0])
+  out.update(total_s=statistics.median(each), best_total_s=min(each), step_s_each=each,
+             steps=sum(p["steps"] for p in parts), rounds=sum(p["rounds"] for p in parts),
+             compiles_after_warmup=sum(p["compiles_after_warmup"] for p in parts),
+             completion_len_mean=statistics.mean(p["completion_len_mean"] for p in parts))
+  for k in ("generate_s", "ref_train_s", "host_s"):  # medians of the parts' medians
+    out[k] = statistics.median(p[k] for p in parts)
   return out
 
 
@@ -441,26 +462,29 @@ def format_real(name: str, r: dict) -> str:
   """The tables of workload R (`measure_real`): peers, roofline per phase, memory, targets."""
   w, o, ms = r["workload"], r["ours"], r.get("measured", {})
   m = r["model"]
-  head = (f"**GRPO step on the real model: workload {name}** (SmolLM2-135M-Instruct, {_shape(m)}, real weights and "
-          f"tokenizer; chat-templated `arithmetic_chat` prompts, width {w['prompt_width']}; {w['prompts_per_step']} "
+  head = (f"**GRPO step on the real model: workload {name}** ({os.path.basename(r['model_dir'].rstrip('/'))}, "
+          f"{_shape(m)}, real weights and "
+          f"tokenizer; chat-templated `arithmetic_chat` prompts, {o.get('prompt_len_mean', 0):.1f} tokens on average, bucket width {w['prompt_width']}; {w['prompts_per_step']} "
           f"prompts × {w['group_size']}, up to {w['max_new_tokens']} new tokens (stop at EOS), temperature "
           f"{w['temperature']}, k3 KL β = {w['beta']} to the initial weights, one update per batch, AdamW, fp32, "
           f"remat {m['remat']!r}{', shared-prompt prefill' if w.get('shared_prefill') else ''}; median s/step "
-          f"after warm-up, the sides taking turns: {o['rounds']} blocks of {o['steps'] // max(o['rounds'], 1)} "
-          "step(s); peer / ours > 1 means ours is faster)")
+          "after warm-up; ours and one peer at a time take turns block by block, and each ratio is against the ours "
+          "blocks that alternated with that peer; peer / ours > 1 means ours is faster)")
   if ms:
     head += (f"\n\nMeasured by `{ms['command']}` · commit {ms['commit']}{' (dirty)' if ms.get('dirty') else ''} · "
              f"{ms['date_utc']} · load average (uptime) {r['loadavg_start'][0]:.1f} / {r['loadavg_start'][1]:.1f} / "
              f"{r['loadavg_start'][2]:.1f} at start, {r['loadavg_end'][0]:.1f} at end · fp32 peak "
              f"{_g(ms['peak_fp32'], 'FLOP/s')}, copy bandwidth {_g(ms['bandwidth'], 'B/s')} (same run)")
-  rows = [["jaxrl_llm (`bench/grpo_real.py`)", _ms(o["total_s"]), "1.00×",
+  rows = [[f"jaxrl_llm (`bench/grpo_real.py`), {o['steps']} steps", _ms(o["total_s"]), "1.00×",
            f"{o['rollouts_per_step']} × {o['completion_len_mean']:.1f}", f"{o.get('reward_mean', float('nan')):.2f}",
            f"ok (compiles after warm-up: {o['compiles_after_warmup']})"]]
   for peer, label in PEER_LABELS.items():
     t = r[peer]
     ratio = r.get(f"{peer}_over_ours")
     ver = next((f" ({k.split('_')[0]} {v})" for k, v in t.items() if k.endswith("_version")), "")
-    rows.append([label, _ms(t["total_s"]) if "total_s" in t else "–", f"{ratio:.2f}×" if ratio else "–",
+    mine = r.get(f"ours_with_{peer}_s")
+    rows.append([label, _ms(t["total_s"]) if "total_s" in t else "–",
+                 (f"{ratio:.2f}×" + (f" (ours {_ms(mine)} in those turns)" if mine else "")) if ratio else "–",
                  f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–",
                  f"{t['reward_mean']:.2f}" if "reward_mean" in t else "–",
                  t.get("status", "?") + (ver if t.get("status") == "ok" else "")])
@@ -487,12 +511,14 @@ def format_real(name: str, r: dict) -> str:
           _table(["phase", "time", "model FLOPs", "achieved", "of peak", "bytes/s", "of bandwidth", "bound", "of bound"],
                  rows), ""]
   mem = r["memory"]
-  rows = [[ph_name, _g(mem[ph_name]["peak_rss"], "B"), _g(mem[ph_name]["budget"], "B"), f"{mem[ph_name]['over_budget']:.2f}×"]
+  rows = [[ph_name, _g(mem[ph_name]["peak_rss"], "B"), _g(mem[ph_name]["budget"], "B"), f"{mem[ph_name]['over_budget']:.2f}×",
+           f"{mem[ph_name].get('over_budget_less_runtime', float('nan')):.2f}×"]
           for ph_name in ("prefill", "decode", "reference", "train")]
   out += [f"**{name}: memory** (peak RSS of the process during each phase, sampled every 10 ms, against the budget "
           f"from shapes: policy + reference + AdamW moments = {_g(mem['budget_parts']['resident'], 'B')}, plus the "
-          "phase's KV cache / scoring logits / gradients + activations; `bench/grpo_real.py` `memory_budget`)", "",
-          _table(["phase", "peak RSS", "budget", "RSS / budget"], rows), ""]
+          "phase's KV cache / scoring logits / gradients + activations; `bench/grpo_real.py` `memory_budget`; the "
+          f"runtime before the model was loaded held {_g(mem.get('runtime_rss', 0), 'B')})", "",
+          _table(["phase", "peak RSS", "budget", "RSS / budget", "(RSS − runtime) / budget"], rows), ""]
   out += [f"**{name}: targets** (issue 17; reported, not asserted)", "",
           _table(["target", "measured", "met"], _real_targets(r))]
   return "\n".join(out)
