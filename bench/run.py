@@ -139,7 +139,9 @@ class InterleavedPeer:
       return self._fail(f"timed out after {self.timeout_s:.0f} s")
     if msg is None:
       tail = self.stderr_tail[-1:] or ["no output"]
-      return self._fail(f"no result (exit {self.proc.wait()}): {tail[0][:200]}")
+      rc = self.proc.wait()
+      why = f"killed by signal {-rc}{' (SIGKILL: the kernel OOM killer, or a person)' if rc == -9 else ''}" if rc < 0 else f"exit {rc}"
+      return self._fail(f"no result ({why}): {tail[0][:200]}")
     if msg.get("status") != "paused":
       self.final = msg
 
@@ -157,7 +159,7 @@ class InterleavedPeer:
 
 def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, model_dir: str | None = None,
                  shared_prefill: bool = False, steps: tuple[int, int, int] = REAL_STEPS, log=print,
-                 peer_timeout_s: float = 1800) -> dict:
+                 peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = ()) -> dict:
   """Workload `variant` of `bench.workloads.REAL`: ours warms up; then, one peer at a time (only one
   peer process alive: memory), the peer warms up and the two take turns block by block (the peer's
   process paused while ours runs, ours idle while it runs); each ratio is against the ours blocks
@@ -166,7 +168,7 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
   warmup, block, rounds = steps
   model_dir = model_dir or grpo_real.default_model_dir()
   load_start = list(os.getloadavg())
-  names = list(REAL_PEERS) if peers else []
+  names = [n for n in REAL_PEERS if not only_peers or n in only_peers] if peers else []
   log(f"[bench] {variant}: ours (build, {warmup} warm-up step(s)); then per peer {names or '(none)'}: the peer "
       f"warms up, then {rounds} blocks of {block} step(s) per side, taking turns")
   ctx = grpo_real.build(variant, model_dir, shared_prefill=shared_prefill)
@@ -184,20 +186,21 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
   if names:
     ours = _pool([paired[n] for n in names])
   ours["prompt_width"] = ctx["P"]
-  log(f"[bench] {variant}: ours phase by phase")
-  with common.count_compiles() as n_phase_compiles:
-    ph = grpo_real.phases(ctx, 10 ** 6)
-  ph["compiles"] = n_phase_compiles[0]
   out = {"variant": variant, "model_dir": model_dir,
          "model": {k: getattr(ctx["cfg"], k) for k in ("n_layers", "d_model", "d_ff", "vocab_size", "n_heads",
                                                           "n_kv_heads", "head_dim", "remat", "layer_unroll")},
          "workload": {**ctx["run"], "rollouts": ctx["run"]["prompts_per_step"] * ctx["run"]["group_size"]},
-         "ours": ours, "phases": ph,
-         "roofline": grpo_real.roofline(ctx, ph, ours["total_s"], peak_fp32, bandwidth),
-         "memory": grpo_real.memory(ctx, ph),
-         "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())}
+         "ours": ours, "loadavg_start": load_start}
+  if not only_peers:  # a peers-only re-measurement keeps the entry's phases
+    log(f"[bench] {variant}: ours phase by phase")
+    with common.count_compiles() as n_phase_compiles:
+      ph = grpo_real.phases(ctx, 10 ** 6)
+    ph["compiles"] = n_phase_compiles[0]
+    out.update(phases=ph, roofline=grpo_real.roofline(ctx, ph, ours["total_s"], peak_fp32, bandwidth),
+               memory=grpo_real.memory(ctx, ph))
+  out["loadavg_end"] = list(os.getloadavg())
   for n in REAL_PEERS:
-    t = theirs.get(n, {"status": "skipped (--no-peers)"})
+    t = theirs.get(n, {"status": "skipped (--no-peers)" if not peers else "skipped (--peers)"})
     out[n] = t
     # Against the ours blocks that took turns with this peer (the same stretch of machine time).
     mine = paired.get(n, ours)
@@ -226,7 +229,8 @@ def _default_model_dir() -> str:
 
 
 def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_real: bool = False,
-            model_dir: str | None = None, shared_prefill: bool = False, command: str = COMMAND) -> dict:
+            model_dir: str | None = None, shared_prefill: bool = False, command: str = COMMAND,
+            only_peers: tuple[str, ...] = ()) -> dict:
   """Runs every section; returns the results dict written to results.json.
 
   `real`: workload R variant to run after the toy sections (None: none); `only_real`: the machine
@@ -248,7 +252,8 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
 
   if only_real:
     res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                         steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log),
+                                         steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log,
+                                         only_peers=only_peers),
                           "measured": measured()}}
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_start
@@ -483,6 +488,10 @@ def format_real(name: str, r: dict) -> str:
     ratio = r.get(f"{peer}_over_ours")
     ver = next((f" ({k.split('_')[0]} {v})" for k, v in t.items() if k.endswith("_version")), "")
     mine = r.get(f"ours_with_{peer}_s")
+    if "remeasured" in t:
+      rm = t["remeasured"]
+      label += (f" (re-measured: `{rm['command']}`, {rm['date_utc']}, commit {rm['commit']}, load average "
+                f"{rm['loadavg_start'][0]:.1f})")
     rows.append([label, _ms(t["total_s"]) if "total_s" in t else "–",
                  (f"{ratio:.2f}×" + (f" (ours {_ms(mine)} in those turns)" if mine else "")) if ratio else "–",
                  f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–",
@@ -602,6 +611,8 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--shared-prefill", action="store_true",
                   help="turn on the sampler's shared-prompt prefill for --real (when this checkout's SamplerConfig has it)")
   ap.add_argument("--command", default=None, help="the command recorded with the results (default: this one)")
+  ap.add_argument("--peers", default="", help="with --only-real: comma-separated subset of tunix,trl,torch to "
+                  "(re)measure against ours; only their rows of the existing entry are replaced")
   args = ap.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -616,15 +627,27 @@ def main(argv: list[str] | None = None) -> dict:
   if args.only_real and real is None:
     ap.error("--only-real needs --real R_small or R")
   command = args.command or "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv)
+  only_peers = tuple(p for p in args.peers.split(",") if p)
+  if set(only_peers) - set(REAL_PEERS) or (only_peers and not args.only_real):
+    ap.error(f"--peers={args.peers!r}: a subset of {','.join(REAL_PEERS)}, with --only-real")
   res = collect(args.quick, peers=not args.no_peers, real=real, only_real=args.only_real, model_dir=args.model,
-                shared_prefill=args.shared_prefill, command=command,
+                shared_prefill=args.shared_prefill, command=command, only_peers=only_peers,
                 log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
   if args.only_real:  # keep every other row of the existing results (the toy history stays comparable)
     if not os.path.exists(args.out):
       raise SystemExit(f"--only-real: {args.out} does not exist (run the full bench once first)")
     with open(args.out) as f:
       old = json.load(f)
-    old.setdefault("grpo", {})[real] = res["grpo"][real]
+    new = res["grpo"][real]
+    if only_peers and real in old.get("grpo", {}):  # replace these peers' rows only, noting where they came from
+      entry = old["grpo"][real]
+      for n in only_peers:
+        entry[n] = {**new[n], "remeasured": {**new["measured"], "loadavg_start": new["loadavg_start"],
+                                             "loadavg_end": new["loadavg_end"]}}
+        for k in (f"{n}_over_ours", f"ours_with_{n}_s"):
+          entry[k] = new[k]
+    else:
+      old.setdefault("grpo", {})[real] = new
     res = old
   tables = format_tables(res)
   print(tables)

@@ -19,7 +19,8 @@ folder's config (SmolLM2-135M-Instruct: 30 layers, tied embeddings) and its safe
 `tunix.models.llama3.params.create_model_from_safe_tensors` (fp32; policy and reference each load it),
 the folder's Hugging Face tokenizer (Tunix's `TokenizerAdapter`), the chat-templated `arithmetic_chat`
 prompts in the order ours uses (same seed), Tunix's vanilla sampler, prompts × G rollouts of up to N
-new tokens stopping at EOS, β = 0.04, one iteration per batch, AdamW (β₂ 0.98) + clip 1.0.
+new tokens stopping at EOS, β = 0.04, one iteration per batch, AdamW (β₂ 0.98) + clip 1.0; with the
+workload's remat "full", `RematConfig.DECODER` (each decoder layer recomputed in the backward pass, as ours).
 
 Usage: bench/.venv-bench/bin/python bench/peers/tunix_grpo.py --workload 2L-d128 [--warmup 2 --steps 5 --rounds 1]
        bench/.venv-bench/bin/python bench/peers/tunix_grpo.py --workload R_small --model DIR [...]
@@ -212,7 +213,9 @@ def run_real(workload: str, model_dir: str, warmup: int, steps: int, rounds: int
                            embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
                            num_heads=hf["num_attention_heads"], head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
                            num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]),
-                           norm_eps=hf["rms_norm_eps"], weight_tying=bool(hf.get("tie_word_embeddings")))
+                           norm_eps=hf["rms_norm_eps"], weight_tying=bool(hf.get("tie_word_embeddings")),
+                           # As ours (`remat` "full"): recompute each decoder layer in the backward pass.
+                           remat_config=llama3.RematConfig.DECODER if r["remat"] == "full" else llama3.RematConfig.NONE)
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
     actor = llama3_params.create_model_from_safe_tensors(model_dir, cfg, mesh, dtype=jnp.float32)
@@ -274,7 +277,7 @@ def run_real(workload: str, model_dir: str, warmup: int, steps: int, rounds: int
   if set(rollout_sizes) != {n_prompts * G}:
     return {"status": f"workload mismatch: rollout batch sizes {sorted(set(rollout_sizes))}, expected {n_prompts * G}"}
   return {**res, "rollouts_per_step": n_prompts * G, "completion_len_mean": float(np.mean(completion_lens)),
-          "reward_mean": float(np.mean(rewards_all)), "prompt_width": P,
+          "reward_mean": float(np.mean(rewards_all)), "prompt_width": P, "remat": cfg.remat_config.name,
           "tunix_version": getattr(tunix, "__version__", "?"), "jax_version": jax.__version__}
 
 
