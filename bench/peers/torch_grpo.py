@@ -7,7 +7,8 @@ the same prompts in the same order) rendered by the tokenizer's chat template, `
 completions (temperature 1, no top-k / top-p) of up to N new tokens stopping at EOS, reward = the
 task's, GRPO advantages, PPO-clip loss with π_old = the sampling policy (one update per batch: ratio 1),
 k3 KL β to a frozen copy, seq-mean-token-mean, AdamW (β₂ 0.98) with global-norm clip 1.0; torch's
-threads: 1 or every core, whichever runs small ops faster at start (`turns.pick_torch_threads`).
+threads: 1 or every core, whichever runs small ops faster at start (`turns.pick_torch_threads`); with the
+workload's remat "full", `gradient_checkpointing_enable()` (each layer recomputed in the backward pass).
 
 Usage: bench/.venv-bench/bin/python bench/peers/torch_grpo.py --workload R_small --model DIR [--warmup 1 --steps 1 --rounds 2]
 """
@@ -41,6 +42,8 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   if tok.pad_token is None:
     tok.pad_token = tok.eos_token
   model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  if r["remat"] == "full":  # as ours (remat "full") and TRL (gradient_checkpointing on by default)
+    model.gradient_checkpointing_enable()
   ref = copy.deepcopy(model).eval()
   for p in ref.parameters():
     p.requires_grad_(False)
@@ -97,7 +100,8 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   out = clock.summary()
   return {**out, "rollouts_per_step": r["prompts_per_step"] * G, "completion_len_mean": float(np.mean(lens)),
           "reward_mean": float(np.mean(rewards_all)), "torch_version": torch.__version__,
-          "transformers_version": transformers.__version__, **threads}
+          "transformers_version": transformers.__version__,
+          "gradient_checkpointing": bool(model.is_gradient_checkpointing), **threads}
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ Runs ONLY under `bench/.venv-bench` (CPU torch, `transformers.generate`), as a s
 dataset is not shuffled) as conversational prompts (TRL renders the chat template), `num_generations`
 = G, `max_completion_length` = N, temperature 1 (no top-k / top-p), β = 0.04 (TRL's k3 KL to a frozen
 reference), one iteration per batch, `loss_type="grpo"` (sequence-mean of token-means, as ours),
-rewards scaled by the group std, AdamW (β₂ 0.98, no weight decay) with max_grad_norm 1.0.
+rewards scaled by the group std, AdamW (β₂ 0.98, no weight decay) with max_grad_norm 1.0; TRL's default
+gradient checkpointing (on), as ours' remat "full".
 
 Timing: wall time between the ends of consecutive optimizer steps (`on_step_end`); one step =
 generate, reward, reference log-probs, one update.
