@@ -159,7 +159,7 @@ class InterleavedPeer:
 
 def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, model_dir: str | None = None,
                  shared_prefill: bool = False, steps: tuple[int, int, int] = REAL_STEPS, log=print,
-                 peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = ()) -> dict:
+                 peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = (), quick: bool = False) -> dict:
   """Workload `variant` of `bench.workloads.REAL`: ours warms up; then, one peer at a time (only one
   peer process alive: memory), the peer warms up and the two take turns block by block (the peer's
   process paused while ours runs, ours idle while it runs); each ratio is against the ours blocks
@@ -192,12 +192,18 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
          "workload": {**ctx["run"], "rollouts": ctx["run"]["prompts_per_step"] * ctx["run"]["group_size"]},
          "ours": ours, "loadavg_start": load_start}
   if not only_peers:  # a peers-only re-measurement keeps the entry's phases
-    log(f"[bench] {variant}: ours phase by phase")
+    # The machine's load drifts over a long run: the roofline uses a peak and bandwidth measured again
+    # right before the phases (the run's first measurement stays in `peak` / `measured`).
+    from bench import peak as peak_lib
+    log(f"[bench] {variant}: peak and bandwidth again, then ours phase by phase")
+    pk = peak_lib.measure(quick)
+    peak_fp32, bandwidth = pk["matmul_fp32"]["flops_per_s"], pk["copy"]["bytes_per_s"]
     with common.count_compiles() as n_phase_compiles:
       ph = grpo_real.phases(ctx, 10 ** 6)
     ph["compiles"] = n_phase_compiles[0]
     out.update(phases=ph, roofline=grpo_real.roofline(ctx, ph, ours["total_s"], peak_fp32, bandwidth),
-               memory=grpo_real.memory(ctx, ph))
+               memory=grpo_real.memory(ctx, ph), peak_at_phases={"fp32": peak_fp32, "bandwidth": bandwidth,
+                                                                 "loadavg": list(os.getloadavg())})
   out["loadavg_end"] = list(os.getloadavg())
   for n in REAL_PEERS:
     t = theirs.get(n, {"status": "skipped (--no-peers)" if not peers else "skipped (--peers)"})
@@ -253,7 +259,7 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
   if only_real:
     res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
                                          steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log,
-                                         only_peers=only_peers),
+                                         only_peers=only_peers, quick=quick),
                           "measured": measured()}}
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_start
@@ -308,7 +314,7 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     log(f"[bench] {res['real_skipped']}")
   elif real:
     res["grpo"][real] = measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                     steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log)
+                                     steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log, quick=quick)
     res["grpo"][real]["measured"] = measured()
   res["machine"]["loadavg_end"] = list(os.getloadavg())
   res["wall_s"] = time.perf_counter() - t_start
@@ -343,7 +349,8 @@ def _pct(x: float) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+  cell = lambda c: str(c).replace("|", "\\|")  # a peer's stderr line may hold a '|' (progress bars)
+  return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
 
 
 def _shape(m: dict) -> str:
@@ -512,7 +519,12 @@ def format_real(name: str, r: dict) -> str:
   rows.append(["whole step", _ms(st["measured_s"]), "", "", "", "", "", _ms(st["lower_bound_s"]),
                _pct(st["of_lower_bound"])])
   ph = r["phases"]
-  out += [f"**{name}: roofline per phase** (ours, each phase timed alone after the turns; decode = generate − prefill, "
+  pa = r.get("peak_at_phases")
+  against = (f"against the fp32 peak {_g(pa['fp32'], 'FLOP/s')} and bandwidth {_g(pa['bandwidth'], 'B/s')} measured "
+             f"again right before the phases (load average {pa['loadavg'][0]:.1f})" if pa else
+             "against the peak and bandwidth measured at the start of the run (the load changed since: a fraction "
+             "over 100 % means the phase ran on a quieter machine than the peak)")
+  out += [f"**{name}: roofline per phase** (ours, each phase timed alone after the turns, {against}; decode = generate − prefill, "
           f"{r['roofline']['decode']['steps']} decode steps at batch {r['roofline']['decode']['batch']}; train = fused "
           "reference + train step − reference scoring; FLOPs: 2·N per token forward, 6·N train, plus attention; "
           "bytes: parameters (+ KV cache read per decode step, + AdamW state for train); bound = max(FLOPs / peak, "
