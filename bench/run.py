@@ -503,7 +503,7 @@ def format_real(name: str, r: dict) -> str:
                  (f"{ratio:.2f}×" + (f" (ours {_ms(mine)} in those turns)" if mine else "")) if ratio else "–",
                  f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–",
                  f"{t['reward_mean']:.2f}" if "reward_mean" in t else "–",
-                 t.get("status", "?") + (ver if t.get("status") == "ok" else "")])
+                 t.get("status", "?") + (ver if t.get("status") == "ok" else "") + (f"; {t['note']}" if t.get("note") else "")])
   out = [head, "", _table(["side", "s / step", "peer / ours", "rollouts × mean length", "reward mean", "status"], rows), ""]
   rows = []
   for ph in ("prefill", "decode", "reference", "train", "decode_b64"):

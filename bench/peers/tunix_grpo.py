@@ -209,13 +209,20 @@ def run_real(workload: str, model_dir: str, warmup: int, steps: int, rounds: int
   tok = transformers.AutoTokenizer.from_pretrained(model_dir)
   P = _real_prompt_width(tok, [task.make_example(np.random.default_rng(s))["prompt"] for s in range(64)])
   hf = json_lib.load(open(os.path.join(model_dir, "config.json")))
+  # BENCH_TUNIX_REMAT=none: the closest workload Tunix 0.1.7 runs (its RematConfig.DECODER fails in the
+  # train step with flax's TraceContextError "Cannot mutate Param from a different trace level").
+  forced = os.environ.get("BENCH_TUNIX_REMAT", "")
+  remat = (llama3.RematConfig.NONE if forced == "none" or r["remat"] != "full" else llama3.RematConfig.DECODER)
+  note = ("remat off (BENCH_TUNIX_REMAT=none): Tunix 0.1.7's RematConfig.DECODER fails with flax "
+          "TraceContextError; ours recomputes layers, so Tunix does 6N instead of our 8N FLOPs per token"
+          if forced == "none" and r["remat"] == "full" else "")
   cfg = llama3.ModelConfig(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
                            embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
                            num_heads=hf["num_attention_heads"], head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
                            num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]),
                            norm_eps=hf["rms_norm_eps"], weight_tying=bool(hf.get("tie_word_embeddings")),
                            # As ours (`remat` "full"): recompute each decoder layer in the backward pass.
-                           remat_config=llama3.RematConfig.DECODER if r["remat"] == "full" else llama3.RematConfig.NONE)
+                           remat_config=remat)
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
     actor = llama3_params.create_model_from_safe_tensors(model_dir, cfg, mesh, dtype=jnp.float32)
@@ -278,6 +285,7 @@ def run_real(workload: str, model_dir: str, warmup: int, steps: int, rounds: int
     return {"status": f"workload mismatch: rollout batch sizes {sorted(set(rollout_sizes))}, expected {n_prompts * G}"}
   return {**res, "rollouts_per_step": n_prompts * G, "completion_len_mean": float(np.mean(completion_lens)),
           "reward_mean": float(np.mean(rewards_all)), "prompt_width": P, "remat": cfg.remat_config.name,
+          **({"note": note} if note else {}),
           "tunix_version": getattr(tunix, "__version__", "?"), "jax_version": jax.__version__}
 
 
