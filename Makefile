@@ -60,18 +60,34 @@ docs: $(VENV)/.base
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# Benchmarks. Tunix (the peer in the GRPO comparison) is installed ONLY into its own virtualenv,
-# bench/.venv-bench, never into $(VENV); if it cannot be installed, the table says so.
+# Benchmarks. The peers of the GRPO comparison (Tunix; for workload R also TRL and plain PyTorch, CPU
+# torch) are installed ONLY into their own virtualenv, bench/.venv-bench, never into $(VENV); if one
+# cannot be installed, the table says so. Install logs: $(BENCH_VENV)/install*.log.
 BENCH_VENV := bench/.venv-bench
-.PHONY: bench
+.PHONY: bench bench-r
 
 $(BENCH_VENV)/.tunix:
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/pip install -q google-tunix > $(BENCH_VENV)/install.log 2>&1 \
+	$(BENCH_VENV)/bin/pip install -q google-tunix==0.1.7 > $(BENCH_VENV)/install.log 2>&1 \
 	  || echo "google-tunix install failed (see $(BENCH_VENV)/install.log); the bench reports it" >&2
 	touch $@
 
-## Benchmarks (≈ 10 min on a 2-core CPU): prints tables, writes bench/results.json and bench/README.md.
-bench: $(VENV)/.base $(BENCH_VENV)/.tunix
-	$(PY) -m bench.run --out bench/results.json --readme bench/README.md
+# The CPU wheel of torch (an unpinned torch pulls a multi-GB CUDA build), then TRL.
+$(BENCH_VENV)/.torch-trl: $(BENCH_VENV)/.tunix
+	$(BENCH_VENV)/bin/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+	  > $(BENCH_VENV)/install-torch.log 2>&1 || $(BENCH_VENV)/bin/pip install -q torch==2.13.0 \
+	  >> $(BENCH_VENV)/install-torch.log 2>&1 \
+	  || echo "torch install failed (see $(BENCH_VENV)/install-torch.log); the bench reports it" >&2
+	$(BENCH_VENV)/bin/pip install -q trl transformers safetensors > $(BENCH_VENV)/install-trl.log 2>&1 \
+	  || echo "trl install failed (see $(BENCH_VENV)/install-trl.log); the bench reports it" >&2
+	touch $@
+
+## Benchmarks (≈ 30 min on a 2-core CPU): the toy workloads and workload R_small on the real
+## SmolLM2-135M-Instruct (`make smollm2` first); prints tables, writes bench/results.json and bench/README.md.
+bench: $(VENV)/.base $(BENCH_VENV)/.tunix $(BENCH_VENV)/.torch-trl
+	$(PY) -m bench.run --out bench/results.json --readme bench/README.md --command "make bench"
+
+## Workload R at full size (8 prompts × 8, 128 new tokens; slow on a CPU) merged into bench/results.json.
+bench-r: $(VENV)/.base $(BENCH_VENV)/.tunix $(BENCH_VENV)/.torch-trl
+	$(PY) -m bench.run --only-real --real R --out bench/results.json --readme bench/README.md --command "make bench-r"

@@ -24,6 +24,7 @@ from jaxrl_llm.rollout import collect
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.tasks import get_task
 from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER
 
 
 def build(model: dict, run: dict = workloads.GRPO_RUN) -> dict:
@@ -55,7 +56,7 @@ def step(ctx: dict, t: int) -> dict:
   run, G = ctx["run"], ctx["run"]["group_size"]
   t0 = time.perf_counter()
   examples = [ctx["task"].make_example(ctx["rng"]) for _ in range(run["prompts_per_step"])]
-  p = collect.encode_prompts([ex for ex in examples for _ in range(G)], ctx["P"])
+  p = collect.encode_prompts([ex for ex in examples for _ in range(G)], ctx["P"], ctx.get("encoder", CHAR_ENCODER))
   key = fold_in(ctx["key"], t)
 
   t_gen = time.perf_counter()
@@ -80,7 +81,8 @@ def step(ctx: dict, t: int) -> dict:
   total = time.perf_counter() - t0
   return {"total_s": total, "generate_s": gen_s, "ref_train_s": train_s, "host_s": total - gen_s - train_s,
           "reward_mean": float(reward_B.mean()),
-          "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean())}
+          "rollouts": B, "completion_len_mean": float(np.asarray(mask_BN).sum(1).mean()),
+          "decode_steps": int(np.asarray(out["lengths_B"]).max()), "prompt_len_mean": float(np.mean(p.len_B))}
 
 
 def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1,
@@ -112,6 +114,9 @@ def measure(ctx: dict, warmup: int = 2, steps: int = 5, rounds: int = 1,
   med = {k: statistics.median(r[k] for r in rows) for k in ("total_s", "generate_s", "ref_train_s", "host_s")}
   med["best_total_s"] = min(r["total_s"] for r in rows)
   med["completion_len_mean"] = statistics.mean(r["completion_len_mean"] for r in rows)
+  med["reward_mean"] = statistics.mean(r.get("reward_mean", 0.0) for r in rows)
+  med["prompt_len_mean"] = statistics.mean(r.get("prompt_len_mean", 0.0) for r in rows)
+  med["step_s_each"] = [r["total_s"] for r in rows]
   return {**med, "rollouts_per_step": rows[0]["rollouts"], "steps": len(rows), "rounds": rounds, "warmup": warmup,
           "warmup_s": first_s, "compiles_after_warmup": compiles,
           "train_step_cache_size": ctx["train_step"]._cache_size(), "generate_cache_size": generate._cache_size()}

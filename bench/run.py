@@ -1,11 +1,15 @@
 """`make bench` entry point: runs every benchmark once, prints Markdown tables, writes JSON (+ README).
 
   python -m bench.run [--quick] [--no-peers] [--out bench/results.json] [--readme bench/README.md]
+                      [--real R_small|R|none] [--only-real] [--model DIR] [--shared-prefill]
 
 Order: machine references (matmul peak, copy bandwidth) → learner MFU (S, M) → sampler throughput →
 full GRPO step, ours and Tunix's in alternating blocks (Tunix in a subprocess of the bench virtualenv,
-paused while ours runs: never both at once) → loop and system costs. `--quick` shrinks every shape
-(a smoke run, numbers meaningless) and skips peers.
+paused while ours runs: never both at once) → loop and system costs → workload R on the real
+SmolLM2-135M-Instruct (`bench/grpo_real.py`; R_small by default, `--real R` for the full size), ours
+against Tunix, TRL and plain PyTorch taking turns, with its per-phase roofline and memory. `--quick`
+shrinks every shape (a smoke run, numbers meaningless) and skips peers and R. `--only-real` measures
+the machine references and R only and merges them into the existing `--out` (the toy rows stay).
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_PYTHON = os.path.join(ROOT, "bench", ".venv-bench", "bin", "python")
 TUNIX_SCRIPT = os.path.join(ROOT, "bench", "peers", "tunix_grpo.py")
+REAL_PEERS = {  # workload R's peers: name -> script (each speaks bench/peers/turns.py's protocol)
+    "tunix": TUNIX_SCRIPT,
+    "trl": os.path.join(ROOT, "bench", "peers", "trl_grpo.py"),
+    "torch": os.path.join(ROOT, "bench", "peers", "torch_grpo.py"),
+}
+REAL_STEPS = (1, 1, 2)  # workload R: warm-up steps, steps per block, blocks per side
 COMMAND = "make bench"
 GRPO_STEPS = (2, 2, 6)  # GRPO step vs Tunix: warm-up steps, then blocks of 2 steps taking turns, 6 blocks per side
 
@@ -67,18 +77,23 @@ class InterleavedPeer:
   """
 
   def __init__(self, workload: str, warmup: int, steps: int, rounds: int, python: str = BENCH_PYTHON,
-               timeout_s: float = 420, script: str = TUNIX_SCRIPT):
-    import queue
-    import threading
+               timeout_s: float = 420, script: str = TUNIX_SCRIPT, extra_args: tuple[str, ...] = (),
+               lazy: bool = False):
     self.timeout_s, self.turns, self.final, self.proc = timeout_s, 0, None, None
     if not os.path.exists(python):
       self.final = {"status": f"bench venv missing ({os.path.relpath(python, ROOT)}); `make bench` creates it"}
       return
-    cmd = [python, script, "--workload", workload, "--warmup", str(warmup), "--steps", str(steps),
-           "--rounds", str(rounds)]
+    self.cmd = [python, script, "--workload", workload, "--warmup", str(warmup), "--steps", str(steps),
+                "--rounds", str(rounds), *extra_args]
+    if not lazy:  # lazy: the process starts at the first `turn()` (peers warm up one after another)
+      self.start()
+
+  def start(self) -> None:
+    import queue
+    import threading
     env = {**os.environ, "PYTHONPATH": ""}  # the peer must not see the project venv's packages
-    self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE)
+    self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     self.lines: queue.Queue = queue.Queue()
     self.stderr_tail: list[str] = []
     threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines), daemon=True).start()
@@ -88,7 +103,12 @@ class InterleavedPeer:
   def _pump(stream, q) -> None:
     for ln in stream:
       if ln.startswith("{"):
-        q.put(json.loads(ln))
+        try:
+          msg = json.loads(ln)
+        except ValueError:  # a library's own printout (e.g. a Trainer's log dict), not the protocol
+          continue
+        if isinstance(msg, dict) and "status" in msg:
+          q.put(msg)
     q.put(None)  # end of output
 
   def _tail(self, stream) -> None:
@@ -104,6 +124,8 @@ class InterleavedPeer:
     import queue
     if self.final is not None:
       return
+    if self.proc is None:
+      self.start()
     if self.turns > 0:
       try:
         self.proc.stdin.write("go\n")
@@ -117,7 +139,9 @@ class InterleavedPeer:
       return self._fail(f"timed out after {self.timeout_s:.0f} s")
     if msg is None:
       tail = self.stderr_tail[-1:] or ["no output"]
-      return self._fail(f"no result (exit {self.proc.wait()}): {tail[0][:200]}")
+      rc = self.proc.wait()
+      why = f"killed by signal {-rc}{' (SIGKILL: the kernel OOM killer, or a person)' if rc == -9 else ''}" if rc < 0 else f"exit {rc}"
+      return self._fail(f"no result ({why}): {tail[0][:200]}")
     if msg.get("status") != "paused":
       self.final = msg
 
@@ -133,17 +157,113 @@ class InterleavedPeer:
     return self.final
 
 
-def collect(quick: bool, peers: bool, log=print) -> dict:
-  """Runs every section; returns the results dict written to results.json."""
+def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, model_dir: str | None = None,
+                 shared_prefill: bool = False, steps: tuple[int, int, int] = REAL_STEPS, log=print,
+                 peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = (), quick: bool = False) -> dict:
+  """Workload `variant` of `bench.workloads.REAL`: ours warms up; then, one peer at a time (only one
+  peer process alive: memory), the peer warms up and the two take turns block by block (the peer's
+  process paused while ours runs, ours idle while it runs); each ratio is against the ours blocks
+  that alternated with that peer. Then ours phase by phase (roofline, peak RSS per phase)."""
+  from bench import common, grpo_real, grpo_step
+  warmup, block, rounds = steps
+  model_dir = model_dir or grpo_real.default_model_dir()
+  load_start = list(os.getloadavg())
+  names = [n for n in REAL_PEERS if not only_peers or n in only_peers] if peers else []
+  log(f"[bench] {variant}: ours (build, {warmup} warm-up step(s)); then per peer {names or '(none)'}: the peer "
+      f"warms up, then {rounds} blocks of {block} step(s) per side, taking turns")
+  ctx = grpo_real.build(variant, model_dir, shared_prefill=shared_prefill)
+  theirs, paired = {}, {}
+  if not names:
+    ours = grpo_step.measure(ctx, warmup=warmup, steps=block, rounds=rounds)
+  for i, name in enumerate(names):  # one peer alive at a time (memory), each paired with the ours blocks around it
+    log(f"[bench] {variant}: ours against {name}")
+    peer = InterleavedPeer(variant, warmup, block, rounds, script=REAL_PEERS[name], timeout_s=peer_timeout_s,
+                           extra_args=("--model", model_dir), lazy=True)
+    paired[name] = grpo_step.measure(ctx, warmup=warmup if i == 0 else 0, steps=block, rounds=rounds,
+                                     between=peer.turn)
+    theirs[name] = peer.result()
+    log(f"[bench] {variant}: {name}: {theirs[name].get('status')}")
+  if names:
+    ours = _pool([paired[n] for n in names])
+  ours["prompt_width"] = ctx["P"]
+  out = {"variant": variant, "model_dir": model_dir,
+         "model": {k: getattr(ctx["cfg"], k) for k in ("n_layers", "d_model", "d_ff", "vocab_size", "n_heads",
+                                                          "n_kv_heads", "head_dim", "remat", "layer_unroll")},
+         "workload": {**ctx["run"], "rollouts": ctx["run"]["prompts_per_step"] * ctx["run"]["group_size"]},
+         "ours": ours, "loadavg_start": load_start}
+  if not only_peers:  # a peers-only re-measurement keeps the entry's phases
+    # The machine's load drifts over a long run: the roofline uses a peak and bandwidth measured again
+    # right before the phases (the run's first measurement stays in `peak` / `measured`).
+    from bench import peak as peak_lib
+    log(f"[bench] {variant}: peak and bandwidth again, then ours phase by phase")
+    pk = peak_lib.measure(quick)
+    peak_fp32, bandwidth = pk["matmul_fp32"]["flops_per_s"], pk["copy"]["bytes_per_s"]
+    with common.count_compiles() as n_phase_compiles:
+      ph = grpo_real.phases(ctx, 10 ** 6)
+    ph["compiles"] = n_phase_compiles[0]
+    out.update(phases=ph, roofline=grpo_real.roofline(ctx, ph, ours["total_s"], peak_fp32, bandwidth),
+               memory=grpo_real.memory(ctx, ph), peak_at_phases={"fp32": peak_fp32, "bandwidth": bandwidth,
+                                                                 "loadavg": list(os.getloadavg())})
+  out["loadavg_end"] = list(os.getloadavg())
+  for n in REAL_PEERS:
+    t = theirs.get(n, {"status": "skipped (--no-peers)" if not peers else "skipped (--peers)"})
+    out[n] = t
+    # Against the ours blocks that took turns with this peer (the same stretch of machine time).
+    mine = paired.get(n, ours)
+    out[f"{n}_over_ours"] = t["total_s"] / mine["total_s"] if "total_s" in t else None
+    out[f"ours_with_{n}_s"] = mine["total_s"]
+  return out
+
+
+def _pool(parts: list[dict]) -> dict:
+  """One summary of several `grpo_step.measure` results of the same context (medians over all steps)."""
+  import statistics
+  each = [t for p in parts for t in p["step_s_each"]]
+  out = dict(parts[0])
+  out.update(total_s=statistics.median(each), best_total_s=min(each), step_s_each=each,
+             steps=sum(p["steps"] for p in parts), rounds=sum(p["rounds"] for p in parts),
+             compiles_after_warmup=sum(p["compiles_after_warmup"] for p in parts),
+             completion_len_mean=statistics.mean(p["completion_len_mean"] for p in parts))
+  for k in ("generate_s", "ref_train_s", "host_s"):  # medians of the parts' medians
+    out[k] = statistics.median(p[k] for p in parts)
+  return out
+
+
+def _default_model_dir() -> str:
+  from bench import grpo_real
+  return grpo_real.default_model_dir()
+
+
+def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_real: bool = False,
+            model_dir: str | None = None, shared_prefill: bool = False, command: str = COMMAND,
+            only_peers: tuple[str, ...] = ()) -> dict:
+  """Runs every section; returns the results dict written to results.json.
+
+  `real`: workload R variant to run after the toy sections (None: none); `only_real`: the machine
+  references and R only.
+  """
   from bench import grpo_step, learner_mfu, peak, sampler_tput, system, workloads
 
   t_start = time.perf_counter()
-  res: dict = {"command": COMMAND if not quick else "python -m bench.run --quick", "quick": quick,
+  res: dict = {"command": command if not quick else "python -m bench.run --quick", "quick": quick,
                "machine": machine_info()}
   log("[bench] matmul peak and copy bandwidth")
   res["peak"] = peak.measure(quick)
   peak_fp32 = res["peak"]["matmul_fp32"]["flops_per_s"]
   bandwidth = res["peak"]["copy"]["bytes_per_s"]
+  def measured() -> dict:  # where the R entry came from: it may be merged into an older results.json
+    m = res["machine"]
+    return {"command": res["command"], "commit": m["commit"], "dirty": m["dirty"], "date_utc": m["date_utc"],
+            "peak_fp32": peak_fp32, "bandwidth": bandwidth, "cpu_count": m["cpu_count"], "jax": m["jax"]}
+
+  if only_real:
+    res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
+                                         steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log,
+                                         only_peers=only_peers, quick=quick),
+                          "measured": measured()}}
+    res["machine"]["loadavg_end"] = list(os.getloadavg())
+    res["wall_s"] = time.perf_counter() - t_start
+    return res
 
   res["learner"] = {}
   for name, spec in (QUICK["learner"] if quick else workloads.LEARNER).items():
@@ -189,6 +309,13 @@ def collect(quick: bool, peers: bool, log=print) -> dict:
   log("[bench] sparse sync")
   res["system"]["sparse_sync"] = _guard(lambda: system.sparse_sync(sys_ctx, sync_every=(1,) if quick else (1, 4)))
   res["system"]["sparse_sync_model"] = "tiny" if quick else "2L-d128"
+  if real and not os.path.exists(os.path.join(model_dir or _default_model_dir(), "config.json")):
+    res["real_skipped"] = f"workload {real}: no model folder {model_dir or _default_model_dir()} (`make smollm2` imports it)"
+    log(f"[bench] {res['real_skipped']}")
+  elif real:
+    res["grpo"][real] = measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
+                                     steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log, quick=quick)
+    res["grpo"][real]["measured"] = measured()
   res["machine"]["loadavg_end"] = list(os.getloadavg())
   res["wall_s"] = time.perf_counter() - t_start
   return res
@@ -222,7 +349,8 @@ def _pct(x: float) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+  cell = lambda c: str(c).replace("|", "\\|")  # a peer's stderr line may hold a '|' (progress bars)
+  return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
 
 
 def _shape(m: dict) -> str:
@@ -264,7 +392,9 @@ def format_tables(res: dict) -> str:
           _table(["batch", "new tokens", "prefill tok/s", "of bound", "decode tok/s", "of bound"], rows), ""]
   rows = []
   by_size = lambda kv: (kv[1]["model"]["n_layers"], kv[1]["model"]["d_model"])
-  for name, r in sorted(res["grpo"].items(), key=by_size):
+  toy = {k: v for k, v in res["grpo"].items() if "variant" not in v}
+  real = {k: v for k, v in res["grpo"].items() if "variant" in v}
+  for name, r in sorted(toy.items(), key=by_size):
     o, t = r["ours"], r["tunix"]
     rows.append([name, _ms(o["total_s"]), _ms(t["total_s"]) if "total_s" in t else "–",
                  f"{r['tunix_over_ours']:.2f}×" if r["tunix_over_ours"] else "–",
@@ -279,7 +409,7 @@ def format_tables(res: dict) -> str:
                   "ours: generate / ref + train / host",
                   "compiles after warm-up", "Tunix status"], rows), ""]
   rows = []
-  for name, r in sorted(res["grpo"].items(), key=by_size):
+  for name, r in sorted(toy.items(), key=by_size):
     o = r["ours"]
     rows.append([f"GRPO step {name}: host time outside jitted work", f"{_ms(o['host_s'])} of {_ms(o['total_s'])} "
                  f"({_pct(o['host_s'] / o['total_s'])})"])
@@ -305,6 +435,113 @@ def format_tables(res: dict) -> str:
   else:
     rows.append(["sparse sync", sp.get("status", "?")])
   out += ["**Loop and system**", "", _table(["measure", "value"], rows)]
+  for name, r in real.items():
+    out += ["", format_real(name, r)]
+  if res.get("real_skipped"):
+    out += ["", f"Workload R not measured: {res['real_skipped']}."]
+  return "\n".join(out)
+
+
+PEER_LABELS = {"tunix": "Tunix (`GRPOLearner`, vanilla rollout)", "trl": "TRL (`GRPOTrainer`)",
+               "torch": "plain PyTorch (`generate` + hand-written step)"}
+
+
+def _real_targets(r: dict) -> list[list[str]]:
+  """The issue's targets for workload R: [target, measured, met?]."""
+  o, rf, mem = r["ours"], r["roofline"], r["memory"]
+  yes = lambda ok: "yes" if ok else "**no**"
+  rows = []
+  for peer, want in (("tunix", 2.0), ("trl", 1.5), ("torch", 1.2)):
+    got = r.get(f"{peer}_over_ours")
+    rows.append([f"GRPO step ≥ {want}× {peer}", f"{got:.2f}×" if got else f"– ({r[peer].get('status', '?')[:60]})",
+                 yes(got >= want) if got else "not measured"])
+  tr, dec = rf["train"], rf.get("decode_b64", rf["decode"])
+  rows.append(["learner step ≥ 75 % of the fp32 peak", _pct(tr["of_peak_flops"]), yes(tr["of_peak_flops"] >= 0.75)])
+  rows.append([f"decode ≥ 60 % of its bound at batch {dec['batch']}",
+               f"{_pct(dec['of_bound'])} ({dec['bound_kind']})", yes(dec["of_bound"] >= 0.6)])
+  st = rf["step"]
+  rows.append(["whole step within 1.3× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×",
+               yes(st["measured_s"] <= 1.3 * st["lower_bound_s"])])
+  rows.append(["0 compilations after warm-up", str(o["compiles_after_warmup"]), yes(o["compiles_after_warmup"] == 0)])
+  host = o["host_s"] / o["total_s"]
+  rows.append(["host time ≤ 2 % of the step", f"{_ms(o['host_s'])} ({_pct(host)})", yes(host <= 0.02)])
+  worst = max(mem[k]["over_budget"] for k in ("prefill", "decode", "reference", "train"))
+  rows.append(["peak RSS ≤ 1.5× the budget from shapes", f"{worst:.2f}× (worst phase)", yes(worst <= 1.5)])
+  return rows
+
+
+def format_real(name: str, r: dict) -> str:
+  """The tables of workload R (`measure_real`): peers, roofline per phase, memory, targets."""
+  w, o, ms = r["workload"], r["ours"], r.get("measured", {})
+  m = r["model"]
+  head = (f"**GRPO step on the real model: workload {name}** ({os.path.basename(r['model_dir'].rstrip('/'))}, "
+          f"{_shape(m)}, real weights and "
+          f"tokenizer; chat-templated `arithmetic_chat` prompts, {o.get('prompt_len_mean', 0):.1f} tokens on average, bucket width {w['prompt_width']}; {w['prompts_per_step']} "
+          f"prompts × {w['group_size']}, up to {w['max_new_tokens']} new tokens (stop at EOS), temperature "
+          f"{w['temperature']}, k3 KL β = {w['beta']} to the initial weights, one update per batch, AdamW, fp32, "
+          f"remat {m['remat']!r}{', shared-prompt prefill' if w.get('shared_prefill') else ''}; median s/step "
+          "after warm-up; ours and one peer at a time take turns block by block, and each ratio is against the ours "
+          "blocks that alternated with that peer; peer / ours > 1 means ours is faster)")
+  if ms:
+    head += (f"\n\nMeasured by `{ms['command']}` · commit {ms['commit']}{' (dirty)' if ms.get('dirty') else ''} · "
+             f"{ms['date_utc']} · load average (uptime) {r['loadavg_start'][0]:.1f} / {r['loadavg_start'][1]:.1f} / "
+             f"{r['loadavg_start'][2]:.1f} at start, {r['loadavg_end'][0]:.1f} at end · fp32 peak "
+             f"{_g(ms['peak_fp32'], 'FLOP/s')}, copy bandwidth {_g(ms['bandwidth'], 'B/s')} (same run)")
+  rows = [[f"jaxrl_llm (`bench/grpo_real.py`), {o['steps']} steps", _ms(o["total_s"]), "1.00×",
+           f"{o['rollouts_per_step']} × {o['completion_len_mean']:.1f}", f"{o.get('reward_mean', float('nan')):.2f}",
+           f"ok (compiles after warm-up: {o['compiles_after_warmup']})"]]
+  for peer, label in PEER_LABELS.items():
+    t = r[peer]
+    ratio = r.get(f"{peer}_over_ours")
+    ver = next((f" ({k.split('_')[0]} {v})" for k, v in t.items() if k.endswith("_version")), "")
+    mine = r.get(f"ours_with_{peer}_s")
+    if "remeasured" in t:
+      rm = t["remeasured"]
+      label += (f" (re-measured: `{rm['command']}`, {rm['date_utc']}, commit {rm['commit']}, load average "
+                f"{rm['loadavg_start'][0]:.1f})")
+    rows.append([label, _ms(t["total_s"]) if "total_s" in t else "–",
+                 (f"{ratio:.2f}×" + (f" (ours {_ms(mine)} in those turns)" if mine else "")) if ratio else "–",
+                 f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–",
+                 f"{t['reward_mean']:.2f}" if "reward_mean" in t else "–",
+                 t.get("status", "?") + (ver if t.get("status") == "ok" else "") + (f"; {t['note']}" if t.get("note") else "")])
+  out = [head, "", _table(["side", "s / step", "peer / ours", "rollouts × mean length", "reward mean", "status"], rows), ""]
+  rows = []
+  for ph in ("prefill", "decode", "reference", "train", "decode_b64"):
+    if ph not in r["roofline"]:
+      continue
+    x = r["roofline"][ph]
+    label = {"decode": f"decode (batch {x.get('batch')})",
+             "decode_b64": f"decode at batch {x.get('batch')} (extra run, not in the step)"}.get(ph, ph)
+    rows.append([label, _ms(x["seconds"]), _g(x["flops"], "FLOP"), _g(x["flops_per_s"], "FLOP/s"), _pct(x["of_peak_flops"]),
+                 _g(x["bytes_per_s"], "B/s"), _pct(x["of_bandwidth"]), f"{_ms(x['bound_s'])} ({x['bound_kind']})",
+                 _pct(x["of_bound"])])
+  st = r["roofline"]["step"]
+  rows.append(["whole step", _ms(st["measured_s"]), "", "", "", "", "", _ms(st["lower_bound_s"]),
+               _pct(st["of_lower_bound"])])
+  ph = r["phases"]
+  pa = r.get("peak_at_phases")
+  against = (f"against the fp32 peak {_g(pa['fp32'], 'FLOP/s')} and bandwidth {_g(pa['bandwidth'], 'B/s')} measured "
+             f"again right before the phases (load average {pa['loadavg'][0]:.1f})" if pa else
+             "against the peak and bandwidth measured at the start of the run (the load changed since: a fraction "
+             "over 100 % means the phase ran on a quieter machine than the peak)")
+  out += [f"**{name}: roofline per phase** (ours, each phase timed alone after the turns, {against}; decode = generate − prefill, "
+          f"{r['roofline']['decode']['steps']} decode steps at batch {r['roofline']['decode']['batch']}; train = fused "
+          "reference + train step − reference scoring; FLOPs: 2·N per token forward, 6·N train, plus attention; "
+          "bytes: parameters (+ KV cache read per decode step, + AdamW state for train); bound = max(FLOPs / peak, "
+          "bytes / bandwidth); the step's lower bound is the sum of the four)", "",
+          _table(["phase", "time", "model FLOPs", "achieved", "of peak", "bytes/s", "of bandwidth", "bound", "of bound"],
+                 rows), ""]
+  mem = r["memory"]
+  rows = [[ph_name, _g(mem[ph_name]["peak_rss"], "B"), _g(mem[ph_name]["budget"], "B"), f"{mem[ph_name]['over_budget']:.2f}×",
+           f"{mem[ph_name].get('over_budget_less_runtime', float('nan')):.2f}×"]
+          for ph_name in ("prefill", "decode", "reference", "train")]
+  out += [f"**{name}: memory** (peak RSS of the process during each phase, sampled every 10 ms, against the budget "
+          f"from shapes: policy + reference + AdamW moments = {_g(mem['budget_parts']['resident'], 'B')}, plus the "
+          "phase's KV cache / scoring logits / gradients + activations; `bench/grpo_real.py` `memory_budget`; the "
+          f"runtime before the model was loaded held {_g(mem.get('runtime_rss', 0), 'B')})", "",
+          _table(["phase", "peak RSS", "budget", "RSS / budget", "(RSS − runtime) / budget"], rows), ""]
+  out += [f"**{name}: targets** (issue 17; reported, not asserted)", "",
+          _table(["target", "measured", "met"], _real_targets(r))]
   return "\n".join(out)
 
 
@@ -343,11 +580,23 @@ What each number is:
   usual 6·N·tokens + attention over every position.
 - loop: host time = step wall time − blocked jitted parts (generate; reference scoring + train step, one program);
   `loop.run` rows report the loop's own `time_step_s` / `time_generate_s`.
+- workload R (issue 17): the GRPO step on the real SmolLM2-135M-Instruct (`make smollm2` imports it): its
+  weights, tokenizer and chat template, `arithmetic_chat` prompts, k3 KL β = 0.04 to the initial weights, one
+  update per batch, fp32 (`bench/grpo_real.py`). R = 8 prompts × 8, 128 new tokens (`make bench-r`, slow on a
+  CPU); R_small = 4 × 4, 64 new tokens, what `make bench` runs. Peers, each in `bench/.venv-bench` and taking
+  turns with ours block by block (a peer's process is paused while any other side runs): Tunix
+  (`bench/peers/tunix_grpo.py`, its Llama-3 family with the folder's config and safetensors, its vanilla
+  sampler), TRL (`bench/peers/trl_grpo.py`, `GRPOTrainer`, `loss_type="grpo"`) and plain PyTorch
+  (`bench/peers/torch_grpo.py`: `transformers` `generate` + a hand-written PPO-clip/k3-KL step with AdamW).
+  All sides draw the same prompts in the same order and stop at EOS; torch and TRL pad prompts to the
+  batch's longest, ours and Tunix to the bucket width. Roofline per phase: each phase of ours timed alone
+  after the turns; memory: the process's peak RSS per phase against the budget from shapes.
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
 `bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
 Tunix, or `python -m bench.run --quick` for a short smoke run (tiny shapes, meaningless numbers). `python -m
-bench.run --render bench/results.json --readme bench/README.md` re-renders the tables without measuring.
+bench.run --render bench/results.json --readme bench/README.md` re-renders the tables without measuring;
+`python -m bench.run --only-real [--real R]` measures workload R alone and merges it into `bench/results.json`.
 
 """
 
@@ -365,6 +614,17 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.json"))
   ap.add_argument("--readme", default="", help="rewrite this README with the tables")
   ap.add_argument("--render", default="", help="measure nothing: print (and --readme) the tables of this results.json")
+  ap.add_argument("--real", default="R_small", choices=["R_small", "R", "none"],
+                  help="workload R on the real SmolLM2-135M-Instruct: R_small (default; 4×4, 64 new tokens), "
+                       "R (8×8, 128 new tokens: slow on a 2-core CPU) or none")
+  ap.add_argument("--only-real", action="store_true",
+                  help="measure the machine references and --real only; merge them into --out (toy rows kept)")
+  ap.add_argument("--model", default=None, help="HF folder for --real (default: the imported SmolLM2-135M-Instruct)")
+  ap.add_argument("--shared-prefill", action="store_true",
+                  help="turn on the sampler's shared-prompt prefill for --real (when this checkout's SamplerConfig has it)")
+  ap.add_argument("--command", default=None, help="the command recorded with the results (default: this one)")
+  ap.add_argument("--peers", default="", help="with --only-real: comma-separated subset of tunix,trl,torch to "
+                  "(re)measure against ours; only their rows of the existing entry are replaced")
   args = ap.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -375,8 +635,32 @@ def main(argv: list[str] | None = None) -> dict:
       write_readme(args.readme, res, tables)
     return res
   t0 = time.perf_counter()
-  res = collect(args.quick, peers=not args.no_peers,
+  real = None if args.real == "none" or (args.quick and "--real" not in (argv or sys.argv)) else args.real
+  if args.only_real and real is None:
+    ap.error("--only-real needs --real R_small or R")
+  command = args.command or "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv)
+  only_peers = tuple(p for p in args.peers.split(",") if p)
+  if set(only_peers) - set(REAL_PEERS) or (only_peers and not args.only_real):
+    ap.error(f"--peers={args.peers!r}: a subset of {','.join(REAL_PEERS)}, with --only-real")
+  res = collect(args.quick, peers=not args.no_peers, real=real, only_real=args.only_real, model_dir=args.model,
+                shared_prefill=args.shared_prefill, command=command, only_peers=only_peers,
                 log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
+  if args.only_real:  # keep every other row of the existing results (the toy history stays comparable)
+    if not os.path.exists(args.out):
+      raise SystemExit(f"--only-real: {args.out} does not exist (run the full bench once first)")
+    with open(args.out) as f:
+      old = json.load(f)
+    new = res["grpo"][real]
+    if only_peers and real in old.get("grpo", {}):  # replace these peers' rows only, noting where they came from
+      entry = old["grpo"][real]
+      for n in only_peers:
+        entry[n] = {**new[n], "remeasured": {**new["measured"], "loadavg_start": new["loadavg_start"],
+                                             "loadavg_end": new["loadavg_end"]}}
+        for k in (f"{n}_over_ours", f"ours_with_{n}_s"):
+          entry[k] = new[k]
+    else:
+      old.setdefault("grpo", {})[real] = new
+    res = old
   tables = format_tables(res)
   print(tables)
   with open(args.out, "w") as f:

@@ -24,3 +24,14 @@ SAMPLER_MODEL = LEARNER["M"]["model"]
 SAMPLER_PROMPT_LEN = 32
 SAMPLER_BATCHES = (32, 128)
 SAMPLER_NEW_TOKENS = (16, 128)
+
+# Workload R (issue 17): the GRPO step on the real SmolLM2-135M-Instruct, chat-templated "What is
+# 47 + 38? ..." prompts (task arithmetic_chat), k3 KL to the initial weights, one update per batch, fp32.
+# R_small is what a 2-core CPU runs in `make bench`; R (`python -m bench.run --real R`) is the full size.
+# remat: "full" recomputes each layer in the backward pass, as configs/smollm2_grpo.py (R's activations
+# without it exceed 20 GB; R_small's would fit, but four processes share this 23 GB machine).
+REAL = {
+    "R": dict(prompts_per_step=8, group_size=8, max_new_tokens=128, remat="full"),
+    "R_small": dict(prompts_per_step=4, group_size=4, max_new_tokens=64, remat="full"),
+}
+REAL_RUN = dict(beta=0.04, lr=1e-5, temperature=1.0, epsilon=0.2, num_digits=2, seed=0, layer_unroll=1)

@@ -167,3 +167,79 @@ def test_quick_run(tmp_path, capsys):
   assert sparse["status"] == "ok" and 0 <= sparse["every_1"]["payload_ratio"] <= 1
   assert "**Learner step**" in stdout and "**Full GRPO step vs Tunix**" in stdout
   assert stdout.strip() in readme.read_text()
+
+
+# ----------------------------------------------------------------------------- workload R (real-model path)
+
+
+def test_memory_budget_by_hand():
+  from bench import grpo_real
+  cfg = ModelConfig(n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=16, vocab_size=32)
+  B, P, N = 3, 5, 4
+  T = P + N
+  # Per layer and token: 6·D + 2·K·hd + 3·F + H·T = 48 + 8 + 48 + 18 = 122 floats; lm-head: 2·N·V per row.
+  no_remat = 4 * (B * T * 2 * 122 + 2 * B * N * 32)
+  full = 4 * (B * T * (2 * 8 + 122) + 2 * B * N * 32)
+  assert grpo_real.activation_bytes(cfg, B, T, "none", N) == no_remat
+  assert grpo_real.activation_bytes(cfg, B, T, "full", N) == full
+  params = common.param_bytes(cfg, 4)
+  budget = grpo_real.memory_budget(cfg, B, P, N, "none")
+  assert budget["resident"] == 4 * params
+  assert budget["prefill"] == 4 * params + 4 * 2 * 2 * B * T * 1 * 4  # K and V, 2 layers, fp32
+  assert budget["train"] == 5 * params + 4 * B * N * 32 + no_remat
+
+
+def test_rss_peak_sees_an_allocation():
+  from bench import grpo_real
+  with grpo_real.RssPeak(every_s=0.001) as r:
+    x = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
+    x[::4096] = 2
+    del x
+  assert r.peak - r.start >= 32 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+  tests_dir = __import__("os").path.dirname(__file__)
+  sys.path.insert(0, tests_dir)
+  import tiny_hf
+  return str(tiny_hf.make_checkpoint(tmp_path_factory.mktemp("tiny_real"), seed=0, max_seq_len=256))
+
+
+def test_real_workload_path_merges_into_results(tiny_ckpt, tmp_path, monkeypatch, capsys):
+  """--only-real on a tiny random checkpoint (no peers): workload R's whole path (chat prompts through the
+  checkpoint's tokenizer, turns, phases, roofline, memory) lands in results.json beside the toy rows."""
+  monkeypatch.setitem(workloads.REAL, "R_small", dict(prompts_per_step=2, group_size=2, max_new_tokens=4, remat="none"))
+  out_path, readme = tmp_path / "results.json", tmp_path / "README.md"
+  committed = json.loads((__import__("pathlib").Path(run.ROOT) / "bench" / "results.json").read_text())
+  toy = {k: v for k, v in committed.items() if k != "grpo"}
+  toy["grpo"] = {k: v for k, v in committed["grpo"].items() if "variant" not in v}
+  out_path.write_text(json.dumps(toy))
+  run.main(["--quick", "--only-real", "--real", "R_small", "--model", tiny_ckpt, "--out", str(out_path),
+            "--readme", str(readme)])
+  stdout = capsys.readouterr().out
+  saved = json.loads(out_path.read_text())
+  assert saved["grpo"]["2L-d128"] == toy["grpo"]["2L-d128"] and saved["learner"] == toy["learner"]
+  r = saved["grpo"]["R_small"]
+  assert r["workload"]["rollouts"] == 4 and r["ours"]["rollouts_per_step"] == 4
+  assert r["ours"]["compiles_after_warmup"] == 0
+  for peer in ("tunix", "trl", "torch"):
+    assert r[peer]["status"].startswith("skipped") and r[f"{peer}_over_ours"] is None
+  assert r["roofline"]["decode_b64"]["batch"] == 64
+  for ph in ("prefill", "decode", "reference", "train"):
+    x = r["roofline"][ph]
+    # seconds: decode and train are differences of two timings, noise on a tiny model (no sign asserted)
+    assert x["flops"] > 0 and x["bound_s"] > 0 and math.isfinite(x["seconds"]) and x["bound_kind"] in ("compute", "memory")
+    assert r["memory"][ph]["peak_rss"] > 0 and r["memory"][ph]["budget"] > 0
+  assert 0 < r["roofline"]["step"]["lower_bound_s"]
+  assert r["measured"]["command"].startswith("python -m bench.run") and len(r["loadavg_start"]) == 3
+  assert "**Full GRPO step vs Tunix**" in stdout and "**R_small: targets**" in stdout
+  assert stdout.strip() in readme.read_text()
+
+
+def test_shared_prefill_flag_needs_the_sampler_option(tiny_ckpt):
+  from bench import grpo_real
+  if grpo_real.shared_prefill_option() is not None:
+    pytest.skip("this checkout's sampler has shared-prompt prefill")
+  with pytest.raises(ValueError, match="--shared-prefill"):
+    grpo_real.build("R_small", tiny_ckpt, shared_prefill=True)

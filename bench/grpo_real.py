@@ -1,0 +1,297 @@
+"""Workload R: our GRPO step on the real SmolLM2-135M-Instruct (its weights, tokenizer and chat template).
+
+Chat-templated 2-digit addition prompts (task `arithmetic_chat` through `tasks.encoder.Encoder`),
+`prompts × G` completions of up to N new tokens (stop at the tokenizer's stop ids), k3 KL β = 0.04 to
+a frozen copy of the initial weights, one update per batch, fp32 learner: `grpo_step.step` with this
+model, tokenizer and width (`bench.workloads.REAL` names the sizes).
+
+Besides the step time, `phases` times each phase on its own (prefill, decode, reference scoring, train)
+with its peak RSS, and `roofline` sets each against the FLOPs / bytes it must at least move on this
+machine (`bench/peak.py`'s peak and bandwidth measured in the same run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common, workloads
+from jaxrl_llm import learner
+from jaxrl_llm.keys import fold_in
+from jaxrl_llm.models import ModelConfig, load_hf
+from jaxrl_llm.rollout import collect
+from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.tasks import get_task
+from jaxrl_llm.tasks.encoder import Encoder, measured_width, tokenizer_for_checkpoint
+
+DECODE_BATCH = 64  # decode is also measured at this batch (the issue's decode target)
+SHARED_PREFILL_FIELDS = ("shared_prefill", "share_prompt", "shared_prompt", "prefill_once")
+
+
+def default_model_dir() -> str:
+  from jaxrl_llm.models.gguf import default_cache_dir  # numpy-only: no torch
+  return str(default_cache_dir())
+
+
+def shared_prefill_option() -> str | None:
+  """The `SamplerConfig` field that turns on shared-prompt prefill, when this checkout has one."""
+  names = {f.name for f in dataclasses.fields(SamplerConfig)}
+  return next((n for n in SHARED_PREFILL_FIELDS if n in names), None)
+
+
+def build(variant: str = "R_small", model_dir: str | None = None, *, remat: str | None = None,
+          shared_prefill: bool = False, run: dict | None = None) -> dict:
+  """Everything one step of workload `variant` needs (a `grpo_step.step` context) from a HF folder."""
+  if variant not in workloads.REAL:
+    raise ValueError(f"workload {variant!r}: must be one of {sorted(workloads.REAL)}")
+  run = {**workloads.REAL_RUN, **workloads.REAL[variant], **(run or {})}
+  model_dir = model_dir or default_model_dir()
+  rss_base = rss_bytes()  # the runtime (Python, JAX, XLA) before any model array exists
+  cfg, params = load_hf(model_dir, param_dtype="float32")
+  encoder = Encoder(tokenizer_for_checkpoint(model_dir), chat_template="chat")
+  task = get_task("arithmetic_chat", num_digits=run["num_digits"])
+  sample = [task.make_example(np.random.default_rng(s)) for s in range(64)]
+  P = measured_width(encoder, [ex["prompt"] for ex in sample])
+  N = run["max_new_tokens"]
+  cfg = dataclasses.replace(cfg, remat=remat or run["remat"], layer_unroll=run["layer_unroll"],
+                            max_seq_len=max(cfg.max_seq_len, P + N))
+  extra = {}
+  if shared_prefill:
+    opt = shared_prefill_option()
+    if opt is None:
+      raise ValueError(f"--shared-prefill: this checkout's SamplerConfig has none of {SHARED_PREFILL_FIELDS}")
+    extra[opt] = True
+  tok = encoder.tokenizer
+  sampler_cfg = SamplerConfig(max_new_tokens=N, stop_ids=tok.stop_ids, pad_id=tok.pad_id,
+                              temperature=run["temperature"], **extra)
+  tx = learner.make_optimizer(run["lr"], grad_clip=1.0)
+  score = learner.make_score_fn(cfg, run["temperature"])
+  return {
+      "variant": variant, "model_dir": model_dir, "rss_base": rss_base, "task": task, "encoder": encoder, "P": P, "cfg": cfg,
+      "run": {**run, "prompt_width": P, "shared_prefill": bool(shared_prefill)},
+      "sampler_cfg": sampler_cfg,
+      "state": learner.init_state(params, tx),
+      "ref_params": jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+      "score": score,
+      "train_step": learner.fuse_reference(
+          learner.make_train_step(cfg, tx, "ppo_clip", {"eps_low": run["epsilon"], "eps_high": run["epsilon"]},
+                                  temperature=run["temperature"], agg_mode="seq-mean-token-mean",
+                                  kl_coef=run["beta"], kl_estimator="k3"), score),
+      "rng": np.random.default_rng(run["seed"]),
+      "key": jax.random.key(run["seed"] + 1),
+  }
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def rss_bytes() -> int:
+  with open("/proc/self/status") as f:
+    return 1024 * next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+class RssPeak:
+  """`with RssPeak() as r: ...` then `r.peak` is the largest RSS (bytes) seen inside, sampled every
+  `every_s` by a thread (a lower bound of the true peak: a spike shorter than `every_s` can slip by)."""
+
+  def __init__(self, every_s: float = 0.01):
+    self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+
+  def _watch(self):
+    while not self._stop.is_set():
+      self.peak = max(self.peak, rss_bytes())
+      self._stop.wait(self.every_s)
+
+  def __enter__(self):
+    self.start = self.peak = rss_bytes()
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+    self.peak = max(self.peak, rss_bytes())
+
+
+def activation_bytes(cfg: ModelConfig, B: int, T: int, remat: str, N: int) -> int:
+  """fp32 bytes the backward pass keeps from the forward, from shapes.
+
+  Per layer and token without remat: the layer input, both norm outputs, q/k/v, the attention output,
+  the o-projection output (6·D + 2·K·hd), gate, up and their product (3·F), the attention
+  probabilities (H·T); "full" remat keeps only each layer's input plus one layer's set while it
+  recomputes. The lm-head: logits and their gradient over the N scored positions (2·N·V per row).
+  """
+  D, F, H, K, hd, L, V = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers, cfg.vocab_size
+  per_layer = 6 * D + 2 * K * hd + 3 * F + H * T
+  layers = L * per_layer if remat in (False, "none") else L * D + per_layer
+  return 4 * (B * T * layers + 2 * B * N * V)
+
+
+def memory_budget(cfg: ModelConfig, B: int, P: int, N: int, remat: str) -> dict:
+  """Bytes each phase needs from shapes: resident state (policy + reference + AdamW moments) plus what
+  the phase adds (KV cache; scoring logits; gradients + activations)."""
+  params = common.param_bytes(cfg, 4)
+  resident = 4 * params  # policy, frozen reference, AdamW m and v
+  T = P + N
+  kv = common.kv_cache_bytes(cfg, B, T, 4)
+  score_logits = 4 * B * N * cfg.vocab_size
+  return {"params": params, "resident": resident,
+          "prefill": resident + kv, "decode": resident + kv + 4 * B * cfg.vocab_size,
+          "reference": resident + score_logits,
+          "train": resident + params + score_logits + activation_bytes(cfg, B, T, remat, N)}
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def _batch_of(ctx: dict, t: int):
+  """One step's prompts (the next `prompts_per_step` examples, G times each) and its key."""
+  run = ctx["run"]
+  examples = [ctx["task"].make_example(ctx["rng"]) for _ in range(run["prompts_per_step"])]
+  p = collect.encode_prompts([ex for ex in examples for _ in range(run["group_size"])], ctx["P"], ctx["encoder"])
+  return p, fold_in(ctx["key"], t)
+
+
+def phases(ctx: dict, t: int) -> dict:
+  """Times prefill (a 1-token generate), generate, reference scoring alone and the fused reference +
+  train step on one batch, each once (after an untimed call when the step has not compiled it), with
+  each phase's peak RSS; and prefill / generate at batch `DECODE_BATCH` (the prompts tiled).
+
+  decode = generate − prefill. The train step runs on a copy of the state (the context's state is
+  left as it was), so the timed steps before and after see the same policy.
+  """
+  p, key = _batch_of(ctx, t)
+  cfg, scfg = ctx["cfg"], ctx["sampler_cfg"]
+  one = dataclasses.replace(scfg, max_new_tokens=1)
+  out = {}
+
+  def timed(name, fn, warm=True):
+    if warm:
+      common.block(fn())  # compile (first time) and warm
+    with RssPeak() as r:
+      t0 = time.perf_counter()
+      res = common.block(fn())
+      out[name + "_s"] = time.perf_counter() - t0
+    out[name + "_peak_rss"] = r.peak
+    return res
+
+  params = ctx["state"].params
+  timed("prefill", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, one))
+  gen = timed("generate", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, scfg), warm=False)  # the step compiled it
+  out["decode_s"] = out["generate_s"] - out["prefill_s"]
+  out["decode_steps"] = int(np.asarray(gen["lengths_B"]).max())
+  out["completion_len_mean"] = float(np.asarray(gen["mask_BN"]).sum(1).mean())
+  if p.tokens_BP.shape[0] != DECODE_BATCH:  # the issue's decode target is set at batch 64: measure it there too
+    reps = -(-DECODE_BATCH // p.tokens_BP.shape[0])
+    tok64, len64 = (np.tile(x, (reps,) + (1,) * (x.ndim - 1))[:DECODE_BATCH] for x in (p.tokens_BP, p.len_B))
+    timed("prefill_b64", lambda: generate(params, tok64, len64, key, cfg, one))
+    g64 = timed("generate_b64", lambda: generate(params, tok64, len64, key, cfg, scfg))
+    out["decode_b64_s"] = out["generate_b64_s"] - out["prefill_b64_s"]
+    out["decode_b64_steps"] = int(np.asarray(g64["lengths_B"]).max())
+    del g64
+  mask_BN = gen["mask_BN"]
+  timed("reference", lambda: ctx["score"](ctx["ref_params"], gen["sequence_BT"], gen["positions_BT"],
+                                          gen["segment_ids_BT"], mask_BN))
+  B = mask_BN.shape[0]
+  adv_BN = jnp.asarray(np.random.default_rng(t).standard_normal((B, 1)), jnp.float32) * mask_BN
+  batch = learner.Batch(sequence_BT=gen["sequence_BT"], positions_BT=gen["positions_BT"],
+                        segment_ids_BT=gen["segment_ids_BT"], mask_BN=mask_BN, adv_BN=adv_BN,
+                        behavior_logp_BN=gen["behavior_logp_BN"], versions_BN=np.zeros(mask_BN.shape, np.int32),
+                        lag_B=np.zeros((B,), np.int32), prox_logp_BN=gen["behavior_logp_BN"])
+  copy = lambda: jax.tree.map(lambda x: jnp.array(x, copy=True), ctx["state"])  # the step donates its state
+  state = copy()  # the step compiled it already
+  with RssPeak() as r:
+    t0 = time.perf_counter()
+    common.block(ctx["train_step"](state, batch, key, ctx["ref_params"]))
+    out["ref_train_s"] = time.perf_counter() - t0
+  out["ref_train_peak_rss"] = r.peak
+  del state
+  out["train_s"] = out["ref_train_s"] - out["reference_s"]
+  out["rss_now"] = rss_bytes()
+  return out
+
+
+def roofline(ctx: dict, ph: dict, step_s: float, peak_flops: float, bandwidth: float) -> dict:
+  """Per phase: model FLOPs and the bytes it must move, achieved rates, its bound (max of compute and
+  memory time) and the fraction of that bound reached; the whole step's lower bound (the sum) and the
+  fraction of it the measured median step reaches.
+
+  FLOP model: `bench.common` (N = matmul parameters, lm-head included). Decode: `decode_steps` steps at
+  the full batch (the loop runs until the longest row stops), context P + n at step n; each step reads
+  every parameter and the KV cache filled so far. Train: 6·N·tokens + attention over B × (P + N)
+  (the recompute of remat is extra work, not part of the bound).
+  """
+  cfg, run = ctx["cfg"], ctx["run"]
+  B = run["prompts_per_step"] * run["group_size"]
+  P, N = ctx["P"], run["max_new_tokens"]
+  T = P + N
+  pbytes = common.param_bytes(cfg, 4)
+  dec = decode_roofline(cfg, B, P, ph["decode_steps"], ph["decode_s"], peak_flops, bandwidth)
+  rows = {
+      "prefill": (common.prefill_flops(cfg, B, P), pbytes + common.kv_cache_bytes(cfg, B, P, 4), ph["prefill_s"]),
+      "reference": (common.forward_flops(cfg, B * T, T), pbytes + 4 * B * N * cfg.vocab_size, ph["reference_s"]),
+      "train": (common.train_flops(cfg, B, T), 8 * pbytes, ph["train_s"]),  # params, grads, m, v: read + write
+  }
+  out = {}
+  for name, (flops, nbytes, secs) in rows.items():
+    bound = max(flops / peak_flops, nbytes / bandwidth)
+    out[name] = _rates(flops, nbytes, secs, bound, "compute" if flops / peak_flops >= nbytes / bandwidth else "memory",
+                       peak_flops, bandwidth)
+  out = {"prefill": out["prefill"], "decode": dec, "reference": out["reference"], "train": out["train"]}
+  total_bound = sum(x["bound_s"] for x in out.values())
+  if "decode_b64_s" in ph:
+    out["decode_b64"] = decode_roofline(cfg, DECODE_BATCH, P, ph["decode_b64_steps"], ph["decode_b64_s"], peak_flops,
+                                        bandwidth)
+  out["step"] = {"lower_bound_s": total_bound, "measured_s": step_s, "of_lower_bound": total_bound / step_s}
+  return out
+
+
+def _rates(flops, nbytes, secs, bound, kind, peak_flops, bandwidth) -> dict:
+  return {"flops": flops, "bytes": nbytes, "seconds": secs, "flops_per_s": flops / secs, "bytes_per_s": nbytes / secs,
+          "of_peak_flops": flops / secs / peak_flops, "of_bandwidth": nbytes / secs / bandwidth, "bound_s": bound,
+          "bound_kind": kind, "of_bound": bound / secs}
+
+
+def decode_roofline(cfg: ModelConfig, B: int, P: int, lengths_max: int, secs: float, peak_flops: float,
+                    bandwidth: float) -> dict:
+  """Decode after the prefill: `lengths_max − 1` steps at batch B (the first new token comes out of
+  the prefill call), context P + n at step n; each step reads every parameter and the KV cache so far.
+  The bound sums max(compute, memory) per step; its kind is the larger of the two totals."""
+  pbytes = common.param_bytes(cfg, 4)
+  S = max(lengths_max - 1, 1)
+  flops = nbytes = bound = 0.0
+  for n in range(1, S + 1):
+    f = common.forward_flops(cfg, B, P + n, causal=False)
+    b = pbytes + common.kv_cache_bytes(cfg, B, P + n, 4)
+    flops, nbytes, bound = flops + f, nbytes + b, bound + max(f / peak_flops, b / bandwidth)
+  kind = "compute" if flops / peak_flops >= nbytes / bandwidth else "memory"
+  return {**_rates(flops, nbytes, secs, bound, kind, peak_flops, bandwidth), "batch": B, "steps": S}
+
+
+def memory(ctx: dict, ph: dict) -> dict:
+  """Peak RSS of each phase against `memory_budget` (ratio > 1: more than the shapes need), also less
+  the runtime's RSS before the model was loaded (Python, JAX, XLA: no model array)."""
+  run = ctx["run"]
+  B = run["prompts_per_step"] * run["group_size"]
+  budget = memory_budget(ctx["cfg"], B, ctx["P"], run["max_new_tokens"], ctx["cfg"].remat)
+  pairs = {"prefill": "prefill", "decode": "generate", "reference": "reference", "train": "ref_train"}
+  base = ctx.get("rss_base", 0)
+  out = {name: {"peak_rss": ph[f"{key}_peak_rss"], "budget": budget[name],
+                "over_budget": ph[f"{key}_peak_rss"] / budget[name],
+                "over_budget_less_runtime": (ph[f"{key}_peak_rss"] - base) / budget[name]}
+         for name, key in pairs.items()}
+  out["budget_parts"] = budget
+  out["runtime_rss"] = base
+  return out
+
+
+def summary_env() -> dict:
+  """What else ran on the machine: `uptime`'s load averages now."""
+  return {"loadavg": list(os.getloadavg())}
