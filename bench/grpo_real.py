@@ -31,18 +31,11 @@ from jaxrl_llm.tasks import get_task
 from jaxrl_llm.tasks.encoder import Encoder, measured_width, tokenizer_for_checkpoint
 
 DECODE_BATCH = 64  # decode is also measured at this batch (the issue's decode target)
-SHARED_PREFILL_FIELDS = ("shared_prefill", "share_prompt", "shared_prompt", "prefill_once")
 
 
 def default_model_dir() -> str:
   from jaxrl_llm.models.gguf import default_cache_dir  # numpy-only: no torch
   return str(default_cache_dir())
-
-
-def shared_prefill_option() -> str | None:
-  """The `SamplerConfig` field that turns on shared-prompt prefill, when this checkout has one."""
-  names = {f.name for f in dataclasses.fields(SamplerConfig)}
-  return next((n for n in SHARED_PREFILL_FIELDS if n in names), None)
 
 
 def build(variant: str = "R_small", model_dir: str | None = None, *, remat: str | None = None,
@@ -61,17 +54,14 @@ def build(variant: str = "R_small", model_dir: str | None = None, *, remat: str 
   N = run["max_new_tokens"]
   cfg = dataclasses.replace(cfg, remat=remat or run["remat"], layer_unroll=run["layer_unroll"],
                             max_seq_len=max(cfg.max_seq_len, P + N))
-  extra = {}
-  if shared_prefill:
-    opt = shared_prefill_option()
-    if opt is None:
-      raise ValueError(f"--shared-prefill: this checkout's SamplerConfig has none of {SHARED_PREFILL_FIELDS}")
-    extra[opt] = True
+  # Shared prompts (as loop.run does): the sampler prefills each group's prompt once, and the reference
+  # scorer and the learner run it once per group; G = 1 is the row-by-row path.
+  G = run["group_size"] if shared_prefill else 1
   tok = encoder.tokenizer
   sampler_cfg = SamplerConfig(max_new_tokens=N, stop_ids=tok.stop_ids, pad_id=tok.pad_id,
-                              temperature=run["temperature"], **extra)
+                              temperature=run["temperature"], group_size=G)
   tx = learner.make_optimizer(run["lr"], grad_clip=1.0)
-  score = learner.make_score_fn(cfg, run["temperature"])
+  score = learner.make_score_fn(cfg, run["temperature"], group_size=G)
   return {
       "variant": variant, "model_dir": model_dir, "rss_base": rss_base, "task": task, "encoder": encoder, "P": P, "cfg": cfg,
       "run": {**run, "prompt_width": P, "shared_prefill": bool(shared_prefill)},
@@ -82,7 +72,7 @@ def build(variant: str = "R_small", model_dir: str | None = None, *, remat: str 
       "train_step": learner.fuse_reference(
           learner.make_train_step(cfg, tx, "ppo_clip", {"eps_low": run["epsilon"], "eps_high": run["epsilon"]},
                                   temperature=run["temperature"], agg_mode="seq-mean-token-mean",
-                                  kl_coef=run["beta"], kl_estimator="k3"), score),
+                                  kl_coef=run["beta"], kl_estimator="k3", group_size=G), score),
       "rng": np.random.default_rng(run["seed"]),
       "key": jax.random.key(run["seed"] + 1),
   }

@@ -237,9 +237,9 @@ def test_real_workload_path_merges_into_results(tiny_ckpt, tmp_path, monkeypatch
   assert stdout.strip() in readme.read_text()
 
 
-def test_shared_prefill_flag_needs_the_sampler_option(tiny_ckpt):
+def test_shared_prefill_flag_sets_the_group_size(tiny_ckpt):
   from bench import grpo_real
-  if grpo_real.shared_prefill_option() is not None:
-    pytest.skip("this checkout's sampler has shared-prompt prefill")
-  with pytest.raises(ValueError, match="--shared-prefill"):
-    grpo_real.build("R_small", tiny_ckpt, shared_prefill=True)
+  on = grpo_real.build("R_small", tiny_ckpt, shared_prefill=True)
+  off = grpo_real.build("R_small", tiny_ckpt)
+  assert on["sampler_cfg"].group_size == on["run"]["group_size"] > 1 and on["run"]["shared_prefill"]
+  assert off["sampler_cfg"].group_size == 1 and not off["run"]["shared_prefill"]
