@@ -198,11 +198,13 @@ def command_line(name: str, argv: list[str] | None) -> str:
   return " ".join(["python", "-m", f"experiments.{name}"] + [shlex.quote(a) for a in args])
 
 
-def write_results(name: str, payload: dict, out_dir: str | None = None, argv: list[str] | None = None) -> str:
-  """Writes `payload` + provenance (command, commit, machine, time) to `<out_dir>/<name>.json`."""
+def write_results(name: str, payload: dict, out_dir: str | None = None, argv: list[str] | None = None,
+                  script: str | None = None) -> str:
+  """Writes `payload` + provenance (command, commit, machine, time) to `<out_dir>/<name>.json`
+  (`script`: the `experiments.<script>` module that wrote it, when not named `name`)."""
   out_dir = out_dir or RESULTS_DIR
   os.makedirs(out_dir, exist_ok=True)
-  doc = {"experiment": name, "command": command_line(name, argv), "commit": git_commit(), "machine": machine(),
+  doc = {"experiment": name, "command": command_line(script or name, argv), "commit": git_commit(), "machine": machine(),
          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
   path = os.path.join(out_dir, f"{name}.json")
   with open(path, "w") as f:

@@ -150,7 +150,8 @@ def main_real(args, argv) -> str:
         "setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)",
         "steps": steps, "seeds": seeds, "base_overrides": {**extra, "base_config": setting["base"]},
         "methods": {m: {**methods.overrides(m), **REAL_METHOD_EXTRAS.get(m, {})} for m in methods.METHODS},
-        "baseline": methods.BASELINE, "planned": [dict(r) for r in planned.values()], "runs": results}, args.out, argv)
+        "baseline": methods.BASELINE, "planned": [dict(r) for r in planned.values()], "runs": results}, args.out, argv,
+        script="staleness_ablation")
   return written or path
 
 

@@ -133,7 +133,9 @@ def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeyp
   path = staleness_ablation.main(args)
   assert calls[0][:4] == ("smollm2_grpo", "ppo_clip", 0, 0)  # the baseline first
   assert ("smollm2_grpo", "decoupled_ppo", 0, 1, 2) in calls  # decoupled PPO runs with 2 minibatches
-  assert len(json.load(open(path))["runs"]) == len(calls) == 4
+  doc = json.load(open(path))
+  assert len(doc["runs"]) == len(calls) == 4
+  assert doc["command"].startswith("python -m experiments.staleness_ablation --real")
   calls.clear()
   staleness_ablation.main(args)  # every planned cell is in the file: nothing reruns
   assert calls == []
