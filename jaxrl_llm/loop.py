@@ -230,8 +230,10 @@ def setup(c: ml_collections.ConfigDict) -> Run:
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
       router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
-      minibatches=c.optim.get("minibatches", 1), epochs=c.optim.get("epochs", 1),
-      group_size=c.rollout.group_size, **shard_kw)  # each group's prompt runs once where that is exact
+      minibatches=c.optim.get("minibatches", 1), epochs=c.optim.get("epochs", 1), **shard_kw)
+  # The learner's own forward runs each group's prompt row by row: sharing it (`make_train_step(group_size=G)`,
+  # `bench/grpo_real.py --shared-prefill`) compiles both paths of its on-device check into the train step,
+  # which doubles the largest compile of every run; the sampler, reference and teacher share it.
   score = learner.make_score_fn(model_cfg, c.sampler.temperature, group_size=c.rollout.group_size)
   if c.loss.kl_coef > 0:  # the reference is scored inside the step: train_step(state, batch, key, ref_params)
     if shard_kw:

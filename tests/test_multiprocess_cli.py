@@ -144,8 +144,10 @@ def test_sigterm_to_one_process_stops_both_and_resumes_identically(tmp_path, ref
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, expected", [
-    (signal.SIGKILL, "lost another process during a collective"),  # gloo: the connection is reset at once
-    (signal.SIGSTOP, "process 1 stopped responding"),  # frozen, no reset (a hung NCCL peer): the watchdog's case
+    # Killed: gloo's connection reset usually reports it first, but on a loaded machine the watchdog can
+    # win the race; either is the one clear line this test asks for (no test may depend on thread timing).
+    (signal.SIGKILL, ("lost another process during a collective", "process 1 stopped responding")),
+    (signal.SIGSTOP, ("process 1 stopped responding",)),  # frozen, no reset (a hung NCCL peer): the watchdog's case
 ])
 def test_a_lost_process_makes_the_other_exit_with_an_error(tmp_path, sig, expected):
   procs = _launch(str(tmp_path), 2, ["--config.num_steps=1000", "--config.eval.every=0"])
@@ -158,4 +160,5 @@ def test_a_lost_process_makes_the_other_exit_with_an_error(tmp_path, sig, expect
     _finish(procs[1:])
   errors = [line for line in log.splitlines() if line.startswith("error: ")]
   assert procs[0].returncode == 1, log[-3000:]
-  assert len(errors) == 1 and errors[0].startswith(f"error: process 0 of 2: {expected}"), errors or log[-3000:]
+  assert len(errors) == 1 and any(errors[0].startswith(f"error: process 0 of 2: {e}") for e in expected), \
+      errors or log[-3000:]

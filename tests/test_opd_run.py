@@ -42,9 +42,13 @@ def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
   assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]
   # Independently: the cached teacher scoring the rollout's own sequences.
   cfg, tparams = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
-  want = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk)(
-      tparams, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN)
+  seq = (tparams, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN)
+  G = c.rollout.group_size  # the loop's teacher runs each group's prompt once: the same program is bitwise equal
+  want = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk, group_size=G)(*seq)
   np.testing.assert_array_equal(np.asarray(batch.extra["teacher_logp_BT"]), np.asarray(want["teacher_logp_BT"]))
+  plain = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk)(*seq)  # row by row: rounding
+  np.testing.assert_allclose(np.asarray(batch.extra["teacher_logp_BT"]), np.asarray(plain["teacher_logp_BT"]),
+                             rtol=0, atol=1e-5)
   assert np.all(np.asarray(batch.extra["sup_drift_B"]) == 0)
   m = np.asarray(batch.mask_BN) > 0
   assert m.any() and np.all(np.asarray(batch.extra["teacher_logp_BT"])[m] < 0)
