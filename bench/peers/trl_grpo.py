@@ -17,11 +17,9 @@ Usage: bench/.venv-bench/bin/python bench/peers/trl_grpo.py --workload R_small -
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench.peers import turns  # noqa: E402
@@ -80,24 +78,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--workload", required=True)
-  ap.add_argument("--model", required=True)
-  ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--steps", type=int, default=1)
-  ap.add_argument("--rounds", type=int, default=1)
-  a = ap.parse_args()
-  try:
-    import trl  # noqa: F401
-  except Exception as e:  # noqa: BLE001 -- reported, not raised
-    turns.emit({"status": f"trl not importable: {type(e).__name__}: {e}"[:300]})
-    return
-  try:
-    result = run(a.workload, a.model, max(a.warmup, 1), a.steps, max(a.rounds, 1))
-  except Exception as e:  # noqa: BLE001 -- the table shows why
-    traceback.print_exc(file=sys.stderr)
-    result = {"status": f"trl run failed: {type(e).__name__}: {e}"[:300]}
-  turns.emit(result)
+  turns.peer_main(__doc__.splitlines()[0], "trl", ("trl",), run)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,33 @@ def emit(result: dict) -> None:
   print(json.dumps(result), flush=True)
 
 
+def peer_main(description: str, label: str, modules: tuple[str, ...], run) -> None:
+  """A peer script's entry point: parse the shared flags, report a missing framework or a failed run as
+  a status line (the table shows why), else emit `run(workload, model, warmup, steps, rounds)`."""
+  import argparse
+  import importlib
+  import traceback
+  ap = argparse.ArgumentParser(description=description)
+  ap.add_argument("--workload", required=True)
+  ap.add_argument("--model", required=True)
+  ap.add_argument("--warmup", type=int, default=1)
+  ap.add_argument("--steps", type=int, default=1)
+  ap.add_argument("--rounds", type=int, default=1)
+  a = ap.parse_args()
+  try:
+    for m in modules:
+      importlib.import_module(m)
+  except Exception as e:  # noqa: BLE001 -- reported, not raised
+    emit({"status": f"{'/'.join(modules)} not importable: {type(e).__name__}: {e}"[:300]})
+    return
+  try:
+    result = run(a.workload, a.model, max(a.warmup, 1), a.steps, max(a.rounds, 1))
+  except Exception as e:  # noqa: BLE001 -- the table shows why
+    traceback.print_exc(file=sys.stderr)
+    result = {"status": f"{label} run failed: {type(e).__name__}: {e}"[:300]}
+  emit(result)
+
+
 def pause(done: int) -> float:
   """Tells the parent that `done` timed steps have run, waits for its go-ahead; returns when it came."""
   emit({"status": "paused", "steps_done": done})
