@@ -64,7 +64,7 @@ def get_config():
   c.rollout.old_logp = "recompute"  # recompute | behavior | step_start | ewma | a3po
   c.rollout.ewma_beta = 0.9  # EWMA decay of the proximal parameter copy (old_logp = ewma)
   c.rollout.num_workers = 1  # rollout worker threads (async)
-  c.rollout.sampler_devices = 0  # devices of the sampler's own (the last ones; the mesh gets the rest); 0 = shared
+  c.rollout.sampler_devices = 0  # devices of the sampler's own, per process (its last ones; the mesh gets the rest); 0 = shared
   c.rollout.partial_chunk = 0  # async partial rollouts: decode steps between version checks (0 = off)
   c.rollout.prox_in_worker = False  # async + recompute: workers score π_old at generation (else the learner does)
   c.rollout.weight_sync = "full"  # publish: "full" dense copy | "sparse" SparseRL-Sync delta (bit-identical copy)

@@ -68,11 +68,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "must be an int >= 0 (0 = the sampler shares the learner's devices)")
   if n_mesh > 1 or n_sampler:
     import jax  # local: validating a one-device config must not initialise devices
-    if n_mesh + n_sampler != jax.device_count():
+    n_proc = jax.process_count()  # sampler devices are per process
+    if n_mesh + n_sampler * n_proc != jax.device_count():
       if n_sampler:
+        each = f" ({n_sampler} on each of {n_proc} processes)" if n_proc > 1 else ""
         raise ConfigError(f"config.rollout.sampler_devices={n_sampler}: with config.mesh={dict(c.mesh)} ({n_mesh} "
-                          f"learner devices) the run needs {n_mesh + n_sampler} devices but {jax.device_count()} "
-                          "are visible")
+                          f"learner devices) the run needs {n_mesh + n_sampler * n_proc} devices{each} but "
+                          f"{jax.device_count()} are visible")
       raise ConfigError(f"config.mesh={dict(c.mesh)}: the axis sizes multiply to {n_mesh} but {jax.device_count()} "
                         "devices are visible")
 
@@ -184,19 +186,25 @@ def validate_dist(c: ml_collections.ConfigDict) -> None:
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   """What a run over several processes (`jax.process_count() > 1`) supports: one mesh over every device
-  and the deterministic rollout modes (the rest is refused by name rather than run untested)."""
+  (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, and replay (the rest
+  is refused by name rather than run untested)."""
   import jax  # local: and no device is touched unless `jax.distributed` is initialised (the CLI does it first)
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
     return
   n_proc = jax.process_count()
+  n_sampler = c.rollout.get("sampler_devices", 0)
   if n_mesh == 1:
     raise ConfigError(f"config.mesh={dict(c.mesh)}: {n_proc} processes run one model over all "
-                      f"{jax.device_count()} devices: set the mesh axes to multiply to {jax.device_count()}")
-  _need(c.rollout.mode in ("sync", "fixed_lag", "staged"), "rollout.mode", c.rollout.mode,
-        f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag' and 'staged' for now")
-  r = c.rollout.get("replay")
-  _need(r is None or not r.capacity, "rollout.replay.capacity", None if r is None else r.capacity,
-        f"replay is not supported in multi-process runs ({n_proc} processes) yet: set 0")
+                      f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
+  _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
+        f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
+  _need(not n_sampler or c.rollout.mode == "async", "rollout.sampler_devices", n_sampler,
+        f"devices of the sampler's own are for rollout.mode='async' in multi-process runs ({n_proc} processes)")
+  if c.rollout.mode == "async":
+    _need(c.rollout.prompts_per_step % n_proc == 0, "rollout.prompts_per_step", c.rollout.prompts_per_step,
+          f"async over {n_proc} processes: each process generates an equal share, so it must be divisible by {n_proc}")
+    _need(not c.rollout.prox_in_worker, "rollout.prox_in_worker", c.rollout.prox_in_worker,
+          f"async over {n_proc} processes: π_old is scored by the learner (the workers' replica is not its layout)")
   teacher = c.get("distill") and c.distill.get("teacher")
   _need(not teacher, "distill.teacher", teacher,
         f"on-policy distillation is not supported in multi-process runs ({n_proc} processes) yet")

@@ -253,14 +253,19 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   """Mesh, learner (FSDP + tensor) and sampler (tensor / replicated) layouts, and the train step's
   explicit in/out shardings, for a multi-device `config.mesh` (see docs/scaling.md).
 
-  With `rollout.sampler_devices` = n > 0 the sampler has the last n devices to itself (a `data`-only
-  mesh: weights replicated, a generate batch split) and the learner's mesh the others; publish then
-  reshards every snapshot across the two device sets (`ParamStore.sampler_copy`).
+  With `rollout.sampler_devices` = n > 0 the sampler has the last n devices of every process to itself
+  (a `data`-only mesh: weights replicated, a generate batch split) and the learner's mesh the others;
+  publish then reshards every snapshot across the two device sets (`ParamStore.sampler_copy`). Async
+  over several processes with n = 0 replicates the snapshot onto the last device of every process
+  (shared with the learner): each process's workers generate from their own replica.
   """
   from jaxrl_llm import sharding
   devices, n_sampler = jax.devices(), c.rollout.get("sampler_devices", 0)
-  mesh = sharding.mesh_from_config(c.mesh, devices=devices[:len(devices) - n_sampler])
-  sampler_mesh = sharding.make_mesh(data=n_sampler, devices=devices[-n_sampler:]) if n_sampler else mesh
+  learner_devices, sampler_devices = multiprocess.split_devices(devices, n_sampler)
+  mesh = sharding.mesh_from_config(c.mesh, devices=learner_devices)
+  if not n_sampler and multiprocess.multi() and c.rollout.mode == "async":
+    sampler_devices = multiprocess.split_devices(devices, 1)[1]
+  sampler_mesh = sharding.make_mesh(data=len(sampler_devices), devices=sampler_devices) if sampler_devices else mesh
   psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
   spec = losses.get(c.loss.name)
   loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
@@ -279,7 +284,9 @@ def new_store(run: Run) -> ParamStore:
   if c.sampler.quantize == "int8":
     from jaxrl_llm.sampling.quantize import int8_weight_only
     transform = int8_weight_only
-  differs = sampler_dtype is not None or transform is not None
+  # π_old is recomputed from a learner copy when the sampler's differs in dtype, or lives on one replica
+  # per process (async over several processes), whose programs are not the learner's SPMD ones.
+  differs = sampler_dtype is not None or transform is not None or (multiprocess.multi() and c.rollout.mode == "async")
   return ParamStore(keep_last=sources.retention(c), sampler_dtype=sampler_dtype,
                     keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
                     sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync)
@@ -427,7 +434,7 @@ def _restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
   params = init_params(run.model_cfg, run.k_init)
   state, extra = fresh_state(run, params)
   base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
-          "snap_learner": [params if store.keeps_learner_copy else None] * slots, **extra}
+          "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
   policy = run.c.checkpoint.get("config_change", "error")
 
   def template(meta):

@@ -159,3 +159,71 @@ def reduce_times(row: dict) -> dict:
   for i, k in enumerate(keys):
     out[k] = float(got[:, i].min() if k.endswith("_per_s") else got[:, i].max())
   return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Async over several processes: each process runs its own rollout workers on its own devices, so
+# nothing a worker thread runs may span processes (a collective started off the lockstep main
+# thread would pair with an unrelated program on the other host). The main thread alone moves
+# snapshots and batches between processes, at points every process reaches in the same order.
+
+
+def split_devices(devices, n_last: int) -> tuple[list, list]:
+  """(first, last): the last `n_last` devices of every process (by id within the process) and the rest,
+  each in the order of `devices`. With one process: `devices[:-n_last]`, `devices[-n_last:]`."""
+  local: dict[int, list] = {}
+  for d in devices:
+    local.setdefault(d.process_index, []).append(d)
+  last = {d for ds in local.values() for d in sorted(ds, key=lambda d: d.id)[len(ds) - n_last:]} if n_last else set()
+  return [d for d in devices if d not in last], [d for d in devices if d in last]
+
+
+def local_view(tree):
+  """Leaves that are global arrays replicated over devices of several processes (the async sampler's
+  snapshot) as arrays over this process's devices alone: the same buffers, no copy. A program on these
+  is one process's own (no collective), which is what a rollout worker thread may run."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    shards = x.addressable_shards
+    if any(s.data.shape != x.shape for s in shards):
+      raise ValueError(f"local_view: an array of shape {x.shape} is split over processes ({x.sharding}); "
+                       "the sampler's snapshot must be replicated")
+    mesh = Mesh(np.array([s.device for s in shards]), ("data",))
+    return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, PartitionSpec()),
+                                                    [s.data for s in shards])
+  return jax.tree.map(one, tree)
+
+
+def allgather_host(obj) -> list:
+  """Every process's `obj` (plain data: what `checkpoint.pack_host` takes), in process order; [obj] with
+  one process. Sent as a JSON skeleton plus raw array bytes: nothing is unpickled."""
+  if not multi():
+    return [obj]
+  import json
+
+  from jaxrl_llm import checkpoint
+  skeleton, arrays = checkpoint.pack_host(obj)
+  names = sorted(arrays)
+  head = json.dumps({"skeleton": skeleton, "sizes": {k: int(arrays[k].shape[0]) for k in names}}).encode()
+  blob = np.concatenate([np.frombuffer(np.array([len(head)], "<i8").tobytes(), np.uint8),
+                         np.frombuffer(head, np.uint8)] + [np.frombuffer(np.ascontiguousarray(arrays[k]).tobytes(), np.uint8)
+                                                           for k in names])
+  sizes = _allgather(np.array([blob.size], np.int64))[:, 0]
+  padded = np.zeros((int(sizes.max()),), np.uint8)
+  padded[:blob.size] = blob
+  out = []
+  for p, raw in enumerate(_allgather(padded)):
+    raw = raw[:sizes[p]].tobytes()
+    n_head = int(np.frombuffer(raw[:8], "<i8")[0])
+    head = json.loads(raw[8:8 + n_head])
+    flat, off = {}, 8 + n_head
+    for k in sorted(head["sizes"]):
+      dt = np.dtype(k)
+      n = head["sizes"][k] * dt.itemsize
+      flat[k] = np.frombuffer(raw[off:off + n], dt).copy()
+      off += n
+    out.append(checkpoint.unpack_host(head["skeleton"], flat))
+  return out

@@ -186,7 +186,23 @@ def reshard(tree, shardings, dtype=None):
   tree = jax.tree.map(cast, tree)
   if isinstance(shardings, jax.sharding.Sharding):
     shardings = jax.tree.map(lambda _: shardings, tree)
-  return jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False), tree, shardings)
+  return jax.tree.map(_put_copy, tree, shardings)
+
+
+def _put_copy(x, s):
+  """`jax.device_put(x, s)` as a new buffer, also across device sets that span several processes.
+
+  Multi-controller JAX reshards across hosts only within one device set, so there `x` is first
+  replicated over its own devices (an all-gather every process runs; a transient full copy per
+  device, one leaf at a time) and each process then copies the pieces its devices of `s` hold from
+  its local replica.
+  """
+  if (not isinstance(x, jax.Array) or x.is_fully_addressable or s.is_fully_addressable
+      or x.sharding.device_set == s.device_set):
+    return jax.device_put(x, s, may_alias=False)
+  full = jax.device_put(x, replicated(x.sharding.mesh), may_alias=False).addressable_data(0)
+  pieces = [jax.device_put(full[index], d, may_alias=False) for d, index in s.addressable_devices_indices_map(x.shape).items()]
+  return jax.make_array_from_single_device_arrays(x.shape, s, pieces)
 
 
 def put_global(tree, shardings) -> Any:

@@ -63,17 +63,47 @@ def _train(mesh=None):
   return jax.tree.map(np.asarray, full), losses
 
 
+def _async_helpers(full_params) -> dict:
+  """What async over several processes rests on, checked on this process: a snapshot resharded from the
+  4-device learner mesh onto one device of each process (`sharding.reshard` across device sets), viewed
+  as this process's own array (`multiprocess.local_view`), equals the learner's parameters; and
+  `multiprocess.allgather_host` returns every process's plain data (arrays of several dtypes, lists,
+  strings) in process order."""
+  import jax
+  from jaxrl_llm import multiprocess, sharding
+  cfg, _, _ = _setup()
+  mesh = sharding.make_mesh(*MESH)
+  params = sharding.init_params_sharded(cfg, jax.random.key(0), sharding.param_shardings(cfg, mesh, sharding.LEARNER))
+  last = multiprocess.split_devices(jax.devices(), 1)[1]
+  sampler = sharding.param_shardings(cfg, sharding.make_mesh(data=len(last), devices=last), sharding.SAMPLER)
+  view = multiprocess.local_view(sharding.reshard(params, sampler, jax.numpy.bfloat16))
+  from jax.experimental import multihost_utils
+  want = jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))
+  mine = {d.id for d in last if d.process_index == jax.process_index()}
+  same = all(v.is_fully_addressable and {d.id for d in v.devices()} == mine
+             and np.array_equal(np.asarray(v, np.float32), w.astype(jax.numpy.bfloat16).astype(np.float32))
+             for v, w in zip(jax.tree.leaves(view), jax.tree.leaves(want)))
+  me = jax.process_index()
+  got = multiprocess.allgather_host({"me": me, "name": f"p{me}", "ids": list(range(me + 1)),
+                                     "x": np.arange(3 * (me + 1), dtype=np.float32).reshape(me + 1, 3),
+                                     "m": np.array([me == 0, True]), "none": None})
+  gathered = [{"me": g["me"], "name": g["name"], "ids": g["ids"], "x": g["x"].tolist(), "x_dtype": str(g["x"].dtype),
+               "m": g["m"].tolist(), "none": g["none"]} for g in got]
+  return {"snapshot_view_equal": bool(same), "gathered": gathered}
+
+
 def worker(port: int, process_id: int, out_path: str):
   from jaxrl_llm import distributed, sharding
   assert distributed.maybe_initialize(f"localhost:{port}", 2, process_id, cpu_collectives="gloo")
   import jax
   assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
   params, losses = _train(sharding.make_mesh(*MESH))
+  extra = _async_helpers(params)
   if process_id == 0:
     flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
     np.savez(out_path, **flat)
     with open(out_path + ".json", "w") as f:
-      json.dump({"losses": losses, "process_count": jax.process_count()}, f)
+      json.dump({"losses": losses, "process_count": jax.process_count(), **extra}, f)
   jax.distributed.shutdown()
 
 
@@ -107,6 +137,11 @@ def test_two_processes_on_localhost_match_single_process(tmp_path):
   got = np.load(out)
   info = json.load(open(out + ".json"))
   assert info["process_count"] == 2
+  assert info["snapshot_view_equal"] is True
+  assert info["gathered"] == [
+      {"me": 0, "name": "p0", "ids": [0], "x": [[0.0, 1.0, 2.0]], "x_dtype": "float32", "m": [True, True], "none": None},
+      {"me": 1, "name": "p1", "ids": [0, 1], "x": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "x_dtype": "float32",
+       "m": [False, True], "none": None}]
   np.testing.assert_allclose(info["losses"], ref_losses, rtol=1e-5)
   assert ref_losses[0] != ref_losses[-1]  # the steps really trained
   for k, v in jax.tree_util.tree_leaves_with_path(ref_params):
@@ -162,8 +197,8 @@ def test_dist_config_errors_name_the_field(monkeypatch):
 
 
 class _Dev:
-  def __init__(self, process_index):
-    self.process_index = process_index
+  def __init__(self, process_index, id=0):
+    self.process_index, self.id = process_index, id
 
 
 class _Sharding:
@@ -173,6 +208,31 @@ class _Sharding:
   def devices_indices_map(self, shape):
     assert shape == (8,)
     return {_Dev(0): (slice(0, 2),), _Dev(0): (slice(2, 4),), _Dev(1): (slice(4, 8),), _Dev(2): (slice(4, 8),)}
+
+
+def test_split_devices_takes_the_last_devices_of_every_process():
+  from jaxrl_llm import multiprocess
+  devs = [_Dev(p, i) for p in (0, 1) for i in (3, 2, 1, 0)]  # ids out of order within a process
+  first, last = multiprocess.split_devices(devs, 1)
+  assert [(d.process_index, d.id) for d in last] == [(0, 3), (1, 3)]
+  assert first == [d for d in devs if d.id != 3]
+  first, last = multiprocess.split_devices(devs, 0)
+  assert first == devs and last == []
+  one = [_Dev(0, i) for i in range(8)]  # one process: the plain `devices[:-n]`, `devices[-n:]`
+  assert multiprocess.split_devices(one, 2) == (one[:-2], one[-2:])
+
+
+def test_merge_processes_joins_rows_and_adds_counts():
+  from jaxrl_llm.rollout.sources.asynchronous import merge_processes
+  part = lambda p, n: {"reward_B": np.full((2 * n,), p, np.float32), "group_id_B": np.repeat(np.arange(n, dtype=np.int32), 2),
+                       "reward_errors": p + 1, "async_lag_hist": [n, p], "request_ids": list(range(p, 2 * n, 2)),
+                       "time_learner_idle_s": 0.5 * (p + 1), "async_buffered": 1}
+  got = merge_processes([part(0, 2), part(1, 1)])
+  np.testing.assert_array_equal(got["reward_B"], [0, 0, 0, 0, 1, 1])
+  np.testing.assert_array_equal(got["group_id_B"], [0, 0, 1, 1, 2, 2])
+  assert got["group_id_B"].dtype == np.int32
+  assert got["reward_errors"] == 3 and got["async_lag_hist"] == [3, 1] and got["async_buffered"] == 2
+  assert got["request_ids"] == [0, 1, 2] and got["time_learner_idle_s"] == 1.0
 
 
 def test_row_owners_are_the_lowest_process_holding_each_row():
@@ -212,3 +272,28 @@ def test_peer_verdict():
 
 if __name__ == "__main__":
   worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+def test_multiprocess_config_errors_name_the_field(monkeypatch):
+  """What a 2-process run refuses, checked without starting one (the process count is patched)."""
+  import jax
+  from jaxrl_llm import config as config_lib
+  from test_loop import tiny
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  mesh = dict(mesh__data=2, mesh__fsdp=4)
+  cases = [(dict(rollout__mode="async", rollout__prompts_per_step=3), r"rollout\.prompts_per_step=3: async over 2"),
+           (dict(rollout__mode="async", rollout__prox_in_worker=True), r"rollout\.prox_in_worker=True: async over 2"),
+           (dict(rollout__sampler_devices=1, mesh__data=3, mesh__fsdp=2), r"rollout\.sampler_devices=1: devices of"),
+           (dict(rollout__mode="async", rollout__sampler_devices=1), r"sampler_devices=1: .* needs 10 devices \(1 on each of 2"),
+           (dict(mesh__data=1, mesh__fsdp=1), r"config\.mesh=.*2 processes run one model")]
+  for kw, msg in cases:
+    with pytest.raises(config_lib.ConfigError, match=msg):
+      config_lib.validate(tiny(**{**mesh, **kw}))
+  for kw in (dict(rollout__mode="async"), dict(rollout__mode="async", rollout__sampler_devices=1, mesh__data=3, mesh__fsdp=2),
+             dict(rollout__mode="fixed_lag", rollout__lag=1)):
+    config_lib.validate(tiny(**{**mesh, **kw}))  # accepted
+  c = tiny(**mesh, rollout__mode="fixed_lag", rollout__lag=1)
+  c.rollout.replay.capacity = 8
+  config_lib.validate(c)  # replay too

@@ -51,7 +51,7 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
                        chunk_steps: int | None = None, reprefill: bool = False,
                        keep_routes: bool = False, score_fn: Callable | None = None,
                        encoder: Encoder = CHAR_ENCODER,
-                       reward_policy: RewardPolicy = RewardPolicy()) -> RolloutFn:
+                       reward_policy: RewardPolicy = RewardPolicy(), view: Callable | None = None) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
 
   With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
@@ -63,9 +63,12 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
   learner does not spend a forward per distinct version of its batch.
   `encoder`: the run's prompt encoder (`tasks.encoder`); its tokenizer decodes the completions.
   `reward_policy`: time limit, bound and executor of the reward calls; the group records how many failed.
+  `view`: applied to every snapshot's parameters before they generate (several processes:
+  `multiprocess.local_view`, so that a worker runs its own process's program only).
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
+  see = view or (lambda params: params)
 
   def rollout(snap: Snapshot, request_id: int) -> Trajectory:
     example = prompt_for_request(train_examples, request_id, seed)
@@ -73,10 +76,10 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
     key = rollout_key(key_root, snap.version, request_id)
     args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
     if chunk_steps is None:
-      out = generate(snap.params, *args, model_cfg, sampler_cfg)
+      out = generate(see(snap.params), *args, model_cfg, sampler_cfg)
       versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
     else:
-      out = partial_lib.generate_partial(snap.version, snap.params, store_poller(store), *args, model_cfg,
+      out = partial_lib.generate_partial(snap.version, see(snap.params), store_poller(store, see), *args, model_cfg,
                                          sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
       versions_GN = np.asarray(out["versions_BN"])
     out = jax.tree.map(np.asarray, out)
@@ -122,8 +125,9 @@ def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapsho
   return prox_GN
 
 
-def store_poller(store: ParamStore) -> partial_lib.Poll:
-  """A `generate_partial` poll over a ParamStore: pins the newest snapshot when it is newer.
+def store_poller(store: ParamStore, view: Callable | None = None) -> partial_lib.Poll:
+  """A `generate_partial` poll over a ParamStore: pins the newest snapshot when it is newer (its
+  parameters passed through `view` when given, as in `make_group_rollout`).
 
   The snapshot pinned for the previous switch is released on the next switch or at the end; the
   admitted snapshot stays the worker's to release.
@@ -142,7 +146,7 @@ def store_poller(store: ParamStore) -> partial_lib.Poll:
     for s in held:
       store.release(s)
     held[:] = [snap]
-    return snap.version, snap.params
+    return snap.version, snap.params if view is None else view(snap.params)
 
   return poll
 
@@ -158,13 +162,14 @@ class AsyncRollout:
     num_workers: rollout threads.
     admission, buffer: restored state (default: fresh).
     next_request_id, retry_request_ids: restored request-id cursor and ids to redo first.
+    id_stride: the step between this engine's request ids (the number of processes running engines).
     poll_s: how often a worker refused by admission re-checks (it is also woken by the learner).
   """
 
   def __init__(self, store: ParamStore, rollout_fn: RolloutFn, *, batch_groups: int, eta: int | None,
                num_workers: int = 1, admission: Admission | None = None, buffer: Buffer | None = None,
                max_running: int | None = None, next_request_id: int = 0, retry_request_ids=(),
-               poll_s: float = 0.02):
+               poll_s: float = 0.02, id_stride: int = 1):
     self.store = store
     self.rollout_fn = rollout_fn
     self.batch_groups = batch_groups
@@ -174,6 +179,7 @@ class AsyncRollout:
     self.num_workers = num_workers
     self.poll_s = poll_s
     self._next_id = next_request_id
+    self.id_stride = id_stride  # several processes: process p takes ids p, p + n, p + 2n, ... (disjoint)
     self._retry = collections.deque(sorted(retry_request_ids))
     self._in_flight: set[int] = set()
     self._errors: list[BaseException] = []
@@ -190,7 +196,7 @@ class AsyncRollout:
       if self._retry:
         rid = self._retry.popleft()
       else:
-        rid, self._next_id = self._next_id, self._next_id + 1
+        rid, self._next_id = self._next_id, self._next_id + self.id_stride
       self._in_flight.add(rid)
       return rid
 

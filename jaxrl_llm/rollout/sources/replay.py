@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm import multiprocess
 from jaxrl_llm.rollout import replay as replay_lib
 from jaxrl_llm.rollout.sources.base import get, register
 from jaxrl_llm.rollout.sources.common import recompute_prox_logp, replay_config, sync_rollout
@@ -41,7 +42,7 @@ def replay_rollout(run, store, buf, rc, step: int, version: int, v_b: int) -> di
     if c.rollout.old_logp == "recompute":  # π_old depends only on the generating version: score it once
       seq = tuple(jnp.asarray(fresh[k_]) for k_ in ("sequence_BT", "positions_BT", "segment_ids_BT"))
       routes = jnp.asarray(fresh["routes_BTLk"]) if "routes_BTLk" in fresh else None
-      fresh["prox_logp_BN"] = np.asarray(recompute_prox_logp(run.score, store, fresh, seq, routes))
+      fresh["prox_logp_BN"] = multiprocess.to_host(recompute_prox_logp(run.score, store, fresh, seq, routes))
     buf.push(replay_lib.split_groups(fresh, c.rollout.group_size, v_b, step))
     errors, time_gen, calls = errors + fresh["reward_errors"], time_gen + fresh["time_generate_s"], calls + 1
     gen_tokens += float(fresh["mask_BN"].sum())
