@@ -205,9 +205,6 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
           f"async over {n_proc} processes: each process generates an equal share, so it must be divisible by {n_proc}")
     _need(not c.rollout.prox_in_worker, "rollout.prox_in_worker", c.rollout.prox_in_worker,
           f"async over {n_proc} processes: π_old is scored by the learner (the workers' replica is not its layout)")
-  teacher = c.get("distill") and c.distill.get("teacher")
-  _need(not teacher, "distill.teacher", teacher,
-        f"on-policy distillation is not supported in multi-process runs ({n_proc} processes) yet")
 
 
 def task_kwargs(c: ml_collections.ConfigDict) -> dict:

@@ -1,7 +1,8 @@
 """`python -m jaxrl_llm` over 2 processes x 4 forced CPU devices (gloo collectives, localhost) writes the
 metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync, fixed_lag,
-staged and replay (over fixed_lag) runs; a SIGTERM to one process stops both after the same step with one
-checkpoint, and the restarted pair continues the metrics of the uninterrupted run; a killed (or frozen)
+staged, replay (over fixed_lag) and on-policy distillation runs; a SIGTERM to one process stops both after the same step with one
+checkpoint, and the restarted pair continues the metrics of the uninterrupted run (a 2-process checkpoint
+also resumes on 1 process over the same mesh); a killed (or frozen)
 process makes the other exit 1 with a one-line error, bounded by the heartbeat timeout (no hang). Async
 (not bitwise repeatable) runs over the 2 processes with a sampler device of each process's own, keeps
 every lag within η, reports the learner's idle fraction and resumes after a SIGTERM without consuming
@@ -30,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # on-policy GRPO step is ~1e-9, |π_old − μ| ~1e-6: summation order alone changes them by their own size).
 ATOL = 1e-5
 HEARTBEAT_S = 20  # config.dist.heartbeat_timeout_seconds of the 2-process runs (their watchdog: half of it)
-COMMON = ["--config=configs/tiny.py", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.num_steps=4",
+COMMON = ["--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.num_steps=4",
           "--config.eval.every=2", "--config.eval.num_prompts=8",
           "--config.log.tensorboard=False", "--config.checkpoint.every=2"]
 
@@ -39,7 +40,9 @@ MODES = {"sync": [], "fixed_lag": ["--config.rollout.mode=fixed_lag", "--config.
          "staged": ["--config.rollout.mode=staged", "--config.rollout.lag=2"],  # 2 stages of 2 learner steps
          # 2 fresh prompts per step into a buffer of 8 groups, a batch of 4 sampled from it (lags 0..3)
          "replay": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1", "--config.rollout.replay.capacity=8",
-                    "--config.rollout.replay.fresh_per_step=2"]}
+                    "--config.rollout.replay.fresh_per_step=2"],
+         # on-policy distillation (reverse KL against a 2-layer SFT teacher, trained once by the 1-process run)
+         "opd": ["--config=configs/opd_tiny.py"]}
 
 
 def _free_port() -> int:
@@ -54,7 +57,9 @@ def _launch(workdir: str, n_proc: int, flags: list[str]) -> list[subprocess.Pope
          "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
-  base = [sys.executable, "-m", "jaxrl_llm", f"--workdir={workdir}", *COMMON, *flags]
+  config = [f for f in flags if f.startswith("--config=")] or ["--config=configs/tiny.py"]
+  base = [sys.executable, "-m", "jaxrl_llm", f"--workdir={workdir}", *config, *COMMON,
+          *[f for f in flags if not f.startswith("--config=")]]
   if n_proc == 1:
     return [subprocess.Popen(base, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
   dist = [f"--config.dist.coordinator_address=localhost:{_free_port()}", f"--config.dist.num_processes={n_proc}",
@@ -107,10 +112,20 @@ def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def teachers(tmp_path_factory):
+  """The OPD runs' teacher cache (the 1-process run trains and caches the teacher; the 2-process runs load it)."""
+  return str(tmp_path_factory.mktemp("teachers"))
+
+
+def _flags(mode: str, teachers: str) -> list[str]:
+  return MODES[mode] + ([f"--config.distill.teacher_cache_dir={teachers}"] if mode == "opd" else [])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, teachers):
   """1 process x 8 devices, uninterrupted, each mode (all launched together)."""
   d = tmp_path_factory.mktemp("one")
-  procs = {m: _launch(str(d / m), 1, f) for m, f in MODES.items()}
+  procs = {m: _launch(str(d / m), 1, _flags(m, teachers)) for m in MODES}
   out = {}
   for m, ps in procs.items():
     logs = _finish(ps)
@@ -120,15 +135,28 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "staged", "replay"])
-def test_two_processes_write_the_metrics_of_one(tmp_path, reference, mode):
-  rows = _run(str(tmp_path), 2, MODES[mode])
+@pytest.mark.parametrize("mode", ["sync", "staged", "opd"])
+def test_two_processes_write_the_metrics_of_one(tmp_path, reference, teachers, mode):
+  rows = _run(str(tmp_path), 2, _flags(mode, teachers))
   assert len(rows) == 4 and "eval_accuracy" in rows[1]
   assert rows[0]["grad_norm"] > 0 and rows[0]["reward_std"] > 0  # a real update on varied rewards
+  if mode == "opd":
+    assert all(r["opd_k1"] != 0 for r in rows)  # the teacher scored every batch
   assert_same_metrics(rows, reference[mode])
   info = json.load(open(tmp_path / "run_info.json"))
   assert info["resumed_from_step"] == 0 and info["error"] is None
   assert {"2", "4"} <= set(os.listdir(tmp_path / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path, reference, teachers):
+  """Replay (host state in the checkpoint) over 2 processes x 4 devices to step 2, then continued by 1 process
+  x 8 devices over the same mesh: the rows are those of the uninterrupted 1-process run."""
+  flags = _flags("replay", teachers)
+  assert len(_run(str(tmp_path), 2, flags + ["--config.num_steps=2"])) == 2
+  rows = _run(str(tmp_path), 1, flags)
+  assert json.load(open(tmp_path / "run_info.json"))["resumed_from_step"] == 2
+  assert_same_metrics(rows, reference["replay"])  # replay_size and the sampled groups: the buffer came back
 
 
 @pytest.mark.slow

@@ -126,10 +126,12 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
       tmp = f"{path}.tmp{os.getpid()}"
       save_hf(tmp, cfg, params, family=_family(cfg))
       encoder.tokenizer.save(tmp)
-      if os.path.exists(path):  # a concurrent run cached the same teacher first: keep theirs
-        shutil.rmtree(tmp)
-      else:
+      try:  # a concurrent run (or another process of this one) may cache the same teacher first: keep theirs
         os.replace(tmp, path)
+      except OSError:
+        if not os.path.exists(os.path.join(path, "config.json")):
+          raise
+        shutil.rmtree(tmp)
   else:
     path = c.distill.teacher
     if not os.path.exists(os.path.join(path, "config.json")):
