@@ -186,8 +186,8 @@ def validate_dist(c: ml_collections.ConfigDict) -> None:
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   """What a run over several processes (`jax.process_count() > 1`) supports: one mesh over every device
-  (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, and replay (the rest
-  is refused by name rather than run untested)."""
+  (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, replay and on-policy
+  distillation (the rest is refused by name rather than run untested)."""
   import jax  # local: and no device is touched unless `jax.distributed` is initialised (the CLI does it first)
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
     return
