@@ -123,7 +123,7 @@ def main_real(args, argv) -> str:
       "setting": "real", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)", "steps": steps, "skip": skip,
       "repeats": 1, "base_overrides": {"base_config": "smollm2_grpo", **REAL_BASE}, "modes": modes,
       "availability": {m: ("available" if a is None else f"not available: {a}") for m, a in avail.items()},
-      "runs": results}, args.out, argv, script="experiments.async_throughput")
+      "runs": results}, args.out, argv, script="async_throughput")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,19 @@ def test_real_model_sections_verdicts_and_missing_cells(tmp_path):
   assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-06") == "reproduces"
   assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-05") == "does not reproduce"
   assert "| 1e-06 | 0.2000 | 0.6000 | 0.100, 0.300 |" in text  # means over every step
+  # sync vs async on the real model: idle 0.20 -> 0.00 (less idle), steps/s 0.10 -> 0.16 (1.6x: faster)
+  timing = lambda step, idle: {"timing": {"time_step_s": step, "time_idle_s": idle, "idle_frac": idle / step,
+                                          "steps_per_s": 1 / step, "timed_steps": 6}}
+  (results / "async_throughput_smollm2.json").write_text(json.dumps({
+      "experiment": "async_throughput_smollm2", "model": "M", "steps": 8, "skip": 2, "repeats": 1,
+      "modes": {"sync": {}, "async": {}}, "availability": {"sync": "available", "async": "available"},
+      "runs": [{"mode": "sync", "lag": 0, "repeat": 0, **timing(10.0, 2.0)},
+               {"mode": "async", "lag": 2, "repeat": 0, **timing(6.25, 0.0)}]}))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "Asynchronous rollouts cut learner idle time (real model)") == "reproduces"
+  assert _verdict(text, "Asynchronous rollouts raise training throughput (real model)") == "reproduces"
+  assert "async / sync learner steps per second: 1.60" in text and "| sync | 0 | 10.000 | 2.000 | 0.200 | 0.10 |" in text
   # Gains 0.30, -0.20, 0.05: mean 0.05 > margin but se ≈ 0.144: within noise, so not a gain.
   (results / "staleness_smollm2.json").write_text(json.dumps(_real_doc([0.30, -0.20, 0.05])))
   report.main(["--results", str(results), "--out", str(out)])
