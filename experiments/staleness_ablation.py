@@ -142,7 +142,9 @@ def main_real(args, argv) -> str:
     wd = os.path.join(args.workdir, "staleness_real", f"{r['method']}_lag{r['lag']}_s{r['seed']}")
     out = common.run_one(setting["base"], real_overrides(r, steps, eval_every, extra), wd)
     shutil_rm(wd)  # a real-model checkpoint is ~1.6 GB
-    results.append({**r, **out})
+    # The file accumulates the cells of several invocations: each cell names the one that ran it and its
+    # commit; the file's own command is the whole grid's (rerunning it fills the missing cells).
+    results.append({**r, **out, "command": common.command_line("staleness_ablation", argv), "commit": common.git_commit()})
     s = out.get("summary", {})
     common.log(f"{i + 1}/{len(todo)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
                f"({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
@@ -150,8 +152,8 @@ def main_real(args, argv) -> str:
         "setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)",
         "steps": steps, "seeds": seeds, "base_overrides": {**extra, "base_config": setting["base"]},
         "methods": {m: {**methods.overrides(m), **REAL_METHOD_EXTRAS.get(m, {})} for m in methods.METHODS},
-        "baseline": methods.BASELINE, "planned": [dict(r) for r in planned.values()], "runs": results}, args.out, argv,
-        script="staleness_ablation")
+        "baseline": methods.BASELINE, "planned": [dict(r) for r in planned.values()], "runs": results}, args.out,
+        ["--real"] + (["--full"] if args.full else []), script="staleness_ablation")
   return written or path
 
 

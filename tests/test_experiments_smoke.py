@@ -148,6 +148,9 @@ def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeyp
   assert ("smollm2_grpo", "decoupled_ppo", 0, 1, 2) in calls  # decoupled PPO runs with 2 minibatches
   doc = json.load(open(path))
   assert len(doc["runs"]) == len(calls) == 4
+  assert doc["command"] == "python -m experiments.staleness_ablation --real"  # the whole grid's command
+  assert all(r["command"].endswith("--methods grpo,decoupled_ppo --lags 0 --out " + str(tmp_path) + " --workdir "
+                                   + str(tmp_path / "wd")) for r in doc["runs"])  # each cell's own invocation
   assert doc["command"].startswith("python -m experiments.staleness_ablation --real")
   calls.clear()
   staleness_ablation.main(args)  # every planned cell is in the file: nothing reruns
