@@ -51,6 +51,16 @@ def timing(rows: list[dict], skip: int) -> dict:
           "steps_per_s": len(step) / total if total > 0 else None, "timed_steps": len(step)}
 
 
+def timed_run(base: str, overrides: dict, workdir: str, skip: int) -> dict:
+  """`common.run_one` plus the `timing` of its rows (curves dropped: the timing is what this script keeps)."""
+  from jaxrl_llm import metrics as metrics_lib
+  out = common.run_one(base, overrides, workdir)
+  if "error" not in out:
+    out["timing"] = timing(metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")), skip)
+    out.pop("curves", None)
+  return out
+
+
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--lag", type=int, default=None, help="k / stage length / η of the non-sync modes")
@@ -71,7 +81,6 @@ def main(argv=None) -> str:
     return ""
 
   import json
-  from jaxrl_llm import metrics as metrics_lib
   common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
   warm = common.warm_start(args.base, {**BASE, **task, "seed": 0}, os.path.join(args.workdir, "warm", "arithmetic_s0"))
   results = []
@@ -80,11 +89,8 @@ def main(argv=None) -> str:
       if avail[m] is not None:
         continue
       wd = os.path.join(args.workdir, "throughput", f"{m}_r{rep}")
-      out = common.run_one(args.base, {**BASE, **task, **o, "seed": 0, "num_steps": steps, "model.init_from": warm,
-                                       "sft.steps": 0}, wd)
-      if "error" not in out:
-        out["timing"] = timing(metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")), skip)
-        out.pop("curves", None)
+      out = timed_run(args.base, {**BASE, **task, **o, "seed": 0, "num_steps": steps, "model.init_from": warm,
+                                  "sft.steps": 0}, wd, skip)
       results.append({"mode": m, "lag": o["rollout.lag"], "repeat": rep, **out})
       common.log(f"{m} rep {rep}: {json.dumps(out.get('timing', out.get('error')))}")
   return common.write_results("async_throughput", {
@@ -97,7 +103,6 @@ def main_real(args, argv) -> str:
   """sync vs async on the pretrained 135M model (one run each, the base config's batch)."""
   import json
   import shutil
-  from jaxrl_llm import metrics as metrics_lib
   setting = SETTINGS["real"]
   steps = args.steps or setting["steps"]
   skip = min(setting["skip"], max(0, steps - 1))
@@ -112,10 +117,7 @@ def main_real(args, argv) -> str:
     if avail[m] is not None:
       continue
     wd = os.path.join(args.workdir, "throughput_real", m)
-    out = common.run_one("smollm2_grpo", {**REAL_BASE, **o, "seed": 0, "num_steps": steps}, wd)
-    if "error" not in out:
-      out["timing"] = timing(metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")), skip)
-      out.pop("curves", None)
+    out = timed_run("smollm2_grpo", {**REAL_BASE, **o, "seed": 0, "num_steps": steps}, wd, skip)
     shutil.rmtree(wd, ignore_errors=True)  # a real-model checkpoint is ~1.6 GB
     results.append({"mode": m, "lag": o["rollout.lag"], "repeat": 0, **out})
     common.log(f"{m}: {json.dumps(out.get('timing', out.get('error')))}")
