@@ -16,6 +16,7 @@ from ml_collections import config_flags
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import loop
+from jaxrl_llm.rollout import sources
 from jaxrl_llm.models import save_hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "the run's config file", lock_config=True)
@@ -31,7 +32,7 @@ def export(c, workdir: str, out: str) -> int:
   store = loop.new_store(r)
   ckpt = loop._open_checkpointer(c, workdir)  # pylint: disable=protected-access
   try:
-    restored = loop._restore(ckpt, r, store, loop.retention(c.rollout.mode, c.rollout.lag),  # pylint: disable=protected-access
+    restored = loop._restore(ckpt, r, store, sources.retention(c),  # pylint: disable=protected-access
                              json.loads(c.to_json_best_effort()))
   finally:
     ckpt.close()

@@ -132,11 +132,6 @@ def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
                        top_p=1.0 if greedy else s.top_p, group_size=1 if greedy else c.rollout.group_size)
 
 
-def retention(mode: str, k: int) -> int:
-  """Snapshots the store keeps for mode `mode` with `rollout.lag` k (its batch source's `retention`)."""
-  return sources.get(mode).retention(k)
-
-
 def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
              tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER, mesh=None) -> float:
   """Held-out greedy accuracy (fraction of test prompts with reward 1); on `mesh` the prompts are split
@@ -524,7 +519,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "run_info.json", "tb
 def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   r = setup(c)
   store = new_store(r)
-  slots = retention(c.rollout.mode, c.rollout.lag)
+  slots = sources.retention(c)
   config_json = json.loads(c.to_json_best_effort())  # the resolved config, stored with every checkpoint
   ckpt, restored = _resume_point(c, workdir, r, store, slots, config_json)
   start, state, extra, meta, host = restored or _fresh_start(c, r, store, workdir)

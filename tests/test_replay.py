@@ -13,6 +13,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
 from jaxrl_llm.rollout import replay
+from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.sources import common as sources_common
 from jaxrl_llm.rollout.sources import replay as replay_source
 from test_loop import fresh_run, strip, tiny
@@ -286,7 +287,7 @@ def test_recompute_prox_is_scored_once_at_the_generating_version(tmp_path):
   it, so a group older than any snapshot the store still holds is trained on exactly, never rescored."""
   c = cfg("fixed_lag", 1, steps=8, capacity=8, fresh_per_step=2, reuse_limit=3)
   rows = loop.run(c, str(tmp_path / "run"))
-  assert loop.retention("fixed_lag", 1) == 2
+  assert sources.retention(c) == 2  # replay over fixed_lag generates from the snapshot of v - k
   assert max(r["lag_max"] for r in rows) > 1  # consumed groups older than every held snapshot
   # Unit: the cached π_old equals a fresh recompute at the generating version.
   r, state, extra, store = fresh_run(c)

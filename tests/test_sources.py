@@ -79,7 +79,7 @@ class Toy(sources.Stateless):
   restored = []
 
   @staticmethod
-  def retention(lag):
+  def retention(c):
     return 2
 
   def __init__(self, run, store):
@@ -111,3 +111,45 @@ def test_a_new_source_plugs_in_by_registering(tmp_path):
   rows = loop.run(c, str(tmp_path))  # resumes from the step-3 checkpoint
   assert Toy.restored == [{"served": 3, "v_even": 2}]
   assert [r["step"] for r in rows] == [3] and rows[0]["behavior_version"] == 2 and rows[0]["lag_max"] == 1
+
+
+def test_fixed_lag_queue_equals_generating_from_kept_snapshots():
+  """fixed_lag keeps one snapshot and a queue of k batches. Each batch, with its π_old, equals what
+  generating at consumption from a kept snapshot of version t - k gives (the k + 1-snapshot scheme it
+  replaced, computed here from a separate store that keeps every version)."""
+  from jaxrl_llm.rollout.param_store import ParamStore
+  from jaxrl_llm.rollout.sources.common import recompute_prox_logp
+  k, steps = 2, 5
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=k)
+  c.num_steps = steps
+  assert sources.retention(c) == 1
+  r, state, extra, store = fresh_run(c)
+  every = ParamStore(keep_last=steps + 1, keep_learner_copy=store.keeps_learner_copy)
+  every.publish(state.params)
+  src = sources.get("fixed_lag")(r, store)
+  params = state.params
+  for t in range(steps):
+    v = store.latest_version
+    ro = src.next_batch(t, v)
+    assert sorted(src.queue) == list(range(t + 1, t + k + 1))  # k ahead (past num_steps too: a longer run's)
+    assert store.held_versions() == [v]
+    v_b = max(0, v - k)
+    want = sync_rollout(r, every, [t], v, v_b)[0]
+    for key in ARRAYS:
+      np.testing.assert_array_equal(ro[key], want[key], err_msg=f"step {t} {key}")
+    assert int(ro["lag_B"].max()) == min(t, k)
+    seq = tuple(jax.numpy.asarray(want[x]) for x in ("sequence_BT", "positions_BT", "segment_ids_BT"))
+    np.testing.assert_array_equal(ro["prox_logp_BN"], np.asarray(recompute_prox_logp(r.score, every, want, seq)))
+    params = jax.tree.map(lambda x: x + 0.01, params)  # a new version: the lagged batches differ from fresh ones
+    store.publish(params)
+    every.publish(params)
+  assert sorted(src.queue) == [steps, steps + 1]
+
+
+def test_fixed_lag_without_a_queue_refuses_to_resume():
+  """A checkpoint without the rollout queue (e.g. an older jaxrl_llm's) cannot make up the lagged batches."""
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=2)
+  r, state, extra, store = fresh_run(c)
+  store.publish(state.params)
+  with pytest.raises(loop.RunError, match=r"no queued batch for step\(s\) \[1, 2\]"):
+    sources.get("fixed_lag")(r, store).next_batch(1, 1)

@@ -85,8 +85,8 @@ def merge_processes(parts: list[dict]) -> dict:
 class Async:
 
   @staticmethod
-  def retention(lag: int) -> int:
-    return lag + 1
+  def retention(c) -> int:
+    return c.rollout.lag + 1
 
   def __init__(self, run, store):
     self.run, self.store = run, store

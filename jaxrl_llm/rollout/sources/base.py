@@ -11,7 +11,7 @@ ParamStore) and then only asked for
   restore(state)                              continue from `state()` (before the first `next_batch`)
   close()                                     stop background work (idempotent)
 
-and, on the class, `retention(lag) -> int`: how many published snapshots the ParamStore keeps for it.
+and, on the class, `retention(c) -> int`: how many published snapshots the ParamStore keeps for it.
 
 The rollout dict holds `sequence_BT`, `positions_BT`, `segment_ids_BT`, `mask_BN`, `behavior_logp_BN`,
 `reward_B`, `versions_BN` (version that generated each token), `lag_B` (learner version minus generating
@@ -49,8 +49,8 @@ class Stateless:
   """Defaults for a source with no state of its own: nothing to save, restore or stop; one snapshot."""
 
   @staticmethod
-  def retention(lag: int) -> int:
-    del lag
+  def retention(c) -> int:
+    del c
     return 1
 
   def state(self) -> None:
@@ -97,4 +97,4 @@ def pick(c: ml_collections.ConfigDict) -> str:
 
 def retention(c: ml_collections.ConfigDict) -> int:
   """Snapshots the run's ParamStore keeps: what the mode's source needs for lagged generation and π_old."""
-  return get(c.rollout.mode).retention(c.rollout.lag)
+  return get(pick(c)).retention(c)

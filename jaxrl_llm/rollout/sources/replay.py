@@ -61,6 +61,10 @@ def replay_rollout(run, store, buf, rc, step: int, version: int, v_b: int) -> di
 class Replay:
   """Replay over the base mode (`rollout.mode`): its behaviour version generates the fresh groups."""
 
+  @staticmethod
+  def retention(c) -> int:
+    return get(c.rollout.mode).lag_of(c) + 1  # fresh groups come from the snapshot of version v - k
+
   def __init__(self, run, store):
     self.run, self.store, self.rc = run, store, replay_config(run.c)
     self.base = get(run.c.rollout.mode)(run, store)

@@ -17,8 +17,8 @@ from jaxrl_llm.rollout.sources.common import sync_rollout
 class Staged(Stateless):
 
   @staticmethod
-  def retention(lag: int) -> int:
-    return lag + 1
+  def retention(c) -> int:
+    return c.rollout.lag + 1  # a stage cut by a resume is regenerated from its starting version
 
   def __init__(self, run, store):
     self.run, self.store, self.k = run, store, run.c.rollout.lag

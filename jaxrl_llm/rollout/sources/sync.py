@@ -10,11 +10,6 @@ from jaxrl_llm.rollout.sources.fixed_lag import FixedLag
 class Sync(FixedLag):
 
   @staticmethod
-  def retention(lag: int) -> int:
-    del lag
-    return 1
-
-  @staticmethod
   def lag_of(c) -> int:
     del c
     return 0
