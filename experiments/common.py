@@ -212,6 +212,47 @@ def write_results(name: str, payload: dict, out_dir: str | None = None, argv: li
   return path
 
 
+def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, ...], steps: int, args,
+              run_cell, payload: dict, file_argv: list[str], argv: list[str] | None) -> str:
+  """Runs the cells of `runs` still missing from `<args.out>/<name>.json`, writing the file after each one.
+
+  The file accumulates the cells of several invocations (a grid that takes hours on a CPU is filled run
+  by run; `args.redo` reruns this invocation's cells). Cells of another run length are not comparable:
+  the file then starts over. Each cell records the invocation that ran it and its commit; the file's own
+  command (`file_argv`) is the whole grid's, so rerunning it fills the missing cells; `planned` is the union
+  of every invocation's plan (the report lists the missing cells). `run_cell(r)` -> {"summary", ...}.
+  """
+  key = lambda r: tuple(r[f] for f in key_fields)
+  path = os.path.join(args.out, f"{name}.json")
+  done, planned = [], {key(r): r for r in runs}
+  if os.path.exists(path):
+    with open(path) as f:
+      prev = json.load(f)
+    if prev.get("steps") == steps:
+      done = [r for r in prev["runs"] if "summary" in r]
+      planned = {**{key(r): r for r in prev.get("planned", [])}, **planned}
+  if getattr(args, "redo", False):
+    redo = {key(r) for r in runs}
+    done = [r for r in done if key(r) not in redo]
+  have = {key(r) for r in done}
+  todo = [r for r in runs if key(r) not in have]
+  if args.dry_run:
+    for r in todo:
+      print(r)
+    return ""
+  enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  results, written = list(done), ""
+  for i, r in enumerate(todo):
+    out = run_cell(r)
+    results.append({**r, **out, "command": command_line(script, argv), "commit": git_commit()})
+    s = out.get("summary", {})
+    log(f"{i + 1}/{len(todo)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
+        f"({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
+    written = write_results(name, {**payload, "steps": steps, "planned": [dict(r) for r in planned.values()],
+                                   "runs": results}, args.out, file_argv, script=script)
+  return written or path
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
   """Flags every script shares: --full, --seeds, --steps, --out, --workdir, --dry-run."""
   p = argparse.ArgumentParser(description=description)

@@ -8,11 +8,13 @@ reported as "not available" while the config has no such option.
 
     python -m experiments.mismatch_ablation             # CI-sized
     python -m experiments.mismatch_ablation --full
+    python -m experiments.mismatch_ablation --real      # SmolLM2-135M-Instruct (hours on a CPU; accumulates)
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 from experiments import common
 
@@ -40,6 +42,52 @@ SETTINGS = {
     "ci": {"steps": 80, "eval_every": 20, "seeds": 1, "tasks": ["arithmetic"]},
     "full": {"steps": 400, "eval_every": 25, "seeds": 3, "tasks": ["arithmetic", "countdown"]},
 }
+
+
+# The real model (configs/smollm2_grpo.py, the staleness grid's setting: 4 x 8 rollouts, 16 new tokens,
+# lr 1e-5, 20 steps, lag 0). Its measured bf16 gap is ~0.025 nats per token (`mismatch_real`), so the
+# question is whether that gap changes uncorrected PG's training, and whether the corrections change it
+# back. The corrections' fp32 cells are left out on the CPU grid: with an fp32 sampler ρ = π_old/μ is 1
+# up to 5e-6, so each equals uncorrected PG on-policy (the on-policy invariance tests); `--full` runs them.
+REAL_SETTINGS = {
+    "ci": {"steps": 20, "eval_every": 5, "seeds": 3, "base": "smollm2_grpo",
+           "cells": [("fp32", "pg"), ("bf16", "pg"), ("bf16", "tis"), ("bf16", "icepop"), ("bf16", "mis"),
+                     ("int8", "pg")]},
+    "full": {"steps": 200, "eval_every": 20, "seeds": 3, "base": "smollm2_grpo",
+             "overrides": {"rollout.prompts_per_step": 32, "rollout.group_size": 8, "eval.num_prompts": 512,
+                           "task.held_out": 512, "sampler.max_new_tokens": 32},
+             "cells": [(s, m) for s in ("fp32", "bf16", "int8") for m in METHODS]},
+}
+REAL_TASK = "arithmetic_chat"
+
+
+def main_real(args, argv) -> str:
+  """The real-model grid, seed-major (every cell of seed 0 first); results accumulate in mismatch_smollm2.json."""
+  name = "full" if args.full else "ci"
+  setting = REAL_SETTINGS[name]
+  seeds, steps = args.seeds or setting["seeds"], args.steps or setting["steps"]
+  eval_every = min(setting["eval_every"], max(1, steps))
+  keep = args.methods.split(",") if args.methods else list(METHODS)
+  runs = [{"task": REAL_TASK, "sampler": s, "method": m, "seed": seed}
+          for seed in range(seeds) for s, m in setting["cells"] if m in keep]
+  extra = dict(setting.get("overrides", {}))
+
+  def run_cell(r: dict) -> dict:
+    over = {**extra, "task.name": REAL_TASK, **METHODS[r["method"]], **SAMPLERS[r["sampler"]], "seed": r["seed"],
+            "num_steps": steps, "eval.every": eval_every, "rollout.mode": "sync", "rollout.old_logp": "recompute"}
+    wd = os.path.join(args.workdir, "mismatch_real", f"{r['sampler']}_{r['method']}_s{r['seed']}")
+    out = common.run_one(setting["base"], over, wd)
+    shutil.rmtree(wd, ignore_errors=True)  # a real-model checkpoint is ~1.6 GB
+    return out
+
+  return common.run_cells(
+      "mismatch_smollm2" + ("_full" if args.full else ""), "mismatch_ablation", runs, ("task", "sampler", "method", "seed"),
+      steps, args, run_cell,
+      {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)", "seeds": seeds,
+       "base_overrides": {**extra, "base_config": setting["base"], "rollout.mode": "sync",
+                          "rollout.old_logp": "recompute"},
+       "methods": METHODS, "samplers": {s: SAMPLERS[s] for s in dict.fromkeys(s for s, _ in setting["cells"])}},
+      ["--real"] + (["--full"] if args.full else []), argv)
 
 
 def sampler_availability(task: str, base: str = "default") -> dict:
@@ -75,7 +123,11 @@ def _unwired_model_fields(base: str, task: str, over: dict) -> str | None:
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--methods", default="", help="comma-separated subset of methods")
+  p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct from configs/smollm2_grpo.py")
+  p.add_argument("--redo", action="store_true", help="(--real) rerun cells already in the results file")
   args = p.parse_args(argv)
+  if args.real:
+    return main_real(args, argv)
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   ms = args.methods.split(",") if args.methods else list(METHODS)
   avail = {t: sampler_availability(t, args.base) for t in setting["tasks"]}

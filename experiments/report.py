@@ -233,11 +233,10 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
     lines += ["", f"![accuracy vs lag]({rel}/{f1})", "", f"![{base} curves]({rel}/{f2})", ""]
     lines += missing_cells(doc, task)
     if real:
-      lines += ["`fixed_lag` at lag k keeps k + 1 parameter snapshots (the behaviour versions still to be "
-                "sampled from and scored), so lag 16 on this model holds 17 snapshots of its weights in host "
-                "memory besides the learner; a lag-16 run was OOM-killed at 24 GB RSS on the 23 GB, 2-core "
-                "machine these results come from, so the corrections are compared at lag 4 here and lag 16 "
-                "needs a host with more memory.", ""]
+      lines += ["The corrections are compared at lag 4, where GRPO already degrades. A lag-16 run was "
+                "OOM-killed at 24 GB RSS on the 23 GB, 2-core machine these results come from, when `fixed_lag` "
+                "kept k + 1 parameter snapshots; it now keeps one and queues the k batches it generated ahead "
+                "(with their π_old), so lag 16 fits and waits only for CPU time.", ""]
       claims.append(learns_claim(tr, task, base, min(lags)))
     claims += staleness_claims(tr, task, base, lags)
   return lines, claims
@@ -305,9 +304,15 @@ def staleness_claims(tr, task, base, lags) -> list[dict]:
   return out
 
 
-def mismatch_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+def mismatch_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], list[dict]]:
+  """Accuracy by sampler precision and correction. A correction with no fp32 cell of its own (the real
+  model's CPU grid) is compared with uncorrected PG's fp32 cell: on-policy with an fp32 sampler they are
+  the same update (ρ = 1 up to float noise)."""
   runs = doc["runs"]
-  lines = ["## Train/inference mismatch (bf16 sampler vs fp32 learner)", "", provenance(doc), "",
+  title = "## Train/inference mismatch (bf16 sampler vs fp32 learner)"
+  if real:
+    title = f"## Train/inference mismatch in training, on the real model: {doc.get('model')}"
+  lines = [title, "", provenance(doc), "",
            f"Learner steps per run: {doc.get('steps')}; seeds: {doc.get('seeds')}; shared overrides: "
            f"`{json.dumps(doc.get('base_overrides'))}`.", ""]
   for task, av in doc.get("availability", {}).items():
@@ -340,14 +345,26 @@ def mismatch_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
           cell([r for r in tr if r["method"] == "pg" and r["sampler"] == "bf16"])
       gap = stats([r["summary"]["mismatch_abs_mean"] for r in tr if r["sampler"] == "bf16"])
       pg_hurt = drops(p32, p16)
-      flat = {m: not drops(cell([r for r in tr if r["method"] == m and r["sampler"] == "fp32"]),
+      flat = {m: not drops(cell([r for r in tr if r["method"] == m and r["sampler"] == "fp32"]) or p32,
                            cell([r for r in tr if r["method"] == m and r["sampler"] == "bf16"]))
               for m in ("tis", "mis", "icepop") if m in ms}
       ev = (f"pg {fmt(p32)} (fp32) → {fmt(p16)} (bf16); measured mismatch {fmt(gap, 5)}; corrections flat: "
             + ", ".join(f"{m}={v}" for m, v in flat.items()) + seeds_note(p32, p16))
       claims.append(claim(f"bf16 sampling hurts uncorrected PG while TIS / MIS / IcePop stay flat ({task})",
                           "TIS / MIS / IcePop; methods-rl §9.1", bool(pg_hurt) and all(flat.values()), ev))
+    lines += missing_mismatch_cells(doc, task)
   return lines, claims
+
+
+def missing_mismatch_cells(doc, task) -> list[str]:
+  """The planned (sampler, method, seed) runs with no result yet (results that accumulate across invocations)."""
+  have = {(r["sampler"], r["method"], r["seed"]) for r in doc["runs"] if "summary" in r and r["task"] == task}
+  miss = [p for p in doc.get("planned", []) if p["task"] == task and (p["sampler"], p["method"], p["seed"]) not in have]
+  by: dict = {}
+  for p in miss:
+    by.setdefault((p["sampler"], p["method"]), []).append(p["seed"])
+  return [f"Planned cells still missing ({len(miss)} runs; rerun the command to fill them): "
+          + "; ".join(f"{m} ({s} sampler) seeds {sorted(ss)}" for (s, m), ss in by.items()) + ".", ""] if miss else []
 
 
 def throughput_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], list[dict]]:
@@ -613,7 +630,8 @@ def claim(text: str, source: str, verdict: bool | None, evidence: str) -> dict:
 VERDICT = {True: "reproduces", False: "does not reproduce", None: "not testable here"}
 
 SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True),
-            "mismatch_real": mismatch_real_section, "sparse_sync_real": sparse_sync_real_section,
+            "mismatch_real": mismatch_real_section, "mismatch_smollm2": functools.partial(mismatch_section, real=True),
+            "sparse_sync_real": sparse_sync_real_section,
             "staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
             "async_throughput": throughput_section,
             "async_throughput_smollm2": functools.partial(throughput_section, real=True), "async_staleness": async_section,
@@ -622,6 +640,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
 
 # Sections whose results file is not named after its script.
 COMMANDS = {"staleness_smollm2": "python -m experiments.staleness_ablation --real",
+            "mismatch_smollm2": "python -m experiments.mismatch_ablation --real",
             "async_throughput_smollm2": "python -m experiments.async_throughput --real"}
 
 

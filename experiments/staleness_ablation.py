@@ -52,9 +52,9 @@ SETTINGS = {
 # The real model (configs/smollm2_grpo.py): 4 prompts x 8 completions, 16 new tokens, lr 1e-5. At lag 0
 # GRPO moves held-out greedy accuracy from about 0.19 to about 0.6 in 30 steps (closing note of #15), so
 # this setting can show a lag-0 gain; 20 steps keep a run near 7 minutes on an idle 2-core CPU.
-# The corrections are run at lag 4, where GRPO already degrades here (3 seeds). Lag 16 keeps 17 parameter
-# snapshots of the 135M model (`fixed_lag` retains k + 1): such a run was OOM-killed at 24 GB RSS on the
-# 23 GB development machine, so lag 16 comes last, for a host with more memory.
+# The corrections are run at lag 4, where GRPO already degrades here (3 seeds); lag 16 comes last (CPU time).
+# Lag 16 used to keep 17 parameter snapshots and was OOM-killed at 24 GB RSS on the 23 GB development
+# machine; `fixed_lag` now keeps one snapshot and queues the batches it generated ahead.
 REAL_TASK = "arithmetic_chat"
 REAL_CORRECTIONS = ["m2po", "tis", "decoupled_ppo", "vespo", "dppo"]
 REAL_SETTINGS = {
@@ -99,13 +99,8 @@ def real_overrides(r: dict, steps: int, eval_every: int, extra: dict) -> dict:
           "eval.every": eval_every, "rollout.mode": "fixed_lag", "rollout.lag": r["lag"]}
 
 
-def run_key(r: dict) -> tuple:
-  return (r["task"], r["method"], r["lag"], r["seed"])
-
-
 def main_real(args, argv) -> str:
   """The real-model grid; results accumulate in staleness_smollm2.json (one write per finished run)."""
-  import json
   name = "full" if args.full else "ci"
   setting = REAL_SETTINGS[name]
   seeds, steps = args.seeds or setting["seeds"], args.steps or setting["steps"]
@@ -116,46 +111,22 @@ def main_real(args, argv) -> str:
     grid = [(t, [m for m in ms if m in keep], lags) for t, ms, lags in grid]
   if args.lags:
     grid = [(t, ms, [int(x) for x in args.lags.split(",")]) for t, ms, _ in grid]
-  runs = [r for r in plan({"grid": grid}, seeds)]
-  out_name = "staleness_smollm2" + ("_full" if args.full else "")
-  path = os.path.join(args.out, f"{out_name}.json")
-  done, planned = [], {run_key(r): r for r in runs}
-  if os.path.exists(path):
-    with open(path) as f:
-      prev = json.load(f)
-    if prev.get("steps") == steps:  # cells of another run length are not comparable: start over
-      done = [r for r in prev["runs"] if "summary" in r]
-      planned = {**{run_key(r): r for r in prev.get("planned", [])}, **planned}  # every invocation's plan
-  if args.redo:
-    redo = {run_key(r) for r in runs}
-    done = [r for r in done if run_key(r) not in redo]
-  have = {run_key(r) for r in done}
-  todo = [r for r in runs if run_key(r) not in have]
-  if args.dry_run:
-    for r in todo:
-      print(r)
-    return ""
-  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  runs = plan({"grid": grid}, seeds)
   extra = dict(setting.get("overrides", {}))
-  results = list(done)
-  written = ""
-  for i, r in enumerate(todo):
+
+  def run_cell(r: dict) -> dict:
     wd = os.path.join(args.workdir, "staleness_real", f"{r['method']}_lag{r['lag']}_s{r['seed']}")
     out = common.run_one(setting["base"], real_overrides(r, steps, eval_every, extra), wd)
     shutil_rm(wd)  # a real-model checkpoint is ~1.6 GB
-    # The file accumulates the cells of several invocations: each cell names the one that ran it and its
-    # commit; the file's own command is the whole grid's (rerunning it fills the missing cells).
-    results.append({**r, **out, "command": common.command_line("staleness_ablation", argv), "commit": common.git_commit()})
-    s = out.get("summary", {})
-    common.log(f"{i + 1}/{len(todo)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
-               f"({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
-    written = common.write_results(out_name, {
-        "setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)",
-        "steps": steps, "seeds": seeds, "base_overrides": {**extra, "base_config": setting["base"]},
-        "methods": {m: {**methods.overrides(m), **REAL_METHOD_EXTRAS.get(m, {})} for m in methods.METHODS},
-        "baseline": methods.BASELINE, "planned": [dict(r) for r in planned.values()], "runs": results}, args.out,
-        ["--real"] + (["--full"] if args.full else []), script="staleness_ablation")
-  return written or path
+    return out
+
+  return common.run_cells(
+      "staleness_smollm2" + ("_full" if args.full else ""), "staleness_ablation", runs, ("task", "method", "lag", "seed"),
+      steps, args, run_cell,
+      {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)", "seeds": seeds,
+       "base_overrides": {**extra, "base_config": setting["base"]},
+       "methods": {m: {**methods.overrides(m), **REAL_METHOD_EXTRAS.get(m, {})} for m in methods.METHODS},
+       "baseline": methods.BASELINE}, ["--real"] + (["--full"] if args.full else []), argv)
 
 
 def shutil_rm(path: str) -> None:

@@ -159,6 +159,47 @@ def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeyp
   assert len(calls) == 4 and len(json.load(open(path))["runs"]) == 4
 
 
+def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_path, monkeypatch):
+  """`mismatch_ablation --real`: seed-major cells, each sampler's overrides, no rerun of done cells; the
+  report compares a correction without an fp32 cell of its own with uncorrected PG's fp32 cell."""
+  calls = []
+  late = {("float32", "pg"): 0.60, ("bfloat16", "pg"): 0.40, ("bfloat16", "tis"): 0.61, ("bfloat16", "icepop"): 0.59,
+          ("bfloat16", "mis"): 0.60, ("int8", "pg"): 0.45}
+
+  def fake_run_one(base, overrides, workdir):
+    sampler = "int8" if overrides.get("sampler.quantize") == "int8" else overrides.get("sampler.dtype", "float32")
+    calls.append((base, sampler, overrides["loss.name"], overrides["seed"], overrides["rollout.mode"]))
+    return {"summary": {"eval_accuracy_initial": 0.2, "eval_accuracy_late": late[(sampler, overrides["loss.name"])],
+                        "mismatch_abs_mean": 0.02, "clipped_frac_mean": 0.0}, "curves": {}, "wall_s": 1.0}
+
+  monkeypatch.setattr(exp_common, "run_one", fake_run_one)
+  monkeypatch.setattr(exp_common, "enable_compile_cache", lambda path: None)
+  results = tmp_path / "results"
+  args = ["--real", "--seeds", "1", "--out", str(results), "--workdir", str(tmp_path / "wd")]
+  path = mismatch_ablation.main(args)
+  assert [c[1:3] for c in calls] == [("float32", "pg"), ("bfloat16", "pg"), ("bfloat16", "tis"),
+                                     ("bfloat16", "icepop"), ("bfloat16", "mis"), ("int8", "pg")]
+  assert all(c[0] == "smollm2_grpo" and c[4] == "sync" for c in calls)
+  doc = json.load(open(path))
+  assert doc["command"] == "python -m experiments.mismatch_ablation --real" and len(doc["runs"]) == 6
+  calls.clear()
+  mismatch_ablation.main(args)
+  assert calls == []  # every cell is in the file
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  claim = "bf16 sampling hurts uncorrected PG while TIS / MIS / IcePop stay flat (arithmetic_chat)"
+  assert _verdict(out.read_text(), claim) == "reproduces"  # pg 0.60 -> 0.40; corrections within 0.03 of 0.60
+  doc["runs"] = [r for r in doc["runs"] if r["method"] != "tis"] + [
+      {**r, "summary": {**r["summary"], "eval_accuracy_late": 0.50}} for r in doc["runs"] if r["method"] == "tis"]
+  (results / "mismatch_smollm2.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  assert _verdict(out.read_text(), claim) == "does not reproduce"  # tis 0.50 drops from pg's fp32 0.60
+  doc["runs"] = [r for r in doc["runs"] if r["method"] != "mis"]
+  (results / "mismatch_smollm2.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  assert "mis (bf16 sampler) seeds [0]" in out.read_text()  # a planned cell without a result is named
+
+
 def test_mismatch_token_stats_golden_values():
   from experiments import mismatch_real
   bands = {"icepop": (0.5, 5.0), "mis": (0.5, 2.0), "tis_cap": 2.0}
