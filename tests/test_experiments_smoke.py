@@ -200,6 +200,54 @@ def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_
   assert "mis (bf16 sampler) seeds [0]" in out.read_text()  # a planned cell without a result is named
 
 
+def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, monkeypatch):
+  """`opd_staleness --real`: smollm2_opd cells under fixed_lag, no rerun of done cells; the report's AsyncOPD
+  verdicts follow the held-out KLs (grows = +10% and 2 se)."""
+  from experiments import opd_staleness
+  calls = []
+  # late held-out KL by (arm, lag), per seed: reverse KL grows 1.0 -> 1.5 with lag; the others stay at 1.0
+  kls = {("forward_kl", 0): 1.0, ("forward_kl", 4): 1.02, ("reverse_kl", 0): 1.0, ("reverse_kl", 4): 1.5,
+         ("reverse_kl_recompute", 0): 1.0, ("reverse_kl_recompute", 4): 1.01}
+  arm_of = {("opd_forward_kl", False): "forward_kl", ("opd_reverse_kl", False): "reverse_kl",
+            ("opd_reverse_kl", True): "reverse_kl_recompute"}
+
+  def fake_probe(base, overrides, workdir):
+    arm = arm_of[(overrides["loss.name"], overrides["loss.hparams"].get("online_advantage", False))]
+    calls.append((base, arm, overrides["rollout.lag"], overrides["seed"], overrides["rollout.mode"]))
+    kl = kls[(arm, overrides["rollout.lag"])] + 0.01 * overrides["seed"]
+    return {"summary": {"eval_accuracy_initial": 0.0, "eval_accuracy_late": 0.1, "kl_rev_heldout_late": kl,
+                        "kl_rev_heldout_initial": 2.0}, "curves": {}, "wall_s": 1.0}
+
+  monkeypatch.setattr(opd_staleness, "run_with_probe", fake_probe)
+  monkeypatch.setattr(exp_common, "enable_compile_cache", lambda path: None)
+  results = tmp_path / "results"
+  args = ["--real", "--seeds", "2", "--out", str(results), "--workdir", str(tmp_path / "wd")]
+  path = opd_staleness.main(args)
+  assert len(calls) == 12 and all(c[0] == "smollm2_opd" and c[4] == "fixed_lag" for c in calls)
+  assert [c[3] for c in calls[:6]] == [0] * 6  # seed-major: every cell of seed 0 first
+  calls.clear()
+  opd_staleness.main(args)
+  assert calls == []
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag 4)") == "reproduces"
+  assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, lag 4)") == "reproduces"
+  assert _verdict(text, "Recomputing the reverse-KL advantage removes the degradation (real model, lag 4)") \
+      == "reproduces"
+  doc = json.load(open(path))
+  for r in doc["runs"]:
+    if r["arm"] == "reverse_kl" and r["lag"] == 4:
+      r["summary"]["kl_rev_heldout_late"] = 1.05 + 0.01 * r["seed"]  # +5%: within the rule, not a degradation
+  (results / "opd_staleness_smollm2.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag 4)") == \
+      "does not reproduce"
+  assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, lag 4)") == \
+      "not testable here"
+
+
 def test_mismatch_token_stats_golden_values():
   from experiments import mismatch_real
   bands = {"icepop": (0.5, 5.0), "mis": (0.5, 2.0), "tis_cap": 2.0}
