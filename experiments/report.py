@@ -112,6 +112,13 @@ def load(results_dir: str) -> dict:
   return out
 
 
+def planned_seeds(doc: dict):
+  """The seeds of the grid: from its planned cells when the file accumulates (`common.run_cells`: its
+  `seeds` field is the last invocation's), else the file's own `seeds`."""
+  planned = doc.get("planned")
+  return len({p["seed"] for p in planned}) if planned else doc.get("seeds")
+
+
 def provenance(doc: dict) -> str:
   m = doc.get("machine", {})
   return (f"Command: `{doc.get('command')}` · setting `{doc.get('setting', '?')}` · commit `{doc.get('commit')}` · "
@@ -205,7 +212,7 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
   title = f"## Staleness on the real model: {doc.get('model')} (`fixed_lag`)" if real else \
       "## Staleness ablation (`fixed_lag`)"
   lines = [title, "", provenance(doc), "",
-           f"Learner steps per run: {doc.get('steps')}; seeds: {doc.get('seeds')}; shared overrides: "
+           f"Learner steps per run: {doc.get('steps')}; seeds: {planned_seeds(doc)}; shared overrides: "
            f"`{json.dumps(doc.get('base_overrides'))}`. {start} Cells: held-out greedy accuracy, mean of the last "
            "three evaluations (mean ± standard error over seeds). Methods that coincide exactly at lag 0 reduce to the same on-policy "
            "gradient. `tis`, `mis` and `icepop` correct π_old/μ (train/inference mismatch); with an fp32 sampler "
@@ -321,7 +328,7 @@ def mismatch_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], 
   if real:
     title = f"## Train/inference mismatch in training, on the real model: {doc.get('model')}"
   lines = [title, "", provenance(doc), "",
-           f"Learner steps per run: {doc.get('steps')}; seeds: {doc.get('seeds')}; shared overrides: "
+           f"Learner steps per run: {doc.get('steps')}; seeds: {planned_seeds(doc)}; shared overrides: "
            f"`{json.dumps(doc.get('base_overrides'))}`.", ""]
   for task, av in doc.get("availability", {}).items():
     for s, why in av.items():

@@ -189,6 +189,14 @@ def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_
   report.main(["--results", str(results), "--out", str(out)])
   claim = "bf16 sampling hurts uncorrected PG while TIS / MIS / IcePop stay flat (arithmetic_chat)"
   assert _verdict(out.read_text(), claim) == "reproduces"  # pg 0.60 -> 0.40; corrections within 0.03 of 0.60
+  mismatch_ablation.main(args[:2] + ["2", "--methods", "pg"] + args[3:])  # seed 1 of pg's cells only
+  assert len(calls) == 3
+  mismatch_ablation.main(args + ["--methods", "pg", "--redo"])  # the last invocation: 1 seed
+  assert len(calls) == 6 and json.load(open(path))["seeds"] == 1
+  report.main(["--results", str(results), "--out", str(out)])
+  assert "seeds: 2;" in out.read_text()  # the grid's seeds (its planned cells), not the last invocation's
+  doc = json.load(open(path))
+  doc["runs"] = [r for r in doc["runs"] if r["seed"] == 0]
   doc["runs"] = [r for r in doc["runs"] if r["method"] != "tis"] + [
       {**r, "summary": {**r["summary"], "eval_accuracy_late": 0.50}} for r in doc["runs"] if r["method"] == "tis"]
   (results / "mismatch_smollm2.json").write_text(json.dumps(doc))
