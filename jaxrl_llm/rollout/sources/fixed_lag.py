@@ -54,9 +54,10 @@ class FixedLag(Stateless):
   def next_batch(self, step: int, version: int) -> dict:
     # Ahead even past `num_steps`: a run resumed with a larger `num_steps` then continues exactly.
     missing = [s for s in range(step, step + self.lag + 1) if s not in self.queue]
-    if step > 0 and missing[:1] != [step + self.lag]:  # only a fresh start has more than the newest to make
-      raise RunError(f"fixed_lag: no queued batch for step(s) {missing[:-1]} (the checkpoint holds no rollout "
-                     "queue: written by an older jaxrl_llm?); start the run in a new workdir")
+    early = [s for s in missing if s < step + self.lag]  # due from an earlier step: only a fresh start has none
+    if step > 0 and early:
+      raise RunError(f"fixed_lag: no queued batch for step(s) {early} (the checkpoint holds no rollout queue: "
+                     "written by an older jaxrl_llm?); start the run in a new workdir")
     t0, tokens = time.perf_counter(), 0.0
     for s in missing:
       self.queue[s] = self._generate(s, version)
