@@ -110,6 +110,6 @@ class ModelConfig:
     return jnp.dtype(self.dtype)
 
   @property
-  def group_size(self) -> int:
-    """G = H // K, query heads per key/value head."""
+  def heads_per_kv(self) -> int:
+    """H // K, query heads per key/value head (GQA; not a GRPO group: that is `SamplerConfig.group_size`)."""
     return self.n_heads // self.n_kv_heads
