@@ -131,6 +131,21 @@ def test_real_model_sections_verdicts_and_missing_cells(tmp_path):
   assert _verdict(out.read_text(), "RL improves the real model at lag 0") == "does not reproduce"
 
 
+def test_real_staleness_claim_at_the_stale_lag_alone(tmp_path):
+  """A correction with only stale-lag cells is compared with GRPO at that lag: higher by > 0.03 and 2 se."""
+  results = tmp_path / "results"
+  results.mkdir()
+  out = tmp_path / "RESULTS.md"
+  claim = "vespo beats GRPO under staleness (arithmetic_chat, lag 16)"
+  for vespo, want in ((0.30, "reproduces"), (0.21, "does not reproduce")):
+    doc = _real_doc([0.30, 0.34, 0.32])  # grpo: 0.50-0.54 at lag 0, 0.20 at lag 16 (degrades)
+    doc["runs"] += [_run("arithmetic_chat", "vespo", 16, seed, vespo + 0.01 * seed) for seed in range(3)]
+    doc["methods"]["vespo"] = {}
+    (results / "staleness_smollm2.json").write_text(json.dumps(doc))
+    report.main(["--results", str(results), "--out", str(out)])
+    assert _verdict(out.read_text(), claim) == want  # 0.31 vs 0.20: +0.11; 0.22 vs 0.20: +0.02, not > 0.03
+
+
 def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeypatch):
   calls = []
 
