@@ -283,10 +283,16 @@ def learns_claim(tr, task, base, k0) -> dict:
 
 
 def staleness_claims(tr, task, base, lags, real: bool = False) -> list[dict]:
-  k0, kmax = min(lags), max(lags)
+  """The staleness claims from lag 0 to the largest lag; the real grid (cells filled run by run, lags of
+  different depth) asks them at every stale lag with results."""
+  lags = sorted(set(lags))
+  if len(lags) < 2:  # one lag so far (results that accumulate): nothing to compare
+    return []
+  return [c for k in (lags[1:] if real else lags[-1:]) for c in _staleness_claims_at(tr, task, base, lags[0], k, real)]
+
+
+def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list[dict]:
   out = []
-  if k0 == kmax:  # one lag so far (results that accumulate): nothing to compare
-    return out
   b0, bk = cell(tr, method=base, lag=k0), cell(tr, method=base, lag=kmax)
   base_drops = drops(b0, bk)
   out.append(claim(

@@ -144,6 +144,13 @@ def test_real_staleness_claim_at_the_stale_lag_alone(tmp_path):
     (results / "staleness_smollm2.json").write_text(json.dumps(doc))
     report.main(["--results", str(results), "--out", str(out)])
     assert _verdict(out.read_text(), claim) == want  # 0.31 vs 0.20: +0.11; 0.22 vs 0.20: +0.02, not > 0.03
+  # Cells at a middle lag too: the claims are asked at every stale lag, not only the largest.
+  doc["runs"] += [_run("arithmetic_chat", "grpo", 4, seed, 0.52 + 0.01 * seed) for seed in range(3)]
+  (results / "staleness_smollm2.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "GRPO degrades as staleness grows (arithmetic_chat, lag 0 → 4)") == "does not reproduce"
+  assert _verdict(text, "GRPO degrades as staleness grows (arithmetic_chat, lag 0 → 16)") == "reproduces"
 
 
 def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeypatch):
