@@ -693,18 +693,25 @@ def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
     return lines, []
   k0, k = lags[0], lags[-1]
   kl = lambda a, lag: cell(runs, KL_REV, arm=a, lag=lag)
+  # Precondition (a table where nothing learns decides nothing): on-policy reverse-KL OPD lowers the KL.
+  init = cell(runs, "kl_rev_heldout_initial", arm="reverse_kl", lag=k0)
+  learns = grows(kl("reverse_kl", k0), init)
+  claims = [claim(f"On-policy distillation lowers the held-out KL to the teacher (real model, lag {k0}; precondition)",
+                  "this library", learns, f"reverse_kl KL {fmt(init)} before → {fmt(kl('reverse_kl', k0))} late "
+                  f"(rule: the initial KL exceeds the late one by > {KL_GROWTH:.0%} and 2 se)")]
   rkl = grows(kl("reverse_kl", k0), kl("reverse_kl", k))
   ev = lambda a: f"{a} KL {fmt(kl(a, k0))} (lag {k0}) → {fmt(kl(a, k))} (lag {k})"
   rule = f" (rule: grows = rises by > {KL_GROWTH:.0%} and 2 se)"
-  claims = [claim(f"Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag {k})", "AsyncOPD",
-                  rkl, ev("reverse_kl") + rule)]
+  why0 = "" if learns else "; not testable here: on-policy distillation did not lower the KL (precondition)"
+  claims.append(claim(f"Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag {k})", "AsyncOPD",
+                      rkl if learns else None, ev("reverse_kl") + rule + why0))
   for a, text in (("forward_kl", "Forward-KL OPD stays robust where reverse KL degrades"),
                   ("reverse_kl_recompute", "Recomputing the reverse-KL advantage removes the degradation")):
     if a not in arms:
       continue
     g = grows(kl(a, k0), kl(a, k))
-    verdict = None if not rkl or g is None else not g
-    why = "" if rkl else "; reverse KL does not degrade here, so robustness cannot be told apart"
+    verdict = None if not (learns and rkl) or g is None else not g
+    why = why0 or ("" if rkl else "; reverse KL does not degrade here, so robustness cannot be told apart")
     claims.append(claim(f"{text} (real model, lag {k})", "AsyncOPD", verdict, ev(a) + "; " + ev("reverse_kl") + why))
   return lines, claims
 

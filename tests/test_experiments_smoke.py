@@ -276,6 +276,17 @@ def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, mon
       "does not reproduce"
   assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, lag 4)") == \
       "not testable here"
+  assert _verdict(text, "On-policy distillation lowers the held-out KL") == "reproduces"  # 2.0 -> 1.0
+  for r in doc["runs"]:
+    r["summary"]["kl_rev_heldout_initial"] = 0.9  # distillation raised the KL: nothing learns, nothing decided
+    if r["arm"] == "reverse_kl" and r["lag"] == 4:
+      r["summary"]["kl_rev_heldout_late"] = 1.5 + 0.01 * r["seed"]
+  (results / "opd_staleness_smollm2.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "On-policy distillation lowers the held-out KL") == "does not reproduce"
+  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag 4)") == \
+      "not testable here"
 
 
 def test_mismatch_token_stats_golden_values():
