@@ -63,10 +63,7 @@ REAL_TASK = "arithmetic_chat"
 
 def main_real(args, argv) -> str:
   """The real-model grid, seed-major (every cell of seed 0 first); results accumulate in mismatch_smollm2.json."""
-  name = "full" if args.full else "ci"
-  setting = REAL_SETTINGS[name]
-  seeds, steps = args.seeds or setting["seeds"], args.steps or setting["steps"]
-  eval_every = min(setting["eval_every"], max(1, steps))
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, REAL_SETTINGS)
   keep = args.methods.split(",") if args.methods else list(METHODS)
   runs = [{"task": REAL_TASK, "sampler": s, "method": m, "seed": seed}
           for seed in range(seeds) for s, m in setting["cells"] if m in keep]
@@ -81,13 +78,12 @@ def main_real(args, argv) -> str:
     return out
 
   return common.run_cells(
-      "mismatch_smollm2" + ("_full" if args.full else ""), "mismatch_ablation", runs, ("task", "sampler", "method", "seed"),
+      "mismatch_smollm2", "mismatch_ablation", runs, ("task", "sampler", "method", "seed"),
       steps, args, run_cell,
       {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)", "seeds": seeds,
        "base_overrides": {**extra, "base_config": setting["base"], "rollout.mode": "sync",
                           "rollout.old_logp": "recompute"},
-       "methods": METHODS, "samplers": {s: SAMPLERS[s] for s in dict.fromkeys(s for s, _ in setting["cells"])}},
-      ["--real"] + (["--full"] if args.full else []), argv)
+       "methods": METHODS, "samplers": {s: SAMPLERS[s] for s in dict.fromkeys(s for s, _ in setting["cells"])}}, argv)
 
 
 def sampler_availability(task: str, base: str = "default") -> dict:

@@ -74,10 +74,7 @@ REAL_SETTINGS = {
 
 def main_real(args, argv) -> str:
   """The real-model grid (seed-major); results accumulate in opd_staleness_smollm2.json."""
-  name = "full" if args.full else "ci"
-  setting = REAL_SETTINGS[name]
-  seeds, steps = args.seeds or setting["seeds"], args.steps or setting["steps"]
-  eval_every = min(setting["eval_every"], max(1, steps))
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, REAL_SETTINGS)
   arms = args.arms.split(",") if args.arms else list(ARMS)
   lags = [int(x) for x in args.lags.split(",")] if args.lags else setting["lags"]
   extra = dict(setting.get("overrides", {}))
@@ -91,11 +88,11 @@ def main_real(args, argv) -> str:
     return out
 
   return common.run_cells(
-      "opd_staleness_smollm2" + ("_full" if args.full else ""), "opd_staleness", plan(arms, lags, seeds),
+      "opd_staleness_smollm2", "opd_staleness", plan(arms, lags, seeds),
       ("arm", "lag", "seed"), steps, args, run_cell,
       {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct teaching its first 8 layers "
        "(configs/smollm2_opd.py)", "base": setting["base"], "seeds": seeds, "lags": lags,
-       "arms": {a: ARMS[a] for a in ARMS}, "overrides": extra}, ["--real"] + (["--full"] if args.full else []), argv)
+       "arms": {a: ARMS[a] for a in ARMS}, "overrides": extra}, argv)
 
 
 def plan(arms: list[str], lags: list[int], seeds: int) -> list[dict]:

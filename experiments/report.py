@@ -246,7 +246,7 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
     f2 = f"staleness_{task}_{base}_curves.png"
     plot_curves(tr, task, base, lags, os.path.join(fig_dir, f2))
     lines += ["", f"![accuracy vs lag]({rel}/{f1})", "", f"![{base} curves]({rel}/{f2})", ""]
-    lines += missing_cells(doc, task)
+    lines += missing_cells(doc, ("method", "lag"), lambda m, k: f"{m} lag {k}", task=task)
     if real:
       lines += ["The corrections are compared at lag 4, where GRPO already degrades. A lag-16 run was "
                 "OOM-killed at 24 GB RSS on the 23 GB, 2-core machine these results come from, when `fixed_lag` "
@@ -257,17 +257,20 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
   return lines, claims
 
 
-def missing_cells(doc, task) -> list[str]:
-  """The planned (method, lag, seed) runs with no result yet (results that accumulate across invocations)."""
-  have = {(r["method"], r["lag"], r["seed"]) for r in doc["runs"] if "summary" in r and r["task"] == task}
-  miss = [p for p in doc.get("planned", []) if p["task"] == task and (p["method"], p["lag"], p["seed"]) not in have]
-  if not miss:
+def missing_cells(doc, group: tuple[str, ...], label, **match) -> list[str]:
+  """The planned runs (those matching every `key=value`) with no result yet, by their `group` fields with
+  their seeds (results that accumulate across invocations); `label(*group values)` names a group."""
+  key = lambda r: tuple(r[f] for f in group) + (r["seed"],)
+  ok = lambda r: all(r.get(k) == v for k, v in match.items())
+  have = {key(r) for r in doc["runs"] if "summary" in r and ok(r)}
+  by: dict = {}
+  for p in doc.get("planned", []):
+    if ok(p) and key(p) not in have:
+      by.setdefault(key(p)[:-1], []).append(p["seed"])
+  if not by:
     return []
-  by = {}
-  for p in miss:
-    by.setdefault((p["method"], p["lag"]), []).append(p["seed"])
-  return [f"Planned cells still missing ({len(miss)} runs; rerun the command to fill them): "
-          + "; ".join(f"{m} lag {k} seeds {sorted(ss)}" for (m, k), ss in by.items()) + ".", ""]
+  return [f"Planned cells still missing ({sum(map(len, by.values()))} runs; rerun the command to fill them): "
+          + "; ".join(f"{label(*g)} seeds {sorted(ss)}" for g, ss in by.items()) + ".", ""]
 
 
 def learns_claim(tr, task, base, k0) -> dict:
@@ -387,19 +390,8 @@ def mismatch_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], 
             + ", ".join(f"{m}={v}" for m, v in flat.items()) + seeds_note(p32, p16))
       claims.append(claim(f"bf16 sampling hurts uncorrected PG while TIS / MIS / IcePop stay flat ({task})",
                           "TIS / MIS / IcePop; methods-rl §9.1", bool(pg_hurt) and all(flat.values()), ev))
-    lines += missing_mismatch_cells(doc, task)
+    lines += missing_cells(doc, ("sampler", "method"), lambda smp, m: f"{m} ({smp} sampler)", task=task)
   return lines, claims
-
-
-def missing_mismatch_cells(doc, task) -> list[str]:
-  """The planned (sampler, method, seed) runs with no result yet (results that accumulate across invocations)."""
-  have = {(r["sampler"], r["method"], r["seed"]) for r in doc["runs"] if "summary" in r and r["task"] == task}
-  miss = [p for p in doc.get("planned", []) if p["task"] == task and (p["sampler"], p["method"], p["seed"]) not in have]
-  by: dict = {}
-  for p in miss:
-    by.setdefault((p["sampler"], p["method"]), []).append(p["seed"])
-  return [f"Planned cells still missing ({len(miss)} runs; rerun the command to fill them): "
-          + "; ".join(f"{m} ({s} sampler) seeds {sorted(ss)}" for (s, m), ss in by.items()) + ".", ""] if miss else []
 
 
 def throughput_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], list[dict]]:
@@ -684,11 +676,7 @@ def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   s0 = runs[0]["summary"]
   lines += ["", f"Student before distillation: KL {s0.get('kl_rev_heldout_initial', float('nan')):.3f}, accuracy "
             f"{s0.get('eval_accuracy_initial', float('nan')):.3f}.", ""]
-  miss = [p for p in doc.get("planned", []) if not any(r["arm"] == p["arm"] and r["lag"] == p["lag"]
-                                                        and r["seed"] == p["seed"] for r in runs)]
-  if miss:
-    lines += [f"Planned cells still missing ({len(miss)} runs; rerun the command to fill them): "
-              + "; ".join(f"{p['arm']} lag {p['lag']} seed {p['seed']}" for p in miss) + ".", ""]
+  lines += missing_cells(doc, ("arm", "lag"), lambda a, k: f"{a} lag {k}")
   if len(lags) < 2:
     return lines, []
   k0, k = lags[0], lags[-1]

@@ -101,10 +101,7 @@ def real_overrides(r: dict, steps: int, eval_every: int, extra: dict) -> dict:
 
 def main_real(args, argv) -> str:
   """The real-model grid; results accumulate in staleness_smollm2.json (one write per finished run)."""
-  name = "full" if args.full else "ci"
-  setting = REAL_SETTINGS[name]
-  seeds, steps = args.seeds or setting["seeds"], args.steps or setting["steps"]
-  eval_every = min(setting["eval_every"], max(1, steps))
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, REAL_SETTINGS)
   grid = setting["grid"]
   if args.methods:
     keep = args.methods.split(",")
@@ -121,12 +118,12 @@ def main_real(args, argv) -> str:
     return out
 
   return common.run_cells(
-      "staleness_smollm2" + ("_full" if args.full else ""), "staleness_ablation", runs, ("task", "method", "lag", "seed"),
+      "staleness_smollm2", "staleness_ablation", runs, ("task", "method", "lag", "seed"),
       steps, args, run_cell,
       {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct (configs/smollm2_grpo.py)", "seeds": seeds,
        "base_overrides": {**extra, "base_config": setting["base"]},
        "methods": {m: {**methods.overrides(m), **REAL_METHOD_EXTRAS.get(m, {})} for m in methods.METHODS},
-       "baseline": methods.BASELINE}, ["--real"] + (["--full"] if args.full else []), argv)
+       "baseline": methods.BASELINE}, argv)
 
 
 def shutil_rm(path: str) -> None:
