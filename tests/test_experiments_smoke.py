@@ -231,8 +231,8 @@ def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_
 
 
 def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, monkeypatch):
-  """`opd_staleness --real`: smollm2_opd cells under fixed_lag, no rerun of done cells; the report's AsyncOPD
-  verdicts follow the held-out KLs (grows = +10% and 2 se)."""
+  """`opd_staleness --real`: smollm2_opd cells under fixed_lag with the rl_expert pair's teacher and student, no
+  rerun of done cells; the report's AsyncOPD verdicts follow the held-out KLs (grows = +10% and 2 se)."""
   from experiments import opd_staleness
   calls = []
   # late held-out KL by (arm, lag), per seed: reverse KL grows 1.0 -> 1.5 with lag; the others stay at 1.0
@@ -244,11 +244,15 @@ def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, mon
   def fake_probe(base, overrides, workdir):
     arm = arm_of[(overrides["loss.name"], overrides["loss.hparams"].get("online_advantage", False))]
     calls.append((base, arm, overrides["rollout.lag"], overrides["seed"], overrides["rollout.mode"]))
+    if "distill.teacher" in overrides:  # the rl_expert pair; the truncated pair keeps configs/smollm2_opd.py's
+      assert overrides["distill.teacher"] == "/teachers/grpo" and overrides["model.init_from"].endswith("Instruct")
     kl = kls[(arm, overrides["rollout.lag"])] + 0.01 * overrides["seed"]
     return {"summary": {"eval_accuracy_initial": 0.0, "eval_accuracy_late": 0.1, "kl_rev_heldout_late": kl,
                         "kl_rev_heldout_initial": 2.0}, "curves": {}, "wall_s": 1.0}
 
   monkeypatch.setattr(opd_staleness, "run_with_probe", fake_probe)
+  teacher = {"path": "/teachers/grpo", "recipe": {"seed": 100}, "eval_accuracy": {"start": 0.25, "end": 0.44}}
+  monkeypatch.setattr(opd_staleness, "rl_teacher", lambda workdir: teacher)
   monkeypatch.setattr(exp_common, "enable_compile_cache", lambda path: None)
   results = tmp_path / "results"
   args = ["--real", "--seeds", "2", "--out", str(results), "--workdir", str(tmp_path / "wd")]
@@ -258,34 +262,43 @@ def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, mon
   calls.clear()
   opd_staleness.main(args)
   assert calls == []
+  doc = json.load(open(path))
+  assert os.path.basename(path) == "opd_staleness_smollm2_rl.json" and doc["command"].endswith("--real --pair rl_expert")
+  assert doc["teacher"] == {"recipe": {"seed": 100}, "eval_accuracy": {"start": 0.25, "end": 0.44}}
+  assert "distill.teacher" not in doc["overrides"]  # no machine-local paths in the results
+  t = json.load(open(opd_staleness.main(["--real", "--pair", "truncated", "--seeds", "1", "--lags", "0", "--arms",
+                                          "reverse_kl", "--out", str(results), "--workdir", str(tmp_path / "wd")])))
+  assert calls.pop() == ("smollm2_opd", "reverse_kl", 0, 0, "fixed_lag") and calls == []
+  assert t["pair"] == "truncated" and "teacher" not in t and t["command"].endswith("--pair truncated")
   out = tmp_path / "RESULTS.md"
   report.main(["--results", str(results), "--out", str(out)])
   text = out.read_text()
-  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag 4)") == "reproduces"
-  assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, lag 4)") == "reproduces"
-  assert _verdict(text, "Recomputing the reverse-KL advantage removes the degradation (real model, lag 4)") \
+  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, RL-trained teacher, lag 4)") == "reproduces"
+  assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, RL-trained teacher, lag 4)") == "reproduces"
+  assert _verdict(text, "Recomputing the reverse-KL advantage removes the degradation (real model, RL-trained teacher, lag 4)") \
       == "reproduces"
-  doc = json.load(open(path))
+  assert "its held-out accuracy 0.250 before RL, 0.440 after" in text
   for r in doc["runs"]:
     if r["arm"] == "reverse_kl" and r["lag"] == 4:
       r["summary"]["kl_rev_heldout_late"] = 1.05 + 0.01 * r["seed"]  # +5%: within the rule, not a degradation
-  (results / "opd_staleness_smollm2.json").write_text(json.dumps(doc))
+  (results / "opd_staleness_smollm2_rl.json").write_text(json.dumps(doc))
   report.main(["--results", str(results), "--out", str(out)])
   text = out.read_text()
-  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag 4)") == \
+  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, RL-trained teacher, lag 4)") == \
       "does not reproduce"
-  assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, lag 4)") == \
+  assert _verdict(text, "Forward-KL OPD stays robust where reverse KL degrades (real model, RL-trained teacher, lag 4)") == \
       "not testable here"
-  assert _verdict(text, "On-policy distillation lowers the held-out KL") == "reproduces"  # 2.0 -> 1.0
+  learns = "On-policy distillation lowers the held-out KL to the teacher (real model, RL-trained teacher"
+  assert _verdict(text, learns) == "reproduces"  # 2.0 -> 1.0
   for r in doc["runs"]:
     r["summary"]["kl_rev_heldout_initial"] = 0.9  # distillation raised the KL: nothing learns, nothing decided
     if r["arm"] == "reverse_kl" and r["lag"] == 4:
       r["summary"]["kl_rev_heldout_late"] = 1.5 + 0.01 * r["seed"]
-  (results / "opd_staleness_smollm2.json").write_text(json.dumps(doc))
+  (results / "opd_staleness_smollm2_rl.json").write_text(json.dumps(doc))
   report.main(["--results", str(results), "--out", str(out)])
   text = out.read_text()
-  assert _verdict(text, "On-policy distillation lowers the held-out KL") == "does not reproduce"
-  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, lag 4)") == \
+  assert _verdict(text, learns) == "does not reproduce"
+  assert _verdict(text, "Stale rollouts degrade sampled-token reverse-KL OPD (real model, RL-trained teacher, lag 4)") == \
       "not testable here"
 
 
