@@ -221,7 +221,8 @@ def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, .
   by run; `args.redo` reruns this invocation's cells). Cells of another run length are not comparable:
   the file then starts over. Each cell records the invocation that ran it and its commit; the file's own
   command (`--real [--full] *grid_argv`) is the whole grid's, so rerunning it fills the missing cells; `planned` is the union
-  of every invocation's plan (the report lists the missing cells). `run_cell(r)` -> {"summary", ...}.
+  of every invocation's plan (the report lists the missing cells). `run_cell(r)` -> {"summary", ...}. A cell
+  whose run stopped before `steps` learner steps (preempted) is not recorded, and the grid stops there.
   """
   key = lambda r: tuple(r[f] for f in key_fields)
   name += "_full" if args.full else ""
@@ -247,6 +248,10 @@ def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, .
   results, written = list(done), ""
   for i, r in enumerate(todo):
     out = run_cell(r)
+    ran = out.get("summary", {}).get("num_steps")
+    if ran is not None and ran < steps:  # stopped early (a SIGTERM checkpoints and exits): not a finished cell
+      log(f"{r} stopped after {ran} of {steps} steps: not recorded; the grid stops here")
+      break
     results.append({**r, **out, "command": command_line(script, argv), "commit": git_commit()})
     s = out.get("summary", {})
     log(f"{i + 1}/{len(todo)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "

@@ -180,6 +180,14 @@ def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeyp
   staleness_ablation.main(args + ["--redo"])
   assert len(calls) == 4 and len(json.load(open(path))["runs"]) == 4
 
+  # A run stopped before its last step (a SIGTERM checkpoints and exits) is not a finished cell: nothing is
+  # recorded from it, and the grid stops there.
+  steps = staleness_ablation.REAL_SETTINGS["ci"]["steps"]
+  calls.clear()
+  monkeypatch.setattr(exp_common, "run_one", lambda *a: (calls.append(a), {"summary": {"num_steps": steps - 2}})[1])
+  staleness_ablation.main(args + ["--seeds", "3"])
+  assert len(calls) == 1 and len(json.load(open(path))["runs"]) == 4
+
 
 def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_path, monkeypatch):
   """`mismatch_ablation --real`: seed-major cells, each sampler's overrides, no rerun of done cells; the

@@ -51,24 +51,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-CACHE = {}  # the launches' shared XLA cache folder (set by `compile_cache`)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """One persistent XLA cache for this module's launches: a relaunch (resume, the lost-peer runs) loads the
-  programs an earlier launch of the same shapes compiled instead of compiling them again."""
-  CACHE["dir"] = str(tmp_path_factory.mktemp("xla_cache"))
-  yield
-  CACHE.clear()
-
-
 def _launch(workdir: str, n_proc: int, flags: list[str]) -> list[subprocess.Popen]:
   """`n_proc` processes of `python -m jaxrl_llm` over 8 devices in all (8 / n_proc forced CPU devices each)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // n_proc}",
          "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
-  if "dir" in CACHE:
-    env.update(JAX_COMPILATION_CACHE_DIR=CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  # The session's XLA cache (tests/conftest.py) comes with os.environ; here every program is cached, so a
+  # relaunch (resume, the lost-peer runs) loads what an earlier launch of the same shapes compiled.
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   config = [f for f in flags if f.startswith("--config=")] or ["--config=configs/tiny.py"]
