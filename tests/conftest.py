@@ -28,5 +28,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def pytest_unconfigure(config):
-  if _OWNS_CACHE and not hasattr(config, "workerinput"):
+  del config
+  if _OWNS_CACHE:  # the controller (or a run without xdist); workers inherit the variable
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
