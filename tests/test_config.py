@@ -123,3 +123,10 @@ def test_grad_accum_refused_for_stateful_loss():
   c.loss.name, c.optim.grad_accum = "r2vpo", 2
   with pytest.raises(config_lib.ConfigError, match="config.optim.grad_accum=2"):
     config_lib.validate(c)
+
+
+def test_mesh_size_must_match_the_devices():
+  c = load("tiny")
+  c.mesh.fsdp = 4  # this test process sees one CPU device
+  with pytest.raises(config_lib.ConfigError, match="multiply to 4 but 1 devices"):
+    config_lib.validate(c)

@@ -6,7 +6,7 @@ also resumes on 1 process over the same mesh); a killed (or frozen)
 process makes the other exit 1 with a one-line error, bounded by the heartbeat timeout (no hang). Async
 (not bitwise repeatable) runs over the 2 processes with a sampler device of each process's own, keeps
 every lag within η, reports the learner's idle fraction and resumes after a SIGTERM without consuming
-a request twice.
+a request twice. The 1-process 8-device reference also equals `loop.run` on this process's one device.
 
 Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
 learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);
@@ -24,8 +24,12 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
+from test_loop import assert_learns, tiny
 
+# One xdist worker runs the whole file (`--dist loadgroup`), so the reference runs below start once.
+pytestmark = pytest.mark.xdist_group("multiprocess_cli")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Floats: 1e-4 relative, and 1e-5 absolute for fields that are float noise by construction (the loss of an
 # on-policy GRPO step is ~1e-9, |π_old − μ| ~1e-6: summation order alone changes them by their own size).
@@ -36,7 +40,9 @@ COMMON = ["--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.num_steps=4"
           "--config.log.tensorboard=False", "--config.checkpoint.every=2"]
 
 
-MODES = {"sync": [], "fixed_lag": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1"],
+MODES = {"sync": [],
+         # with a KL to the reference policy: the fused reference step, over the mesh and across processes
+         "fixed_lag": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1", "--config.loss.kl_coef=0.05"],
          "staged": ["--config.rollout.mode=staged", "--config.rollout.lag=2"],  # 2 stages of 2 learner steps
          # 2 fresh prompts per step into a buffer of 8 groups, a batch of 4 sampled from it (lags 0..3)
          "replay": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1", "--config.rollout.replay.capacity=8",
@@ -149,6 +155,18 @@ def test_two_processes_write_the_metrics_of_one(tmp_path, reference, teachers, m
   info = json.load(open(tmp_path / "run_info.json"))
   assert info["resumed_from_step"] == 0 and info["error"] is None
   assert {"2", "4"} <= set(os.listdir(tmp_path / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_the_8_device_mesh_writes_the_metrics_of_one_device(tmp_path, reference):
+  """`loop.run` here, on one CPU device, against the 1-process run on 8 (data=2 x fsdp=4): same config."""
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=1, loss__kl_coef=0.05)
+  c.num_steps, c.eval.every, c.eval.num_prompts, c.checkpoint.every = 4, 2, 8, 2
+  rows = loop.run(c, str(tmp_path))
+  assert_learns(rows)
+  # The reference step scores a policy that has moved (the first update, at warm-up's lr 0, does not move it).
+  assert all(r["kl_ref"] > 0 for r in rows[2:]), [r["kl_ref"] for r in rows]
+  assert_same_metrics(rows, reference["fixed_lag"])
 
 
 @pytest.mark.slow
