@@ -215,9 +215,7 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
            f"Learner steps per run: {doc.get('steps')}; seeds: {planned_seeds(doc)}; shared overrides: "
            f"`{json.dumps(doc.get('base_overrides'))}`. {start} Cells: held-out greedy accuracy, mean of the last "
            "three evaluations (mean ± standard error over seeds). Methods that coincide exactly at lag 0 reduce to the same on-policy "
-           "gradient. `tis`, `mis` and `icepop` correct π_old/μ (train/inference mismatch); with an fp32 sampler "
-           "and π_old recomputed at the behaviour version that ratio is 1, so here they coincide with their "
-           "PPO-clip base (see the mismatch ablation for where they differ).", ""]
+           f"gradient. {_is_note(doc)}", ""]
   claims = []
   for task in sorted({r["task"] for r in runs}):
     tr = [r for r in runs if r["task"] == task]
@@ -280,6 +278,23 @@ def learns_claim(tr, task, base, k0) -> dict:
     ok = gain["mean"] > MARGIN and (gain["n"] < 2 or gain["mean"] > 2 * gain["se"])
   return claim(f"RL improves the real model at lag 0 ({task}; precondition of the staleness claims)",
                "this library", ok, f"{base} gain late − initial: {fmt(gain)}" + seeds_note(gain))
+
+
+def _is_note(doc) -> str:
+  """What π_old/μ means for the importance-sampling corrections of a staleness grid (from its recorded methods)."""
+  ms = doc.get("methods", {})
+  step_start = [m for m in ("tis", "mis", "icepop") if ms.get(m, {}).get("rollout.old_logp") == "step_start"]
+  rest = [m for m in ("tis", "mis", "icepop") if m not in step_start]
+  names = lambda ms: ", ".join(f"`{m}`" for m in ms)
+  verb = lambda ms, v: v if len(ms) == 1 else v[:-1]  # "corrects" / "correct"
+  out = [f"{names(rest)} {verb(rest, 'corrects')} π_old/μ (train/inference mismatch); with an fp32 sampler and "
+         "π_old recomputed at the behaviour version that ratio is 1, so here they coincide with their PPO-clip base "
+         "(see the mismatch ablation for where they differ)."] if rest else []
+  if step_start:
+    out.append(f"{names(step_start)} {verb(step_start, 'scores')} π_old with the learner's parameters at the start of "
+               "the step (`rollout.old_logp=step_start`, as verl recomputes `old_log_prob` with the current actor), "
+               "so the truncated weight min(π_old/μ, C) corrects the staleness.")
+  return " ".join(out)
 
 
 def staleness_claims(tr, task, base, lags, real: bool = False) -> list[dict]:

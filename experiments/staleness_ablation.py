@@ -68,7 +68,11 @@ REAL_SETTINGS = {
              "grid": [(REAL_TASK, ["grpo"] + REAL_CORRECTIONS, [0, 4, 16, 64])]},
 }
 # "decoupled_ppo (with minibatches)": two optimiser updates per batch, so its proximal ratio departs from 1.
-REAL_METHOD_EXTRAS = {"decoupled_ppo": {"optim.minibatches": 2}}
+# `tis` scores π_old with the learner's parameters at the start of the step, as verl recomputes `old_log_prob`
+# with the current actor, so its truncated weight min(π_old/μ, C) carries the staleness. With π_old recomputed
+# at the behaviour version (the default), an fp32 sampler makes that weight 1: three seeds at lag 4 then gave
+# grpo's curves exactly, which answers nothing about staleness.
+REAL_METHOD_EXTRAS = {"decoupled_ppo": {"optim.minibatches": 2}, "tis": {"rollout.old_logp": "step_start"}}
 
 
 def plan(setting: dict, seeds: int) -> list[dict]:

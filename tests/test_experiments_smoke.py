@@ -189,6 +189,22 @@ def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeyp
   assert len(calls) == 1 and len(json.load(open(path))["runs"]) == 4
 
 
+def test_real_tis_cell_scores_pi_old_at_the_step_start(tmp_path, monkeypatch):
+  """The real grid's tis takes π_old from the step's starting parameters, so min(π_old/μ, C) sees the lag (with
+  π_old at the behaviour version and an fp32 sampler the weight is 1 and tis is grpo); the report says which."""
+  seen = []
+  monkeypatch.setattr(exp_common, "run_one", lambda base, o, wd: (seen.append(o), {"summary": {}, "wall_s": 1.0})[1])
+  monkeypatch.setattr(exp_common, "enable_compile_cache", lambda path: None)
+  path = staleness_ablation.main(["--real", "--seeds", "1", "--methods", "tis,m2po", "--lags", "4", "--out",
+                                  str(tmp_path), "--workdir", str(tmp_path / "wd")])
+  old_logp = {o["loss.name"]: o.get("rollout.old_logp") for o in seen}
+  assert old_logp["tis"] == "step_start" and old_logp["m2po"] is None  # m2po: the default, recompute
+  note = report._is_note(json.load(open(path)))
+  assert "`tis` scores π_old with the learner's parameters at the start of the step" in note
+  assert "`mis`, `icepop` correct π_old/μ" in note and "`tis`," not in note
+  assert report._is_note({"methods": {}}).startswith("`tis`, `mis`, `icepop` correct π_old/μ")
+
+
 def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_path, monkeypatch):
   """`mismatch_ablation --real`: seed-major cells, each sampler's overrides, no rerun of done cells; the
   report compares a correction without an fp32 cell of its own with uncorrected PG's fp32 cell."""
