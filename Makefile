@@ -47,11 +47,11 @@ demo: $(VENV)/.base $(VENV)/.jax-$(JAX_EXTRA)
 
 ## The whole test suite (slow end-to-end tests included), 2 workers.
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n 2 --durations=15 tests
 
 ## Everything except tests marked slow.
 test-fast: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 ## Regenerate docs/losses.md from the loss registry.
 docs: $(VENV)/.base

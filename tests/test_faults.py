@@ -26,9 +26,6 @@ from jaxrl_llm.metrics import read_jsonl
 from jaxrl_llm.tasks import reward as reward_lib
 from test_loop import tiny
 
-# One xdist worker runs this file (`--dist loadgroup`), so `base_run` runs once.
-pytestmark = pytest.mark.xdist_group("faults_base_run")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

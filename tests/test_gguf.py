@@ -24,10 +24,6 @@ from jaxrl_llm.models import forward, load_hf  # noqa: E402
 from jaxrl_llm.models import gguf as gg  # noqa: E402
 from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer  # noqa: E402
 
-# One xdist worker runs this file and test_real_model_run.py (`--dist loadgroup`): each fixture imports its
-# GGUF once, and two real-model runs (about 10 GB each) never share the machine.
-pytestmark = pytest.mark.xdist_group("smollm2")
-
 torch.set_num_threads(1)
 
 L, D, H, KV, HD, F = 2, 64, 4, 2, 16, 128

@@ -20,9 +20,6 @@ from jaxrl_llm.models import ModelConfig, forward, init_params, param_shapes  # 
 from jaxrl_llm.models import load_hf, save_hf  # noqa: E402  (the public, lazily imported path)
 from jaxrl_llm.models.tokenizer import check_vocab, load_checkpoint_tokenizer  # noqa: E402
 
-# One xdist worker runs this file (`--dist loadgroup`), so the transformers models are saved once.
-pytestmark = pytest.mark.xdist_group("hf_models")
-
 torch.set_num_threads(1)
 
 _SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

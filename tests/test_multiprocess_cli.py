@@ -28,8 +28,6 @@ from jaxrl_llm import loop
 from jaxrl_llm.metrics import read_jsonl
 from test_loop import assert_learns, tiny
 
-# One xdist worker runs the whole file (`--dist loadgroup`), so the reference runs below start once.
-pytestmark = pytest.mark.xdist_group("multiprocess_cli")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Floats: 1e-4 relative, and 1e-5 absolute for fields that are float noise by construction (the loss of an
 # on-policy GRPO step is ~1e-9, |π_old − μ| ~1e-6: summation order alone changes them by their own size).

@@ -14,9 +14,6 @@ from jaxrl_llm.rollout.sources.common import sync_rollout
 from jaxrl_llm.tasks import tokenizer as tok
 from test_loop import fresh_run
 
-# One xdist worker runs this file (`--dist loadgroup`), so each teacher in `cache` is trained once.
-pytestmark = pytest.mark.xdist_group("opd_teachers")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

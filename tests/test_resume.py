@@ -18,8 +18,7 @@ from jaxrl_llm.metrics import read_jsonl
 from test_loop import assert_learns, strip, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# One xdist worker runs this file (`--dist loadgroup`), so the `reference` run is made once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_reference")]
+pytestmark = pytest.mark.slow
 
 FLAGS = ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=2", "--config.loss.entropy_coef=0.01",
          "--config.optim.lr=0.01", "--config.optim.warmup_steps=0", "--config.eval.every=3",

@@ -16,9 +16,6 @@ import sys
 import numpy as np
 import pytest
 
-# One xdist worker runs this file (`--dist loadgroup`), so the 8-device subprocess behind `eight` runs once.
-pytestmark = pytest.mark.xdist_group("sharding_8_devices")
-
 # Stated tolerances (float32, CPU): a different partitioning changes only the summation order.
 TOL_PARAMS = 1e-6  # max |Δ| of parameters after two SGD-momentum steps at lr 0.1 (= 0.1 · |Δ grad| scale)
 TOL_METRIC = 1e-5  # relative, loss / grad norm
