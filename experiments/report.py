@@ -285,8 +285,8 @@ def _is_note(doc) -> str:
   ms = doc.get("methods", {})
   step_start = [m for m in ("tis", "mis", "icepop") if ms.get(m, {}).get("rollout.old_logp") == "step_start"]
   rest = [m for m in ("tis", "mis", "icepop") if m not in step_start]
-  names = lambda ms: ", ".join(f"`{m}`" for m in ms)
-  verb = lambda ms, v: v if len(ms) == 1 else v[:-1]  # "corrects" / "correct"
+  names = lambda xs: ", ".join(f"`{m}`" for m in xs)
+  verb = lambda xs, v: v if len(xs) == 1 else v[:-1]  # "corrects" / "correct"
   out = [f"{names(rest)} {verb(rest, 'corrects')} π_old/μ (train/inference mismatch); with an fp32 sampler and "
          "π_old recomputed at the behaviour version that ratio is 1, so here they coincide with their PPO-clip base "
          "(see the mismatch ablation for where they differ)."] if rest else []
