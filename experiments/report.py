@@ -282,9 +282,9 @@ def learns_claim(tr, task, base, k0) -> dict:
 
 def _is_note(doc) -> str:
   """What π_old/μ means for the importance-sampling corrections of a staleness grid (from its recorded methods)."""
-  ms = doc.get("methods", {})
-  step_start = [m for m in ("tis", "mis", "icepop") if ms.get(m, {}).get("rollout.old_logp") == "step_start"]
-  rest = [m for m in ("tis", "mis", "icepop") if m not in step_start]
+  ms, is_methods = doc.get("methods", {}), ("tis", "mis", "icepop")
+  step_start = [m for m in is_methods if ms.get(m, {}).get("rollout.old_logp") == "step_start"]
+  rest = [m for m in is_methods if m not in step_start]
   names = lambda xs: ", ".join(f"`{m}`" for m in xs)
   verb = lambda xs, v: v if len(xs) == 1 else v[:-1]  # "corrects" / "correct"
   out = [f"{names(rest)} {verb(rest, 'corrects')} π_old/μ (train/inference mismatch); with an fp32 sampler and "
