@@ -1,3 +1,5 @@
+import fcntl
+import json
 import os
 import shutil
 import sys
@@ -10,6 +12,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402 -- after JAX_PLATFORMS is set
+import pytest  # noqa: E402
 
 
 # One persistent XLA cache per test session, shared by the xdist workers and by every `python -m jaxrl_llm`
@@ -31,3 +34,47 @@ def pytest_unconfigure(config):
   del config
   if _OWNS_CACHE:  # the controller (or a run without xdist); workers inherit the variable
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+def _session_root(tmp_path_factory):
+  root = tmp_path_factory.getbasetemp()
+  # A worker's base is pytest-of-user/pytest-N/popen-gwK; pytest-N is one per session, common to the workers.
+  return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+  """`built_once(name, build)`: the JSON value `build()` returns, built once per test session.
+
+  A module fixture is built by every xdist worker that runs one of the module's tests, and `-n 2` spreads
+  a module over both; for the fixtures that launch 8-device subprocesses (minutes each) that doubled the
+  work. The first worker to ask builds under a file lock in the session's common temp root and writes
+  the value; the other waits on the lock and reads it. Both return the value read back from the file, so
+  both workers test the same data. A build that fails writes nothing: the next asker retries it.
+  """
+  root = _session_root(tmp_path_factory)
+
+  def once(name: str, build):
+    path = root / f"built_once_{name}.json"
+    with open(root / f"built_once_{name}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on an error
+      if not path.exists():
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(json.dumps(build()))
+        os.replace(tmp, path)
+    return json.loads(path.read_text())
+
+  return once
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+  """`shared_dir(name)`: a directory common to the session's xdist workers (see `built_once`)."""
+  root = _session_root(tmp_path_factory)
+
+  def make(name: str):
+    d = root / f"shared_{name}"
+    d.mkdir(exist_ok=True)
+    return d
+
+  return make

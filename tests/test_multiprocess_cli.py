@@ -119,9 +119,12 @@ def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def teachers(tmp_path_factory):
-  """The OPD runs' teacher cache (the 1-process run trains and caches the teacher; the 2-process runs load it)."""
-  return str(tmp_path_factory.mktemp("teachers"))
+def teachers(shared_dir):
+  """The OPD runs' teacher cache (the 1-process run trains and caches the teacher; the 2-process runs load it).
+
+  Common to the xdist workers, like `reference`, which fills it.
+  """
+  return str(shared_dir("teachers"))
 
 
 def _flags(mode: str, teachers: str) -> list[str]:
@@ -129,16 +132,20 @@ def _flags(mode: str, teachers: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, teachers):
-  """1 process x 8 devices, uninterrupted, each mode (all launched together)."""
-  d = tmp_path_factory.mktemp("one")
-  procs = {m: _launch(str(d / m), 1, _flags(m, teachers)) for m in MODES}
-  out = {}
-  for m, ps in procs.items():
-    logs = _finish(ps)
-    assert ps[0].returncode == 0, logs[0][-3000:]
-    out[m] = read_jsonl(str(d / m / "metrics.jsonl"))
-  return out
+def reference(tmp_path_factory, built_once, teachers):
+  """1 process x 8 devices, uninterrupted, each mode (all launched together); built once per session."""
+
+  def build():
+    d = tmp_path_factory.mktemp("one")
+    procs = {m: _launch(str(d / m), 1, _flags(m, teachers)) for m in MODES}
+    out = {}
+    for m, ps in procs.items():
+      logs = _finish(ps)
+      assert ps[0].returncode == 0, logs[0][-3000:]
+      out[m] = read_jsonl(str(d / m / "metrics.jsonl"))
+    return out
+
+  return built_once("multiprocess_reference", build)
 
 
 @pytest.mark.slow

@@ -201,15 +201,20 @@ def worker():
 
 
 @pytest.fixture(scope="module")
-def eight():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                        timeout=1200, cwd=root)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-  return json.loads(lines[-1][len("RESULT "):])
+def eight(built_once):
+  """This file as an 8-device script; built once per session (the `built_once` fixture)."""
+
+  def build():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=1200, cwd=root)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+  return built_once("sharding_eight", build)
 
 
 # ------------------------------------------------------------------------------------ 8-device tests
