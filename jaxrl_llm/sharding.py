@@ -196,7 +196,15 @@ def _put_copy(x, s):
   replicated over its own devices (an all-gather every process runs; a transient full copy per
   device, one leaf at a time) and each process then copies the pieces its devices of `s` hold from
   its local replica.
+
+  A host value or a process-local array going onto devices of several processes (initial or restored
+  parameters) is cut into this process's shards (`put_global`), not `device_put`: for such an input
+  `device_put` first checks that every process holds the same value by all-gathering it, a
+  collective per leaf that moves the whole model between hosts. Every process computes these values
+  deterministically from the same config (the multi-process tests check the runs equal one process).
   """
+  if not s.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
+    return put_global(np.array(x, copy=True), s)  # a private host copy: the shards never alias `x`
   if (not isinstance(x, jax.Array) or x.is_fully_addressable or s.is_fully_addressable
       or x.sharding.device_set == s.device_set):
     return jax.device_put(x, s, may_alias=False)
