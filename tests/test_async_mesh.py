@@ -11,6 +11,7 @@ import pytest
 
 from jaxrl_llm import config as config_lib
 from test_loop import tiny
+from devices import with_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEARNER, SAMPLER = list(range(6)), [6, 7]
@@ -18,8 +19,7 @@ LEARNER, SAMPLER = list(range(6)), [6, 7]
 
 @pytest.mark.slow
 def test_async_on_disjoint_sampler_and_learner_devices(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  env = {**with_devices(8), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   steps = 4
   r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "async_mesh_probe.py"), str(tmp_path / "run"),
                       str(steps)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

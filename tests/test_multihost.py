@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+from devices import with_devices
+
 STEPS = 3
 MESH = (2, 2, 1, 1)  # data=2 (across the two processes) x fsdp=2
 TOL = 1e-6  # max |Δ| of parameters after 3 SGD-momentum steps (summation order only)
@@ -117,8 +119,7 @@ def _free_port() -> int:
 def test_two_processes_on_localhost_match_single_process(tmp_path):
   import jax
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  env = {**with_devices(2), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   port, out = _free_port(), str(tmp_path / "params.npz")

@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 
+from devices import with_devices
+
 # Stated tolerances (float32, CPU): a different partitioning changes only the summation order.
 TOL_PARAMS = 1e-6  # max |Δ| of parameters after two SGD-momentum steps at lr 0.1 (= 0.1 · |Δ grad| scale)
 TOL_METRIC = 1e-5  # relative, loss / grad norm
@@ -42,7 +44,6 @@ def _model_cfgs():
 def _batch(cfg, B=8, P=4, N=4, seed=0):
   """A deterministic learner batch whose behaviour/prox log-probs come from the params themselves."""
   import jax.numpy as jnp
-  from jaxrl_llm import learner
   rng = np.random.default_rng(seed)
   seq = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, P + N)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(P + N, dtype=jnp.int32), (B, P + N))
@@ -205,7 +206,7 @@ def eight(built_once):
   """This file as an 8-device script; built once per session (the `built_once` fixture)."""
 
   def build():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = with_devices(8)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
