@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl_llm import learner
 from jaxrl_llm.config import load_file
-from jaxrl_llm.models import ModelConfig, forward, hidden_with_routing, init_params, moe, token_logprobs
+from jaxrl_llm.models import ModelConfig, hidden_with_routing, init_params, moe, token_logprobs
 from jaxrl_llm.sampling import SamplerConfig, generate
 
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32,

@@ -8,7 +8,6 @@ import sys
 import textwrap
 import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
