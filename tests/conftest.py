@@ -8,8 +8,8 @@ import tempfile
 # Tests run on CPU; mesh tests opt into 8 host devices themselves (subprocesses, `with_devices`).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's CPU backend compiles the tests' programs without LLVM optimisation (its HLO passes, fusion,
-# layouts and SPMD partitioning are unchanged). Compiling is most of the suite's time (backend compile
-# was 2702 of 8167 s in the in-process tests) and the programs are tiny; measured with -n 2:
+# layouts and SPMD partitioning are unchanged). Backend compiling was a third of the in-process tests'
+# time (2702 of 8167 worker-s) and the programs are tiny; measured with -n 2:
 # test_shared_prefix 172 -> 103 s, test_opd_run + test_resume 263 -> 223 s, test_real_model_run +
 # test_gguf (the real 135M model) 269 -> 229 s. Every `python -m jaxrl_llm` a test launches inherits it.
 # An XLA_FLAGS that sets the level already is left alone.

@@ -3,9 +3,9 @@
 import os
 
 
-def with_devices(n: int, env: dict | None = None) -> dict:
-  """`env` (default: this process's) with `n` forced CPU devices added to its XLA_FLAGS (others kept)."""
-  env = dict(os.environ if env is None else env)
+def with_devices(n: int) -> dict:
+  """This process's environment with `n` forced CPU devices in its XLA_FLAGS (its other flags kept)."""
+  env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
   env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
   env["JAX_PLATFORMS"] = "cpu"
