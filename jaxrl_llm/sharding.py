@@ -198,9 +198,10 @@ def _put_copy(x, s):
   its local replica.
 
   A host value or a process-local array going onto devices of several processes (the initial
-  parameters: init, SFT warm start, an imported checkpoint) is cut into this process's shards (`put_global`), not `device_put`: for such an input
-  `device_put` first checks that every process holds the same value by all-gathering it, a
-  collective per leaf that moves the whole model between hosts. Every process computes these values
+  parameters: init, SFT warm start, an imported checkpoint) is cut into this process's shards
+  (`put_global`), not `device_put`: for such an input `device_put` first checks that every process
+  holds the same value by all-gathering it, a collective per leaf that moves the whole model between
+  hosts. Every process computes these values
   deterministically from the same config (the multi-process tests check the runs equal one process).
   """
   if not s.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):

@@ -185,11 +185,11 @@ def test_the_8_device_mesh_writes_the_metrics_of_one_device(tmp_path, reference)
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_and_resumes_on_two_or_one(tmp_path, reference, teachers):
+def test_sigterm_to_one_process_stops_both_and_resumes_on_two_or_one(tmp_path, reference):
   """Replay (host state in the checkpoint) over 2 processes x 4 devices, SIGTERM'd mid-run; the checkpoint
   it leaves is continued by the same 2-process command and, from a copy, by 1 process x 8 devices over the
   same mesh (run side by side): both write the rows of the uninterrupted 1-process run."""
-  flags = _flags("replay", teachers)
+  flags = MODES["replay"]
   two, one = tmp_path / "two", tmp_path / "one"
   procs = _launch(str(two), 2, flags)
   _wait_for_rows(str(two / "metrics.jsonl"), 1, procs)
@@ -219,7 +219,7 @@ def test_sigterm_to_one_process_stops_both_and_resumes_on_two_or_one(tmp_path, r
 ])
 def test_a_lost_process_makes_the_other_exit_with_an_error(tmp_path, sig, expected):
   # No checkpoints: the peer is lost in a learner step's collective, not in a save's barrier.
-  procs = _launch(str(tmp_path), 2, ["--config.num_steps=1000", "--config.eval.every=0", "--config.checkpoint.every=0"])
+  procs = _launch(str(tmp_path), 2, ["--config.num_steps=1000", *NO_EVAL, "--config.checkpoint.every=0"])
   _wait_for_rows(str(tmp_path / "metrics.jsonl"), 1, procs)
   procs[1].send_signal(sig)
   try:
