@@ -222,7 +222,8 @@ def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, .
   the file then starts over. Each cell records the invocation that ran it and its commit; the file's own
   command (`--real [--full] *grid_argv`) is the whole grid's, so rerunning it fills the missing cells; `planned` is the union
   of every invocation's plan (the report lists the missing cells). `run_cell(r)` -> {"summary", ...}. A cell
-  whose run stopped before `steps` learner steps (preempted) is not recorded, and the grid stops there.
+  whose run stopped before `steps` learner steps (preempted) is not recorded, and the grid stops there; so
+  does one rejected for its `model.init_from` (a checkpoint not imported yet is no property of the cell).
   """
   key = lambda r: tuple(r[f] for f in key_fields)
   name += "_full" if args.full else ""
@@ -248,6 +249,8 @@ def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, .
   results, written = list(done), ""
   for i, r in enumerate(todo):
     out = run_cell(r)
+    if "config.model.init_from=" in out.get("error", ""):  # the checkpoint is missing, for every cell alike
+      raise SystemExit(f"{name}: {out['error']}")
     ran = out.get("summary", {}).get("num_steps")
     if ran is not None and ran < steps:  # stopped early (a SIGTERM checkpoints and exits): not a finished cell
       log(f"{r} stopped after {ran} of {steps} steps: not recorded; the grid stops here")

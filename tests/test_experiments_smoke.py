@@ -188,6 +188,14 @@ def test_real_staleness_results_accumulate_and_skip_done_cells(tmp_path, monkeyp
   staleness_ablation.main(args + ["--seeds", "3"])
   assert len(calls) == 1 and len(json.load(open(path))["runs"]) == 4
 
+  # A missing checkpoint rejects every cell alike: the grid exits with the message and records nothing.
+  calls.clear()
+  missing = "config.model.init_from='/nowhere/SmolLM2-135M-Instruct': no such folder; import it first"
+  monkeypatch.setattr(exp_common, "run_one", lambda *a: (calls.append(a), {"error": missing})[1])
+  with pytest.raises(SystemExit, match="no such folder; import it first"):
+    staleness_ablation.main(args + ["--seeds", "3"])
+  assert len(calls) == 1 and len(json.load(open(path))["runs"]) == 4
+
 
 def test_real_tis_cell_scores_pi_old_at_the_step_start(tmp_path, monkeypatch):
   """The real grid's tis takes π_old from the step's starting parameters, so min(π_old/μ, C) sees the lag (with
