@@ -375,10 +375,11 @@ def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list
   return out
 
 
-def mismatch_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], list[dict]]:
+def mismatch_section(doc, fig_dir, rel, real: bool = False, start: dict | None = None) -> tuple[list[str], list[dict]]:
   """Accuracy by sampler precision and correction. A correction with no fp32 cell of its own (the real
   model's CPU grid) is compared with uncorrected PG's fp32 cell: on-policy with an fp32 sampler they are
-  the same update (ρ = 1 up to float noise)."""
+  the same update (ρ = 1 up to float noise). `start`: the `mismatch_real` document (the start model rescored),
+  to set the fractions MIS and IcePop mask in training beside the start model's."""
   runs = doc["runs"]
   title = "## Train/inference mismatch (bf16 sampler vs fp32 learner)"
   if real:
@@ -411,6 +412,7 @@ def mismatch_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], 
                        for m in ms] for s in samplers}, "held-out accuracy (late)", f"Sampler precision: {task}",
               os.path.join(fig_dir, fname))
     lines += ["", f"![mismatch]({rel}/{fname})", ""]
+    lines += _start_vs_training(tr, (start or {}).get("variants", {}).get("bfloat16"))
     if {"fp32", "bf16"} <= set(samplers) and "pg" in ms:
       p32, p16 = cell([r for r in tr if r["method"] == "pg" and r["sampler"] == "fp32"]), \
           cell([r for r in tr if r["method"] == "pg" and r["sampler"] == "bf16"])
@@ -425,6 +427,23 @@ def mismatch_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], 
                           "TIS / MIS / IcePop; methods-rl §9.1", bool(pg_hurt) and all(flat.values()), ev))
     lines += missing_cells(doc, ("sampler", "method"), lambda smp, m: f"{m} ({smp} sampler)", task=task)
   return lines, claims
+
+
+def _start_vs_training(tr, start_bf16: dict | None) -> list[str]:
+  """A sentence setting the fraction of tokens outside IcePop's / MIS's band at the start model (bf16 sampler)
+  beside the fraction each masked in training (bf16), when both were measured."""
+  masked = {m: stats([trust_frac(r["summary"]) for r in tr if r["method"] == m and r["sampler"] == "bf16"])
+            for m in ("icepop", "mis")}
+  if start_bf16 is None or None in masked.values():
+    return []
+  out = {"icepop": start_bf16["icepop_out_frac"], "mis": start_bf16["mis_out_frac"]}
+  more = all(masked[m]["mean"] > out[m] for m in masked)
+  gap = stats([r["summary"]["mismatch_abs_mean"] for r in tr if r["sampler"] == "bf16"])
+  return [f"Start model vs training (bf16 sampler): rescoring the start model puts {out['icepop']:.4f} of its tokens "
+          f"outside IcePop's band and {out['mis']:.4f} outside MIS's (mean |Δ| {start_bf16['abs_mean']:.2e}); in "
+          f"training icepop masked {fmt(masked['icepop'])} and mis {fmt(masked['mis'])} of tokens, at a mean "
+          f"|Δ| of {fmt(gap, 5)}" + (": the bands are crossed more once the policy has moved from its start." if more
+                                         else "."), ""]
 
 
 def throughput_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str], list[dict]]:
@@ -763,6 +782,9 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "replay_ablation": replay_section}
 
 
+# Other results documents a section reads beside its own (keyword argument -> experiment name).
+COMPANIONS = {"mismatch_smollm2": {"start": "mismatch_real"}}
+
 # Sections whose results file is not named after its script.
 COMMANDS = {"staleness_smollm2": "python -m experiments.staleness_ablation --real",
             "mismatch_smollm2": "python -m experiments.mismatch_ablation --real",
@@ -777,7 +799,8 @@ def render(results: dict, fig_dir: str, rel: str) -> str:
   body, claims = [], []
   for name, section in SECTIONS.items():
     if name in results:
-      lines, cs = section(results[name], fig_dir, rel)
+      companions = {arg: results.get(other) for arg, other in COMPANIONS.get(name, {}).items()}
+      lines, cs = section(results[name], fig_dir, rel, **companions)
       body += lines
       claims += cs
     else:

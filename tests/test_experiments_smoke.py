@@ -261,6 +261,30 @@ def test_real_mismatch_grid_accumulates_and_its_verdict_follows_the_numbers(tmp_
   report.main(["--results", str(results), "--out", str(out)])
   assert "mis (bf16 sampler) seeds [0]" in out.read_text()  # a planned cell without a result is named
 
+  # Beside the start model's rescoring (mismatch_real), the fractions MIS and IcePop masked in training.
+  assert "Start model vs training" not in out.read_text()  # no start-model document: no sentence
+  start = {"experiment": "mismatch_real", "model": "M", "prompts": 4, "group": 2, "max_new_tokens": 8,
+           "temperature": 0.7, "bands": {"icepop": [0.5, 5.0], "mis": [0.5, 2.0], "tis_cap": 2.0},
+           "variants": {"bfloat16": {"tokens": 10, "abs_mean": 0.02, "abs_median": 0.0, "abs_p99": 0.0,
+                                     "abs_max": 0.0, "seq_abs_sum_mean": 0.0, "icepop_out_frac": 0.0,
+                                     "mis_out_frac": 0.001, "tis_capped_frac": 0.0}}}
+  (results / "mismatch_real.json").write_text(json.dumps(start))
+  doc = json.load(open(path))
+  bf16 = next(r for r in doc["runs"] if r["sampler"] == "bf16")
+  doc["runs"] = [r for r in doc["runs"] if r["method"] not in ("icepop", "mis")] + [
+      {**bf16, "method": m, "seed": seed, "summary": {**bf16["summary"], "masked_frac_mean": frac}}
+      for m, seed, frac in (("icepop", 0, 0.01), ("icepop", 1, 0.02), ("mis", 0, 0.03), ("mis", 1, 0.04))]
+  (results / "mismatch_smollm2.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert ("puts 0.0000 of its tokens outside IcePop's band and 0.0010 outside MIS's (mean |Δ| 2.00e-02); in "
+          "training icepop masked 0.015 ± 0.005 (n=2) and mis 0.035 ± 0.005 (n=2) of tokens") in text
+  assert "the bands are crossed more once the policy has moved" in text
+  start["variants"]["bfloat16"]["mis_out_frac"] = 0.05  # more outside MIS's band at the start than in training
+  (results / "mismatch_real.json").write_text(json.dumps(start))
+  report.main(["--results", str(results), "--out", str(out)])
+  assert "0.0500 outside MIS's" in out.read_text() and "the bands are crossed more" not in out.read_text()
+
 
 def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, monkeypatch):
   """`opd_staleness --real`: smollm2_opd cells under fixed_lag with the rl_expert pair's teacher and student, no
