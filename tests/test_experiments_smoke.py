@@ -364,6 +364,19 @@ def test_real_opd_grid_accumulates_and_its_verdicts_follow_the_kls(tmp_path, mon
       "not testable here"
 
 
+def test_same_trajectory_names_methods_with_the_baselines_curves_on_every_shared_seed():
+  run = lambda m, seed, rewards, lag=0, acc=(0.1, 0.2): {"method": m, "seed": seed, "lag": lag, "summary": {},
+                                                       "curves": {"reward_mean": rewards, "eval_accuracy": list(acc)}}
+  tr = [run("grpo", 0, [0.1, 0.5]), run("grpo", 1, [0.2, 0.4]),
+        run("tis", 0, [0.1, 0.5]),  # seed 1 not run yet: the shared seed matches
+        run("m2po", 0, [0.1, 0.5]), run("m2po", 1, [0.2, 0.4000001]),  # one reward apart on seed 1
+        run("vespo", 0, [0.1, 0.5], acc=(0.1, 0.3)),  # same rewards, another held-out curve
+        run("dppo", 2, [0.1, 0.5]),  # no seed in common with grpo
+        run("sat", 0, [0.1, 0.5], lag=4), run("sat", 0, [0.0, 0.0])]
+  assert report.same_trajectory(tr, "grpo", 0) == ["tis"]
+  assert report.same_trajectory(tr, "grpo", 4) == []  # grpo has no lag-4 run
+
+
 def test_stays_within_is_three_way():
   """Stability: within the margin holds; past it by 2 se fails; past it inside 2 se is undecided, not stable."""
   a = {"mean": 0.50, "se": 0.01, "n": 3}
