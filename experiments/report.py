@@ -233,7 +233,7 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
   lines = [title, "", provenance(doc), "",
            f"Learner steps per run: {doc.get('steps')}; seeds: {planned_seeds(doc)}; shared overrides: "
            f"`{json.dumps(doc.get('base_overrides'))}`. {start} Cells: held-out greedy accuracy, mean of the last "
-           "three evaluations (mean ± standard error over seeds). {_is_note(doc)}", ""]
+           f"three evaluations (mean ± standard error over seeds). {_is_note(doc)}", ""]
   claims = []
   for task in sorted({r["task"] for r in runs}):
     tr = [r for r in runs if r["task"] == task]

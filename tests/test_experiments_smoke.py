@@ -108,6 +108,7 @@ def test_real_model_sections_verdicts_and_missing_cells(tmp_path):
   text = out.read_text()
   assert _verdict(text, "RL improves the real model at lag 0") == "reproduces"
   assert "m2po lag 16 seeds [0, 1]" in text  # the cells still to run are named
+  assert "over seeds). `tis`, `mis`, `icepop` correct π_old/μ (train/inference mismatch)" in text  # the IS note
   assert _verdict(text, "A bf16 sampler's log-probs differ") == "reproduces"
   assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-06") == "reproduces"
   assert _verdict(text, "Most bf16 weights are unchanged per step (lr 1e-05") == "does not reproduce"
