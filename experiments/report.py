@@ -20,6 +20,9 @@ Rules (constants below):
   The same three-way rule, with KL_GROWTH, decides an OPD arm "stays robust" under lag.
 - "X stays stable where GRPO degrades" is testable only when GRPO itself drops; otherwise the
   verdict is "not testable here".
+- "X beats GRPO under staleness" (the real grid, at each stale lag) holds when X's accuracy exceeds
+  GRPO's as a drop would (MARGIN and 2 se); past the margin but inside 2 se it is "undecided at this
+  noise"; within the margin it does not reproduce.
 - replay (B7) "reaches the same accuracy with less compute" when some replay arm's accuracy does
   not drop relative to no replay while it generated ≤ (1 − REPLAY_SAVING) of its groups; it "helps
   per unit of compute" when some replay arm's accuracy at the cheapest arm's budget (generated
@@ -88,6 +91,17 @@ def grows(a: dict | None, b: dict | None, rel: float = KL_GROWTH) -> bool | None
 
 
 UNDECIDED = "undecided"  # a verdict: the point estimate says one thing, the seeds' noise covers it
+
+
+def exceeds(a: dict | None, b: dict | None, margin: float = MARGIN) -> bool | str | None:
+  """Whether a's mean exceeds b's (a "beats" claim), three-way like `stays_within`: True past the margin and 2
+  combined standard errors (`drops(a, b)`), False within the margin, UNDECIDED past the margin but within the
+  noise (more seeds decide it)."""
+  if a is None or b is None:
+    return None
+  if drops(a, b, margin):
+    return True
+  return UNDECIDED if a["mean"] - b["mean"] > margin else False
 
 
 def stays_within(a: dict | None, b: dict | None, margin: float) -> bool | str | None:
@@ -380,8 +394,10 @@ def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list
     ak = cell(tr, method=m, lag=kmax)
     if ak is None or bk is None:
       continue
-    better = drops(ak, bk)
+    better = exceeds(ak, bk)
     evidence = f"{m} {fmt(ak)} vs {base} {fmt(bk)} at lag {kmax} (rule: higher by > {MARGIN} and 2 se)" + seeds_note(ak, bk)
+    if base_drops and better == UNDECIDED:
+      evidence += f"; undecided: {m} is higher by more than {MARGIN} but within 2 se"
     if not base_drops:
       evidence += f"; not testable here: the {base} baseline did not degrade"
     out.append(claim(f"{m} beats GRPO under staleness ({task}, lag {kmax})", paper,
