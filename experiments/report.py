@@ -109,13 +109,11 @@ def stays_within(a: dict | None, b: dict | None, margin: float) -> bool | str | 
 
   False when b exceeds a by more than the margin and 2 combined standard errors (`drops(b, a)`); True when
   it exceeds a by at most the margin; UNDECIDED in between: the mean moved past the margin but within the
-  noise, so "no significant change" would read noise as stability, and more seeds decide it.
+  noise, so "no significant change" would read noise as stability, and more seeds decide it. That is
+  `exceeds(b, a)` negated, UNDECIDED kept.
   """
-  if a is None or b is None:
-    return None
-  if drops(b, a, margin):
-    return False
-  return True if b["mean"] - a["mean"] <= margin else UNDECIDED
+  moved = exceeds(b, a, margin)
+  return moved if moved in (None, UNDECIDED) else not moved
 
 
 def seeds_note(*ss) -> str:
@@ -259,8 +257,9 @@ def staleness_section(doc, fig_dir, rel, real: bool = False) -> tuple[list[str],
               "| method | " + " | ".join(f"lag {k}" for k in lags) + " |", "|---|" + "---|" * len(lags)]
     for m in tms:
       lines.append(f"| {m} | " + " | ".join(fmt(cell(tr, method=m, lag=k)) for k in lags) + " |")
-    if doc.get("steps") and start_model_batches(doc["steps"], lags):
-      lines += ["", start_model_batches(doc["steps"], lags)]
+    version0 = start_model_batches(doc["steps"], lags) if doc.get("steps") else ""
+    if version0:
+      lines += ["", version0]
     same = same_trajectory(tr, base, min(lags))
     if same:
       lines += ["", f"At lag {min(lags)}, {', '.join(same)} ran {base}'s trajectory exactly (identical reward and "
