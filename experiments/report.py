@@ -151,10 +151,17 @@ def planned_seeds(doc: dict):
 
 
 def provenance(doc: dict) -> str:
-  m = doc.get("machine", {})
-  return (f"Command: `{doc.get('command')}` · setting `{doc.get('setting', '?')}` · commit `{doc.get('commit')}` · "
-          f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, JAX {m.get('jax', '?')} "
-          f"({m.get('backend', '?')}) · finished {doc.get('finished_utc', '?')}")
+  """Command, setting, commit, machine and time of a results document; a field it lacks is left out (a
+  document with none of them says so) rather than printed as a placeholder."""
+  m = doc.get("machine") or {}
+  parts = [f"Command: `{doc['command']}`" if doc.get("command") else None,
+           f"setting `{doc['setting']}`" if doc.get("setting") else None,
+           f"commit `{doc['commit']}`" if doc.get("commit") else None,
+           (f"machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, JAX {m.get('jax', '?')} "
+            f"({m.get('backend', '?')})") if m else None,
+           f"finished {doc['finished_utc']}" if doc.get("finished_utc") else None]
+  parts = [x for x in parts if x]
+  return " · ".join(parts) if parts else "No provenance recorded (the file predates `common.write_results`)."
 
 
 # ----------------------------------------------------------------------------- plots
@@ -807,6 +814,28 @@ def opd_real_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims
 
 
+SOAK_SLOPE = 0.02  # "memory stays bounded": RSS grows by < 2% of its start per 100 steps over the second half
+
+
+def soak_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """The soak (experiments/soak.py): a long async run of the tiny config. Bounded when the ParamStore never
+  holds more than η + 1 snapshots (+1: a worker may still pin a just-replaced version, as the test allows)
+  and RSS over the second half grows by less than SOAK_SLOPE of its start per 100 steps."""
+  del fig_dir, rel
+  bound, held, slope = doc["snapshot_bound"], doc["max_snapshots_held"], doc["rss_slope_second_half_mb_per_100_steps"]
+  lines = ["## Soak: memory and held snapshots over a long async run (tiny config)", "", provenance(doc), "",
+           f"`rollout.mode=async`, η = {doc['eta']}, {doc['steps']} learner steps; RSS sampled after every step.", "",
+           "| steps | η | RSS start (MB) | RSS end (MB) | RSS max (MB) | RSS slope, second half (MB / 100 steps) "
+           "| snapshots held (max) | bound (η + 1) |", "|---|---|---|---|---|---|---|---|",
+           f"| {doc['steps']} | {doc['eta']} | {doc['rss_start_mb']:.1f} | {doc['rss_end_mb']:.1f} | "
+           f"{doc['rss_max_mb']:.1f} | {slope:.2f} | {held} | {bound} |", ""]
+  ok = held <= bound + 1 and slope < SOAK_SLOPE * doc["rss_start_mb"]
+  return lines, [claim(f"A long async run holds bounded snapshots and memory ({doc['steps']} steps, η={doc['eta']})",
+                       "DESIGN §3 (ParamStore)", ok,
+                       f"max snapshots held {held} (bound {bound}, +1 allowed); RSS slope {slope:.2f} MB / 100 "
+                       f"steps vs {SOAK_SLOPE:.0%} of {doc['rss_start_mb']:.0f} MB")]
+
+
 def claim(text: str, source: str, verdict: bool | str | None, evidence: str) -> dict:
   return {"claim": text, "source": source, "verdict": verdict, "evidence": evidence}
 
@@ -821,7 +850,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
             "async_throughput": throughput_section,
             "async_throughput_smollm2": functools.partial(throughput_section, real=True), "async_staleness": async_section,
-            "replay_ablation": replay_section}
+            "replay_ablation": replay_section, "soak": soak_section}
 
 
 # Other results documents a section reads beside its own (keyword argument -> experiment name).
@@ -848,8 +877,13 @@ def render(results: dict, fig_dir: str, rel: str) -> str:
     else:
       body += [f"## {name}", "", f"No results yet: run `{COMMANDS.get(name, 'python -m experiments.' + name)}`.", ""]
   for name in sorted(set(results) - set(SECTIONS)):  # results of scripts that render their own table
-    body += [f"## {name}", "", provenance(results[name]), "",
-             f"Rendered by its own script: see `experiments/results/{name}.md` when present.", ""]
+    doc = results[name]
+    own = ["Table written by the script itself:", "", doc["table_md"].strip()] if doc.get("table_md") else \
+        [f"This file has no table of its own (`table_md`); see `experiments/results/{name}.json`."]
+    if doc.get("figure"):  # recorded relative to the repository root; linked relative to RESULTS.md's folder
+      out_dir = os.path.normpath(os.path.join(fig_dir, os.path.relpath(os.curdir, rel)))
+      own += ["", f"![{name}]({os.path.relpath(os.path.join(common.ROOT, doc['figure']), out_dir)})"]
+    body += [f"## {name}", "", provenance(doc), "", *own, ""]
   head = ["# Results", "",
           "<!-- Generated by `python -m experiments.report` from experiments/results/*.json. Do not edit. -->", "",
           "Generated from the JSON files in `experiments/results/`; every verdict below is computed by the rules "

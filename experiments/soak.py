@@ -1,6 +1,6 @@
 """Soak: a bounded async run of the tiny config, sampling RSS and held snapshots every step.
 
-    python experiments/soak.py --steps 300 --out experiments/results/soak.json
+    python -m experiments.soak            # 300 steps; writes experiments/results/soak.json
 
 Reports RSS at start / end, the slope of RSS over the second half (MB per 100 steps) and the maximum
 number of ParamStore snapshots held. A leak shows as a positive slope that does not flatten.
@@ -53,18 +53,18 @@ def soak(steps: int, eta: int = 2, workdir: str | None = None) -> dict:
           "snapshot_bound": eta + 1}
 
 
-def main():
+def main(argv=None):
+  if __package__ in (None, ""):  # `python experiments/soak.py`
+    sys.path.insert(0, ROOT)
+  from experiments import common
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--eta", type=int, default=2)
-  ap.add_argument("--out", default="")
-  a = ap.parse_args()
+  ap.add_argument("--out", default=common.RESULTS_DIR, help="results folder (soak.json, with provenance)")
+  a = ap.parse_args(argv)
   res = soak(a.steps, a.eta)
   print(json.dumps(res, indent=2))
-  if a.out:
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-      json.dump(res, f, indent=2)
+  print(common.write_results("soak", res, a.out, argv))
 
 
 if __name__ == "__main__":

@@ -526,6 +526,49 @@ def test_replay_report_verdicts_follow_the_numbers(tmp_path):
   assert _verdict(text, "Replay hurts per-learner-step") == "does not reproduce"
 
 
+def _soak_doc(held, slope, **extra):
+  return {"experiment": "soak", "steps": 300, "eta": 2, "rss_start_mb": 700.0, "rss_end_mb": 712.5,
+          "rss_max_mb": 713.0, "rss_slope_second_half_mb_per_100_steps": slope, "max_snapshots_held": held,
+          "snapshot_bound": 3, **extra}
+
+
+def test_soak_section_verdict_follows_snapshots_and_memory_slope(tmp_path):
+  results, out = tmp_path / "results", tmp_path / "docs" / "RESULTS.md"
+  results.mkdir()
+  name = "A long async run holds bounded snapshots and memory"
+  # Bounded: 4 snapshots = η + 1 + 1 (a pinned, just-replaced version), slope 13.9 < 2% of 700 MB = 14.
+  (results / "soak.json").write_text(json.dumps(_soak_doc(4, 13.9)))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, name) == "reproduces"
+  assert "| 300 | 2 | 700.0 | 712.5 | 713.0 | 13.90 | 4 | 3 |" in text
+  # A file from before soak.py recorded provenance: the section says so instead of printing placeholders.
+  assert "No provenance recorded" in text and "`None`" not in text and "setting `?`" not in text
+  for held, slope in [(5, 1.0), (3, 14.1)]:  # one snapshot too many; RSS growth past 2% per 100 steps
+    (results / "soak.json").write_text(json.dumps(_soak_doc(held, slope)))
+    report.main(["--results", str(results), "--out", str(out)])
+    assert _verdict(out.read_text(), name) == "does not reproduce", (held, slope)
+
+
+def test_provenance_leaves_out_missing_fields_and_own_tables_render_inline(tmp_path):
+  doc = {"command": "python -m experiments.x", "commit": "abc", "finished_utc": "2026-01-01T00:00:00Z"}
+  assert report.provenance(doc) == ("Command: `python -m experiments.x` · commit `abc` · "
+                                    "finished 2026-01-01T00:00:00Z")
+  results, out = tmp_path / "results", tmp_path / "docs" / "RESULTS.md"
+  results.mkdir()
+  own = {**doc, "setting": "ci", "table_md": "| arm | lag 0 |\n|---|---|\n| a | 0.5 |\n",
+         "figure": "docs/figures/own.png"}
+  (results / "own_script.json").write_text(json.dumps(own))
+  (results / "bare_script.json").write_text(json.dumps(doc))
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert "## own_script" in text and "setting `ci`" in text and "| a | 0.5 |" in text
+  # The figure path is recorded from the repository root and linked from RESULTS.md's folder.
+  link = os.path.relpath(os.path.join(exp_common.ROOT, "docs", "figures", "own.png"), tmp_path / "docs")
+  assert f"![own_script]({link})" in text
+  assert "## bare_script" in text and "no table of its own" in text
+
+
 @pytest.mark.slow
 def test_two_step_staleness_run_writes_results(tmp_path):
   path = staleness_ablation.main(["--base", "tiny", "--methods", "grpo", "--lags", "1", "--tasks", "arithmetic",

@@ -1,6 +1,7 @@
 """A short soak (the CI-sized version of experiments/soak.py) and the non-finite stop rule."""
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -15,10 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-def test_short_async_soak_holds_bounded_snapshots_and_memory():
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  import soak
-  res = soak.soak(steps=40, eta=2)
+def test_short_async_soak_holds_bounded_snapshots_and_memory(tmp_path):
+  sys.path.insert(0, ROOT)
+  from experiments import soak
+  soak.main(["--steps", "40", "--eta", "2", "--out", str(tmp_path)])
+  res = json.loads((tmp_path / "soak.json").read_text())
+  assert res["command"] == "python -m experiments.soak --steps 40 --eta 2 --out " + str(tmp_path) and res["commit"]
+  assert res["steps"] == 40 and res["snapshot_bound"] == 3
   assert res["max_snapshots_held"] <= res["snapshot_bound"] + 1  # +1: a worker may pin a just-replaced version
   # Memory: after warm-up, growth over the second half stays small (MB per 100 steps; no unbounded trend).
   assert res["rss_slope_second_half_mb_per_100_steps"] < 100, res  # a 1 MB/step leak would exceed it
