@@ -143,7 +143,9 @@ def get_config():
   c.reward = ml_collections.ConfigDict()  # how the task's reward function is called (jaxrl_llm.tasks.reward)
   c.reward.timeout_s = 5.0  # per call; a call that overruns scores 0 and counts in reward_errors
   c.reward.max_abs = 1e6  # |reward| above this (or NaN/inf) is an error: scores 0, counted
-  c.reward.executor = "thread"  # "thread" | "process" (worker processes: a hung reward is killed)
+  # "auto" (the task's choice: worker processes for the math-verify data tasks, threads for the procedural
+  # ones) | "thread" | "process" (worker processes: a hung or GIL-holding reward is killed)
+  c.reward.executor = "auto"
   c.reward.workers = 8  # concurrent reward calls
 
   c.log = ml_collections.ConfigDict()

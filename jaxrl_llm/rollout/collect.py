@@ -6,6 +6,7 @@ advantages never mix policies.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -70,10 +71,13 @@ def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
                       tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> tuple[np.ndarray, dict, list[str]]:
   """Rewards of completions decoded up to their first stop id, and the counts of `ok` / `error` /
   `timeout` calls: a reward fn that raises, hangs or returns a non-finite or out-of-bound value costs
-  that sample (reward 0). `policy`: the run's `reward.*` settings (`loop.reward_policy`)."""
+  that sample (reward 0). `policy`: the run's `reward.*` settings (`loop.reward_policy`); its "auto"
+  executor is the task's `reward_executor`, and the task's own `reward_timeout_s` may shorten its limit."""
   texts = [tok.completion_text(tokenizer, row) for row in tokens_BN]
   args = [(ex["prompt"], ex["answer"], t) for ex, t in zip(examples, texts)]
-  rb = score_batch(task.reward, args, policy)
+  if task.reward_timeout_s is not None and task.reward_timeout_s < policy.timeout_s:  # one limit: the smaller
+    policy = dataclasses.replace(policy, timeout_s=task.reward_timeout_s)
+  rb = score_batch(task.reward, args, policy, preferred=task.reward_executor)
   return rb.reward_B.astype(np.float32), rb.counts, texts
 
 

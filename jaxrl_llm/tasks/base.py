@@ -48,6 +48,11 @@ class Task:
       identify the data distribution (TFDS config names hash them).
     rows: for a task over a data file, its examples as ``(prompt, answer)`` pairs in file order
       (splits hold rows out instead of generating prompts); None for generated tasks.
+    reward_executor: where ``reward.executor="auto"`` runs the reward: ``"thread"`` for rewards that
+      are a few string operations, ``"process"`` (killable workers) for rewards that may run unbounded
+      inside C code, such as sympy evaluating ``10^{10^{10^{10}}}``.
+    reward_timeout_s: the task's own time limit per reward call (e.g. ``task.kwargs.timeout_s``) or
+      None; a run enforces one limit per call, the smaller of this and ``reward.timeout_s``.
   """
   name: str
   make_example: Callable[[np.random.Generator], dict[str, str]]
@@ -57,6 +62,8 @@ class Task:
   kwargs: tuple[tuple[str, Any], ...] = ()
   rows: tuple[tuple[str, str], ...] | None = dataclasses.field(default=None, compare=False,
                                                                 repr=False)
+  reward_executor: str = "thread"
+  reward_timeout_s: float | None = None
 
 
 def num_held_out(task: Task, held_out: float = 0, num_train: int = 5000) -> int:

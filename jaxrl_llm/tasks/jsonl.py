@@ -9,14 +9,13 @@ raise ``TaskError`` naming both) and splits by held-out rows (``base.num_held_ou
 
 The reward is the one of every math task, ``math_answer.math_reward``: the completion's final answer
 (the last ``\\boxed{}``, ``#### N`` or ``Answer: X`` line, else its last number) against ``answer``,
-equal after normalisation or equal under math-verify on LaTeX only (model output is never executed),
-under ``reward.call_with_timeout`` with ``timeout_s``.
+equal after normalisation or equal under math-verify on LaTeX only (model output is never executed);
+``timeout_s`` bounds each call (in a run: the smaller of it and ``reward.timeout_s``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from typing import Any, Sequence
@@ -100,6 +99,6 @@ def make_task(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
   rows, _ = math_data.load_rows("jsonl", path, prompt_key=prompt_key, answer_key=answer_key,
                                 max_prompt_chars=max_prompt_chars, long_prompts=long_prompts)
   return math_data.file_task(
-      "jsonl", rows, functools.partial(math_answer.math_reward, timeout_s=float(timeout_s)),
+      "jsonl", rows, math_answer.MathReward(float(timeout_s)),
       dict(answer_key=answer_key, path=os.fspath(path), prompt_key=prompt_key,
            timeout_s=timeout_s, max_prompt_chars=max_prompt_chars, long_prompts=long_prompts))

@@ -306,7 +306,11 @@ def _sample_row(rng: np.random.Generator, *, rows: tuple[tuple[str, str], ...]) 
 
 def file_task(name: str, rows: tuple[tuple[str, str], ...], reward: Callable[[str, str, str], float],
               kwargs: dict[str, Any]) -> Task:
-  """A Task over loaded rows: examples drawn uniformly, splits hold rows out (``Task.rows``)."""
+  """A Task over loaded rows: examples drawn uniformly, splits hold rows out (``Task.rows``).
+
+  Its math-verify reward runs in killable worker processes under ``reward.executor="auto"``: sympy can
+  spin inside C code, holding the GIL, where no thread can be stopped.
+  """
   return Task(
       name=name,
       make_example=functools.partial(_sample_row, rows=rows),
@@ -315,6 +319,8 @@ def file_task(name: str, rows: tuple[tuple[str, str], ...], reward: Callable[[st
       max_answer_len=max(len(a) for _, a in rows),
       kwargs=tuple(sorted(kwargs.items())),
       rows=rows,
+      reward_executor="process",
+      reward_timeout_s=kwargs.get("timeout_s"),
   )
 
 
@@ -331,7 +337,7 @@ def _make(layout: str, path: str, *, prompt_key: str, answer_key: str, instructi
                 long_prompts=long_prompts, timeout_s=float(timeout_s))
   if layout == "dapo":
     kwargs.update(prompt_key=prompt_key, answer_key=answer_key)
-  return file_task(layout, rows, functools.partial(math_answer.math_reward, timeout_s=float(timeout_s)),
+  return file_task(layout, rows, math_answer.MathReward(float(timeout_s)),
                    kwargs)
 
 

@@ -18,6 +18,17 @@ or a bound method of a picklable object) and arguments; a worker's start-up (imp
 counted against ``timeout_s``. Workers are started with ``spawn``, which re-imports the main module:
 a script that starts a run in process mode needs the usual ``if __name__ == "__main__":`` guard
 (``python -m jaxrl_llm`` has it).
+
+``executor="auto"`` (the default) takes the task's own choice (``Task.reward_executor``): worker
+processes for the data-file tasks, whose math-verify/sympy checks can run unbounded while holding the
+GIL (a thread would then freeze the whole process, its signal handlers included), threads for the
+procedural tasks whose rewards are a few string operations. A reward that cannot be pickled runs on
+threads, with a warning.
+
+One time limit per call: a time-limited call made *inside* a reward that already runs under a limit
+(a reward calling ``call_with_timeout``, as ``math_answer.math_reward`` does when used on its own) runs
+inline, bounded by the outer limit. Sending it to the same pool would wait for a lane that the outer
+calls hold, and score correct answers as timeouts.
 """
 
 from __future__ import annotations
@@ -43,7 +54,9 @@ STATUSES = ("ok", "error", "timeout")
 _PROCESS_START_LIMIT_S = 120.0
 DEFAULT_MAX_ABS = 1e6  # |reward| above this is treated as a bug in the reward function (an error)
 MAX_STUCK_THREADS = 32  # thread mode: timed-out calls still running before new calls are refused
-EXECUTORS = ("thread", "process")
+EXECUTORS = ("auto", "thread", "process")
+# Set in a reward lane thread and in a worker process: a nested time-limited call runs inline there.
+_LIMITED = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +64,7 @@ class RewardPolicy:
   """How rewards are computed (config `reward.*`): time limit, bound, thread or process workers."""
   timeout_s: float = 5.0
   max_abs: float = DEFAULT_MAX_ABS
-  executor: str = "thread"
+  executor: str = "auto"  # "auto" (the task's choice, `resolve_executor`), "thread" or "process"
   workers: int = 8
 
 
@@ -144,6 +157,7 @@ class _LanePool:
     self._warned = False
 
   def _lane(self) -> None:
+    _LIMITED.active = True
     while True:
       batch = self._queue.get()
       while True:
@@ -230,6 +244,7 @@ _LANES = _LanePool()
 def _process_worker(conn) -> None:
   """Child side: for each (fn pickle or None = same fn as before, args) send ("started",), then
   ("value", v) or ("raised", None). Runs until the pipe closes or the parent kills it."""
+  _LIMITED.active = True  # the parent's deadline bounds every call made here
   fn = None
   while True:
     try:
@@ -366,9 +381,27 @@ class _ProcessPool:
 _PROCESSES = _ProcessPool()
 
 
+def in_limited_call() -> bool:
+  """Whether this code runs inside a reward call that a time limit already bounds (a lane or a worker)."""
+  return getattr(_LIMITED, "active", False)
+
+
+def _inline(fn: Callable, args: Sequence, max_abs: float) -> tuple[float, str]:
+  try:
+    value = fn(*args)
+  except Exception:  # pylint: disable=broad-except  # any failure of user code is "error"
+    return 0.0, "error"
+  return _as_reward(value, max_abs)
+
+
 def call_with_timeout(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float, *,
                       use_process: bool = False, max_abs: float = DEFAULT_MAX_ABS) -> tuple[float, str]:
-  """Calls ``fn(*args)`` under a time limit; returns ``(reward, status)``. Never raises."""
+  """Calls ``fn(*args)`` under a time limit; returns ``(reward, status)``. Never raises.
+
+  Inside a call that is already time-limited (`in_limited_call`) it runs inline: the outer limit holds.
+  """
+  if in_limited_call():
+    return _inline(fn, args, max_abs)
   if use_process:
     return _PROCESSES.run(fn, [args], timeout_s, 1, max_abs)[0]
   return _LANES.run(fn, [args], timeout_s, 1, max_abs)[0]
@@ -405,7 +438,32 @@ def safe_reward_batch(fn: Callable[..., Any], args_list: Sequence[Sequence[Any]]
                      status=status, counts=count_statuses(status))
 
 
-def score_batch(fn: Callable[..., Any], args_list: Sequence[Sequence[Any]], policy: RewardPolicy) -> RewardBatch:
-  """`safe_reward_batch` under a `RewardPolicy` (the run's `reward.*` config)."""
+_UNPICKLABLE_WARNED: set[str] = set()
+
+
+def resolve_executor(executor: str, fn: Callable[..., Any], preferred: str = "thread") -> str:
+  """"thread" or "process" for `executor` ("auto": `preferred`, the task's choice); an "auto" that
+  would pick processes for a reward that cannot be pickled picks threads instead, with a warning."""
+  if executor != "auto":
+    return executor
+  if preferred == "process":
+    try:
+      pickle.dumps(fn)
+    except Exception as e:  # pylint: disable=broad-except  # a lambda or a closure
+      name = getattr(fn, "__qualname__", type(fn).__name__)
+      if name not in _UNPICKLABLE_WARNED:
+        _UNPICKLABLE_WARNED.add(name)
+        warnings.warn(f"reward: {name} cannot be pickled ({type(e).__name__}), so reward.executor='auto' runs it "
+                      "on threads, which cannot stop a call that hangs inside C code; make it a module-level "
+                      "function to get killable worker processes", RuntimeWarning, stacklevel=2)
+      return "thread"
+  return preferred
+
+
+def score_batch(fn: Callable[..., Any], args_list: Sequence[Sequence[Any]], policy: RewardPolicy,
+                preferred: str = "thread") -> RewardBatch:
+  """`safe_reward_batch` under a `RewardPolicy` (the run's `reward.*` config); `preferred` is the
+  executor that "auto" stands for (the task's `reward_executor`)."""
+  use_process = resolve_executor(policy.executor, fn, preferred) == "process"
   return safe_reward_batch(fn, args_list, policy.timeout_s, max_workers=policy.workers,
-                           use_process=policy.executor == "process", max_abs=policy.max_abs)
+                           use_process=use_process, max_abs=policy.max_abs)
