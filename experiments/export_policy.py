@@ -39,7 +39,7 @@ def export(c, workdir: str, out: str) -> int:
   if restored is None:
     raise SystemExit(f"error: {workdir}: no valid checkpoint to export")
   step, state = restored[0], restored[1]
-  save_hf(out, r.model_cfg, state.params, family="qwen3" if r.model_cfg.qk_norm else "llama")
+  save_hf(out, r.model_cfg, state.params)
   r.encoder.tokenizer.save(out)
   return step
 

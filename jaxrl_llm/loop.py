@@ -607,7 +607,7 @@ def _fresh_start(c, r: Run, store: ParamStore, workdir: str):
   meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
   if c.sft.save_to and multiprocess.is_writer():
     from jaxrl_llm.models import save_hf
-    save_hf(c.sft.save_to, model_cfg, params, family="qwen3" if model_cfg.qk_norm else "llama")
+    save_hf(c.sft.save_to, model_cfg, params)
     r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
   state, extra = fresh_state(r, params)
   store.publish(state.params)

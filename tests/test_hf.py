@@ -255,3 +255,22 @@ def test_check_vocab(tokenizer_dir):
 def test_tokenizer_missing(tmp_path):
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
     load_checkpoint_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen3"])
+def test_save_without_family_keeps_the_loaded_family(hf_dirs, tmp_path, name):
+  """The family is a field of the loaded config (issue 32): a Qwen2 checkpoint, whose config has q/k/v
+  biases and no q/k norms, is saved back as Qwen2 (the old guess "qwen3 if qk_norm else llama" failed)."""
+  cfg, params = load_hf(hf_dirs[name])
+  assert cfg.family == CASES[name][0]
+  save_hf(tmp_path, dataclasses.replace(cfg, dtype="bfloat16"), params)  # derived configs keep it
+  assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+      {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[CASES[name][0]]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_family_for_a_config_built_from_fields(family):
+  from jaxrl_llm.models.hf import family_for
+  cfg, _ = _random_jax_model(family, tie=False)
+  assert cfg.family is None and family_for(cfg) == family
+  assert dataclasses.replace(cfg, family="qwen2") == cfg  # not compared: it changes no computation

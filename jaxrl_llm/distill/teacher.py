@@ -103,10 +103,6 @@ def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples,
   return cfg, params, loss
 
 
-def _family(cfg: ModelConfig) -> str:
-  return "qwen3" if cfg.qk_norm else "llama"
-
-
 def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab_size: int,
                  encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any]:
   """The frozen teacher (config, params): an HF folder, or the cached (trained on first use) SFT teacher.
@@ -124,7 +120,7 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
     if not os.path.exists(os.path.join(path, "config.json")):
       cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder)
       tmp = f"{path}.tmp{os.getpid()}"
-      save_hf(tmp, cfg, params, family=_family(cfg))
+      save_hf(tmp, cfg, params)
       encoder.tokenizer.save(tmp)
       try:  # a concurrent run (or another process of this one) may cache the same teacher first: keep theirs
         os.replace(tmp, path)

@@ -46,6 +46,9 @@ class ModelConfig:
       n_layers unrolls fully, which lets XLA schedule across layers: faster for small models on CPU
       (compare rows "M" and "M, layer_unroll=1" in bench/README.md). The same math; XLA may fuse and round
       differently, so results can differ in the last bits (tested to 1e-5).
+    family: the Hugging Face family the config was read from ("llama", "qwen2", "qwen3"; set by
+      `config_from_hf`), None for a model built from config fields (`models.hf.family_for` then names
+      the one family that expresses its features). Not compared or hashed: it changes no computation.
   """
 
   vocab_size: int
@@ -69,6 +72,7 @@ class ModelConfig:
   experts_per_token: int = 2
   capacity_factor: float = 0.0
   layer_unroll: int = 1
+  family: str | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",

@@ -174,7 +174,16 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None) -> ModelConfig:
       param_dtype=param_dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32",
       max_seq_len=hf.get("max_position_embeddings", 2048),
       init_std=float(hf.get("initializer_range", 0.02)),
+      family=family.name,
   )
+
+
+def family_for(cfg: ModelConfig) -> str:
+  """The family to save `cfg` as: the one it was loaded from, else the one that has its features
+  (q/k/v biases: qwen2; q/k norms: qwen3; neither: llama)."""
+  if cfg.family is not None:
+    return cfg.family
+  return "qwen2" if cfg.attn_bias else "qwen3" if cfg.qk_norm else "llama"
 
 
 def config_to_hf(cfg: ModelConfig, family: str) -> dict:
@@ -306,7 +315,7 @@ def load_hf(path, *, param_dtype: str | None = None, shardings: Any = None) -> t
   return cfg, jax.device_put(params, shardings)
 
 
-def save_hf(path, cfg: ModelConfig, params: dict, family: str = "llama") -> None:
+def save_hf(path, cfg: ModelConfig, params: dict, family: str | None = None) -> None:
   """Write `params` as a Hugging Face checkpoint (config.json + model.safetensors).
 
   `transformers.AutoModelForCausalLM.from_pretrained(path)` then builds the same model, and
@@ -316,11 +325,11 @@ def save_hf(path, cfg: ModelConfig, params: dict, family: str = "llama") -> None
     path: output folder (created if needed).
     cfg: the model config; must be expressible in `family`.
     params: parameter tree in the layout of `jaxrl_llm.models.transformer`.
-    family: "llama", "qwen2" or "qwen3".
+    family: "llama", "qwen2" or "qwen3"; None: `family_for(cfg)` (the family `cfg` was loaded from).
   Raises:
     ValueError: unknown family, a config the family cannot express, or params not matching cfg.
   """
-  hf_config = config_to_hf(cfg, family)
+  hf_config = config_to_hf(cfg, family or family_for(cfg))
   shapes = _expected_shapes(cfg)
   got = jax.tree.map(lambda a: tuple(a.shape), params)
   if got != shapes:
