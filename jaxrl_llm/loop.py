@@ -284,7 +284,9 @@ def new_store(run: Run) -> ParamStore:
   differs = sampler_dtype is not None or transform is not None or (multiprocess.multi() and c.rollout.mode == "async")
   return ParamStore(keep_last=sources.retention(c), sampler_dtype=sampler_dtype,
                     keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
-                    sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync)
+                    sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync,
+                    # async over several processes: each snapshot's local replica, made here on the main thread
+                    view=multiprocess.local_view if multiprocess.multi() and c.rollout.mode == "async" else None)
 
 
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:

@@ -51,7 +51,7 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
                        chunk_steps: int | None = None, reprefill: bool = False,
                        keep_routes: bool = False, score_fn: Callable | None = None,
                        encoder: Encoder = CHAR_ENCODER,
-                       reward_policy: RewardPolicy = RewardPolicy(), view: Callable | None = None) -> RolloutFn:
+                       reward_policy: RewardPolicy = RewardPolicy()) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
 
   With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
@@ -63,12 +63,11 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
   learner does not spend a forward per distinct version of its batch.
   `encoder`: the run's prompt encoder (`tasks.encoder`); its tokenizer decodes the completions.
   `reward_policy`: time limit, bound and executor of the reward calls; the group records how many failed.
-  `view`: applied to every snapshot's parameters before they generate (several processes:
-  `multiprocess.local_view`, so that a worker runs its own process's program only).
+  A snapshot generates from its `worker_params`, made when it was published (several processes: each
+  process's own replica, `ParamStore(view=multiprocess.local_view)`); a worker builds no arrays from it.
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
-  see = view or (lambda params: params)
 
   def rollout(snap: Snapshot, request_id: int) -> Trajectory:
     example = prompt_for_request(train_examples, request_id, seed)
@@ -76,10 +75,10 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
     key = rollout_key(key_root, snap.version, request_id)
     args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
     if chunk_steps is None:
-      out = generate(see(snap.params), *args, model_cfg, sampler_cfg)
+      out = generate(worker_params(snap), *args, model_cfg, sampler_cfg)
       versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
     else:
-      out = partial_lib.generate_partial(snap.version, see(snap.params), store_poller(store, see), *args, model_cfg,
+      out = partial_lib.generate_partial(snap.version, worker_params(snap), store_poller(store), *args, model_cfg,
                                          sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
       versions_GN = np.asarray(out["versions_BN"])
     out = jax.tree.map(np.asarray, out)
@@ -125,9 +124,15 @@ def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapsho
   return prox_GN
 
 
-def store_poller(store: ParamStore, view: Callable | None = None) -> partial_lib.Poll:
+def worker_params(snap: Snapshot):
+  """The parameters a worker thread generates from: the snapshot's `worker_params`, made on the publishing
+  thread before the snapshot became visible (`params` for a snapshot built without them)."""
+  return snap.params if snap.worker_params is None else snap.worker_params
+
+
+def store_poller(store: ParamStore) -> partial_lib.Poll:
   """A `generate_partial` poll over a ParamStore: pins the newest snapshot when it is newer (its
-  parameters passed through `view` when given, as in `make_group_rollout`).
+  `worker_params`, as in `make_group_rollout`).
 
   The snapshot pinned for the previous switch is released on the next switch or at the end; the
   admitted snapshot stays the worker's to release.
@@ -146,7 +151,7 @@ def store_poller(store: ParamStore, view: Callable | None = None) -> partial_lib
     for s in held:
       store.release(s)
     held[:] = [snap]
-    return snap.version, snap.params if view is None else view(snap.params)
+    return snap.version, worker_params(snap)
 
   return poll
 

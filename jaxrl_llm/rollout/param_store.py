@@ -15,6 +15,11 @@ snapshot is the common base (or, under a `sampler_transform`, the next publish i
 transform (int8) runs after the reconstruction, on the receiver: the payload carries the cast
 weights, since one changed weight moves a whole channel's int8 scale. Needs the learner's layout
 (`sampler_shardings` None).
+
+`view` (async over several processes: `multiprocess.local_view`) is applied to every sampler copy on the
+publishing (or restoring) thread, before the snapshot is visible, and kept as `Snapshot.worker_params`:
+a rollout worker thread then runs the arrays it is handed and never builds arrays from the global
+snapshot itself, concurrently with the learner's publishes, reshards and collectives.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class Snapshot(NamedTuple):
   version: int
   params: Any  # sampler layout/dtype copy; never aliased with learner buffers
   learner_params: Any  # learner-dtype copy for exact old-log-prob recompute (None when not kept)
+  worker_params: Any = None  # `params` as a rollout worker runs them (the store's view of them; `params` without one)
 
 
 def copy_tree(params, dtype=None):
@@ -47,7 +53,7 @@ class ParamStore:
   """Holds snapshots by version. Thread-safe; holds only references and counters."""
 
   def __init__(self, keep_last: int = 1, sampler_dtype=None, keep_learner_copy: bool = False, sampler_shardings=None,
-               sampler_transform=None, weight_sync: str = "full"):
+               sampler_transform=None, weight_sync: str = "full", view=None):
     if keep_last < 1:
       raise ValueError("keep_last must be >= 1")
     if weight_sync not in WEIGHT_SYNC:
@@ -65,6 +71,10 @@ class ParamStore:
     self._lock = threading.Lock()  # snapshots and refcounts (workers acquire while the learner publishes)
     self._publish_lock = threading.Lock()  # one publish / restore at a time (the sync link's state); outer lock
     self._link = sparse_sync.SyncLink(sampler_dtype) if weight_sync == "sparse" else None
+    self._view = view  # sampler copy -> the arrays a worker thread runs (made on the publishing thread)
+
+  def _worker_copy(self, params):
+    return params if self._view is None else self._view(params)
 
   @property
   def keeps_learner_copy(self) -> bool:
@@ -85,10 +95,11 @@ class ParamStore:
   def restore(self, version: int, params, learner_params=None) -> None:
     """Puts back a checkpointed snapshot as is (no cast), e.g. on resume; versions must increase."""
     with self._publish_lock:
+      worker = self._worker_copy(params)
       with self._lock:
         if version < self._next_version:
           raise ValueError(f"version {version} already held (next is {self._next_version})")
-        self._snaps[version] = Snapshot(version, params, learner_params if self._keep_learner else None)
+        self._snaps[version] = Snapshot(version, params, learner_params if self._keep_learner else None, worker)
         self._refs.setdefault(version, 0)
         self._next_version = version + 1
         self._gc()
@@ -108,11 +119,12 @@ class ParamStore:
     with self._publish_lock:  # the copies are made outside `_lock`: workers keep acquiring meanwhile
       sampler = self.sampler_copy(params) if self._link is None else self._transform(self._link.sync(params))
       learner = copy_tree(params) if self._keep_learner else None
+      worker = self._worker_copy(sampler)
       with self._lock:
         v = self._next_version if version is None else version
         if v < self._next_version:
           raise ValueError(f"version {v} already published (next is {self._next_version})")
-        self._snaps[v] = Snapshot(v, sampler, learner)
+        self._snaps[v] = Snapshot(v, sampler, learner, worker)
         self._refs.setdefault(v, 0)
         self._next_version = v + 1
         self._gc()

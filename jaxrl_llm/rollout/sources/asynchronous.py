@@ -20,11 +20,12 @@ Over several processes every process runs its own workers on its own devices (`r
 of each process, or its last device when 0) and generates, scores and buffers its share of each batch
 (`prompts_per_step / processes` groups; process p takes request ids p, p + n, ...). Snapshots are
 replicated onto every process's sampler devices at publish (the main thread, in step with the other
-processes); a worker generates from its process's replica alone (`multiprocess.local_view`), so it never
-runs a program that spans processes. The learner's batch is the processes' batches joined in process
-order (`merge_processes`); each process's admission bounds the lags of its share by η, hence every lag
-of the batch. The checkpointed state is every process's engine state; it resumes on the same number
-of processes.
+processes); a worker generates from its process's replica alone (`multiprocess.local_view`, taken by the
+ParamStore on the main thread when the snapshot is published or restored), so it never runs a program that
+spans processes, nor builds arrays from a global snapshot while the learner publishes. The learner's batch
+is the processes' batches joined in process order (`merge_processes`); each process's admission bounds the
+lags of its share by η, hence every lag of the batch. The checkpointed state is every process's engine
+state; it resumes on the same number of processes.
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ def async_engine(run, store, state_dict: dict | None) -> ae.AsyncRollout:
                              store=store, chunk_steps=c.rollout.partial_chunk or None,
                              keep_routes=c.model.routing_replay,  # R3: collate then hands routes_BTLk to make_batch
                              score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None,
-                             encoder=run.encoder, reward_policy=reward_policy(c),
-                             view=multiprocess.local_view if multiprocess.multi() else None)
+                             encoder=run.encoder, reward_policy=reward_policy(c))
   n_proc = jax.process_count()  # config validation: divides prompts_per_step
   kw = dict(batch_groups=c.rollout.prompts_per_step // n_proc, eta=c.rollout.lag, num_workers=c.rollout.num_workers,
             id_stride=n_proc)
