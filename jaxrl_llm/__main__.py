@@ -4,7 +4,9 @@ Exit codes: 0 done (or preempted by SIGTERM after saving a checkpoint); 2 a bad 
 1 a run that cannot start or had to stop (`error: <one line naming the field, file or directory>`: an
 unusable workdir, a workdir owned by another run, a changed config on resume, optim.max_skips reached,
 every update skipped, ...); 130 stopped by Ctrl-C (SIGINT: a checkpoint is saved first once the loop
-runs). Errors print one line without a traceback; `--debug` shows the traceback.
+runs). Errors print one line without a traceback, the last line of stderr; `--debug` shows the traceback.
+Tracebacks of background threads (Orbax's save threads after a failed write or a Ctrl-C during a save) go to
+`DIR/errors.log` (a `note:` line says so once).
 
 Multi-process (one process per host, docs/scaling.md): the same command on every host; `jax.distributed`
 is initialised first from `--config.dist.*` (else $JAX_COORDINATOR_ADDRESS etc., else a detected TPU slice /
@@ -21,7 +23,7 @@ if __name__ == "__main__":  # first, before any work: huge pages for XLA:CPU tem
   hugepages.reexec_with_huge_pages()
 
 from absl import app, flags
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
@@ -29,15 +31,25 @@ _DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of an error inste
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _config_file_error(path) -> str | None:
+  """Why config file `path` does not load, as one whole line (the file's own error, not config_flags'
+  wrapper of it); None when it loads."""
+  from jaxrl_llm import config as config_lib
+  try:
+    config_lib.load_file(path)
+  except Exception as e:  # noqa: BLE001 -- a config file is code: anything can go wrong in it
+    return f"--config={path}: cannot load the config file ({type(e).__name__}: {' '.join(str(e).split())})"
+  return None
+
+
 def _flag_error(argv, e: Exception) -> str:
   """One line for a command line that does not parse, naming the bad `--config.FIELD` when it is one."""
-  from ml_collections import ConfigDict
   from jaxrl_llm import config as config_lib
   path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  try:
-    c = config_lib.load_file(path)
-  except Exception:  # noqa: BLE001 -- the config file itself is the problem
-    return f"--config={path}: cannot load the config file ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+  bad_file = _config_file_error(path)
+  if bad_file:
+    return bad_file
+  c = config_lib.load_file(path)
   for a in argv:
     if a.startswith("--config.") and "=" in a:
       field = a[len("--config."):].split("=", 1)[0]
@@ -61,7 +73,10 @@ def _parse_flags(argv):
 
 def _fail(message: str, code: int):
   line = ' '.join(str(message).split())
-  print(f"error: {line}" + ("" if _DEBUG.value else " (--debug shows the traceback)"), file=sys.stderr)
+  if _DEBUG.value:
+    print(f"error: {line}", file=sys.stderr)
+  else:  # what threads print while the process winds down goes to the log, never after this line
+    _BACKGROUND.last_word(f"error: {line} (--debug shows the traceback)")
   from jaxrl_llm import distributed
   import jax
   if jax.distributed.is_initialized() and jax.process_count() > 1:
@@ -97,6 +112,74 @@ def main(argv):
     _fail(distributed.describe_peer_loss(e) or f"{type(e).__name__}: {e}", 1)
 
 
+class _Background:
+  """Tracebacks of background threads (Orbax's save threads, TensorStore callbacks) go to `DIR/errors.log`
+  instead of stderr: a failed checkpoint write or a Ctrl-C during a save makes several threads fail, and
+  their tracebacks used to bury the one `error:` line. Installed for the run (not with --debug): Python's
+  thread, unraisable and callback hooks, and log records that carry a traceback or are errors; after the
+  `error:` line (`last_word`) the process's stderr itself goes to the log, so that line stays the last."""
+
+  def __init__(self):
+    self.path = None
+    self.noted = False
+
+  def install(self, workdir: str) -> None:
+    import logging
+    import threading
+    from absl import logging as absl_logging
+    self.path = os.path.join(os.path.abspath(workdir), "errors.log")
+    threading.excepthook = lambda a: self.write(f"exception in thread {a.thread.name if a.thread else '?'}",
+                                                (a.exc_type, a.exc_value, a.exc_traceback))
+    sys.unraisablehook = lambda u: self.write(f"unraisable exception: {u.err_msg or '(raised in a C callback)'}",
+                                              (u.exc_type, u.exc_value, u.exc_traceback))
+    # C extensions (TensorStore's future callbacks) report their exceptions through sys.excepthook; the main
+    # thread's own exceptions are caught by `main` and never reach it.
+    sys.excepthook = lambda *exc: self.write("exception in a callback", exc)
+
+    def to_log(record: logging.LogRecord) -> bool:
+      if record.exc_info or record.levelno >= logging.ERROR:
+        self.write(logging.Formatter().format(record))
+        return False
+      return True
+    absl_logging.get_absl_handler().addFilter(to_log)
+
+  def write(self, what: str, exc_info=None) -> None:
+    import traceback
+    try:
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      with open(self.path, "a", encoding="utf-8") as f:
+        f.write(what.rstrip("\n") + "\n")
+        if exc_info is not None:
+          f.write("".join(traceback.format_exception(*exc_info)))
+    except (OSError, TypeError):  # no usable workdir (or not installed): the traceback is dropped
+      return
+    if not self.noted:  # once, so that a failing thread of a run that goes on is not missed either
+      self.noted = True
+      print(f"note: a background thread reported an error; tracebacks go to {self.path}", file=sys.stderr, flush=True)
+
+  def last_word(self, line: str) -> None:
+    """Prints `line` as the last line of stderr: file descriptor 2 goes to the log (/dev/null without
+    one) first, then `line` is written to the original stderr."""
+    from jaxrl_llm import workdir as workdir_lib
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    path = self.path
+    if path is not None:  # never into the workdir of another run (the error may be that it is in use)
+      owner = workdir_lib._read(os.path.join(os.path.dirname(path), workdir_lib.LOCK))
+      path = path if owner is None or owner.get("pid") == os.getpid() else None
+    try:
+      fd = os.open(path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+      fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.write(stderr, (line + "\n").encode())
+    os.close(stderr)
+
+
+_BACKGROUND = _Background()
+
+
 def _main():
   from absl import logging
   if not flags.FLAGS["verbosity"].present:  # Orbax/JAX INFO logs drown the progress bar; -v 0 brings them back
@@ -104,6 +187,11 @@ def _main():
   from jaxrl_llm import config as config_lib, distributed, loop, metrics
 
   c = _CONFIG.value
+  if not isinstance(c, ConfigDict):  # config_flags' stand-in for a file that did not load (it raises on use)
+    path = config_flags.get_config_filename(flags.FLAGS["config"])
+    raise config_lib.ConfigError(_config_file_error(path) or f"--config={path}: cannot load the config file")
+  if not _DEBUG.value:
+    _BACKGROUND.install(_WORKDIR.value)
   distributed.initialize_from_config(c)  # before any device is touched; a no-op for one process
   config_lib.validate(c)
   rows = loop.run(c, _WORKDIR.value)
@@ -116,7 +204,9 @@ def _main():
   if info.get("stopped_by_signal") == 2:  # SIGINT: the checkpoint is saved; exit as an interrupted program
     print("interrupted (Ctrl-C): checkpoint saved; run the same command to resume", file=sys.stderr)
     sys.exit(130)
-  if not rows:
+  if not rows and not info["resumed_from_step"]:  # a fresh start (a resume starts at a saved step >= 1)
+    print(f"nothing to do: config.num_steps={c.num_steps}, so no learner step ran (in {_WORKDIR.value})")
+  elif not rows:
     print(f"nothing to do: {_WORKDIR.value} already holds a run that reached num_steps={c.num_steps} "
           f"(resumed at step {info['resumed_from_step']}); use another --workdir or a larger --config.num_steps")
   if rows:

@@ -48,6 +48,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as preservation_lib
 
 import jaxrl_llm
+from jaxrl_llm.errors import RunError
 
 FORMAT_VERSION = 1
 _ITEMS = ("state", "meta", "integrity")
@@ -272,20 +273,63 @@ def _check_integrity(restored, integrity: dict) -> None:
       raise _Invalid(f"checksum mismatch at {name} (array data corrupted)")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Unscored:
+  """A checkpoint as a preservation policy sees it, without metrics."""
+  step: int
+  metrics: None
+  time: Any
+
+
+@dataclasses.dataclass
+class _BestEvaluated:
+  """Orbax's BestN over the steps whose metrics hold `metric`. Steps that were not evaluated are saved with
+  empty metrics (Orbax warns at every save without metrics once a best_fn is set) and, like steps saved
+  before that, never count as best."""
+  metric: str
+  best: Any
+
+  def should_preserve(self, checkpoints, *, context):
+    scored = [c if isinstance(c.metrics, dict) and self.metric in c.metrics else _Unscored(c.step, None, c.time)
+              for c in checkpoints]
+    return self.best.should_preserve(scored, context=context)
+
+
 def _retention(keep: int | None, best_metric: str | None, best_mode: str, keep_best: int):
   """Keeps a step if it is among the `keep` newest or the `keep_best` best by `metrics[best_metric]`.
 
-  Steps saved without metrics (e.g. a SIGTERM save) never count as best.
+  Steps saved without that metric (not evaluated, e.g. a SIGTERM save) never count as best.
   """
   policies = [preservation_lib.LatestN(n=keep)]
   if best_metric is not None:
-    policies.append(preservation_lib.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min",
-                                           n=keep_best, keep_checkpoints_without_metrics=False))
+    best = preservation_lib.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min",
+                                  n=keep_best, keep_checkpoints_without_metrics=False)
+    policies.append(_BestEvaluated(best_metric, best))
   return preservation_lib.AnyPreservationPolicy(policies)
+
+
+def _best_fn(best_metric: str, best_mode: str):
+  """Orbax's `best_fn` (it ranks steps for `best_step`): a step without the metric ranks last."""
+  worst = -np.inf if best_mode == "max" else np.inf
+  return lambda m: m.get(best_metric, worst) if isinstance(m, dict) else worst
 
 
 # ----------------------------------------------------------------------------------------------
 # The shell: one CheckpointManager per run directory.
+
+
+def _save_failure(directory: str, e: Exception) -> str:
+  """The reason a save failed, one line; names the step folders that are symbolic links (Orbax cannot
+  delete them when `keep` retires them)."""
+  why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+  try:
+    links = sorted(n for n in os.listdir(directory) if n.isdigit() and os.path.islink(os.path.join(directory, n)))
+  except OSError:
+    links = []
+  if links and isinstance(e, OSError):
+    why += (f"; step folder(s) {', '.join(os.path.join(directory, n) for n in links)} are symbolic links, which "
+            "Orbax cannot delete when checkpoint.keep retires them: replace them by copies of their targets")
+  return why
 
 
 class Checkpointer:
@@ -313,7 +357,7 @@ class Checkpointer:
     self.mismatched: list[tuple[int, str]] = []  # (step, reason) of steps that did not fit the last target
     options = ocp.CheckpointManagerOptions(
         # best_fn only makes Orbax write the metrics; retention is the explicit policy below.
-        best_fn=(lambda m: m[best_metric]) if best_metric else None,
+        best_fn=_best_fn(best_metric, best_mode) if best_metric else None,
         best_mode=best_mode,
         preservation_policy=_retention(keep, best_metric, best_mode, keep_best),
         enable_async_checkpointing=async_save,
@@ -356,7 +400,13 @@ class Checkpointer:
                               integrity=ocp.args.JsonSave(integrity))
     if metrics is not None:
       metrics = {k: float(v) for k, v in metrics.items()}
-    return bool(self._mngr.save(step, args=args, metrics=metrics, force=force))
+    elif self._best_metric is not None:
+      metrics = {}  # not evaluated: an empty record, not None (see `_BestEvaluated`)
+    try:
+      return bool(self._mngr.save(step, args=args, metrics=metrics, force=force))
+    except Exception as e:  # noqa: BLE001 -- Orbax / TensorStore raise many types; say which step and where
+      why = _save_failure(self.directory, e)
+      raise RunError(f"checkpoint step {step} in {self.directory}: cannot save ({why})") from e
 
   def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
     """Restores checkpoint `step` into `abstract_state`'s structure, shapes, dtypes and shardings.

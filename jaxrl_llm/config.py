@@ -7,7 +7,9 @@ Configs are `ml_collections.ConfigDict`s (see configs/default.py). Unknown field
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
+import warnings
 from typing import Callable, Iterable
 
 import ml_collections
@@ -16,6 +18,7 @@ ROLLOUT_MODES = ("sync", "fixed_lag", "staged", "async")
 OLD_LOGP = ("recompute", "behavior", "step_start", "ewma", "a3po")
 DTYPES = ("float32", "bfloat16", "float16")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # baselines from the other responses of the prompt
 WEIGHT_SYNC = ("full", "sparse")
 REPLAY_STALE_POLICIES = ("drop", "keep", "downweight")
 CONFIG_CHANGE = ("error", "resume", "restart")
@@ -138,7 +141,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(c.loss.agg_mode in losses.MODES, "loss.agg_mode", c.loss.agg_mode, f"must be one of {losses.MODES}")
   _need(c.loss.kl_estimator in ("k1", "k2", "k3"), "loss.kl_estimator", c.loss.kl_estimator, "must be k1, k2 or k3")
   _need(c.advantage.name in ADVANTAGES, "advantage.name", c.advantage.name, f"must be one of {ADVANTAGES}")
-  _need(c.optim.lr > 0, "optim.lr", c.optim.lr, "must be > 0")
+  # A group of one has no peers: GRPO, Dr.GRPO and RLOO then give each response its raw reward (no baseline,
+  # verl's singleton convention), not a group-relative advantage. REINFORCE++ whitens over the batch and
+  # works with G=1; distillation losses (needs beyond RL_NEEDS: teacher scores) ignore the advantage.
+  if c.advantage.name in GROUP_ADVANTAGES and not set(spec.needs) - RL_NEEDS:
+    _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
+          f"advantage.name={c.advantage.name!r} compares the responses of one prompt, so a group needs >= 2 of "
+          "them; use group_size >= 2, or advantage.name='reinforce_pp' (a batch-wide baseline)")
+  if c.rollout.get("dynamic_sampling", False):  # DAPO drops groups of equal rewards: every group of one
+    _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
+          "rollout.dynamic_sampling drops groups whose rewards are all equal, which every group of one is")
+  lr = c.optim.lr
+  _need(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0, "optim.lr", lr,
+        "must be a finite number > 0")
+  if lr > 1:  # AdamW moves every weight by about lr per update: > 1 wipes out the policy (uniform, grad_norm 0)
+    warnings.warn(f"config.optim.lr={lr!r} is above 1: each AdamW update moves every weight by about that much, "
+                  "which destroys the policy (typical values: 1e-6 to 1e-3)", RuntimeWarning)  # one place: shown once
   _need(c.optim.grad_clip >= 0, "optim.grad_clip", c.optim.grad_clip, "must be >= 0 (0 = off)")
   _need(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = never)")
   _need(isinstance(c.eval.num_prompts, int) and c.eval.num_prompts >= 0, "eval.num_prompts", c.eval.num_prompts,
@@ -339,13 +357,18 @@ def rollout_modes() -> tuple[str, ...]:
   return ROLLOUT_MODES + tuple(_EXTRA_MODES)
 
 
+# Loss needs the RL loop itself provides (a loss needing anything else, e.g. teacher scores, is distillation).
+RL_NEEDS = frozenset({"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag", "tokens", "state",
+                      "perturb"})
+
+
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:
   """Loss needs an RL run can satisfy; the learner computes only those the chosen loss declares.
 
   Distillation needs (teacher scores, student logits/top-k, Monte-Carlo samples, eviction masks) are
   provided by the components registered with `register_needs`, not by the RL loop itself.
   """
-  need = {"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag", "tokens", "state", "perturb"}
+  need = set(RL_NEEDS)
   for provided in _NEEDS_PROVIDERS.values():
     need |= set(provided(c))
   return need

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -78,16 +79,62 @@ def read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def truncate_after(path: str, step: int) -> None:
-  """Drops rows with step > `step` (a resumed run rewrites what the interrupted one had written)."""
+DAMAGED_SUFFIX = ".damaged"  # `metrics.jsonl.damaged`: unreadable lines a resume set aside
+
+
+def _row_step(raw: bytes):
+  """The `step` of one metrics line, or None when the line is not a metrics row (garbage, cut short)."""
+  try:
+    row = json.loads(raw)
+  except ValueError:  # JSONDecodeError and UnicodeDecodeError (a line cut inside a character)
+    return None
+  step = row.get("step") if isinstance(row, dict) else None
+  return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def truncate_after(path: str, step: int) -> str | None:
+  """Drops rows with step > `step` (a resumed run rewrites what the interrupted one had written).
+
+  Rows are appended in step order, so reading stops at the cut: what follows the row of `step` (or the
+  first row past it) is dropped unparsed, a line a crash or a full disk left half-written included. A
+  line before the cut that is no metrics row is moved to `path + DAMAGED_SUFFIX` (appended, never
+  overwritten) with a warning naming that file; returns that file's path, or None when nothing was
+  moved. Kept lines are copied byte for byte.
+  """
   if not os.path.exists(path):
-    return
-  rows = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
+    return None
+  kept: list[bytes] = []
+  damaged: list[tuple[int, bytes]] = []
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      if not raw.strip():
+        continue
+      s = _row_step(raw)
+      if s is None:
+        damaged.append((number, raw))
+        continue
+      if s > step:
+        break
+      kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+      if s == step:
+        break
+  aside = None
+  if damaged:  # first, so that a crash in between loses no line
+    aside = path + DAMAGED_SUFFIX
+    with open(aside, "ab") as f:
+      for _, raw in damaged:
+        f.write(raw if raw.endswith(b"\n") else raw + b"\n")
+      f.flush()
+      os.fsync(f.fileno())
   tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:  # then renamed: a crash mid-write leaves the old file whole
-    for r in rows:
-      f.write(json.dumps(json_safe(r), sort_keys=True, allow_nan=False) + "\n")
+  with open(tmp, "wb") as f:  # then renamed: a crash mid-write leaves the old file whole
+    f.writelines(kept)
   os.replace(tmp, path)
+  if aside is not None:
+    lines = ", ".join(str(n) for n, _ in damaged[:5]) + (", ..." if len(damaged) > 5 else "")
+    warnings.warn(f"{path}: {len(damaged)} unreadable line(s) before step {step} (line {lines}) moved to {aside}; "
+                  "the resumed metrics lack those rows", RuntimeWarning, stacklevel=2)
+  return aside
 
 
 def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:

@@ -59,6 +59,15 @@ def _read(lock: str) -> dict | None:
     return None
 
 
+def _pid(owner: dict) -> int | None:
+  """The owner's pid, None when the lock holds no usable one (not an int in [1, 2**31): `os.kill` of 0 or
+  a negative pid would probe a whole process group, a larger one overflows)."""
+  pid = owner.get("pid")
+  if isinstance(pid, str) and pid.strip().isdigit():
+    pid = int(pid)
+  return pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 else None
+
+
 def acquire(path: str) -> str:
   """Takes `path`'s lock for this process (see the module docstring); returns the lock file's path."""
   lock = os.path.join(path, LOCK)
@@ -79,10 +88,12 @@ def acquire(path: str) -> str:
       owner = _read(lock)
       if owner is None:
         why = "unreadable"
+      elif _pid(owner) is None:  # not written by `acquire`: nothing to check, as unreadable as garbage
+        why = f"unreadable pid {str(owner.get('pid'))[:40]!r}"
       elif owner.get("host") != me["host"]:
         raise RunError(f"--workdir={path}: in use by pid {owner.get('pid')} on host {owner.get('host')} "
                        f"(since {owner.get('started')}); if that run is gone, delete {lock}")
-      elif owner.get("pid") == me["pid"] or _alive(int(owner.get("pid", -1))):
+      elif _pid(owner) == me["pid"] or _alive(_pid(owner)):
         raise RunError(f"--workdir={path}: in use by another run (pid {owner.get('pid')}, since "
                        f"{owner.get('started')}); use another --workdir or stop that run")
       else:

@@ -3,6 +3,8 @@
 Crafted pickle in a checkpoint, a changed config on resume, two runs in one workdir, reward errors in
 async mode, huge / NaN rewards, a spinning reward in process mode, errors that used to be tracebacks,
 SIGINT, optim.max_skips and runs whose every update is skipped, validation of sft / eval fields.
+Issue 31 (at the end): damaged metrics.jsonl on resume, a looping chat template, error output after
+checkpoint write failures / Ctrl-C twice / a symlinked step, silent nonsense configs, Orbax's tracked_metric.
 """
 
 import base64
@@ -296,3 +298,332 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
   loop.run(c, str(d))
   assert json.load(open(d / "run_info.json"))["resumed_from_step"] == saved
   assert [r["step"] for r in read_jsonl(str(path))] == list(range(saved + 1))
+
+
+# --- issue 31: a second audit ----------------------------------------------------------------------------
+
+# `python -m jaxrl_llm` with `patch` (Python source) run first, in the same process (no huge-page re-exec).
+_WRAPPED_CLI = """
+import runpy, sys
+{patch}
+sys.argv = ["jaxrl_llm", *sys.argv[1:]]
+runpy.run_module("jaxrl_llm", run_name="__main__", alter_sys=True)
+"""
+QUICK = ["--config.num_steps=2", "--config.sft.steps=0", "--config.eval.every=0", "--config.checkpoint.every=1",
+         "--config.log.tensorboard=False"]
+
+
+def wrapped_cli(*args, patch="", timeout=300, **env):
+  env = {**ENV, "JAXRL_LLM_HUGE_PAGES": "0", "PYTHONDONTWRITEBYTECODE": "1", **env}
+  return subprocess.run([sys.executable, "-c", _WRAPPED_CLI.format(patch=patch), *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def the_error_line(p) -> str:
+  """The one `error:` line of a failed run, which must also be the last line of its stderr."""
+  lines = p.stderr.splitlines()
+  errors = [x for x in lines if x.startswith("error:")]
+  assert p.returncode != 0 and len(errors) == 1 and lines[-1] == errors[0], p.stderr[-3000:]
+  assert "Traceback" not in p.stderr, p.stderr[-3000:]
+  return errors[0]
+
+
+def _metrics_lines(d):
+  return open(d / "metrics.jsonl", "rb").read().splitlines(keepends=True)
+
+
+def test_truncated_last_metrics_line_is_dropped_on_resume(base_run, tmp_path):
+  # issue 31 case 3: a crash or a full disk leaves half a row after the checkpoint; it used to stop the resume
+  # with "error: JSONDecodeError" naming no file.
+  d = copy_of(base_run, tmp_path)
+  before = _metrics_lines(d)
+  shutil.rmtree(d / "checkpoints" / "2")  # resume at step 1: the run redoes step 1, as if killed after its row
+  with open(d / "metrics.jsonl", "ab") as f:
+    f.write(b'{"behavior_version": 1, "lag_max": 0, "reward_mean": 0.1')  # a row cut mid-write
+  import warnings
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loop.run(fast(), str(d))
+  assert not [w for w in caught if "metrics" in str(w.message)], [str(w.message) for w in caught]
+  assert json.load(open(d / "run_info.json"))["resumed_from_step"] == 1
+  after = _metrics_lines(d)
+  assert after[0] == before[0]  # kept byte for byte
+  strip = lambda lines: [{k: v for k, v in json.loads(x).items() if not k.startswith("time_")} for x in lines]
+  assert strip(after) == strip(before)  # what the uninterrupted run wrote
+  assert not os.path.exists(str(d / "metrics.jsonl") + ".damaged")
+
+
+def test_garbage_metrics_line_before_the_checkpoint_is_moved_aside(base_run, tmp_path):
+  # issue 31 case 3: an unreadable line before the checkpoint step is set aside with a warning naming the file.
+  d = copy_of(base_run, tmp_path)
+  before = _metrics_lines(d)
+  garbage = b"\x00\x00garbage \xff\n"
+  open(d / "metrics.jsonl", "wb").write(before[0] + garbage + before[1])
+  c = fast()
+  c.num_steps = 3
+  aside = str(d / "metrics.jsonl") + ".damaged"
+  with pytest.warns(RuntimeWarning, match=f"line 2.*moved to {aside}"):
+    loop.run(c, str(d))
+  assert open(aside, "rb").read() == garbage
+  after = _metrics_lines(d)
+  assert after[:2] == before and [json.loads(x)["step"] for x in after] == [0, 1, 2]
+
+
+def test_looping_chat_template_fails_start_up(tmp_path):
+  # issue 31 case 4: the Jinja sandbox blocks code, not compute: this template spins for hours, and start-up
+  # used to hang without a word. With a 2 s limit the run must stop with one error line.
+  from tiny_hf import CHATML, make_checkpoint
+  m = make_checkpoint(tmp_path / "m")
+  config = json.load(open(m / "tokenizer_config.json"))
+  config["chat_template"] = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CHATML
+  (m / "tokenizer_config.json").write_text(json.dumps(config))
+  p = wrapped_cli("--config=configs/tiny.py", f"--workdir={tmp_path}/run", *QUICK, f"--config.model.init_from={m}",
+                  patch="from jaxrl_llm.models import tokenizer; tokenizer.RENDER_TIMEOUT_S = 2.0", timeout=240)
+  line = the_error_line(p)
+  assert "config.model.init_from" in line and "tokenizer_config.json" in line and "did not finish rendering" in line
+
+
+def test_checkpoint_write_failures_end_with_one_error_line(tmp_path):
+  # issue 31 case 5: a file size limit (EFBIG, as a full disk gives ENOSPC) fails the first checkpoint write inside
+  # Orbax's threads, whose tracebacks used to bury the error line (and follow it).
+  # Python ignores SIGXFSZ: writes past the limit fail with EFBIG. No persistent XLA cache: the limit would
+  # leave truncated entries in the one the test session shares.
+  small_files = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))"
+  p = wrapped_cli("--config=configs/tiny.py", f"--workdir={tmp_path}/a", *QUICK, patch=small_files,
+                  JAX_ENABLE_COMPILATION_CACHE="false", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+  line = the_error_line(p)
+  assert "checkpoint step 1" in line and "File too large" in line
+  assert os.path.getsize(tmp_path / "a" / "errors.log") > 0  # the tracebacks are kept, in the workdir
+
+
+def test_ctrl_c_twice_during_a_checkpoint_save_ends_with_one_error_line(tmp_path):
+  # issue 31 case 5: Ctrl-C twice while the main thread waits for Orbax's save threads (delivered there,
+  # deterministically); the save threads go on (slowly, as on a slow disk) while the process exits, and their
+  # tracebacks used to follow the error line.
+  patch = """
+import asyncio, os, signal
+from orbax.checkpoint._src.futures import future
+from orbax.checkpoint._src.path import async_path
+real_exists = async_path.exists
+async def exists(path):
+  await asyncio.sleep(1.0)
+  return await real_exists(path)
+async_path.exists = exists
+real, hit = future._SignalingThread.join, []
+def join(self, timeout=None):
+  if not hit:
+    hit.append(1)
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+  return real(self, timeout)
+future._SignalingThread.join = join
+"""
+  p = wrapped_cli("--config=configs/tiny.py", f"--workdir={tmp_path}/a", *QUICK, patch=patch)
+  assert p.returncode == 130
+  assert "interrupted" in the_error_line(p)
+
+
+def test_symlinked_checkpoint_retired_by_keep_is_named(base_run, tmp_path):
+  # issue 31 case 5: Orbax cannot delete a symlinked step when checkpoint.keep retires it; the error named no file.
+  d = copy_of(base_run, tmp_path)
+  os.rename(d / "checkpoints" / "2", tmp_path / "elsewhere")
+  os.symlink(tmp_path / "elsewhere", d / "checkpoints" / "2")
+  p = wrapped_cli("--config=configs/tiny.py", f"--workdir={d}", *QUICK, "--config.num_steps=3",
+                  "--config.checkpoint.keep=1")
+  line = the_error_line(p)
+  assert f"{d}/checkpoints/2 are symbolic links" in line and "checkpoint.keep" in line
+
+
+def test_missing_config_file_message_is_whole(tmp_path):
+  # issue 31 case 5: with a --config.FIELD override the message was cut at 200 characters, mid-path.
+  for extra in ([], ["--config.num_steps=3"]):
+    p = subprocess.run([sys.executable, "-m", "jaxrl_llm", "--config=configs/nope.py", f"--workdir={tmp_path}/a",
+                        *extra], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    line = the_error_line(p)
+    assert p.returncode == 2 and line.startswith("error: --config=configs/nope.py: cannot load the config file")
+    assert "No such file or directory" in line and "configs/nope.py')" in line, line
+
+
+def test_group_size_one_and_bad_learning_rates_are_refused_or_flagged():
+  # issue 31 case 7: a group of one has no group-relative baseline; lr=inf passed while nan was refused.
+  for name in config_lib.GROUP_ADVANTAGES:
+    with pytest.raises(config_lib.ConfigError, match=f"config.rollout.group_size=1: advantage.name='{name}'"):
+      config_lib.validate(fast(rollout__group_size=1, advantage__name=name))
+  config_lib.validate(fast(rollout__group_size=1, advantage__name="reinforce_pp"))  # a batch-wide baseline
+  with pytest.raises(config_lib.ConfigError, match="config.rollout.group_size=1: rollout.dynamic_sampling"):
+    config_lib.validate(fast(rollout__group_size=1, advantage__name="reinforce_pp", rollout__dynamic_sampling=True))
+  for lr in (float("inf"), float("nan"), 0.0, -1e-3):
+    with pytest.raises(config_lib.ConfigError, match="config.optim.lr=.*finite number > 0"):
+      config_lib.validate(fast(optim__lr=lr))
+  with pytest.warns(RuntimeWarning, match=r"config.optim.lr=1000000.0 is above 1"):
+    config_lib.validate(fast(optim__lr=1e6))
+
+
+def test_num_steps_zero_and_a_huge_lr_say_so_once(tmp_path):
+  # issue 31 case 7: num_steps=0 on an empty workdir said it "already holds a run"; lr=1e6 (a uniform policy,
+  # grad_norm 0) gave no warning. The warning must show once although the config is validated twice.
+  p = subprocess.run([sys.executable, "-m", "jaxrl_llm", "--config=configs/tiny.py", f"--workdir={tmp_path}/a",
+                      *QUICK, "--config.num_steps=0", "--config.optim.lr=1e6"], cwd=ROOT, env=ENV,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "nothing to do: config.num_steps=0" in p.stdout and "already holds" not in p.stdout, p.stdout
+  assert p.stderr.count("config.optim.lr=1000000.0 is above 1") == 1, p.stderr[-2000:]
+
+
+def test_lock_with_a_non_integer_pid_is_taken_over(tmp_path):
+  # issue 31 case 7: a `.lock` holding {"pid": "abc"} failed with "ValueError: invalid literal for int()".
+  for pid in ("abc", None, -1, 10**30, True):
+    (tmp_path / workdir_lib.LOCK).write_text(json.dumps({"pid": pid, "host": os.uname().nodename, "started": "x"}))
+    with pytest.warns(RuntimeWarning, match="stale lock \\(unreadable pid"):
+      lock = workdir_lib.acquire(str(tmp_path))
+    assert json.load(open(lock))["pid"] == os.getpid()
+    workdir_lib.release(lock)
+
+
+def test_checkpoints_without_eval_are_saved_without_orbax_warnings(tmp_path, caplog):
+  # issue 31 case 8: with best-checkpoint tracking on, Orbax warned "Requested `tracked_metric`; did not provide
+  # metrics." at every save of a step that was not evaluated (most steps of `make demo`).
+  import logging
+  import jax.numpy as jnp
+  caplog.set_level(logging.WARNING)
+  with checkpoint_lib.Checkpointer(tmp_path, keep=1, best_metric="acc", keep_best=1) as ck:
+    ck.save(1, {"x": jnp.ones(1)}, {}, metrics={"acc": 0.7})
+    for step in (2, 3):
+      ck.save(step, {"x": jnp.ones(1)}, {})  # not evaluated
+    ck.save(4, {"x": jnp.ones(1)}, {}, metrics={"acc": 0.1})
+    assert ck.all_steps() == [1, 4]  # the best (evaluated) one and the newest
+  assert not [r for r in caplog.records if "tracked_metric" in r.getMessage()]
+
+
+# --- issue 31: rewards right and bounded by default ---------------------------------------------
+
+def _jsonl(tmp_path, rows, name="d.jsonl"):
+  path = tmp_path / name
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+@pytest.mark.parametrize("executor,workers", [("auto", 8), ("thread", 8), ("thread", 2), ("process", 3)])
+def test_correct_math_answers_all_score_one_through_the_run_path(tmp_path, executor, workers):
+  """Issue 31 case 1: the data tasks' reward ran its own time-limited call on the thread lanes that the
+  outer calls held, so 53 of 64 correct completions scored as timeouts under the default executor."""
+  from jaxrl_llm import tasks
+  from jaxrl_llm.rollout import collect
+  from jaxrl_llm.tasks import tokenizer as tok
+  task = tasks.get_task("jsonl", path=_jsonl(tmp_path, [{"prompt": f"q{i}", "answer": str(7 + i)} for i in range(4)]))
+  phrasings = ("the answer is {}", "so the answer is {}", "#### {}", "\\boxed{{{}}}")
+  examples = [{"prompt": f"q{i % 4}", "answer": str(7 + i % 4)} for i in range(64)]
+  texts = [phrasings[i % 4].format(ex["answer"]) for i, ex in enumerate(examples)]
+  width = max(map(len, texts)) + 1
+  tokens_BN = np.stack([np.pad(tok.CHAR_TOKENIZER.encode(t), (0, width - len(t)), constant_values=tok.CHAR_TOKENIZER.eos_id)
+                        for t in texts])
+  policy = reward_lib.RewardPolicy(timeout_s=5.0, executor=executor, workers=workers)
+  reward_B, counts, decoded = collect.score_completions(task, examples, tokens_BN, policy)
+  assert decoded == texts
+  assert counts == {"ok": 64, "error": 0, "timeout": 0} and reward_B.tolist() == [1.0] * 64
+
+
+def test_a_time_limited_call_inside_a_reward_runs_inline():
+  """Issue 31 case 1, the mechanism: a reward that makes its own time-limited call gets the outer limit only."""
+  def inner(x):
+    return 1.0 if reward_lib.in_limited_call() else 0.5
+  def outer(x):
+    return reward_lib.call_with_timeout(inner, (x,), 5.0)[0]
+  rb = reward_lib.safe_reward_batch(outer, [(i,) for i in range(32)], 5.0, max_workers=2)
+  assert rb.counts["ok"] == 32 and rb.reward_B.tolist() == [1.0] * 32
+  assert reward_lib.call_with_timeout(inner, (0,), 5.0) == (1.0, "ok")  # on its own: limited, on a lane
+
+
+def test_slow_math_answers_are_bounded_before_sympy(tmp_path):
+  """Issue 31 case 2 (the fast path): sympy would compute 10^(10^(10^10)) in C holding the GIL, and parse a
+  3000-deep \\frac for minutes; both compare as strings only, so a step stays fast. (On the code before the
+  fix this test does not finish: run it under a timeout.)"""
+  from jaxrl_llm import tasks
+  from jaxrl_llm.tasks import math_answer
+  tower, deep = "10^{10^{10^{10}}}", "\\frac{1}{" * 3000 + "2" + "}" * 3000
+  task = tasks.get_task("jsonl", path=_jsonl(tmp_path, [{"prompt": "q", "answer": "1"}] * 3), timeout_s=60.0)
+  for gold in (tower, deep, "100000!"):
+    rb = reward_lib.safe_reward_batch(task.reward, [("p", gold, "the answer is 7")] * 4, 60.0)
+    assert rb.counts["ok"] == 4 and rb.reward_B.tolist() == [0.0] * 4
+  assert math_answer.math_reward("p", tower, f"\\boxed{{{tower}}}") == 1.0  # equal strings still score
+  assert math_answer.math_reward("p", "10^{3}", "1000") == 1.0  # small powers still compare symbolically
+
+
+def test_slow_answer_run_keeps_stepping_and_honours_sigterm(tmp_path):
+  """Issue 31 case 2: a JSONL answer 10^{10^{10^{10}}} hung the run (no step in 150 s with reward.timeout_s=2) and
+  SIGTERM was not acted on. Now each step finishes and SIGTERM saves a checkpoint and exits 0."""
+  data = _jsonl(tmp_path, [{"prompt": f"what is {i}?", "answer": "10^{10^{10^{10}}}"} for i in range(12)])
+  d = tmp_path / "run"
+  flags = ["--config.task.name=jsonl", f"--config.task.kwargs.path={data}", "--config.task.held_out=2",
+           "--config.num_steps=200", "--config.eval.every=0", "--config.checkpoint.every=0", "--config.sft.steps=0",
+           "--config.log.tensorboard=False", "--config.reward.timeout_s=2"]
+  p = subprocess.Popen([sys.executable, "-m", "jaxrl_llm", "--config=configs/tiny.py", f"--workdir={d}", *flags],
+                       cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  path = d / "metrics.jsonl"
+  try:
+    t0 = time.time()
+    while not (path.exists() and len(open(path).readlines()) >= 2):
+      assert p.poll() is None, p.stdout.read()[-2000:]
+      assert time.time() - t0 < 400, "no second learner step within 400 s"
+      time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=200)
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  assert p.returncode == 0 and "preempted" in out, out[-2000:]
+  saved = max(int(x) for x in os.listdir(d / "checkpoints") if x.isdigit())
+  rows = read_jsonl(str(path))
+  assert saved == len(rows) >= 2 and all(r["reward_mean"] == 0.0 for r in rows)
+
+
+# --- issue 31 case 6: async over several processes ------------------------------------------------
+# Async over several processes: a rollout worker thread runs only arrays made for it on the main thread.
+#
+# Issue 31 item 6: a 2-process async run once lost a worker to `ValueError('Expected 1 per-device arrays ...,
+# but got 2')`, the check of `jax.make_array_from_single_device_arrays`. The one place a worker built arrays
+# was `multiprocess.local_view`, run by every worker on every rollout over the shared global snapshot (a
+# new Mesh, sharding and array per leaf) while the learner thread published, resharded (the same array
+# constructors) and ran collectives. The view is now taken once per snapshot by the ParamStore on the
+# publishing thread, before the snapshot is visible (`Snapshot.worker_params`); a worker only reads it.
+# The crash itself was not reproduced here (it is a rare interleaving), so this test checks the fix's
+# invariant: no worker thread builds arrays from a snapshot.
+#
+# Several processes are faked here (one process, `multiprocess.multi` patched, a spy for `local_view`), so the
+# run's own wiring (`loop.new_store`, the async source's engine) is what is checked, in a few seconds.
+
+def test_async_workers_generate_from_the_view_made_at_publish(monkeypatch):
+  """Issue 31 case 6 (see the comment above)."""
+  from jaxrl_llm import multiprocess
+  from jaxrl_llm.rollout import async_engine
+  from jaxrl_llm.rollout.sources import asynchronous
+  from test_loop import fresh_run
+  import jax
+  import jax.numpy as jnp
+  c = tiny(rollout__mode="async", rollout__lag=1, rollout__num_workers=2, rollout__prompts_per_step=2)
+  made, view_threads = {}, []
+
+  def spy_view(tree):  # stands for local_view: records its thread, returns arrays it can recognise
+    view_threads.append(threading.current_thread().name)
+    out = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+    made.update({id(x): x for x in jax.tree.leaves(out)})  # kept alive: ids are not reused
+    return out
+
+  generated_from_view = []
+  real_generate = async_engine.generate
+
+  def spy_generate(params, *args):
+    generated_from_view.append(all(id(x) in made for x in jax.tree.leaves(params)))
+    return real_generate(params, *args)
+
+  monkeypatch.setattr(multiprocess, "multi", lambda: True)
+  monkeypatch.setattr(multiprocess, "local_view", spy_view)
+  monkeypatch.setattr(async_engine, "generate", spy_generate)
+  r, state, _, store = fresh_run(c)  # loop.new_store, version 0 published
+  with asynchronous.async_engine(r, store, None) as engine:
+    for _ in range(2):
+      engine.next_batch(store.latest_version, timeout=300.0)
+      store.publish(state.params)  # the learner's publish, concurrent with the workers
+  assert view_threads and set(view_threads) == {"MainThread"}, view_threads  # never on a rollout thread
+  assert generated_from_view and all(generated_from_view), generated_from_view

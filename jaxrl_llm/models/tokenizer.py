@@ -11,10 +11,13 @@ Only "fast" tokenizers are supported: a checkpoint folder must hold `tokenizer.j
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import pathlib
 import shutil
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -34,6 +37,84 @@ def check_vocab(cfg: ModelConfig, tokenizer) -> None:
         f"vocabulary mismatch: the tokenizer emits ids up to {tokenizer.vocab_size - 1} but the model "
         f"config has vocab_size={cfg.vocab_size}; use the tokenizer saved with this checkpoint"
     )
+
+
+# A chat template is code from the checkpoint folder, run at start-up and for every prompt. The Jinja
+# sandbox blocks attribute access, not compute: nested `range(100000)` loops spin for hours. So every
+# rendering runs under this time limit (seconds; a sane template takes milliseconds).
+RENDER_TIMEOUT_S = 10.0
+
+
+class TemplateTimeout(ValueError):
+  """A chat template did not finish rendering within `RENDER_TIMEOUT_S`."""
+
+
+class _Overtime(TemplateTimeout):
+  """Raised inside a rendering that ran past its deadline (asynchronously, by the watchdog)."""
+
+  def __init__(self, *args):
+    super().__init__(*(args or ("chat template rendering past its time limit",)))
+
+
+class _Renderer:
+  """Runs each rendering on the calling thread under a deadline that a watchdog thread enforces.
+
+  Past the deadline the watchdog raises `_Overtime` in the rendering thread
+  (`PyThreadState_SetAsyncExc`): Jinja templates compile to Python code, so a spinning loop stops at
+  its next bytecode and the caller gets TemplateTimeout. Nothing is handed to another thread per call
+  (a render takes well under a millisecond), and nothing keeps spinning after a timeout.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._active: dict[int, list] = {}  # thread id -> [deadline, fired]
+    self._watchdog: threading.Thread | None = None
+
+  def _watch(self) -> None:
+    while True:
+      time.sleep(0.1)
+      now = time.monotonic()
+      with self._lock:
+        for tid, entry in self._active.items():
+          if now > entry[0] and not entry[1]:
+            entry[1] = True
+            _async_raise(tid, _Overtime)
+
+  def run(self, fn, describe):
+    tid = threading.get_ident()
+    with self._lock:
+      if tid in self._active:  # a rendering inside a rendering: the outer deadline covers it
+        return fn()
+      entry = self._active[tid] = [time.monotonic() + RENDER_TIMEOUT_S, False]
+      if self._watchdog is None:
+        self._watchdog = threading.Thread(target=self._watch, name="chat-template-watchdog", daemon=True)
+        self._watchdog.start()
+    try:
+      return fn()
+    except _Overtime:
+      raise TemplateTimeout(f"{describe()} did not finish rendering within {RENDER_TIMEOUT_S:g} s (a loop too "
+                            "large?); fix or remove the template") from None
+    finally:
+      with self._lock:
+        del self._active[tid]
+        if entry[1]:  # fired as the rendering returned: clear what may still be pending
+          _async_raise(tid, None)
+
+
+def _async_raise(tid: int, exc) -> None:
+  """Schedules `exc` (a class; None clears) in thread `tid` at its next Python bytecode."""
+  ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+
+_RENDERER = _Renderer()
+
+
+def _template_source(folder: pathlib.Path) -> str:
+  """Where a folder's chat template comes from (transformers prefers chat_template.jinja)."""
+  for name in ("chat_template.jinja", "chat_template.json"):
+    if (folder / name).is_file():
+      return str(folder / name)
+  return f"{folder / 'tokenizer_config.json'} (chat_template)"
 
 
 # Files that make up a checkpoint's tokenizer (copied verbatim by `CheckpointTokenizer.save`).
@@ -75,8 +156,10 @@ class CheckpointTokenizer:
     if self.chat_template is None:
       raise ValueError(f"{self.source}: the tokenizer has no chat template (no 'chat_template' in "
                        "tokenizer_config.json and no chat_template.jinja)")
-    return list(self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False))
+    messages = list(messages)
+    return list(_RENDERER.run(
+        lambda: self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False),
+        lambda: f"the chat template {_template_source(self.source)}, given a {len(messages)}-message prompt,"))
 
   def save(self, folder) -> None:
     """Copies the tokenizer files of `source` into `folder` (a checkpoint exported from this model)."""
@@ -101,18 +184,22 @@ def _generation_eos_ids(folder: pathlib.Path) -> list[int]:
   return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
-def _end_of_turn_id(hf, chat_template: Optional[str]) -> Optional[int]:
+def _end_of_turn_id(hf, chat_template: Optional[str], folder: pathlib.Path) -> Optional[int]:
   """The special token the chat template writes right after an assistant message (None if none).
 
   Rendered through the template itself: the first special token of the text that follows an
   assistant message's content (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3, EOS for others).
+  This is the start-up probe of the template: one that does not finish in time raises TemplateTimeout.
   """
   if chat_template is None:
     return None
   mark = "\u2063jaxrl-answer\u2063"
+  conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": mark}]
   try:
-    text = hf.apply_chat_template([{"role": "user", "content": "1+1"}, {"role": "assistant", "content": mark}],
-                                  tokenize=False)
+    text = _RENDERER.run(lambda: hf.apply_chat_template(conversation, tokenize=False),
+                         lambda: f"the chat template {_template_source(folder)}")
+  except TemplateTimeout:
+    raise
   except Exception:  # a template that rejects this conversation: no end-of-turn token known
     return None
   if mark not in text:
@@ -127,7 +214,8 @@ def load_checkpoint_tokenizer(path) -> CheckpointTokenizer:
 
   stop_ids = EOS, the chat template's end-of-turn token and generation_config.json's eos_token_id.
   Raises FileNotFoundError naming the folder when it has no tokenizer.json, ValueError when the
-  tokenizer names no EOS token.
+  tokenizer names no EOS token, TemplateTimeout (a ValueError) when its chat template does not render a
+  probe conversation within `RENDER_TIMEOUT_S`.
   """
   folder = pathlib.Path(path)
   if not has_tokenizer_files(folder):
@@ -138,7 +226,7 @@ def load_checkpoint_tokenizer(path) -> CheckpointTokenizer:
   if hf.eos_token_id is None:
     raise ValueError(f"{folder}: the tokenizer names no eos_token (tokenizer_config.json); completions could never end")
   template = hf.chat_template if isinstance(hf.chat_template, str) else None
-  eot = _end_of_turn_id(hf, template)
+  eot = _end_of_turn_id(hf, template, folder)
   eos = int(hf.eos_token_id)
   stop = {eos, *_generation_eos_ids(folder)} | ({eot} if eot is not None else set())
   return CheckpointTokenizer(
