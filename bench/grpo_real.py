@@ -28,7 +28,8 @@ from jaxrl_llm.models import ModelConfig, load_hf
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.tasks import get_task
-from jaxrl_llm.tasks.encoder import Encoder, measured_width, tokenizer_for_checkpoint
+from jaxrl_llm.policy_init import tokenizer_for_checkpoint
+from jaxrl_llm.tasks.encoder import Encoder, measured_width
 
 DECODE_BATCH = 64  # decode is also measured at this batch (the decode target)
 

@@ -48,7 +48,8 @@ from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm.errors import RunError
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import ModelConfig, init_params
-from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, initial_policy, model_config
+from jaxrl_llm.policy_init import (checkpoint_config, checkpoint_model_config, initial_policy, model_config,
+                                   tokenizer_for_checkpoint)
 from jaxrl_llm.rollout import collect, sources
 from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
 from jaxrl_llm.rollout.param_store import ParamStore
@@ -72,11 +73,12 @@ def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
     if not os.path.isdir(c.model.init_from):
       raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: no such folder{_prepare_hint(c.model.init_from)}")
     try:
-      tokenizer = encoder_lib.tokenizer_for_checkpoint(c.model.init_from)
+      tokenizer = tokenizer_for_checkpoint(c.model.init_from)
     except (FileNotFoundError, ValueError) as e:
+      from jaxrl_llm.models.tokenizer import TemplateTimeout
       hf = os.path.join(c.model.init_from, "config.json")
       vocab = ""
-      if os.path.isfile(hf):
+      if os.path.isfile(hf) and not isinstance(e, TemplateTimeout):  # the size tells a tokenizer/model mismatch
         with open(hf) as f:
           vocab = f" (checkpoint vocab_size={json.load(f).get('vocab_size')})"
       raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}{vocab}") from None

@@ -1,5 +1,5 @@
-"""The policy a run starts from: its architecture (config fields or a Hugging Face checkpoint) and
-initial parameters (random init or the checkpoint's weights).
+"""The policy a run starts from: its architecture (config fields or a Hugging Face checkpoint), initial
+parameters (random init or the checkpoint's weights) and the tokenizer the checkpoint was saved with.
 
 Used by the loop for the student and by `distill.teacher` for an SFT teacher; imports no run wiring.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 from typing import Any
 
 import ml_collections
@@ -16,6 +17,22 @@ import ml_collections
 from jaxrl_llm import config as config_lib
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.tasks import tokenizer as tok
+
+
+def tokenizer_for_checkpoint(folder: str | os.PathLike) -> tok.Tokenizer:
+  """The tokenizer a checkpoint folder was saved with: its Hugging Face tokenizer files, or the marker
+  `char_tokenizer.json` written when a char-tokenizer model is exported (`sft.save_to`, SFT teachers).
+
+  Raises FileNotFoundError naming the folder when it holds neither, ValueError for unusable tokenizer files.
+  """
+  from jaxrl_llm.models import tokenizer as hf_tok  # local: transformers loads only for checkpoints
+  path = pathlib.Path(folder)
+  if hf_tok.has_tokenizer_files(path):
+    return hf_tok.load_checkpoint_tokenizer(path)
+  if (path / tok.CHAR_TOKENIZER_FILE).is_file():
+    return tok.CHAR_TOKENIZER
+  raise FileNotFoundError(f"{path}: no tokenizer files (expected tokenizer.json + tokenizer_config.json of a "
+                          f"Hugging Face checkpoint, or {tok.CHAR_TOKENIZER_FILE} of a jaxrl_llm export)")
 
 
 def checkpoint_config(c: ml_collections.ConfigDict) -> ModelConfig | None:

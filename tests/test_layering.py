@@ -40,6 +40,10 @@ BACK_ARROWS = [
     ("sampling/sample.py", "from jaxrl_llm.rollout import param_store",
      "jaxrl_llm.sampling.sample -> jaxrl_llm.rollout.param_store"),
     ("rollout/collect.py", "from jaxrl_llm import sft", "jaxrl_llm.rollout.collect -> jaxrl_llm.sft"),
+    ("tasks/encoder.py", "from jaxrl_llm.models import tokenizer", "jaxrl_llm.tasks.encoder -> jaxrl_llm.models"),
+    ("losses/pg.py", "from jaxrl_llm.tasks import reward", "jaxrl_llm.losses.pg -> jaxrl_llm.tasks"),
+    ("config.py", "from jaxrl_llm.models import ModelConfig", "jaxrl_llm.config -> jaxrl_llm.models"),
+    ("sharding.py", "from jaxrl_llm.rollout import param_store", "jaxrl_llm.sharding -> jaxrl_llm.rollout"),
 ]
 
 

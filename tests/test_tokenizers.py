@@ -16,7 +16,8 @@ from jaxrl_llm.config import ConfigError, load_file
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.sampling import partial as partial_lib
-from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder, fit_examples, round_width, tokenizer_for_checkpoint
+from jaxrl_llm.policy_init import tokenizer_for_checkpoint
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder, fit_examples, round_width
 from jaxrl_llm.tasks.tokenizer import CHAR_TOKENIZER, Tokenizer, completion_text
 
 import tiny_hf

@@ -11,7 +11,7 @@ import pytest
 import tiny_hf
 from jaxrl_llm.models import load_hf
 from jaxrl_llm.models import truncate as tr
-from jaxrl_llm.tasks.encoder import tokenizer_for_checkpoint
+from jaxrl_llm.policy_init import tokenizer_for_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

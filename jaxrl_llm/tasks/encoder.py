@@ -6,7 +6,7 @@ evaluation and the teacher see goes through it.
 
 The tokenizer follows the model: without `model.init_from` it is the character tokenizer
 (`tasks.tokenizer.CHAR_TOKENIZER`, the fast default for from-scratch toy models); with it, the
-checkpoint folder's own (`tokenizer_for_checkpoint`).
+checkpoint folder's own (`policy_init.tokenizer_for_checkpoint`: tasks import no models).
 
 Chat settings (`config.task`):
   chat_template  "auto"  the tokenizer's chat template when it has one, raw text otherwise (default)
@@ -28,8 +28,6 @@ counted) by `fit_examples`, never truncated.
 
 from __future__ import annotations
 
-import os
-import pathlib
 from typing import Sequence
 
 import numpy as np
@@ -103,22 +101,6 @@ CHAR_ENCODER = Encoder()
 def _where(tokenizer) -> str:
   source = getattr(tokenizer, "source", None)
   return f" of {source}" if source is not None else ""
-
-
-def tokenizer_for_checkpoint(folder: str | os.PathLike) -> Tokenizer:
-  """The tokenizer a checkpoint folder was saved with: its Hugging Face tokenizer files, or the marker
-  `char_tokenizer.json` written when a char-tokenizer model is exported (`sft.save_to`, SFT teachers).
-
-  Raises FileNotFoundError naming the folder when it holds neither.
-  """
-  from jaxrl_llm.models import tokenizer as hf_tok  # local: transformers loads only for checkpoints
-  path = pathlib.Path(folder)
-  if hf_tok.has_tokenizer_files(path):
-    return hf_tok.load_checkpoint_tokenizer(path)
-  if (path / char_tok.CHAR_TOKENIZER_FILE).is_file():
-    return CHAR_TOKENIZER
-  raise FileNotFoundError(f"{path}: no tokenizer files (expected tokenizer.json + tokenizer_config.json of a "
-                          f"Hugging Face checkpoint, or {char_tok.CHAR_TOKENIZER_FILE} of a jaxrl_llm export)")
 
 
 def round_width(n: int, multiple: int = WIDTH_MULTIPLE) -> int:

@@ -119,7 +119,7 @@ class Tokenizer(Protocol):
     decode(ids) -> text, special tokens (pad, BOS, EOS, ...) dropped.
     chat_prompt_ids(messages) -> ids of the messages rendered through `chat_template` with the
       generation prompt (raises ValueError when there is no template).
-    save(folder): writes what `tasks.encoder.tokenizer_for_checkpoint(folder)` needs to load it back.
+    save(folder): writes what `policy_init.tokenizer_for_checkpoint(folder)` needs to load it back.
   """
   vocab_size: int
   bos_id: int | None
