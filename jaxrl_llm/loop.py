@@ -55,7 +55,7 @@ from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.sources.common import recompute_prox_logp, replay_on, reward_policy
 from jaxrl_llm.sampling import SamplerConfig, generate
-from jaxrl_llm.sft import sft_warm_start
+from jaxrl_llm.sft import SftSchedule, sft_warm_start
 from jaxrl_llm.tasks import get_task, num_held_out
 from jaxrl_llm.tasks import encoder as encoder_lib
 from jaxrl_llm.tasks import tokenizer as tok
@@ -607,7 +607,7 @@ def _fresh_start(c, r: Run, store: ParamStore, workdir: str):
     print(f"no checkpoint to resume: the earlier metrics.jsonl was moved to {moved}; starting at step 0", flush=True)
   t0 = time.perf_counter()
   model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
-  params, sft_loss = sft_warm_start(c, model_cfg, params, r.train_examples, r.P, r.encoder)
+  params, sft_loss = sft_warm_start(SftSchedule.from_config(c), model_cfg, params, r.train_examples, r.P, r.encoder)
   meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
   if c.sft.save_to and multiprocess.is_writer():
     from jaxrl_llm.models import save_hf

@@ -5,6 +5,7 @@ Used by the loop (the student's warm start) and by `distill.teacher` (training a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -32,19 +33,38 @@ def full_sequence(p: collect.Prompts, tokens_BN, mask_BN, pad_id: int = tok.pad_
   return (jnp.asarray(seq, jnp.int32), jnp.asarray(np.concatenate([pos_P, pos_N], 1), jnp.int32), jnp.asarray(seg))
 
 
-def sft_warm_start(c, model_cfg: ModelConfig, params, train, P: int, encoder: Encoder = CHAR_ENCODER) -> tuple[Any, float]:
+@dataclasses.dataclass(frozen=True)
+class SftSchedule:
+  """What an SFT run does: `steps` AdamW steps of `batch_size` examples at `lr`, targets cut at
+  `max_new_tokens`, examples drawn by `seed`."""
+  steps: int
+  batch_size: int
+  lr: float
+  max_new_tokens: int
+  seed: int
+
+  @classmethod
+  def from_config(cls, c, steps: int | None = None) -> "SftSchedule":
+    """The run's schedule (`sft.*`, `sampler.max_new_tokens`, `seed`); `steps` overrides `sft.steps`
+    (an SFT teacher trains `distill.teacher_sft_steps`)."""
+    return cls(steps=c.sft.steps if steps is None else steps, batch_size=c.sft.batch_size, lr=c.sft.lr,
+               max_new_tokens=c.sampler.max_new_tokens, seed=c.seed)
+
+
+def sft_warm_start(schedule: SftSchedule, model_cfg: ModelConfig, params, train, P: int,
+                   encoder: Encoder = CHAR_ENCODER) -> tuple[Any, float]:
   """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy; prompts and
   targets (answer + EOS, or the chat end-of-turn id) through the run's `encoder`, cut at N tokens."""
-  if c.sft.steps <= 0:
+  if schedule.steps <= 0:
     return params, float("nan")
-  tx = learner.make_optimizer(c.sft.lr, grad_clip=1.0, warmup_steps=min(20, c.sft.steps // 10))
+  tx = learner.make_optimizer(schedule.lr, grad_clip=1.0, warmup_steps=min(20, schedule.steps // 10))
   opt_state = tx.init(params)
   step_fn = learner.make_sft_step(model_cfg, tx)
-  N = c.sampler.max_new_tokens
-  rng = np.random.default_rng([c.seed, 11])
+  N = schedule.max_new_tokens
+  rng = np.random.default_rng([schedule.seed, 11])
   loss = float("nan")
-  for _ in range(c.sft.steps):
-    exs = [train[int(i)] for i in rng.choice(len(train), c.sft.batch_size)]
+  for _ in range(schedule.steps):
+    exs = [train[int(i)] for i in rng.choice(len(train), schedule.batch_size)]
     p = collect.encode_prompts(exs, P, encoder)
     tgt, len_B = encoder.pad_targets([ex["answer"] for ex in exs], N, truncate=True)
     mask_BN = np.arange(N)[None, :] < len_B[:, None]

@@ -88,11 +88,15 @@ def test_topk_equal_to_vocab_has_no_residual_and_bad_k_is_rejected():
 def test_teacher_config_scales_width_and_keeps_head_dim():
   c = opd_tiny()
   c.sft.steps = run_sft_steps = 7  # differs from distill.teacher_sft_steps: a mutation would show
-  ct = teacher_lib.teacher_config(c)
-  assert (ct.model.d_model, ct.model.n_layers) == (64, 2)
-  assert ct.model.d_ff == c.model.d_ff * 2 and ct.model.head_dim == c.model.head_dim
-  assert (ct.model.n_heads, ct.model.n_kv_heads) == (2 * c.model.n_heads, 2 * c.model.n_kv_heads)
-  assert ct.sft.steps == c.distill.teacher_sft_steps and c.sft.steps == run_sft_steps  # the run config is untouched
+  before = c.to_json_best_effort()
+  cfg = teacher_lib.teacher_model_config(c, 16, tok.vocab_size)
+  assert (cfg.d_model, cfg.n_layers) == (64, 2) and cfg.layer_unroll in (1, 2)
+  assert cfg.d_ff == c.model.d_ff * 2 and cfg.head_dim == c.model.head_dim
+  assert (cfg.n_heads, cfg.n_kv_heads) == (2 * c.model.n_heads, 2 * c.model.n_kv_heads)
+  assert cfg.max_seq_len == 16 + c.sampler.max_new_tokens and cfg.vocab_size == tok.vocab_size
+  schedule = teacher_lib.teacher_schedule(c)
+  assert schedule.steps == c.distill.teacher_sft_steps and (schedule.batch_size, schedule.lr) == (c.sft.batch_size, c.sft.lr)
+  assert c.sft.steps == run_sft_steps and c.to_json_best_effort() == before  # the run config is untouched
 
 
 def test_sft_teacher_is_trained_once_and_reused(tmp_path, monkeypatch):
@@ -107,14 +111,14 @@ def test_sft_teacher_is_trained_once_and_reused(tmp_path, monkeypatch):
   train = collect.load_split(c.task.name, "train", dict(c.task.kwargs), c.task.source, c.task.data_dir, c.seed)
   cfg, params = teacher_lib.load_teacher(c, P, train, tok.vocab_size)
   assert cfg.d_model == 64 and cfg.n_layers == 2
-  assert os.listdir(tmp_path) == [teacher_lib.cache_key(c)]
+  assert os.listdir(tmp_path) == [teacher_lib.cache_key(c, P, tok.vocab_size)]
   # The second load must come from the cache: training again would fail here.
   monkeypatch.setattr(teacher_lib, "train_sft_teacher", lambda *a, **k: pytest.fail("teacher retrained"))
   _, params2 = teacher_lib.load_teacher(c, P, train, tok.vocab_size)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, params2))
   # A different size is a different cache entry.
   c.distill.teacher_n_layers = 3
-  assert teacher_lib.cache_key(c) != os.listdir(tmp_path)[0]
+  assert teacher_lib.cache_key(c, P, tok.vocab_size) != os.listdir(tmp_path)[0]
 
 
 def test_hf_folder_teacher_and_its_errors(tmp_path):

@@ -26,7 +26,6 @@ data/fsdp), see `place_teacher`. On one device they stay on the default device.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -50,41 +49,42 @@ from jaxrl_llm.vocab_chunks import VocabHead
 Array = jax.Array
 
 
-def teacher_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The run config with the teacher's model size and SFT schedule swapped in (used to build / train it).
+def teacher_model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int) -> ModelConfig:
+  """The SFT teacher's architecture: the student's from-scratch model (`policy_init.model_config`) at
+  `distill.teacher_d_model` x `distill.teacher_n_layers`.
 
   d_ff scales with d_model (same MLP ratio as the student); heads keep the student's head_dim, and
   n_heads / n_kv_heads scale with d_model when it is a multiple of the student's width (GQA ratio kept).
   """
-  d = c.distill
-  ct = copy.deepcopy(c)
-  ct.unlock()
-  scale = d.teacher_d_model / c.model.d_model
-  ct.model.d_model = d.teacher_d_model
-  ct.model.n_layers = d.teacher_n_layers
-  ct.model.d_ff = max(1, round(c.model.d_ff * scale))
-  if d.teacher_d_model % c.model.d_model == 0:
-    k = d.teacher_d_model // c.model.d_model
-    ct.model.n_heads, ct.model.n_kv_heads = c.model.n_heads * k, c.model.n_kv_heads * k
-  ct.model.init_from = ""
-  ct.sft.steps = d.teacher_sft_steps
-  ct.sft.save_to = ""
-  return ct
+  d, m = c.distill, c.model
+  student = policy_init.model_config(c, width, vocab_size)
+  heads = {}
+  if d.teacher_d_model % m.d_model == 0:
+    k = d.teacher_d_model // m.d_model
+    heads = {"n_heads": m.n_heads * k, "n_kv_heads": m.n_kv_heads * k}
+  return dataclasses.replace(student, d_model=d.teacher_d_model, n_layers=d.teacher_n_layers,
+                             d_ff=max(1, round(m.d_ff * d.teacher_d_model / m.d_model)),
+                             layer_unroll=policy_init.layer_unroll(c, d.teacher_n_layers), **heads)
 
 
-def cache_key(c: ml_collections.ConfigDict, encoder: Encoder = CHAR_ENCODER) -> str:
+def teacher_schedule(c: ml_collections.ConfigDict) -> sft.SftSchedule:
+  """The SFT teacher's schedule: the run's `sft.*` with `distill.teacher_sft_steps` steps."""
+  return sft.SftSchedule.from_config(c, steps=c.distill.teacher_sft_steps)
+
+
+def cache_key(c: ml_collections.ConfigDict, width: int, vocab_size: int, encoder: Encoder = CHAR_ENCODER) -> str:
   """Folder name of the cached SFT teacher: task + seed + size + a hash of everything that shapes it
-  (the tokenizer and chat settings too, unless they are the default char tokenizer in raw mode)."""
-  ct = teacher_config(c)
+  (its architecture and SFT schedule; the tokenizer and chat settings too, unless they are the default
+  char tokenizer in raw mode)."""
+  cfg, schedule = teacher_model_config(c, width, vocab_size), teacher_schedule(c)
   what = {"task": c.task.name, "kwargs": task_kwargs(c), "source": c.task.source, "seed": c.seed,
-          "prompt_width": c.task.prompt_width, "max_new_tokens": c.sampler.max_new_tokens,
-          "model": ct.model.to_dict(), "sft": {k: ct.sft[k] for k in ("steps", "batch_size", "lr")}}
+          "prompt_width": c.task.prompt_width, "model": dataclasses.asdict(cfg), "sft": dataclasses.asdict(schedule)}
   if not encoder.exact_char_widths:
     what["tokenizer"] = {"source": str(getattr(encoder.tokenizer, "source", type(encoder.tokenizer).__name__)),
                          "vocab_size": encoder.tokenizer.vocab_size, "chat": encoder.chat,
                          "system_prompt": encoder.system_prompt}
   h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]
-  return f"{c.task.name}_s{c.seed}_d{ct.model.d_model}_l{ct.model.n_layers}_sft{ct.sft.steps}_{h}"
+  return f"{c.task.name}_s{c.seed}_d{cfg.d_model}_l{cfg.n_layers}_sft{schedule.steps}_{h}"
 
 
 def cache_dir(c: ml_collections.ConfigDict) -> str:
@@ -95,11 +95,10 @@ def cache_dir(c: ml_collections.ConfigDict) -> str:
 def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples,
                       encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any, float]:
   """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task."""
-  ct = teacher_config(c)
-  cfg = policy_init.model_config(ct, width, encoder.tokenizer.vocab_size)
+  cfg = teacher_model_config(c, width, encoder.tokenizer.vocab_size)
   # Its own init key, so the teacher never shares an initialisation with the student of the same seed.
   params = init_params(cfg, jax.random.fold_in(jax.random.key(c.seed), 0x7EAC))
-  params, loss = sft.sft_warm_start(ct, cfg, params, train_examples, width, encoder)
+  params, loss = sft.sft_warm_start(teacher_schedule(c), cfg, params, train_examples, width, encoder)
   return cfg, params, loss
 
 
@@ -116,7 +115,7 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
   from jaxrl_llm.models import load_hf, save_hf
   seq_len = width + c.sampler.max_new_tokens
   if c.distill.teacher == "sft":
-    path = os.path.join(cache_dir(c), cache_key(c, encoder))
+    path = os.path.join(cache_dir(c), cache_key(c, width, encoder.tokenizer.vocab_size, encoder))
     if not os.path.exists(os.path.join(path, "config.json")):
       cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder)
       tmp = f"{path}.tmp{os.getpid()}"
