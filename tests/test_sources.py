@@ -118,7 +118,7 @@ def test_fixed_lag_queue_equals_generating_from_kept_snapshots():
   generating at consumption from a kept snapshot of version t - k gives (the k + 1-snapshot scheme it
   replaced, computed here from a separate store that keeps every version)."""
   from jaxrl_llm.rollout.param_store import ParamStore
-  from jaxrl_llm.rollout.sources.common import recompute_prox_logp
+  from jaxrl_llm.rollout import old_logp
   k, steps = 2, 5
   c = tiny(rollout__mode="fixed_lag", rollout__lag=k)
   c.num_steps = steps
@@ -139,7 +139,8 @@ def test_fixed_lag_queue_equals_generating_from_kept_snapshots():
       np.testing.assert_array_equal(ro[key], want[key], err_msg=f"step {t} {key}")
     assert int(ro["lag_B"].max()) == min(t, k)
     seq = tuple(jax.numpy.asarray(want[x]) for x in ("sequence_BT", "positions_BT", "segment_ids_BT"))
-    np.testing.assert_array_equal(ro["prox_logp_BN"], np.asarray(recompute_prox_logp(r.score, every, want, seq)))
+    ctx = old_logp.OldLogpContext(r.score, every, None, None)
+    np.testing.assert_array_equal(ro["prox_logp_BN"], np.asarray(old_logp.compute("recompute", ctx, want, seq)))
     params = jax.tree.map(lambda x: x + 0.01, params)  # a new version: the lagged batches differ from fresh ones
     store.publish(params)
     every.publish(params)
@@ -153,3 +154,22 @@ def test_fixed_lag_without_a_queue_refuses_to_resume():
   store.publish(state.params)
   with pytest.raises(loop.RunError, match=r"no queued batch for step\(s\) \[1, 2\]"):
     sources.get("fixed_lag")(r, store).next_batch(1, 1)
+
+
+def test_old_logp_strategies_are_the_config_names_and_one_call_serves_every_mode():
+  """π_old has one home (`rollout.old_logp`, issue 32): its registry is the config's list, and `recompute` at
+  a batch's single generating version equals `step_start` at those parameters (the same scoring)."""
+  from jaxrl_llm import config as config_lib
+  from jaxrl_llm.rollout import old_logp
+  assert old_logp.names() == config_lib.OLD_LOGP
+  c = tiny()
+  r, state, extra, store = fresh_run(c)
+  ro = sources.get("sync")(r, store).next_batch(0, store.latest_version)
+  seq = old_logp.rollout_seq(ro)
+  ctx = old_logp.OldLogpContext(r.score, store, state.params, state.version, extra["ewma"])
+  recompute, start = (np.asarray(old_logp.compute(n, ctx, ro, seq)) for n in ("recompute", "step_start"))
+  np.testing.assert_array_equal(recompute, start)
+  np.testing.assert_array_equal(np.asarray(old_logp.compute("behavior", ctx, ro, seq)), ro["behavior_logp_BN"])
+  assert np.all(np.isfinite(recompute[ro["mask_BN"] > 0])) and (recompute[ro["mask_BN"] > 0] < 0).all()
+  assert old_logp.is_current("recompute", "sync", False, False) and not old_logp.is_current("recompute", "async", False, False)
+  assert not old_logp.is_current("step_start", "sync", False, True)  # ALP: a perturbed learner forward

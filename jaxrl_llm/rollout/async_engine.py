@@ -14,6 +14,7 @@ reproducible (use `fixed_lag` for that).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.keys import fold_in
-from jaxrl_llm.rollout import collect
+from jaxrl_llm.rollout import collect, old_logp
 from jaxrl_llm.rollout.admission import Admission
 from jaxrl_llm.rollout.buffer import Buffer, Trajectory, lag
 from jaxrl_llm.rollout.param_store import ParamStore, Snapshot
@@ -98,30 +99,28 @@ def make_group_rollout(task, train_examples, *, width: int, group_size: int, see
 
 def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapshot, out: dict, versions_GN: np.ndarray,
                      routes_GTLk: np.ndarray | None) -> np.ndarray | None:
-  """π_old of a finished group: each token scored by the learner-dtype copy of the version that generated it.
+  """π_old of a finished group: each token scored by the learner-dtype copy of the version that generated it
+  (`old_logp.score_at_versions`, the learner's `recompute` on a worker).
 
   `held` (the admitted snapshot) is pinned by the caller; other versions (partial rollouts) are pinned
   here. None when one of them is no longer held (the learner then recomputes, or drops the group as stale).
   """
-  mask_GN = out["mask_BN"]
-  seq = tuple(jnp.asarray(out[k]) for k in ("sequence_BT", "positions_BT", "segment_ids_BT"))
+  @contextlib.contextmanager
+  def pinned(v: int):
+    if v == held.version:
+      yield held
+      return
+    if store is None:
+      raise KeyError(v)
+    with old_logp.store_pin(store)(v) as snap:
+      yield snap
+
+  seq = old_logp.rollout_seq(out)
   routes = None if routes_GTLk is None else jnp.asarray(routes_GTLk)
-  prox_GN = np.zeros(mask_GN.shape, np.float32)
-  for v in np.unique(versions_GN[mask_GN > 0]).tolist():
-    if v != held.version and store is None:
-      return None
-    try:
-      snap = held if v == held.version else store.acquire(int(v))
-    except KeyError:  # freed: leave π_old to the learner
-      return None
-    try:
-      params = snap.learner_params if snap.learner_params is not None else snap.params
-      logp = np.asarray(score_fn(params, *seq, jnp.asarray(mask_GN), routes))
-    finally:
-      if snap is not held:
-        store.release(snap)
-    prox_GN = np.where(versions_GN == v, logp, prox_GN)
-  return prox_GN
+  try:
+    return np.asarray(old_logp.score_at_versions(score_fn, versions_GN, out["mask_BN"], seq, routes, pinned))
+  except KeyError:  # freed: leave π_old to the learner
+    return None
 
 
 def worker_params(snap: Snapshot):

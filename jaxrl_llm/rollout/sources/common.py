@@ -1,4 +1,4 @@
-"""What several batch sources share: the pinned-version sampler call, reward settings, π_old recompute.
+"""What several batch sources share: the pinned-version sampler call and reward settings (π_old: `rollout.old_logp`).
 
 Nothing here knows a run mode; the sources (one file each) decide which version generates which step.
 `run` is the loop's static wiring (`loop.Run`); a source reads only `c`, `task`, `train_examples`, `P`,
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import time
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -83,18 +81,3 @@ def sync_rollout(run, store: ParamStore, steps: list[int], version: int, v_b: in
            "lag_B": np.full((B,), version - v_b, np.int32),  # staged: recomputed when consumed
            "reward_errors": (status["error"] + status["timeout"]) if i == 0 else 0,
            "time_generate_s": time_gen if i == 0 else 0.0} for i in range(len(steps))]
-
-
-def recompute_prox_logp(score, store: ParamStore, ro: dict, seq, routes=None) -> jax.Array:
-  """Exact π_old: each sampled token scored by the learner-dtype snapshot of the version that generated it
-  (one forward per distinct version in the batch; partial rollouts mix versions within a sequence)."""
-  mask = ro["mask_BN"]
-  out = jnp.zeros(mask.shape, jnp.float32)
-  for v in np.unique(ro["versions_BN"][ro["mask_BN"] > 0]).tolist() or [store.latest_version]:
-    snap = store.acquire(int(v))
-    try:
-      logp = score(snap.learner_params if snap.learner_params is not None else snap.params, *seq, mask, routes)
-    finally:
-      store.release(snap)
-    out = jnp.where(jnp.asarray(ro["versions_BN"]) == v, logp, out)
-  return out

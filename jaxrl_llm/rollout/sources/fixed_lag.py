@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.errors import RunError
 from jaxrl_llm.rollout.sources.base import Stateless, register
-from jaxrl_llm.rollout.sources.common import recompute_prox_logp, sync_rollout
+from jaxrl_llm.rollout import old_logp
+from jaxrl_llm.rollout.sources.common import sync_rollout
 
 
 @register("fixed_lag")
@@ -46,9 +46,7 @@ class FixedLag(Stateless):
     ro = sync_rollout(self.run, self.store, [step], version, version)[0]
     if self.lag > 0 and self.run.c.rollout.old_logp == "recompute":
       # π_old is this version's learner copy: score it now, before the snapshot is dropped.
-      seq = tuple(jnp.asarray(ro[k_]) for k_ in ("sequence_BT", "positions_BT", "segment_ids_BT"))
-      routes = jnp.asarray(ro["routes_BTLk"]) if "routes_BTLk" in ro else None
-      ro["prox_logp_BN"] = multiprocess.to_host(recompute_prox_logp(self.run.score, self.store, ro, seq, routes))
+      ro["prox_logp_BN"] = multiprocess.to_host(old_logp.at_generation(self.run.score, self.store, ro))
     return ro
 
   def next_batch(self, step: int, version: int) -> dict:

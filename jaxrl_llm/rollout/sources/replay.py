@@ -8,13 +8,13 @@ use counts and counters (arrays + JSON, `ReplayBuffer.state`).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.rollout import replay as replay_lib
 from jaxrl_llm.rollout.sources.base import get, register
-from jaxrl_llm.rollout.sources.common import recompute_prox_logp, replay_config, sync_rollout
+from jaxrl_llm.rollout import old_logp
+from jaxrl_llm.rollout.sources.common import replay_config, sync_rollout
 
 
 def new_replay(rc, state_dict: dict | None) -> replay_lib.ReplayBuffer:
@@ -40,9 +40,7 @@ def replay_rollout(run, store, buf, rc, step: int, version: int, v_b: int) -> di
   while calls == 0 or buf.available(version) < n:
     fresh = sync_rollout(run, store, [step], version, v_b, n=rc.fresh_per_step, call=calls)[0]
     if c.rollout.old_logp == "recompute":  # π_old depends only on the generating version: score it once
-      seq = tuple(jnp.asarray(fresh[k_]) for k_ in ("sequence_BT", "positions_BT", "segment_ids_BT"))
-      routes = jnp.asarray(fresh["routes_BTLk"]) if "routes_BTLk" in fresh else None
-      fresh["prox_logp_BN"] = multiprocess.to_host(recompute_prox_logp(run.score, store, fresh, seq, routes))
+      fresh["prox_logp_BN"] = multiprocess.to_host(old_logp.at_generation(run.score, store, fresh))
     buf.push(replay_lib.split_groups(fresh, c.rollout.group_size, v_b, step))
     errors, time_gen, calls = errors + fresh["reward_errors"], time_gen + fresh["time_generate_s"], calls + 1
     gen_tokens += float(fresh["mask_BN"].sum())
