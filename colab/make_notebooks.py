@@ -120,11 +120,11 @@ def truncated_is_pg(inputs, hp):
 
   On-policy (π_θ = π_old) the weight is 1 and the gradient is vanilla PG's.
   """
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, inputs.mask_BT)
+  lr = core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, inputs.mask_BN)
   w = jax.lax.stop_gradient(jnp.minimum(jnp.exp(lr), hp.cap))
-  loss = -inputs.adv_BT * w * core.safe_logp(inputs.logp_BT, inputs.mask_BT)
-  aux = {"truncated_frac": core.metric(jnp.exp(lr) > hp.cap, inputs.mask_BT)}
-  return core.apply_mask(loss, inputs.mask_BT), aux
+  loss = -inputs.adv_BN * w * core.safe_logp(inputs.logp_BN, inputs.mask_BN)
+  aux = {"truncated_frac": core.metric(jnp.exp(lr) > hp.cap, inputs.mask_BN)}
+  return core.apply_mask(loss, inputs.mask_BN), aux
 
 
 losses.unregister("truncated_is_pg")  # re-running this cell re-registers
@@ -142,12 +142,12 @@ logp = jnp.where(mask > 0, jnp.asarray(rng.uniform(-3, -0.05, mask.shape), jnp.f
 prox = jnp.where(mask > 0, logp + jnp.asarray(rng.normal(0, 0.5, mask.shape), jnp.float32), -jnp.inf)
 
 
-def grad_of(name, logp_BT, prox_BT):
+def grad_of(name, logp_BN, prox_BN):
   spec = losses.get(name)
   def total(lp):
-    loss_BT, _ = spec.fn(LossInputs(logp_BT=lp, mask_BT=mask, adv_BT=adv, prox_logp_BT=prox_BT), spec.Hparams())
-    return losses.reduce(loss_BT, mask, "token-mean")
-  return jax.grad(total)(logp_BT)
+    loss_BN, _ = spec.fn(LossInputs(logp_BN=lp, mask_BN=mask, adv_BN=adv, prox_logp_BN=prox_BN), spec.Hparams())
+    return losses.reduce(loss_BN, mask, "token-mean")
+  return jax.grad(total)(logp_BN)
 
 
 g = grad_of("truncated_is_pg", logp, prox)

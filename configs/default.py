@@ -54,6 +54,9 @@ def get_config():
   c.sampler.top_p = 1.0
   c.sampler.dtype = "float32"  # "bfloat16" produces a real train/inference mismatch
   c.sampler.quantize = "none"  # "int8": weight-only int8 sampler weights (another real mismatch)
+  # Records of μ beyond the sampled token (jaxrl_llm.sampling.behavior), for the losses that read them:
+  c.sampler.behavior_topk = 0  # k > 0: μ's top-k ids + log-probs per position (dppo_topk; s2d_opd's candidates)
+  c.sampler.mc_samples = 0  # J > 0: the token + J-1 i.i.d. draws from μ per position (opd_reverse_kl_mc)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.mode = "sync"  # sync | fixed_lag | staged | async

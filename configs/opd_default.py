@@ -19,13 +19,18 @@ Section `distill`:
   topk               K of the teacher's top-k cache (ids, log-probs, residual log-mass)
   temperature        teacher scoring temperature; 0 = sampler.temperature. The learner scores the
                      student at sampler.temperature, so the default compares both at the same T.
+  ref_teacher        S²D / Direct-OPD's reference (pre-RL) teacher: "" = off, "sft" (the teacher's
+                     family and initialisation, trained ref_teacher_sft_steps steps, cached like the
+                     teacher) or a Hugging Face folder; scored at the student's top-K candidates
+  ref_teacher_d_model, ref_teacher_n_layers, ref_teacher_sft_steps   its size and SFT steps ["sft"]
 
 Runnable OPD losses with this teacher (`loss.name`): opd_reverse_kl (sampled-token reverse KL,
 advantage form; `loss.hparams.online_advantage=True` is AsyncOPD's recompute fix), opd_forward_kl,
 opd_reverse_kl_full, gkd_jsd (dense over the tiny vocabulary), opd_topk_kl (top-k cache), f_opd
-(supervision drift 0 for a frozen teacher). Not runnable (their inputs are not produced; the config is
-rejected at start-up): opd_reverse_kl_mc (needs MC caches), s2d_opd (needs a pre-RL reference
-teacher's top-k), sdcc (needs eviction masks).
+(supervision drift 0 for a frozen teacher). With more switched on: opd_reverse_kl_mc
+(sampler.mc_samples > 0: configs/opd_mc_tiny.py), s2d_opd (sampler.behavior_topk > 0 and
+distill.ref_teacher: configs/opd_s2d_tiny.py). Not runnable (its inputs are not produced; the config is
+rejected at start-up): sdcc (needs eviction masks).
 """
 
 import pathlib
@@ -54,5 +59,9 @@ def get_config():
       "teacher_cache_dir": "",
       "topk": 16,
       "temperature": 0.0,
+      "ref_teacher": "",
+      "ref_teacher_d_model": 256,
+      "ref_teacher_n_layers": 4,
+      "ref_teacher_sft_steps": 500,
   })
   return c

@@ -15,7 +15,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import loop
+from jaxrl_llm import loop, run_state
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.models import save_hf
 
@@ -30,10 +30,9 @@ def export(c, workdir: str, out: str) -> int:
   config_lib.validate(c)
   r = loop.setup(c)
   store = loop.new_store(r)
-  ckpt = loop._open_checkpointer(c, workdir)  # pylint: disable=protected-access
+  ckpt = run_state.open_checkpointer(c, workdir)
   try:
-    restored = loop._restore(ckpt, r, store, sources.retention(c),  # pylint: disable=protected-access
-                             json.loads(c.to_json_best_effort()))
+    restored = run_state.restore(ckpt, r, store, sources.retention(r.ctx.settings), json.loads(c.to_json_best_effort()))
   finally:
     ckpt.close()
   if restored is None:

@@ -198,9 +198,9 @@ def _leaf_words(x):
 
 def _leaf_checksum(x):
   """Two wrapping uint32 sums: plain and position-weighted (Fletcher-like), as a uint32[2]."""
-  w_N = _leaf_words(x)
-  weight_N = jnp.arange(1, w_N.shape[0] + 1, dtype=jnp.uint32)
-  return jnp.stack([jnp.sum(w_N, dtype=jnp.uint32), jnp.sum(w_N * weight_N, dtype=jnp.uint32)])
+  words = _leaf_words(x)
+  position_weight = jnp.arange(1, words.shape[0] + 1, dtype=jnp.uint32)
+  return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * position_weight, dtype=jnp.uint32)])
 
 
 @jax.jit

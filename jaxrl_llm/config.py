@@ -14,9 +14,11 @@ from typing import Callable, Iterable
 
 import ml_collections
 
+from jaxrl_llm import model_fields
+
 ROLLOUT_MODES = ("sync", "fixed_lag", "staged", "async")
 OLD_LOGP = ("recompute", "behavior", "step_start", "ewma", "a3po")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = model_fields.FLOAT_DTYPES
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # baselines from the other responses of the prompt
 WEIGHT_SYNC = ("full", "sparse")
@@ -51,18 +53,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(isinstance(c.num_steps, int) and c.num_steps >= 0, "num_steps", c.num_steps, "must be a non-negative int")
   _validate_task(c)
   validate_dist(c)
-  for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
-    v = c.model[f]
-    _need(isinstance(v, int) and v > 0, f"model.{f}", v, "must be a positive int")
-  _need(c.model.n_heads % c.model.n_kv_heads == 0, "model.n_kv_heads", c.model.n_kv_heads,
-        f"must divide model.n_heads={c.model.n_heads}")
-  _need(c.model.num_experts >= 0, "model.num_experts", c.model.num_experts, "must be >= 0 (0 = dense MLP)")
-  if c.model.num_experts:
-    _need(1 <= c.model.experts_per_token <= c.model.num_experts, "model.experts_per_token",
-          c.model.experts_per_token, f"must be in [1, model.num_experts={c.model.num_experts}]")
-  _need(isinstance(c.model.layer_unroll, int) and c.model.layer_unroll >= 0, "model.layer_unroll", c.model.layer_unroll,
-        "must be an int >= 0 (0 = unroll every layer)")
-  _need(c.model.capacity_factor >= 0, "model.capacity_factor", c.model.capacity_factor, "must be >= 0 (0 = dropless)")
+  _validate_model(c)
+  if c.loss.name not in losses.names():
+    raise ConfigError(f"config.loss.name={c.loss.name!r}: unknown loss; valid names: {', '.join(losses.names())}")
+  spec = losses.get(c.loss.name)
   for ax in ("data", "fsdp", "tensor", "expert"):
     _need(isinstance(c.mesh[ax], int) and c.mesh[ax] >= 1, f"mesh.{ax}", c.mesh[ax], "must be an int >= 1")
   n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
@@ -83,7 +77,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   _validate_multiprocess(c, n_mesh)
 
-  _need(c.optim.grad_accum >= 1, "optim.grad_accum", c.optim.grad_accum, "must be >= 1")
+  why = losses.micro_batching_error(spec, c.optim.grad_accum)  # the learner applies the same rule
+  _need(why is None, "optim.grad_accum", c.optim.grad_accum, why or "")
   B = c.rollout.prompts_per_step * c.rollout.group_size
   _need(B % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
         f"must divide the batch rollout.prompts_per_step * rollout.group_size = {B}")
@@ -94,7 +89,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"must divide rollout.prompts_per_step = {c.rollout.prompts_per_step} (GRPO groups are never split)")
   _need((B // n_mb) % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
         f"must divide the minibatch size {B // n_mb} (batch {B} / optim.minibatches {n_mb})")
-  _need(c.model.dtype in DTYPES, "model.dtype", c.model.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.dtype in DTYPES, "sampler.dtype", c.sampler.dtype, f"must be one of {DTYPES}")
   _need(c.sampler.quantize in ("none", "int8"), "sampler.quantize", c.sampler.quantize, "must be 'none' or 'int8'")
   _need(c.sampler.max_new_tokens > 0, "sampler.max_new_tokens", c.sampler.max_new_tokens, "must be > 0")
@@ -102,6 +96,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         "must be > 0 for training (greedy decoding is used only for evaluation)")
   _need(0 < c.sampler.top_p <= 1, "sampler.top_p", c.sampler.top_p, "must be in (0, 1]")
   _need(c.sampler.top_k >= 0, "sampler.top_k", c.sampler.top_k, "must be >= 0 (0 = off)")
+  _validate_sampler_records(c)
   modes = rollout_modes()
   _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode, f"must be one of {modes}")
   _need(isinstance(c.rollout.lag, int) and c.rollout.lag >= 0, "rollout.lag", c.rollout.lag,
@@ -131,9 +126,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if "config_change" in c.checkpoint:
     _need(c.checkpoint.config_change in CONFIG_CHANGE, "checkpoint.config_change", c.checkpoint.config_change,
           f"must be one of {CONFIG_CHANGE}")
-  if c.loss.name not in losses.names():
-    raise ConfigError(f"config.loss.name={c.loss.name!r}: unknown loss; valid names: {', '.join(losses.names())}")
-  spec = losses.get(c.loss.name)
   try:
     losses.make_hparams(spec, dict(c.loss.hparams))
   except (ValueError, TypeError) as e:
@@ -174,9 +166,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
         "must be an int >= 1")
   _validate_reward(c)
-  if c.optim.grad_accum > 1 and spec.init_state is not None:
-    raise ConfigError(f"config.optim.grad_accum={c.optim.grad_accum}: loss {c.loss.name!r} carries state across "
-                      "steps and needs whole-batch statistics; use grad_accum=1")
   missing = losses.missing_needs(spec, available_needs(c))
   if missing:
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
@@ -200,6 +189,33 @@ def validate_dist(c: ml_collections.ConfigDict) -> None:
   for f in ("initialization_timeout", "heartbeat_timeout_seconds"):
     v = d.get(f, 1)
     _need(isinstance(v, int) and v >= 1, f"dist.{f}", v, "must be an int >= 1 (seconds)")
+
+
+def _validate_model(c: ml_collections.ConfigDict) -> None:
+  """`model.*`: the architecture rules `ModelConfig` itself applies (`jaxrl_llm.model_fields`, one home for
+  both), on the fields the config sets; `layer_unroll` 0 means every layer."""
+  m = c.model
+  fields = {k: m[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
+                              "dtype", "remat", "num_experts", "experts_per_token", "capacity_factor") if k in m}
+  unroll = m.get("layer_unroll", 0)
+  fields["layer_unroll"] = unroll if unroll != 0 else 1  # 0 = every layer: resolved when the model is built
+  bad = model_fields.check(fields)
+  if bad is not None:
+    name, value, why = bad
+    if name == "layer_unroll":  # the config's own range: 0 is allowed
+      why = "must be an int >= 0 (0 = unroll every layer)"
+    raise ConfigError(f"config.model.{name}={m[name]!r}: {why}")
+
+
+def _validate_sampler_records(c: ml_collections.ConfigDict) -> None:
+  """`sampler.behavior_topk` / `sampler.mc_samples` (absent: 0): what the sampler records about μ beyond the
+  token (`sampling.behavior`); the chunked decode of partial rollouts records neither."""
+  for f in ("behavior_topk", "mc_samples"):
+    v = c.sampler.get(f, 0)
+    _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"sampler.{f}", v, "must be an int >= 0 (0 = off)")
+    if v and c.rollout.partial_chunk:
+      raise ConfigError(f"config.sampler.{f}={v}: partial rollouts (rollout.partial_chunk="
+                        f"{c.rollout.partial_chunk}) do not record it; use rollout.partial_chunk=0")
 
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
@@ -360,6 +376,16 @@ def rollout_modes() -> tuple[str, ...]:
 # Loss needs the RL loop itself provides (a loss needing anything else, e.g. teacher scores, is distillation).
 RL_NEEDS = frozenset({"prox_logp", "behavior_logp", "ref_logp", "entropy", "versions", "lag", "tokens", "state",
                       "perturb"})
+
+
+def sampler_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """Loss needs the sampler's records provide: `behavior_topk` (μ's top-k ids and log-probs; the learner
+  gathers π_θ at them) when `sampler.behavior_topk` > 0. Its Monte-Carlo candidates (`sampler.mc_samples`)
+  serve AsyncOPD's `mc` need, which also takes a teacher (`jaxrl_llm.distill.opd.provided_needs`)."""
+  return ("behavior_topk",) if c.sampler.get("behavior_topk", 0) else ()
+
+
+register_needs("sampler", sampler_needs)
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

@@ -1,7 +1,8 @@
 """Generates docs/losses.md from the loss registry: `python -m jaxrl_llm.docs_gen > docs/losses.md`.
 
-The page lists every registered loss with its one-line summary, needs, hyper-parameters (defaults and
-the comment on each field) and full docstring. tests/test_docs_losses.py fails when the committed page
+The page lists every registered loss with its one-line summary, needs, the config that runs it
+(`jaxrl_llm.loss_configs`; or why nothing runs it yet), hyper-parameters (defaults and the comment on
+each field) and full docstring. tests/test_docs_losses.py fails when the committed page
 is stale, so regenerate after adding or changing a loss.
 """
 
@@ -12,7 +13,7 @@ import inspect
 import re
 import sys
 
-from jaxrl_llm import losses
+from jaxrl_llm import loss_configs, losses
 
 COMMAND = "python -m jaxrl_llm.docs_gen > docs/losses.md"
 
@@ -46,7 +47,9 @@ def _cell(x: str) -> str:
 def render_loss(spec) -> str:
   lines = [f"## `{spec.name}`", "", _summary(spec), ""]
   needs = ", ".join(f"`{n}`" for n in sorted(spec.needs)) or "—"
-  lines += [f"- needs: {needs}", f"- stateful: {'yes' if spec.init_state else 'no'}",
+  cmd = loss_configs.command(spec.name)
+  runs = f"`{cmd}`" if cmd else f"not yet: {loss_configs.PENDING.get(spec.name, 'no config provides its inputs')}"
+  lines += [f"- needs: {needs}", f"- runs with: {runs}", f"- stateful: {'yes' if spec.init_state else 'no'}",
             f"- defined in: `{spec.fn.__module__}.{spec.fn.__name__}`", ""]
   fields = dataclasses.fields(spec.Hparams)
   if fields:
@@ -70,17 +73,20 @@ def render() -> str:
       "",
       f"<!-- Generated from the loss registry by `{COMMAND}`. Do not edit by hand. -->",
       "",
-      "Every loss is `fn(inputs: LossInputs, hp: Hparams) -> (loss_BT, aux)` and is aggregated once by",
+      "Every loss is `fn(inputs: LossInputs, hp: Hparams) -> (loss_BN, aux)` and is aggregated once by",
       "`losses.reduce`; `needs` names the optional `LossInputs` fields it reads",
-      "(see `jaxrl_llm/losses/registry.py`).",
+      "(see `jaxrl_llm/losses/registry.py`). `config` is the file that trains it",
+      "(`python -m jaxrl_llm --config=configs/<file> --config.loss.name=<loss>`; `jaxrl_llm/loss_configs.py`);",
+      "tests/test_every_loss.py trains every loss 2 steps from it.",
       "",
-      "| loss | needs | summary |",
-      "|---|---|---|",
+      "| loss | needs | config | summary |",
+      "|---|---|---|---|",
   ]
   for n in names:
     spec = losses.get(n)
     needs = ", ".join(sorted(spec.needs)) or "—"
-    head.append(f"| [`{n}`](#{n}) | {needs} | {_cell(_summary(spec))} |")
+    f = loss_configs.config_for(n)
+    head.append(f"| [`{n}`](#{n}) | {needs} | {f'`{f}`' if f else 'not yet'} | {_cell(_summary(spec))} |")
   head.append("")
   return "\n".join(head + [render_loss(losses.get(n)) for n in names]).rstrip("\n") + "\n"
 

@@ -30,10 +30,11 @@ own (the others still apply); `update_skipped` = 1 only when every update of the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -41,6 +42,7 @@ from jaxrl_llm import losses
 from jaxrl_llm.losses import core
 from jaxrl_llm.models import ModelConfig, lm_head_weights, token_logprobs
 from jaxrl_llm.models.logprobs import token_logprobs_shared
+from jaxrl_llm.record import Rollout
 from jaxrl_llm.types import LossInputs
 from jaxrl_llm.vocab_chunks import VocabHead
 
@@ -58,37 +60,27 @@ class TrainState:
   hook_params: Any = None  # trainable non-policy params of a model hook (ALP's per-layer log σ), else None
 
 
-@struct.dataclass
-class Batch:
-  """One learner batch of B completions (T = P + N: left-padded prompt then completion)."""
-  sequence_BT: Array
-  positions_BT: Array
-  segment_ids_BT: Array
-  mask_BN: Array
-  adv_BN: Array
-  behavior_logp_BN: Array
-  versions_BN: Array  # int32 version that generated each completion token
-  lag_B: Array
-  # π_old of the sampled tokens; None means "the current parameters" (on-policy): the step then uses
-  # sg(log π_θ) from its own forward instead of a separate scoring pass.
-  prox_logp_BN: Optional[Array] = None
-  ref_logp_BN: Optional[Array] = None
-  # Extra per-sample loss inputs fixed at rollout time, keyed by `LossInputs` field name (e.g. a
-  # teacher's `teacher_logp_BT`, `teacher_topk_ids_BTK`, ... for distillation). A `VocabHead` entry
-  # (`teacher_head`) leads with B except its [D, V] lm-head, which every micro-batch shares whole.
-  extra: Optional[dict] = None
-  routes_BTLk: Optional[Array] = None  # MoE routing replay (R3): the sampler's expert ids, aligned with sequence_BT
+# The learner's batch is the rollout record (`jaxrl_llm.record.Rollout`), as `batch.make_batch` completes it:
+# B completions (T = P + N: left-padded prompt then response) with `adv_BN` and `lag_B` set; `prox_logp_BN`
+# None means "the current parameters" (on-policy): the step then uses sg(log π_θ) from its own forward instead
+# of a separate scoring pass; `ref_logp_BN` is scored inside the step (`fuse_reference`); `extra` holds loss
+# inputs fixed at rollout time by `LossInputs` field name (a teacher's); a `VocabHead` entry (`teacher_head`)
+# leads with B except its [D, V] lm-head, which every micro-batch shares whole; `routes_BTLk` replays an
+# MoE sampler's expert ids (R3); μ's recorded top-k (`behavior_topk_ids_BNk`) and Monte-Carlo candidates
+# (`mc_ids_BNJ`), when the sampler kept them, are where the step gathers π_θ for losses that read them.
+# Host-only fields (rewards, ids, stats) are None here (`Rollout.learner_view`).
+Batch = Rollout
 
 
 def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
                         temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None,
-                        gather_ids_BTK=None, return_hidden: bool = False) -> dict:
+                        gather_ids_BNk=None, return_hidden: bool = False) -> dict:
   """Log-probs (and entropy) of the last `n_new` tokens of each sequence under `params`.
 
   Position j of the result scores completion token j given everything before it, exactly the
   context the sampler used (see `sampling.generate`). `routes_BTLk` (MoE) replays the sampler's
   expert ids for every input token; the result then also holds the scalar "router_aux_loss".
-  `gather_ids_BTK` [B, n_new, K]: also return "gathered_logp_BTK", the tempered log-probs at those ids
+  `gather_ids_BNk` [B, n_new, k]: also return "gathered_logp_BTk", the tempered log-probs at those ids
   (chunked lm-head: no [B, n_new, V] array). `return_hidden`: also "hidden_BTD", the final hidden states of
   the scored positions (the student's side of a `VocabHead`).
   """
@@ -97,7 +89,7 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   # query_start: prompt positions only feed keys/values; their outputs are never scored.
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTK=gather_ids_BTK,
+                       perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTk=gather_ids_BNk,
                        return_hidden=return_hidden)
   out.pop("routes_BTLk", None)
   return out
@@ -105,7 +97,7 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
 
 def grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
                                 temperature: float, group_size: int, with_entropy: bool = False, perturb=None,
-                                routes_BTLk=None, gather_ids_BTK=None, return_hidden: bool = False) -> dict:
+                                routes_BTLk=None, gather_ids_BNk=None, return_hidden: bool = False) -> dict:
   """`completion_logprobs` with each GRPO group's prompt run once (rows g·G .. g·G+G-1 share it;
   `models.token_logprobs_shared`, checked on device). Values and gradients equal the plain path up
   to rounding. Falls back to the plain path where sharing would not be exact or does not apply: G = 1,
@@ -114,13 +106,13 @@ def grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_B
   B = sequence_BT.shape[0]
   if group_size == 1 or B % group_size or cfg.is_moe or perturb is not None or routes_BTLk is not None:
     return completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new, cfg, temperature,
-                               with_entropy, perturb=perturb, routes_BTLk=routes_BTLk, gather_ids_BTK=gather_ids_BTK,
+                               with_entropy, perturb=perturb, routes_BTLk=routes_BTLk, gather_ids_BNk=gather_ids_BNk,
                                return_hidden=return_hidden)
   P = sequence_BT.shape[1] - n_new
   return token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, query_start=P - 1,
                                group_size=group_size, positions_BT=positions_BT[:, :-1],
                                segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature,
-                               with_entropy=with_entropy, gather_ids_BTK=gather_ids_BTK, return_hidden=return_hidden)
+                               with_entropy=with_entropy, gather_ids_BTk=gather_ids_BNk, return_hidden=return_hidden)
 
 
 def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.98,
@@ -210,6 +202,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   `jaxrl_llm.sharding.train_step_shardings`); None keeps the single-device default.
   `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt): the policy forward and
   backward run each prompt once (`grouped_completion_logprobs`); same update up to rounding.
+  Candidate log-probs: the one forward gathers π_θ (tempered, full-vocabulary normalised, differentiable)
+  at every id set the loss reads, concatenated along the last axis and split after: the teacher's top-k
+  (`student_topk` → `student_topk_logp_BNk`), μ's recorded top-k (`behavior_topk` → `topk_logp_BNk`) and
+  the Monte-Carlo candidates (`mc` → `mc_logp_BNJ`).
   """
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
@@ -220,11 +216,13 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   # lm-head gathers. Neither holds a [B, N, V] array.
   student_dense = "student_logits" in spec.needs
   student_topk = "student_topk" in spec.needs
-  if not isinstance(grad_accum, int) or grad_accum < 1:
-    raise ValueError(f"optim.grad_accum must be an int >= 1, got {grad_accum!r}")
-  if grad_accum > 1 and spec.init_state is not None:
-    raise ValueError(f"optim.grad_accum={grad_accum}: loss {loss_name!r} carries state across steps; "
-                     "micro-batching it is not supported")
+  # The rollout's own candidates: π_θ at μ's top-k ids (DPPO's top-k divergence) and at the Monte-Carlo
+  # candidates (AsyncOPD), gathered by the same chunked lm-head in the same forward.
+  behavior_topk = "behavior_topk" in spec.needs
+  mc = "mc" in spec.needs
+  why = losses.micro_batching_error(spec, grad_accum)
+  if why is not None:
+    raise ValueError(f"optim.grad_accum={grad_accum!r}: {why}")
   for name, v in (("optim.minibatches", minibatches), ("optim.epochs", epochs)):
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -237,34 +235,45 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     n_new = batch.mask_BN.shape[1]
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
     perturb = (hook["log_sigma_L"], key) if perturbed else None
-    topk_ids = (batch.extra or {}).get("teacher_topk_ids_BTK") if student_topk else None
+    topk_ids = (batch.extra or {}).get("teacher_topk_ids_BNk") if student_topk else None
+    id_sets = {"student_topk_logp_BNk": topk_ids,
+               "topk_logp_BNk": batch.behavior_topk_ids_BNk if behavior_topk else None,
+               "mc_logp_BNJ": batch.mc_ids_BNJ if mc else None}
+    id_sets = {k: v for k, v in id_sets.items() if v is not None}
+    gather_ids = jnp.concatenate([jnp.asarray(v, jnp.int32) for v in id_sets.values()], -1) if id_sets else None
     out = grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
                                       model_cfg, temperature, group_size, with_entropy, perturb=perturb,
-                                      routes_BTLk=batch.routes_BTLk, gather_ids_BTK=topk_ids,
+                                      routes_BTLk=batch.routes_BTLk, gather_ids_BNk=gather_ids,
                                       return_hidden=student_dense)
     prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
-        logp_BT=out["logp_BT"], mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
-        prox_logp_BT=prox_BN, behavior_logp_BT=batch.behavior_logp_BN, ref_logp_BT=batch.ref_logp_BN,
-        entropy_BT=out.get("entropy_BT"), versions_BT=batch.versions_BN, current_version=state.version,
-        lag_B=batch.lag_B, state=state.loss_state, tokens_BT=batch.sequence_BT[:, -n_new:])
+        logp_BN=out["logp_BT"], mask_BN=batch.mask_BN, adv_BN=batch.adv_BN,
+        prox_logp_BN=prox_BN, behavior_logp_BN=batch.behavior_logp_BN, ref_logp_BN=batch.ref_logp_BN,
+        entropy_BN=out.get("entropy_BT"), versions_BN=batch.versions_BN, current_version=state.version,
+        lag_B=batch.lag_B, state=state.loss_state, tokens_BN=batch.sequence_BT[:, -n_new:])
     if batch.extra:
       inputs = inputs.replace(**batch.extra)
     if student_dense:
-      head = VocabHead(hidden_BTD=out["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature)
+      head = VocabHead(hidden_BND=out["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature)
       inputs = inputs.replace(student_head=head)
-    if topk_ids is not None:
-      inputs = inputs.replace(student_topk_logp_BTK=out["gathered_logp_BTK"])
+    if id_sets:  # one gather over the concatenated id sets, split back in order
+      ends = np.cumsum([v.shape[-1] for v in id_sets.values()])
+      inputs = inputs.replace(**dict(zip(id_sets, jnp.split(out["gathered_logp_BTk"], ends[:-1], axis=-1))))
+    if behavior_topk:
+      inputs = inputs.replace(behavior_topk_ids_BNk=batch.behavior_topk_ids_BNk,
+                              behavior_topk_logp_BNk=batch.behavior_topk_logp_BNk)
+    if mc:  # mc_teacher_logp_BNJ comes with the teacher's fields (`extra`)
+      inputs = inputs.replace(mc_ids_BNJ=batch.mc_ids_BNJ, mc_behavior_logp_BNJ=batch.mc_behavior_logp_BNJ)
     losses.check_needs(spec, inputs)
-    loss_BT, aux = spec.fn(inputs, hp)
+    loss_BN, aux = spec.fn(inputs, hp)
     aux = dict(aux)
     if kl_coef > 0:
       term, m = core.kl_to_ref_term(inputs, kl_coef, kl_estimator)
-      loss_BT, aux = loss_BT + term, {**aux, **m}
+      loss_BN, aux = loss_BN + term, {**aux, **m}
     if entropy_coef > 0:
       term, m = core.entropy_term(inputs, entropy_coef)
-      loss_BT, aux = loss_BT + term, {**aux, **m}
-    num, den = losses.reduce_parts(loss_BT, batch.mask_BN, agg_mode, keep_BT=aux.pop("keep_BT", None),
+      loss_BN, aux = loss_BN + term, {**aux, **m}
+    num, den = losses.reduce_parts(loss_BN, batch.mask_BN, agg_mode, keep_BN=aux.pop("keep_BN", None),
                                    drop_rejected=drop_rejected, norm_len=norm_len)
     objective = num
     if "router_aux_loss" in out:
@@ -338,6 +347,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   def train_step(state: TrainState, batch: Batch, key: Array):
     if on_trace is not None:
       on_trace()
+    if batch.adv_BN is None or batch.lag_B is None:
+      raise ValueError("the learner's batch needs adv_BN and lag_B (`jaxrl_llm.batch.make_batch` sets them)")
     batch, heads = _take_shared(batch)
     if n_updates > 1:
       return multi_update_step(state, batch, key, heads)
@@ -363,15 +374,15 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     def epoch(st, e):
       return jax.lax.scan(one, st, (mbs, e * minibatches + jnp.arange(minibatches)))
 
-    new_state, (finite_EM, loss_EM, gnorm_EM, aux_EM) = jax.lax.scan(epoch, state, jnp.arange(epochs))
+    new_state, (finite_RM, loss_RM, gnorm_RM, aux_RM) = jax.lax.scan(epoch, state, jnp.arange(epochs))
     flat = lambda x: x.reshape(n_updates, *x.shape[2:])
-    aux = _combine_micro(jax.tree.map(flat, aux_EM))
-    drift_s, drift_c = aux_EM["ratio_old_abs_dev"]
-    metrics = {"loss": loss_EM.mean(), "grad_norm": gnorm_EM.mean(),
-               "updates_applied": finite_EM.sum().astype(jnp.int32),
+    aux = _combine_micro(jax.tree.map(flat, aux_RM))
+    drift_s, drift_c = aux_RM["ratio_old_abs_dev"]
+    metrics = {"loss": loss_RM.mean(), "grad_norm": gnorm_RM.mean(),
+               "updates_applied": finite_RM.sum().astype(jnp.int32),
                # the last update's drift from π_old: > 0 once earlier minibatches moved the policy
                "ratio_old_abs_dev_last": flat(drift_s)[-1] / jnp.maximum(flat(drift_c)[-1], 1.0)}
-    return finish(state, new_state, finite_EM.any(), aux, metrics)
+    return finish(state, new_state, finite_RM.any(), aux, metrics)
 
   return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 

@@ -31,13 +31,13 @@ def chunk_positions(batch: int, length: int, vocab: int, chunk_size: int,
 
 @struct.dataclass
 class VocabHead:
-  """A distribution over the vocabulary held implicitly: softmax(hidden_BTD @ w_DV / temperature).
+  """A distribution over the vocabulary held implicitly: softmax(hidden_BND @ w_DV / temperature).
 
-  hidden_BTD: final-normed hidden states at the scored positions (compute dtype); w_DV: the lm-head
-  (`models.lm_head_weights`). Its [B, T, V] logits are only ever formed chunk by chunk (`head_logits`),
+  hidden_BND: final-normed hidden states at the scored (response) positions (compute dtype); w_DV: the
+  lm-head (`models.lm_head_weights`). Its [B, N, V] logits are only ever formed chunk by chunk (`head_logits`),
   at most `max_chunk_elements` of them at a time (`chunk_positions`).
   """
-  hidden_BTD: Array
+  hidden_BND: Array
   w_DV: Array
   temperature: float = struct.field(pytree_node=False, default=1.0)
   max_chunk_elements: int = struct.field(pytree_node=False, default=MAX_CHUNK_ELEMENTS)
@@ -60,11 +60,11 @@ def map_time_chunks(fn: Callable[..., Any], shared: Any, xs: tuple, C: int) -> A
   weights) is passed whole to every chunk; gradients flow into it and into `xs`.
   """
   B, T = xs[0].shape[:2]
-  N = math.ceil(T / C)
-  pad = N * C - T
+  n = math.ceil(T / C)  # chunks
+  pad = n * C - T
   to_chunks = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
-      B, N, C, *x.shape[2:]).swapaxes(0, 1)
+      B, n, C, *x.shape[2:]).swapaxes(0, 1)
   chunk = jax.checkpoint(fn)
-  out_N = jax.lax.map(lambda c: chunk(shared, *c), tuple(to_chunks(x) for x in xs))
-  # [N, B, C, ...] -> [B, N*C, ...] -> drop the padded tail.
-  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, N * C, *x.shape[3:])[:, :T], out_N)
+  outs = jax.lax.map(lambda c: chunk(shared, *c), tuple(to_chunks(x) for x in xs))
+  # [n, B, C, ...] -> [B, n*C, ...] -> drop the padded tail.
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * C, *x.shape[3:])[:, :T], outs)

@@ -36,6 +36,10 @@ _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXRL_TEST_XL
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+# Implicit rank promotion ([B, N] op [B]) raises in every in-process test: broadcasts are spelled out
+# (`x[:, None]`, `jnp.expand_dims`, `jnp.broadcast_to`), so a shape bug cannot hide behind one. The
+# `python -m jaxrl_llm` subprocesses some tests launch keep JAX's default ("allow").
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def pytest_unconfigure(config):

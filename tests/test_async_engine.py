@@ -11,7 +11,9 @@ import pytest
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.rollout import async_engine
 from jaxrl_llm.rollout.async_engine import AsyncRollout, make_group_rollout, prompt_for_request
-from jaxrl_llm.rollout.buffer import Trajectory
+from jaxrl_llm.record import Rollout
+from jaxrl_llm.rollout.buffer import group_record
+from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig
 from jaxrl_llm.tasks import base, get_task
@@ -21,13 +23,18 @@ CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1
 G, N = 2, 4
 
 
-def fake_group(snap, rid: int, delay: float = 0.0) -> Trajectory:
+def fake_group(snap, rid: int, delay: float = 0.0) -> Rollout:
   time.sleep(delay)
   z = np.zeros((G, N), np.int32)
-  return Trajectory(request_id=rid, group_id=rid, start_version=snap.version, sequence_GT=z, positions_GT=z,
-                    segment_ids_GT=z, tokens_GN=z, mask_GN=np.ones((G, N), np.float32),
-                    behavior_logp_GN=np.zeros((G, N), np.float32), versions_GN=z + snap.version,
-                    reward_G=np.zeros(G, np.float32))
+  rows = Rollout(sequence_BT=z, positions_BT=z, segment_ids_BT=z, mask_BN=np.ones((G, N), np.float32),
+                 behavior_logp_BN=np.zeros((G, N), np.float32), versions_BN=z + snap.version,
+                 reward_B=np.zeros(G, np.float32))
+  return group_record(rows, request_id=rid, example_id=rid, start_version=snap.version)
+
+
+def generation(task, examples, width, sc, **kw) -> Generation:
+  return Generation(task=task, train_examples=examples, width=width, model_cfg=CFG, sampler_cfg=sc,
+                    key_root=jax.random.key(5), seed=3, **kw)
 
 
 def fake_learner(engine: AsyncRollout, store: ParamStore, steps: int, skip_every: int = 0, sleep=lambda: None):
@@ -36,8 +43,8 @@ def fake_learner(engine: AsyncRollout, store: ParamStore, steps: int, skip_every
   for t in range(steps):
     groups, stats = engine.next_batch(version, timeout=120.0)
     assert stats["time_learner_idle_s"] >= 0.0 and stats["dropped_stale"] == 0
-    seen += [g.request_id for g in groups]
-    lags += [version - g.start_version for g in groups]
+    seen += [g.stat("request_id") for g in groups]
+    lags += [version - g.stat("start_version") for g in groups]
     sleep()
     if not (skip_every and t % skip_every == skip_every - 1):
       version = store.publish({"w": jnp.full((2,), float(version + 1))})
@@ -55,7 +62,7 @@ def test_threads_keep_lag_bound_and_every_request_id(eta):
     seen, lags = fake_learner(engine, store, steps=25, skip_every=4, sleep=lambda: time.sleep(rng.random() * 0.004))
   assert max(lags) <= eta and min(lags) >= 0
   assert len(seen) == len(set(seen)) == 75
-  buffered = [g["request_id"] for g in engine.buffer.snapshot()["groups"]]
+  buffered = [g["stats"]["request_id"] for g in engine.buffer.snapshot()["groups"]]
   # Every id handed out was consumed or is still buffered: nothing lost, nothing twice.
   assert sorted(seen + buffered) == list(range(engine.generated)) and engine.state()["retry_request_ids"] == []
   assert engine.admission.running == 0 and not any(t.is_alive() for t in engine._threads)
@@ -115,9 +122,9 @@ def test_state_resume_continues_request_ids():
   with resumed:
     more, lags = fake_learner(resumed, store, steps=3)
   assert max(lags) <= 1
-  buffered = [g["request_id"] for g in state["buffer"]["groups"]]
+  buffered = [g["stats"]["request_id"] for g in state["buffer"]["groups"]]
   assert more[:len(buffered[:2])] == buffered[:2]  # the restored FIFO is consumed first
-  left = [g["request_id"] for g in resumed.buffer.snapshot()["groups"]]
+  left = [g["stats"]["request_id"] for g in resumed.buffer.snapshot()["groups"]]
   assert sorted(seen + more + left) == list(range(engine.generated + resumed.generated))
 
 
@@ -136,8 +143,7 @@ def test_tiny_model_end_to_end(task_setup, chunk):
   params = init_params(CFG, jax.random.key(0))
   store = ParamStore(keep_last=1)
   store.publish(params)
-  rollout = make_group_rollout(task, examples, width=width, group_size=G, seed=3, key_root=jax.random.key(5),
-                               model_cfg=CFG, sampler_cfg=sc, store=store, chunk_steps=chunk)
+  rollout = make_group_rollout(generation(task, examples, width, sc), group_size=G, store=store, chunk_steps=chunk)
   bump = jax.jit(lambda p, k: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(k, x.shape), p))
   eta = 1
   version, lags, seen = 0, [], []
@@ -145,15 +151,15 @@ def test_tiny_model_end_to_end(task_setup, chunk):
     for t in range(4):
       groups, _ = engine.next_batch(version, timeout=300.0)
       for g in groups:
-        seen.append(g.request_id)
-        lags.append(version - g.start_version)
-        assert g.group_id == prompt_for_request(examples, g.request_id, 3)["example_id"]
-        assert g.sequence_GT.shape == (G, width + N) and g.reward_G.shape == (G,)
-        live = g.mask_GN > 0
-        v = g.versions_GN
-        assert np.all(v[live] >= g.start_version) and np.all(v[live] <= version)
+        seen.append(g.stat("request_id"))
+        lags.append(version - g.stat("start_version"))
+        assert g.stat("example_id") == prompt_for_request(examples, g.stat("request_id"), 3)["example_id"]
+        assert g.sequence_BT.shape == (G, width + N) and g.reward_B.shape == (G,)
+        np.testing.assert_array_equal(g.request_B, [g.stat("request_id")] * G)
+        live = g.mask_BN > 0
+        v = g.versions_BN
+        assert np.all(v[live] >= g.stat("start_version")) and np.all(v[live] <= version)
         assert np.all(np.diff(v, axis=1)[live[:, 1:]] >= 0)  # versions never go back within a sequence
-        np.testing.assert_array_equal(g.tokens_GN, g.sequence_GT[:, width:])
       params = bump(params, jax.random.key(t))
       version = store.publish(params)
   assert max(lags) <= eta and len(set(seen)) == len(seen) == 8
@@ -172,20 +178,20 @@ def test_worker_scores_prox_at_each_tokens_version(task_setup, chunk):
   params = {0: init_params(CFG, jax.random.key(0))}
   store = ParamStore(keep_last=8)
   store.publish(params[0])
-  rollout = make_group_rollout(task, examples, width=width, group_size=G, seed=3, key_root=jax.random.key(5),
-                               model_cfg=CFG, sampler_cfg=sc, store=store, chunk_steps=chunk, score_fn=score)
+  rollout = make_group_rollout(generation(task, examples, width, sc), group_size=G, store=store, chunk_steps=chunk,
+                               score_fn=score)
   bump = jax.jit(lambda p, k: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(k, x.shape), p))
   version, checked = 0, 0
   with AsyncRollout(store, rollout, batch_groups=2, eta=2, num_workers=2, poll_s=0.002) as engine:
     for t in range(4):
       groups, _ = engine.next_batch(version, timeout=300.0)
       for g in groups:
-        assert g.prox_logp_GN is not None  # every version is still held (keep_last=8)
-        seq = (jnp.asarray(g.sequence_GT), jnp.asarray(g.positions_GT), jnp.asarray(g.segment_ids_GT))
-        for v in np.unique(g.versions_GN[g.mask_GN > 0]):
-          want = np.asarray(score(params[int(v)], *seq, jnp.asarray(g.mask_GN)))
-          at = (g.versions_GN == v) & (g.mask_GN > 0)
-          np.testing.assert_allclose(g.prox_logp_GN[at], want[at], atol=1e-5)
+        assert g.prox_logp_BN is not None  # every version is still held (keep_last=8)
+        seq = (jnp.asarray(g.sequence_BT), jnp.asarray(g.positions_BT), jnp.asarray(g.segment_ids_BT))
+        for v in np.unique(g.versions_BN[g.mask_BN > 0]):
+          want = np.asarray(score(params[int(v)], *seq, jnp.asarray(g.mask_BN)))
+          at = (g.versions_BN == v) & (g.mask_BN > 0)
+          np.testing.assert_allclose(g.prox_logp_BN[at], want[at], atol=1e-5)
           checked += int(at.sum())
       params[version + 1] = bump(params[version], jax.random.key(t))
       version = store.publish(params[version + 1])

@@ -14,6 +14,7 @@ from jaxrl_llm import learner, loop
 from jaxrl_llm.config import load_file
 from jaxrl_llm.models import ModelConfig, hidden_with_routing, init_params
 from jaxrl_llm.rollout.async_engine import make_group_rollout
+from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.buffer import Buffer, collate
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
@@ -118,29 +119,32 @@ def test_group_rollout_carries_routes_through_buffer_and_collate(task_setup, chu
   sc = SamplerConfig(max_new_tokens=4, stop_ids=(tok.eos_id,), pad_id=tok.pad_id, temperature=1.0)
   store = ParamStore(keep_last=1)
   store.publish(init_params(cfg, jax.random.key(0)))
-  kw = dict(width=width, group_size=G, seed=3, key_root=jax.random.key(5), model_cfg=cfg, sampler_cfg=sc, store=store,
-            chunk_steps=chunk)
+  gen = Generation(task=task, train_examples=examples, width=width, model_cfg=cfg, sampler_cfg=sc,
+                   key_root=jax.random.key(5), seed=3)
+  kw = dict(group_size=G, store=store, chunk_steps=chunk)
   snap = store.acquire()
   try:
-    groups = [make_group_rollout(task, examples, keep_routes=True, **kw)(snap, rid) for rid in range(2)]
-    plain = make_group_rollout(task, examples, **kw)(snap, 0)
+    groups = [make_group_rollout(dataclasses.replace(gen, keep_routes=True), **kw)(snap, rid) for rid in range(2)]
+    plain = make_group_rollout(gen, **kw)(snap, 0)
   finally:
     store.release(snap)
   g = groups[0]
-  assert g.routes_GTLk.shape == (G, width + 4, cfg.n_layers, 2) and plain.routes_GTLk is None
+  assert g.routes_BTLk.shape == (G, width + 4, cfg.n_layers, 2) and plain.routes_BTLk is None
   # The sampler's routes are what the learner would route natively on the fed real tokens (fp32, one version).
-  _, routing = hidden_with_routing(snap.params, g.sequence_GT[:, :-1], cfg, positions_BT=g.positions_GT[:, :-1],
-                                   segment_ids_BT=g.segment_ids_GT[:, :-1])
-  real = g.segment_ids_GT[:, :-1] > 0
-  np.testing.assert_array_equal(np.asarray(routing["routes_BTLk"])[real], g.routes_GTLk[:, :-1][real])
+  _, routing = hidden_with_routing(snap.params, g.sequence_BT[:, :-1], cfg, positions_BT=g.positions_BT[:, :-1],
+                                   segment_ids_BT=g.segment_ids_BT[:, :-1])
+  real = g.segment_ids_BT[:, :-1] > 0
+  np.testing.assert_array_equal(np.asarray(routing["routes_BTLk"])[real], g.routes_BTLk[:, :-1][real])
   # Buffer snapshot / restore (the async checkpoint) keeps them; collate hands them to the learner batch.
   restored = Buffer.restore(Buffer(groups).snapshot())
   batch = collate(restored.get_batch(2, 0, None)[0], 0)
-  np.testing.assert_array_equal(batch["routes_BTLk"], np.concatenate([x.routes_GTLk for x in groups]))
-  assert "routes_BTLk" not in collate([plain, groups[1]], 0)  # a group without routes: the batch routes natively
-  # A checkpoint written before R3 in async mode (group dicts without the field) still loads.
-  old = {"groups": [{k: v for k, v in plain._asdict().items() if k != "routes_GTLk"}], "dropped": 0}
-  assert Buffer.restore(old).get_batch(1, 0, None)[0][0].routes_GTLk is None
+  np.testing.assert_array_equal(batch.routes_BTLk, np.concatenate([x.routes_BTLk for x in groups]))
+  assert collate([plain, groups[1]], 0).routes_BTLk is None  # a group without routes: the batch routes natively
+  # A checkpoint written before R3 and before the record in async mode (Trajectory fields, no routes) still loads.
+  old = {"request_id": 0, "group_id": 1, "start_version": 0, "reward_errors": 0, "sequence_GT": plain.sequence_BT,
+         "positions_GT": plain.positions_BT, "segment_ids_GT": plain.segment_ids_BT, "mask_GN": plain.mask_BN,
+         "behavior_logp_GN": plain.behavior_logp_BN, "versions_GN": plain.versions_BN, "reward_G": plain.reward_B}
+  assert Buffer.restore({"groups": [old], "dropped": 0}).get_batch(1, 0, None)[0][0].routes_BTLk is None
 
 
 def _moe_tiny():
@@ -157,7 +161,7 @@ def test_async_moe_run_replays_sampler_routes(tmp_path, monkeypatch):
 
   def spy(run, store, state, extra, ro):
     batch, info = make_batch(run, store, state, extra, ro)
-    seen.append((ro.get("routes_BTLk"), batch.routes_BTLk, ro["sequence_BT"].shape))
+    seen.append((ro.routes_BTLk, batch.routes_BTLk, ro.sequence_BT.shape))
     return batch, info
 
   monkeypatch.setattr(loop, "make_batch", spy)

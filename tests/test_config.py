@@ -107,6 +107,8 @@ def test_every_rl_loss_is_runnable_by_the_loop():
     ("optim.grad_accum", 5, "config.optim.grad_accum=5"),
     ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
     ("sampler.quantize", "int4", "config.sampler.quantize='int4'"),
+    ("sampler.behavior_topk", -1, "config.sampler.behavior_topk=-1"),
+    ("sampler.mc_samples", -3, "config.sampler.mc_samples=-3"),
 ])
 def test_scale_and_sampler_fields_name_the_field(field, value, needle):
   c = load()
@@ -130,3 +132,21 @@ def test_mesh_size_must_match_the_devices():
   c.mesh.fsdp = 4  # this test process sees one CPU device
   with pytest.raises(config_lib.ConfigError, match="multiply to 4 but 1 devices"):
     config_lib.validate(c)
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("n_kv_heads", 3, "must divide model.n_heads=4"), ("head_dim", 7, "must be even"), ("d_ff", 0, "positive int"),
+    ("dtype", "float8", "must be one of"), ("capacity_factor", -1.0, "must be >= 0"),
+])
+def test_model_fields_have_one_rule_for_the_config_and_the_model(field, value, why):
+  """`config.model.*` and `ModelConfig` apply the same rule (`jaxrl_llm.model_fields`), each naming the field."""
+  import dataclasses
+  from jaxrl_llm.models import ModelConfig
+  c = load("tiny")
+  c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 4, 2, 8
+  c.model[field] = value
+  with pytest.raises(config_lib.ConfigError, match=f"config.model.{field}=.*{why}"):
+    config_lib.validate(c)
+  good = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+  with pytest.raises(ValueError, match=f"model.{field}=.*{why}"):
+    dataclasses.replace(good, **{field: value})

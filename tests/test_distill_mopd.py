@@ -49,9 +49,9 @@ def test_domain_magnitude_statistics():
 
 def test_combined_weights_follow_the_gap():
   dom, ntok = np.array([0, 1]), np.array([100.0, 100.0])
-  w = mopd.domain_loss_weights(dom, ntok, [0.5, 0.5], m_D=[2.0, 1.0], ref_D=[1.0, 1.0])
+  w = mopd.domain_loss_weights(dom, ntok, [0.5, 0.5], m_Y=[2.0, 1.0], ref_Y=[1.0, 1.0])
   np.testing.assert_allclose(w, [4 / 3, 2 / 3])  # domain 0's gap doubled -> twice the budget, mean 1
-  w_raw = mopd.domain_loss_weights(dom, ntok, [0.5, 0.5], m_D=[2.0, 1.0], ref_D=[1.0, 1.0], renormalize=False)
+  w_raw = mopd.domain_loss_weights(dom, ntok, [0.5, 0.5], m_Y=[2.0, 1.0], ref_Y=[1.0, 1.0], renormalize=False)
   np.testing.assert_allclose(w_raw, [2.0, 1.0])
 
 

@@ -52,26 +52,26 @@ def test_scores_equal_a_direct_forward(temperature):
   y = np.asarray(seq)[:, P:]
   m = np.asarray(mask) > 0
   want_logp = np.take_along_axis(lp, y[..., None], -1)[..., 0]
-  np.testing.assert_allclose(np.asarray(out["teacher_logp_BT"])[m], want_logp[m], atol=2e-5)
-  assert np.all(np.asarray(out["teacher_logp_BT"])[~m] == 0)
+  np.testing.assert_allclose(np.asarray(out["teacher_logp_BN"])[m], want_logp[m], atol=2e-5)
+  assert np.all(np.asarray(out["teacher_logp_BN"])[~m] == 0)
   # Same alignment as the learner's own scorer (what the student's log-probs are compared with).
   same = learner.make_score_fn(CFG, temperature)(params, seq, pos, seg, mask)
-  np.testing.assert_allclose(np.asarray(out["teacher_logp_BT"]), np.asarray(same), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out["teacher_logp_BN"]), np.asarray(same), atol=1e-5)
   head = out["teacher_head"]  # hidden states + lm-head: softmax(h @ w / T) is the same distribution
-  zh = np.asarray(head.hidden_BTD, np.float64) @ np.asarray(head.w_DV, np.float64) / head.temperature
+  zh = np.asarray(head.hidden_BND, np.float64) @ np.asarray(head.w_DV, np.float64) / head.temperature
   lph = zh - np.log(np.exp(zh - zh.max(-1, keepdims=True)).sum(-1, keepdims=True)) - zh.max(-1, keepdims=True)
   np.testing.assert_allclose(lph[m], lp[m], atol=2e-5)
-  assert head.temperature == temperature and np.all(np.asarray(head.hidden_BTD)[~m] == 0)
-  ids = np.asarray(out["teacher_topk_ids_BTK"])
+  assert head.temperature == temperature and np.all(np.asarray(head.hidden_BND)[~m] == 0)
+  ids = np.asarray(out["teacher_topk_ids_BNk"])
   want_ids = np.argsort(-lp, -1)[..., :K]
   assert np.array_equal(ids[m], want_ids[m])
-  np.testing.assert_allclose(np.asarray(out["teacher_topk_logp_BTK"])[m],
+  np.testing.assert_allclose(np.asarray(out["teacher_topk_logp_BNk"])[m],
                              np.take_along_axis(lp, want_ids, -1)[m], atol=2e-5)
   # The k classes plus the residual class hold all the probability mass.
-  total = np.exp(np.asarray(out["teacher_topk_logp_BTK"], np.float64)).sum(-1) + np.exp(
-      np.asarray(out["teacher_topk_residual_logp_BT"], np.float64))
+  total = np.exp(np.asarray(out["teacher_topk_logp_BNk"], np.float64)).sum(-1) + np.exp(
+      np.asarray(out["teacher_topk_residual_logp_BN"], np.float64))
   np.testing.assert_allclose(total[m], 1.0, atol=1e-5)
-  assert head.hidden_BTD.shape == (3, N, CFG.d_model) and ids.shape == (3, N, K)
+  assert head.hidden_BND.shape == (3, N, CFG.d_model) and ids.shape == (3, N, K)
 
 
 def test_topk_equal_to_vocab_has_no_residual_and_bad_k_is_rejected():
@@ -79,8 +79,8 @@ def test_topk_equal_to_vocab_has_no_residual_and_bad_k_is_rejected():
   seq, pos, seg, mask = _batch()
   out = teacher_lib.make_teacher_scorer(CFG, 1.0, CFG.vocab_size)(params, seq, pos, seg, mask)
   m = np.asarray(mask) > 0
-  assert np.all(np.isneginf(np.asarray(out["teacher_topk_residual_logp_BT"])[m]))
-  np.testing.assert_allclose(np.exp(np.asarray(out["teacher_topk_logp_BTK"])).sum(-1)[m], 1.0, atol=1e-5)
+  assert np.all(np.isneginf(np.asarray(out["teacher_topk_residual_logp_BN"])[m]))
+  np.testing.assert_allclose(np.exp(np.asarray(out["teacher_topk_logp_BNk"])).sum(-1)[m], 1.0, atol=1e-5)
   with pytest.raises(ValueError, match="distill.topk"):
     teacher_lib.make_teacher_scorer(CFG, 1.0, CFG.vocab_size + 1)
 
@@ -183,10 +183,10 @@ def test_provided_needs_decide_which_losses_start():
 
 
 def test_extra_fields_follow_the_loss_needs():
-  assert opd.extra_fields("opd_reverse_kl") == ("teacher_logp_BT",)
+  assert opd.extra_fields("opd_reverse_kl") == ("teacher_logp_BN",)
   assert opd.extra_fields("opd_forward_kl") == ("teacher_head",)  # chunked: hidden states + lm-head, no [B, N, V]
-  assert opd.extra_fields("opd_topk_kl") == ("teacher_topk_ids_BTK", "teacher_topk_logp_BTK")
-  assert opd.extra_fields("f_opd") == ("sup_drift_B", "teacher_logp_BT")
+  assert opd.extra_fields("opd_topk_kl") == ("teacher_topk_ids_BNk", "teacher_topk_logp_BNk")
+  assert opd.extra_fields("f_opd") == ("sup_drift_B", "teacher_logp_BN")
   assert opd.extra_fields("ppo_clip") == ()
   assert set(opd.PROVIDED_NEEDS) >= {"teacher_logp", "teacher_logits", "teacher_topk", "student_logits", "student_topk"}
 

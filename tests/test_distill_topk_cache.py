@@ -17,8 +17,8 @@ def test_top_k_values_ids_and_residual_sum_to_one():
   cache = tc.build_topk_cache(z, 3, chunk_size=2)
   lp = np.asarray(jax.nn.log_softmax(z, -1), np.float64)
   want_ids = np.argsort(-lp, -1)[..., :3]
-  np.testing.assert_array_equal(np.asarray(cache.ids_BTK), want_ids)
-  np.testing.assert_allclose(np.asarray(cache.logp_BTK), np.take_along_axis(lp, want_ids, -1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(cache.ids_BTk), want_ids)
+  np.testing.assert_allclose(np.asarray(cache.logp_BTk), np.take_along_axis(lp, want_ids, -1), rtol=1e-5, atol=1e-6)
   total = np.exp(np.asarray(tc.with_residual(cache), np.float64)).sum(-1)
   np.testing.assert_allclose(total, 1.0, atol=1e-6)
   tail = np.log(np.exp(lp).sum(-1) - np.exp(np.take_along_axis(lp, want_ids, -1)).sum(-1))
@@ -45,9 +45,9 @@ def test_chunking_does_not_change_the_cache(chunk):
 def test_temperature_storage_dtype_and_bad_k():
   z = _logits(2)
   c = tc.build_topk_cache(z, 2, temperature=2.0, dtype=jnp.bfloat16)
-  assert c.logp_BTK.dtype == jnp.bfloat16 and c.residual_logp_BT.dtype == jnp.float32
+  assert c.logp_BTk.dtype == jnp.bfloat16 and c.residual_logp_BT.dtype == jnp.float32
   ref = tc.build_topk_cache(z / 2.0, 2)
-  np.testing.assert_allclose(np.asarray(c.logp_BTK, np.float32), np.asarray(ref.logp_BTK), rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(c.logp_BTk, np.float32), np.asarray(ref.logp_BTk), rtol=1e-2)
   with pytest.raises(ValueError):
     tc.build_topk_cache(z, 0)
 
@@ -55,7 +55,7 @@ def test_temperature_storage_dtype_and_bad_k():
 def test_gather_student_logp_feeds_topk_loss_and_is_differentiable():
   zt, zs = _logits(3), _logits(4)
   cache = tc.build_topk_cache(zt, 3)
-  ids = cache.ids_BTK.at[0, 0, 2].set(-1)
+  ids = cache.ids_BTk.at[0, 0, 2].set(-1)
   s = tc.gather_logp(zs, ids)
   lp = np.asarray(jax.nn.log_softmax(zs, -1))
   np.testing.assert_allclose(np.asarray(s)[1], np.take_along_axis(lp, np.asarray(ids), -1)[1], rtol=1e-6)

@@ -135,8 +135,9 @@ def test_two_runs_one_workdir(tmp_path):
 
 
 def _with_reward(monkeypatch, fn):
-  real = loop.get_task
-  monkeypatch.setattr(loop, "get_task", lambda *a, **k: dataclasses.replace(real(*a, **k), reward=fn))
+  from jaxrl_llm import wiring
+  real = wiring.get_task
+  monkeypatch.setattr(wiring, "get_task", lambda *a, **k: dataclasses.replace(real(*a, **k), reward=fn))
 
 
 def test_async_reward_errors_are_counted(tmp_path, monkeypatch):
@@ -621,7 +622,7 @@ def test_async_workers_generate_from_the_view_made_at_publish(monkeypatch):
   monkeypatch.setattr(multiprocess, "local_view", spy_view)
   monkeypatch.setattr(async_engine, "generate", spy_generate)
   r, state, _, store = fresh_run(c)  # loop.new_store, version 0 published
-  with asynchronous.async_engine(r, store, None) as engine:
+  with asynchronous.async_engine(r.ctx, store, None) as engine:
     for _ in range(2):
       engine.next_batch(store.latest_version, timeout=300.0)
       store.publish(state.params)  # the learner's publish, concurrent with the workers

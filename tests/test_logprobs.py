@@ -75,9 +75,9 @@ def test_entropy_and_topk_match_numpy():
   entropy = -(np.exp(logp) * logp).sum(-1)
   np.testing.assert_allclose(out["entropy_BT"], entropy, atol=1e-5)
   order = np.argsort(-logp, axis=-1)[..., :3]
-  np.testing.assert_array_equal(out["topk_ids_BTK"], order)
-  np.testing.assert_allclose(out["topk_logp_BTK"], np.take_along_axis(logp, order, -1), atol=1e-5)
-  assert out["topk_ids_BTK"].shape == (2, T, 3)
+  np.testing.assert_array_equal(out["topk_ids_BTk"], order)
+  np.testing.assert_allclose(out["topk_logp_BTk"], np.take_along_axis(logp, order, -1), atol=1e-5)
+  assert out["topk_ids_BTk"].shape == (2, T, 3)
 
 
 def test_entropy_gradient_equals_plain():
@@ -124,7 +124,7 @@ def test_query_start_equals_slicing_values_and_gradients(cfg, q0):
     out = chunked(params, 3, cfg=cfg, with_entropy=True, perturb=perturb, query_start=query_start)
     if not query_start:
       out = {k: v if k in ("router_aux_loss", "routes_BTLk") else v[:, q0:] for k, v in out.items()}
-    return jnp.sum(out["logp_BT"] * weight_T[q0:]) + 0.1 * jnp.sum(out["entropy_BT"]), out
+    return jnp.sum(out["logp_BT"] * weight_T[None, q0:]) + 0.1 * jnp.sum(out["entropy_BT"]), out
 
   (l_full, full), g_full = jax.value_and_grad(loss, has_aux=True)(params, 0)
   (l_q0, sliced), g_q0 = jax.value_and_grad(loss, has_aux=True)(params, q0)

@@ -29,7 +29,7 @@ def random_params(cfg, scale=5.0):
 
 # ------------------------------------------------------------------------------- layer vs numpy
 
-def np_moe(x_BTD, router, wg, wu, wd, k, C):
+def np_moe(x_BTD, router, wg, wu, wd, k, X):
   """Loop reference: top-k, renormalised gates, choice-major capacity, SwiGLU experts."""
   B, T, _ = x_BTD.shape
   y = np.zeros_like(x_BTD)
@@ -43,7 +43,7 @@ def np_moe(x_BTD, router, wg, wu, wd, k, C):
     for j in range(k):
       for t in range(T):
         e = ids[t, j]
-        if load[e] < C:
+        if load[e] < X:
           y[b, t] += g[t, j] * ((silu(x_BTD[b, t] @ wg[e]) * (x_BTD[b, t] @ wu[e])) @ wd[e])
         load[e] += 1
   return y
@@ -57,9 +57,9 @@ def test_moe_mlp_matches_numpy_loop(capacity_factor):
   p = {"router": jax.random.normal(ks[1], (D, E)), "w_gate": 0.3 * jax.random.normal(ks[2], (E, D, F)),
        "w_up": 0.3 * jax.random.normal(ks[3], (E, D, F)), "w_down": 0.3 * jax.random.normal(ks[4], (E, F, D))}
   y, ids, _ = moe.moe_mlp(x, p, k=k, capacity_factor=capacity_factor)
-  C = moe.capacity(T, k, E, capacity_factor)
-  assert C == (T if capacity_factor == 0 else 2)  # ceil(0.5 * 6 * 2 / 4) = 2: some assignments dropped
-  ref = np_moe(*(np.asarray(a, np.float64) for a in (x, p["router"], p["w_gate"], p["w_up"], p["w_down"])), k, C)
+  X = moe.capacity(T, k, E, capacity_factor)
+  assert X == (T if capacity_factor == 0 else 2)  # ceil(0.5 * 6 * 2 / 4) = 2: some assignments dropped
+  ref = np_moe(*(np.asarray(a, np.float64) for a in (x, p["router"], p["w_gate"], p["w_up"], p["w_down"])), k, X)
   np.testing.assert_allclose(y, ref, atol=1e-5)
   if capacity_factor:
     dropless, _, _ = moe.moe_mlp(x, p, k=k)

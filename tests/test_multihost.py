@@ -225,15 +225,19 @@ def test_split_devices_takes_the_last_devices_of_every_process():
 
 def test_merge_processes_joins_rows_and_adds_counts():
   from jaxrl_llm.rollout.sources.asynchronous import merge_processes
-  part = lambda p, n: {"reward_B": np.full((2 * n,), p, np.float32), "group_id_B": np.repeat(np.arange(n, dtype=np.int32), 2),
-                       "reward_errors": p + 1, "async_lag_hist": [n, p], "request_ids": list(range(p, 2 * n, 2)),
-                       "time_learner_idle_s": 0.5 * (p + 1), "async_buffered": 1}
+  from jaxrl_llm.record import Rollout
+  z = lambda n: np.zeros((2 * n, 3), np.int32)
+  part = lambda p, n: Rollout(
+      sequence_BT=z(n), positions_BT=z(n), segment_ids_BT=z(n), mask_BN=z(n), behavior_logp_BN=z(n), versions_BN=z(n),
+      reward_B=np.full((2 * n,), p, np.float32), group_B=np.repeat(np.arange(n, dtype=np.int32), 2),
+      stats={"reward_errors": p + 1, "async_lag_hist": [n, p], "request_ids": list(range(p, 2 * n, 2)),
+             "time_learner_idle_s": 0.5 * (p + 1), "async_buffered": 1})
   got = merge_processes([part(0, 2), part(1, 1)])
-  np.testing.assert_array_equal(got["reward_B"], [0, 0, 0, 0, 1, 1])
-  np.testing.assert_array_equal(got["group_id_B"], [0, 0, 1, 1, 2, 2])
-  assert got["group_id_B"].dtype == np.int32
-  assert got["reward_errors"] == 3 and got["async_lag_hist"] == [3, 1] and got["async_buffered"] == 2
-  assert got["request_ids"] == [0, 1, 2] and got["time_learner_idle_s"] == 1.0
+  np.testing.assert_array_equal(got.reward_B, [0, 0, 0, 0, 1, 1])
+  np.testing.assert_array_equal(got.group_B, [0, 0, 1, 1, 2, 2])
+  assert got.group_B.dtype == np.int32 and got.sequence_BT.shape == (6, 3)
+  assert got.stats["reward_errors"] == 3 and got.stats["async_lag_hist"] == [3, 1] and got.stats["async_buffered"] == 2
+  assert got.stats["request_ids"] == [0, 1, 2] and got.stats["time_learner_idle_s"] == 1.0
 
 
 def test_row_owners_are_the_lowest_process_holding_each_row():

@@ -37,21 +37,21 @@ def cache(tmp_path_factory):
 def test_batch_extras_are_the_teacher_scores_of_the_rollout(cache):
   c = opd_tiny(cache, rollout__mode="fixed_lag", rollout__lag=1, loss__name="f_opd")
   r, state, extra, store = fresh_run(c)
-  ro = sync_rollout(r, store, [0], 0, 0)[0]
+  ro = sync_rollout(r.ctx, store, [0], 0, 0)[0]
   batch, _ = loop.make_batch(r, store, state, extra, ro)
-  assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BT"]
+  assert sorted(batch.extra) == ["sup_drift_B", "teacher_logp_BN"]
   # Independently: the cached teacher scoring the rollout's own sequences.
   cfg, tparams = teacher_lib.load_teacher(c, r.P, r.train_examples, tok.vocab_size)
   seq = (tparams, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN)
   G = c.rollout.group_size  # the loop's teacher runs each group's prompt once: the same program is bitwise equal
   want = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk, group_size=G)(*seq)
-  np.testing.assert_array_equal(np.asarray(batch.extra["teacher_logp_BT"]), np.asarray(want["teacher_logp_BT"]))
+  np.testing.assert_array_equal(np.asarray(batch.extra["teacher_logp_BN"]), np.asarray(want["teacher_logp_BN"]))
   plain = teacher_lib.make_teacher_scorer(cfg, c.sampler.temperature, c.distill.topk)(*seq)  # row by row: rounding
-  np.testing.assert_allclose(np.asarray(batch.extra["teacher_logp_BT"]), np.asarray(plain["teacher_logp_BT"]),
+  np.testing.assert_allclose(np.asarray(batch.extra["teacher_logp_BN"]), np.asarray(plain["teacher_logp_BN"]),
                              rtol=0, atol=1e-5)
   assert np.all(np.asarray(batch.extra["sup_drift_B"]) == 0)
   m = np.asarray(batch.mask_BN) > 0
-  assert m.any() and np.all(np.asarray(batch.extra["teacher_logp_BT"])[m] < 0)
+  assert m.any() and np.all(np.asarray(batch.extra["teacher_logp_BN"])[m] < 0)
 
 
 @pytest.mark.parametrize("loss,metric", [("opd_reverse_kl", "opd_k1"), ("opd_forward_kl", "kl_fwd"),

@@ -186,9 +186,9 @@ def test_teacher_scorer_shared_equals_unshared(head):
   assert set(got) == set(want)
   for name, value in want.items():
     if name == "teacher_head":  # the VocabHead: hidden states of the scored positions and the lm-head
-      np.testing.assert_allclose(got[name].hidden_BTD, value.hidden_BTD, rtol=0, atol=1e-5)
+      np.testing.assert_allclose(got[name].hidden_BND, value.hidden_BND, rtol=0, atol=1e-5)
       np.testing.assert_array_equal(got[name].w_DV, value.w_DV)
-    elif name == "teacher_topk_ids_BTK":
+    elif name == "teacher_topk_ids_BNk":
       np.testing.assert_array_equal(got[name], value)
     else:
       np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5, err_msg=name)

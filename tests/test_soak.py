@@ -35,7 +35,7 @@ class _Hp:
 
 def _nan_loss(inputs, hp):
   """Always non-finite (test only). On-policy: NaN."""
-  return jnp.where(inputs.mask_BT > 0, jnp.nan * inputs.logp_BT, 0.0), {}
+  return jnp.where(inputs.mask_BN > 0, jnp.nan * inputs.logp_BN, 0.0), {}
 
 
 def test_consecutive_non_finite_updates_stop_the_run_with_a_clear_message(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import checkpoint as checkpoint_lib
-from jaxrl_llm import loop
+from jaxrl_llm import loop, wiring
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.sources.common import sync_rollout
 from test_loop import fresh_run, tiny
@@ -43,29 +43,29 @@ def test_state_restore_continues_like_the_uninterrupted_source(name):
   c = tiny(**over)
   if name == "replay":
     c.rollout.replay.capacity, c.rollout.replay.fresh_per_step, c.rollout.replay.reuse_limit = 8, 2, 2
-  assert sources.pick(c) == name
+  assert sources.pick(wiring.rollout_settings(c)) == name
   r, state, extra, store = fresh_run(c)
   cls = sources.get(name)
-  a, b = cls(r, store), cls(r, store)  # a runs uninterrupted; b is cut after `cut` steps
+  a, b = cls(r.ctx, store), cls(r.ctx, store)  # a runs uninterrupted; b is cut after `cut` steps
   try:
     for t in range(cut):
       v = store.latest_version
       ro_a, ro_b = a.next_batch(t, v), b.next_batch(t, v)
       for k in ARRAYS:
-        np.testing.assert_array_equal(ro_a[k], ro_b[k], err_msg=k)
+        np.testing.assert_array_equal(getattr(ro_a, k), getattr(ro_b, k), err_msg=k)
       if publish:  # the same parameters as a new version: lags advance, the outputs stay comparable
         store.publish(jax.tree.map(lambda x: x + 0.01, state.params))
     saved = plain(b.state())
     b.close()
-    resumed = cls(r, store)
+    resumed = cls(r.ctx, store)
     resumed.restore(saved)
     v = store.latest_version
     want, got = a.next_batch(cut, v), resumed.next_batch(cut, v)
     for k in ARRAYS:
-      np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    assert got.get("request_ids") == want.get("request_ids")
+      np.testing.assert_array_equal(getattr(got, k), getattr(want, k), err_msg=k)
+    assert got.stat("request_ids", None) == want.stat("request_ids", None)
     if publish:
-      assert int(want["lag_B"].max()) == {"sync": 0, "fixed_lag": 2, "staged": 1, "replay": 2}[name]
+      assert int(want.lag_B.max()) == {"sync": 0, "fixed_lag": 2, "staged": 1, "replay": 2}[name]
     resumed.close()
   finally:
     a.close()
@@ -122,11 +122,11 @@ def test_fixed_lag_queue_equals_generating_from_kept_snapshots():
   k, steps = 2, 5
   c = tiny(rollout__mode="fixed_lag", rollout__lag=k)
   c.num_steps = steps
-  assert sources.retention(c) == 1
+  assert sources.retention(wiring.rollout_settings(c)) == 1
   r, state, extra, store = fresh_run(c)
   every = ParamStore(keep_last=steps + 1, keep_learner_copy=store.keeps_learner_copy)
   every.publish(state.params)
-  src = sources.get("fixed_lag")(r, store)
+  src = sources.get("fixed_lag")(r.ctx, store)
   params = state.params
   for t in range(steps):
     v = store.latest_version
@@ -134,13 +134,13 @@ def test_fixed_lag_queue_equals_generating_from_kept_snapshots():
     assert sorted(src.queue) == list(range(t + 1, t + k + 1))  # k ahead (past num_steps too: a longer run's)
     assert store.held_versions() == [v]
     v_b = max(0, v - k)
-    want = sync_rollout(r, every, [t], v, v_b)[0]
+    want = sync_rollout(r.ctx, every, [t], v, v_b)[0]
     for key in ARRAYS:
-      np.testing.assert_array_equal(ro[key], want[key], err_msg=f"step {t} {key}")
-    assert int(ro["lag_B"].max()) == min(t, k)
-    seq = tuple(jax.numpy.asarray(want[x]) for x in ("sequence_BT", "positions_BT", "segment_ids_BT"))
+      np.testing.assert_array_equal(getattr(ro, key), getattr(want, key), err_msg=f"step {t} {key}")
+    assert int(ro.lag_B.max()) == min(t, k)
+    seq = old_logp.rollout_seq(want)
     ctx = old_logp.OldLogpContext(r.score, every, None, None)
-    np.testing.assert_array_equal(ro["prox_logp_BN"], np.asarray(old_logp.compute("recompute", ctx, want, seq)))
+    np.testing.assert_array_equal(ro.prox_logp_BN, np.asarray(old_logp.compute("recompute", ctx, want, seq)))
     params = jax.tree.map(lambda x: x + 0.01, params)  # a new version: the lagged batches differ from fresh ones
     store.publish(params)
     every.publish(params)
@@ -153,7 +153,7 @@ def test_fixed_lag_without_a_queue_refuses_to_resume():
   r, state, extra, store = fresh_run(c)
   store.publish(state.params)
   with pytest.raises(loop.RunError, match=r"no queued batch for step\(s\) \[1, 2\]"):
-    sources.get("fixed_lag")(r, store).next_batch(1, 1)
+    sources.get("fixed_lag")(r.ctx, store).next_batch(1, 1)
 
 
 def test_old_logp_strategies_are_the_config_names_and_one_call_serves_every_mode():
@@ -164,12 +164,14 @@ def test_old_logp_strategies_are_the_config_names_and_one_call_serves_every_mode
   assert old_logp.names() == config_lib.OLD_LOGP
   c = tiny()
   r, state, extra, store = fresh_run(c)
-  ro = sources.get("sync")(r, store).next_batch(0, store.latest_version)
+  ro = sources.get("sync")(r.ctx, store).next_batch(0, store.latest_version)
   seq = old_logp.rollout_seq(ro)
   ctx = old_logp.OldLogpContext(r.score, store, state.params, state.version, extra["ewma"])
   recompute, start = (np.asarray(old_logp.compute(n, ctx, ro, seq)) for n in ("recompute", "step_start"))
   np.testing.assert_array_equal(recompute, start)
-  np.testing.assert_array_equal(np.asarray(old_logp.compute("behavior", ctx, ro, seq)), ro["behavior_logp_BN"])
-  assert np.all(np.isfinite(recompute[ro["mask_BN"] > 0])) and (recompute[ro["mask_BN"] > 0] < 0).all()
-  assert old_logp.is_current("recompute", "sync", False, False) and not old_logp.is_current("recompute", "async", False, False)
-  assert not old_logp.is_current("step_start", "sync", False, True)  # ALP: a perturbed learner forward
+  np.testing.assert_array_equal(np.asarray(old_logp.compute("behavior", ctx, ro, seq)), ro.behavior_logp_BN)
+  assert np.all(np.isfinite(recompute[ro.mask_BN > 0])) and (recompute[ro.mask_BN > 0] < 0).all()
+  on_policy = {name: sources.get(name).on_policy for name in sources.names() if name != "toy"}
+  assert on_policy == {"sync": True, "fixed_lag": False, "staged": False, "replay": False, "async": False}
+  assert old_logp.is_current("recompute", True, False) and not old_logp.is_current("recompute", False, False)
+  assert not old_logp.is_current("step_start", True, True)  # ALP: a perturbed learner forward

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import loop
+from jaxrl_llm import loop, wiring
 from jaxrl_llm.config import load_file
 from jaxrl_llm.rollout import sparse_sync as ss
 from jaxrl_llm.rollout.param_store import ParamStore
@@ -56,7 +56,7 @@ class TeeStore(ParamStore):
 @pytest.mark.parametrize("dtype, quantize", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")])
 def test_sparse_publish_is_bit_identical_over_learner_steps(tmp_path, monkeypatch, dtype, quantize):
   stores = []
-  monkeypatch.setattr(loop, "ParamStore", lambda **kw: stores.append(TeeStore(**kw)) or stores[-1])
+  monkeypatch.setattr(wiring, "ParamStore", lambda **kw: stores.append(TeeStore(**kw)) or stores[-1])
   c = tiny()
   c.sampler.dtype, c.sampler.quantize = dtype, quantize
   c.rollout.weight_sync = "sparse"

@@ -1,8 +1,8 @@
 """Full-distribution OPD losses from hidden states + lm-heads (`VocabHead`), chunk by chunk over time.
 
-Values: float64 numpy formulas on the full [B, T, V] logits. Gradients: equal to the dense-logits form
+Values: float64 numpy formulas on the full [B, N, V] logits. Gradients: equal to the dense-logits form
 of the same loss (the unchunked formula, autodiff through h @ w), for several chunk sizes including
-one that does not divide T; masked tokens and the teacher get exactly zero gradient. Memory: at
+one that does not divide N; masked tokens and the teacher get exactly zero gradient. Memory: at
 V = 65,536 the compiled gradient (and the learner step) holds no [B, N, V] float32 buffer, while the
 dense form does.
 """
@@ -17,34 +17,34 @@ from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.types import LossInputs
 from jaxrl_llm.vocab_chunks import VocabHead
 
-B, T, D, V = 3, 7, 8, 13
+B, N, D, V = 3, 7, 8, 13
 TS, TT = 0.8, 1.3  # student (sampler) and teacher scoring temperatures
 MASK = np.array([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 1]], np.float32)
 EVICT = np.array([[1, 0, 1, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1, 1]], np.float32)
 DENSE_LOSSES = [("opd_forward_kl", {}), ("opd_reverse_kl_full", {"temperature": 0.9}),
                 ("gkd_jsd", {"teacher_weight": 0.3}), ("gkd_jsd", {"teacher_weight": 0.0}),
                 ("gkd_jsd", {"teacher_weight": 1.0}), ("sdcc", {"kl_coef": 0.5})]
-# max_chunk_elements -> C = 1, 2, 3 (3 does not divide T = 7) and one whole-sequence chunk.
+# max_chunk_elements -> C = 1, 2, 3 (3 does not divide N = 7) and one whole-sequence chunk.
 CAPS = [B * V, 2 * B * V, 3 * B * V, 1 << 22]
 
 
 def _draw(seed=0):
   rng = np.random.default_rng(seed)
   f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  return {"hs": f(B, T, D), "ws": f(D, V), "ht": f(B, T, D), "wt": f(D, V), "logp": f(B, T) * 0.3 - 1.0,
-          "prox": f(B, T) * 0.3 - 1.0, "adv": f(B, T)}
+  return {"hs": f(B, N, D), "ws": f(D, V), "ht": f(B, N, D), "wt": f(D, V), "logp": f(B, N) * 0.3 - 1.0,
+          "prox": f(B, N) * 0.3 - 1.0, "adv": f(B, N)}
 
 
 def _inputs(x, *, chunked: bool, cap: int = 1 << 22) -> LossInputs:
-  base = dict(logp_BT=x["logp"], mask_BT=jnp.asarray(MASK), adv_BT=x["adv"], prox_logp_BT=x["prox"],
-              eviction_mask_BT=jnp.asarray(EVICT))
+  base = dict(logp_BN=x["logp"], mask_BN=jnp.asarray(MASK), adv_BN=x["adv"], prox_logp_BN=x["prox"],
+              eviction_mask_BN=jnp.asarray(EVICT))
   if chunked:
     return LossInputs(**base, student_head=VocabHead(x["hs"], x["ws"], TS, cap),
                       teacher_head=VocabHead(x["ht"], x["wt"], TT, cap))
   # The dense form exactly as callers built it before: tempered student logits, teacher log-probs.
   zs = jnp.einsum("btd,dv->btv", x["hs"], x["ws"]) / TS
   zt = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", x["ht"], x["wt"]) / TT, -1)
-  return LossInputs(**base, student_logits_BTV=zs, teacher_logits_BTV=zt)
+  return LossInputs(**base, student_logits_BNV=zs, teacher_logits_BNV=zt)
 
 
 def _np_log_softmax(z):
@@ -83,14 +83,14 @@ def test_chunked_value_equals_the_float64_formula(name, hp):
   x = _draw(1)
   want = _np_divergence(name, hp, x)
   for cap in CAPS:
-    loss_BT, aux = _loss(name, hp, _inputs(x, chunked=True, cap=cap))
+    loss_BN, aux = _loss(name, hp, _inputs(x, chunked=True, cap=cap))
     if name == "sdcc":  # task term + λ·e·KL: isolate the KL through its metric and the λ = 0 loss
-      task_BT, _ = _loss(name, {**hp, "kl_coef": 0.0}, _inputs(x, chunked=True, cap=cap))
-      got = (np.asarray(loss_BT) - np.asarray(task_BT)) / hp["kl_coef"]
+      task_BN, _ = _loss(name, {**hp, "kl_coef": 0.0}, _inputs(x, chunked=True, cap=cap))
+      got = (np.asarray(loss_BN) - np.asarray(task_BN)) / hp["kl_coef"]
       m = (MASK > 0) & (EVICT > 0)
       np.testing.assert_allclose(aux["sdcc_kl"][0], want[m].sum(), rtol=1e-5)
     else:
-      got, m = np.asarray(loss_BT), MASK > 0
+      got, m = np.asarray(loss_BN), MASK > 0
     np.testing.assert_allclose(got[m], want[m], rtol=1e-5, atol=1e-6, err_msg=f"cap={cap}")
     assert np.all(got[~m] == 0)
 
@@ -98,11 +98,11 @@ def test_chunked_value_equals_the_float64_formula(name, hp):
 @pytest.mark.parametrize("name,hp", DENSE_LOSSES, ids=[f"{n}{h}" for n, h in DENSE_LOSSES])
 def test_chunked_gradient_equals_the_dense_formula(name, hp):
   x = _draw(2)
-  w_BT = jnp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, (B, T)), jnp.float32)
+  w_BN = jnp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, (B, N)), jnp.float32)
 
   def total(student, chunked, cap=1 << 22):
-    loss_BT, _ = _loss(name, hp, _inputs({**x, **student}, chunked=chunked, cap=cap))
-    return jnp.sum(w_BT * loss_BT)
+    loss_BN, _ = _loss(name, hp, _inputs({**x, **student}, chunked=chunked, cap=cap))
+    return jnp.sum(w_BN * loss_BN)
 
   student = {"hs": x["hs"], "ws": x["ws"], "logp": x["logp"]}
   want = jax.grad(lambda s: total(s, False))(student)
@@ -118,12 +118,12 @@ def test_chunked_gradient_equals_the_dense_formula(name, hp):
 def test_masked_padding_garbage_and_the_teacher_get_no_gradient():
   """NaN hidden states at masked positions change nothing; the teacher's hidden states and head get 0."""
   x = _draw(4)
-  nan_BTD = jnp.where(jnp.asarray(MASK)[..., None] > 0, 0.0, jnp.nan)
-  dirty = {**x, "hs": x["hs"] + nan_BTD, "ht": x["ht"] + nan_BTD}
+  nan_BND = jnp.where(jnp.asarray(MASK)[..., None] > 0, 0.0, jnp.nan)
+  dirty = {**x, "hs": x["hs"] + nan_BND, "ht": x["ht"] + nan_BND}
 
   def total(params, cap):
-    loss_BT, _ = _loss("gkd_jsd", {"teacher_weight": 0.4}, _inputs({**dirty, **params}, chunked=True, cap=cap))
-    return loss_BT.sum()
+    loss_BN, _ = _loss("gkd_jsd", {"teacher_weight": 0.4}, _inputs({**dirty, **params}, chunked=True, cap=cap))
+    return loss_BN.sum()
 
   params = {k: dirty[k] for k in ("hs", "ws", "ht", "wt")}
   for cap in (B * V, 3 * B * V):
@@ -177,11 +177,11 @@ def test_learner_step_matches_the_dense_loss_and_micro_batches_share_the_teacher
 
   def dense_loss(p):
     zs = forward(p, batch.sequence_BT[:, :-1], SMALL)[:, Ps - 1:] / 0.7
-    zt = jnp.einsum("bnd,dv->bnv", head.hidden_BTD, head.w_DV) / head.temperature
-    loss_BT, _ = losses.get("opd_forward_kl").fn(
-        LossInputs(logp_BT=jnp.zeros((Bs, Ns)), mask_BT=batch.mask_BN, adv_BT=batch.adv_BN,
-                   student_logits_BTV=zs, teacher_logits_BTV=zt), losses.get("opd_forward_kl").Hparams())
-    return loss_BT.sum() / batch.mask_BN.sum()
+    zt = jnp.einsum("bnd,dv->bnv", head.hidden_BND, head.w_DV) / head.temperature
+    loss_BN, _ = losses.get("opd_forward_kl").fn(
+        LossInputs(logp_BN=jnp.zeros((Bs, Ns)), mask_BN=batch.mask_BN, adv_BN=batch.adv_BN,
+                   student_logits_BNV=zs, teacher_logits_BNV=zt), losses.get("opd_forward_kl").Hparams())
+    return loss_BN.sum() / batch.mask_BN.sum()
 
   want_loss, want_g = jax.value_and_grad(dense_loss)(params)
   lr = 1.0
@@ -207,7 +207,7 @@ def test_minibatch_updates_share_the_teacher_head():
   def half(i):
     sl = slice(i * Bs // 2, (i + 1) * Bs // 2)
     b = jax.tree.map(lambda x: x[sl], batch.replace(extra=None))
-    return b.replace(extra={"teacher_head": head.replace(hidden_BTD=head.hidden_BTD[sl])})
+    return b.replace(extra={"teacher_head": head.replace(hidden_BND=head.hidden_BND[sl])})
 
   tx = optax.sgd(0.5)
   fresh = lambda: learner.init_state(jax.tree.map(jnp.copy, params), tx)
@@ -241,7 +241,7 @@ def test_chunked_loss_gradient_holds_no_bnv_buffer(name):
     def total(hs, ws, ht, wt, m):
       x = {"hs": hs, "ws": ws, "ht": ht, "wt": wt, "logp": jnp.zeros_like(m), "prox": jnp.zeros_like(m),
            "adv": m}
-      inputs = _inputs(x, chunked=chunked).replace(mask_BT=m, eviction_mask_BT=m)
+      inputs = _inputs(x, chunked=chunked).replace(mask_BN=m, eviction_mask_BN=m)
       return _loss(name, {}, inputs)[0].sum()
     return jax.grad(total, argnums=(0, 1))
 

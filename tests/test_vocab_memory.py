@@ -58,8 +58,8 @@ def test_train_step_holds_no_btv_logits(big_params, loss):
   tx = learner.make_optimizer(1e-3)
   extra = None
   if loss == "opd_topk_kl":
-    extra = {"teacher_topk_ids_BTK": jax.ShapeDtypeStruct((B, N, K), jnp.int32),
-             "teacher_topk_logp_BTK": jax.ShapeDtypeStruct((B, N, K), jnp.float32)}
+    extra = {"teacher_topk_ids_BNk": jax.ShapeDtypeStruct((B, N, K), jnp.int32),
+             "teacher_topk_logp_BNk": jax.ShapeDtypeStruct((B, N, K), jnp.float32)}
   state = jax.eval_shape(lambda p: learner.init_state(p, tx), big_params)
   step = learner.make_train_step(BIG, tx, loss)
   temp = step.lower(state, _batch(N, extra), jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
@@ -118,18 +118,18 @@ def test_capped_chunks_equal_the_full_vocabulary_numpy_reference():
   temp = 0.7
   ids = jnp.asarray(np.random.default_rng(2).integers(-1, SMALL.vocab_size, (Bs, Ts - 1, 5)), jnp.int32)
   out = token_logprobs(params, seq[:, :-1], seq[:, 1:], SMALL, positions_BT=pos[:, :-1], temperature=temp, topk=4,
-                       gather_ids_BTK=ids, max_chunk_elements=Bs * SMALL.vocab_size)  # C = 1
+                       gather_ids_BTk=ids, max_chunk_elements=Bs * SMALL.vocab_size)  # C = 1
   z = np.asarray(forward(params, seq[:, :-1], SMALL, positions_BT=pos[:, :-1]), np.float64) / temp
   lp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
   np.testing.assert_allclose(out["logp_BT"], np.take_along_axis(lp, np.asarray(seq[:, 1:])[..., None], -1)[..., 0],
                              atol=1e-5)
   order = np.argsort(-lp, axis=-1)[..., :4]
-  np.testing.assert_array_equal(out["topk_ids_BTK"], order)
+  np.testing.assert_array_equal(out["topk_ids_BTk"], order)
   top = np.take_along_axis(lp, order, -1)
-  np.testing.assert_allclose(out["topk_logp_BTK"], top, atol=1e-5)
+  np.testing.assert_allclose(out["topk_logp_BTk"], top, atol=1e-5)
   np.testing.assert_allclose(out["topk_residual_logp_BT"], np.log1p(-np.exp(top).sum(-1)), atol=1e-5)
   want = np.where(np.asarray(ids) >= 0, np.take_along_axis(lp, np.maximum(np.asarray(ids), 0), -1), -np.inf)
-  np.testing.assert_allclose(out["gathered_logp_BTK"], want, atol=1e-5)
+  np.testing.assert_allclose(out["gathered_logp_BTk"], want, atol=1e-5)
 
 
 def test_gathered_student_topk_equals_the_dense_path_in_value_and_gradient():
@@ -137,7 +137,7 @@ def test_gathered_student_topk_equals_the_dense_path_in_value_and_gradient():
   seq, pos, seg, mask, ids = _small_batch(4)
 
   def chunked(p):
-    return learner.completion_logprobs(p, seq, pos, seg, Ns, SMALL, 0.8, gather_ids_BTK=ids)["gathered_logp_BTK"]
+    return learner.completion_logprobs(p, seq, pos, seg, Ns, SMALL, 0.8, gather_ids_BNk=ids)["gathered_logp_BTk"]
 
   def dense(p):  # the full-vocabulary reference: log_softmax of the tempered logits at the ids
     logits = forward(p, seq[:, :-1], SMALL, positions_BT=pos[:, :-1], segment_ids_BT=seg[:, :-1])[:, Ts - Ns - 1:]
@@ -160,13 +160,13 @@ def test_chunked_teacher_scores_equal_the_dense_path(topk):
   logits = teacher_lib.teacher_logits(params, SMALL, seq, pos, seg, Ns)
   cache = build_topk_cache(logits, topk, temperature=0.9)
   live = np.asarray(mask) > 0
-  dense = {"teacher_logp_BT": logprobs_from_logits(logits, seq[:, -Ns:], 0.9),
-           "teacher_topk_ids_BTK": cache.ids_BTK, "teacher_topk_logp_BTK": cache.logp_BTK,
-           "teacher_topk_residual_logp_BT": cache.residual_logp_BT}
+  dense = {"teacher_logp_BN": logprobs_from_logits(logits, seq[:, -Ns:], 0.9),
+           "teacher_topk_ids_BNk": cache.ids_BTk, "teacher_topk_logp_BNk": cache.logp_BTk,
+           "teacher_topk_residual_logp_BN": cache.residual_logp_BT}
   assert sorted(chunked) == sorted(dense)
   for k, v in chunked.items():
     want = np.where(live[..., None] if v.ndim == 3 else live, np.asarray(dense[k]), 0)
-    if k.endswith("ids_BTK"):
+    if k.endswith("ids_BNk"):
       np.testing.assert_array_equal(v, want, err_msg=k)
     else:
       np.testing.assert_allclose(v, want, atol=1e-5, err_msg=k)

@@ -66,26 +66,26 @@ def update_horizon(state: AdwinState, agreement: float, probe_version: int, curr
   return state._replace(horizon=int(min(max(new, cfg.h_min), cfg.h_max)))
 
 
-def prefix_mask(mask_BT: Array, horizon_B) -> Array:
+def prefix_mask(mask_BN: Array, horizon_B) -> Array:
   """The mask restricted to the first `horizon` counted tokens of each row (works with left padding)."""
-  m = mask_BT > 0
+  m = mask_BN > 0
   rank = jnp.cumsum(m, axis=-1)
-  return (m & (rank <= jnp.broadcast_to(jnp.asarray(horizon_B), (mask_BT.shape[0],))[:, None])).astype(mask_BT.dtype)
+  return (m & (rank <= jnp.broadcast_to(jnp.asarray(horizon_B), (mask_BN.shape[0],))[:, None])).astype(mask_BN.dtype)
 
 
-def teacher_anchored_length(rkl_BT: Array, mask_BT: Array, threshold: float, horizon: int) -> Array:
+def teacher_anchored_length(rkl_BN: Array, mask_BN: Array, threshold: float, horizon: int) -> Array:
   """Per row, counted tokens up to and including the first whose reverse KL exceeds `threshold`, capped at H."""
-  m = mask_BT > 0
+  m = mask_BN > 0
   rank = jnp.cumsum(m, axis=-1)
-  hit = m & (rkl_BT > threshold)
+  hit = m & (rkl_BN > threshold)
   first = jnp.min(jnp.where(hit, rank, jnp.iinfo(jnp.int32).max), axis=-1)
   return jnp.minimum(jnp.minimum(first, m.sum(-1)), horizon)
 
 
-def kl_mass_alignment(loss_BT: Array, mask_BT: Array, horizon_B) -> Array:
+def kl_mass_alignment(loss_BN: Array, mask_BN: Array, horizon_B) -> Array:
   """Share of the full rollouts' OPD loss mass (|ℓ|) inside the first H tokens; 1 for an empty mask."""
-  a = jnp.where(mask_BT > 0, jnp.abs(loss_BT), 0.0)
-  inside = jnp.where(prefix_mask(mask_BT, horizon_B) > 0, a, 0.0).sum()
+  a = jnp.where(mask_BN > 0, jnp.abs(loss_BN), 0.0)
+  inside = jnp.where(prefix_mask(mask_BN, horizon_B) > 0, a, 0.0).sum()
   total = a.sum()
   return jnp.where(total > 0, inside / jnp.where(total > 0, total, 1.0), 1.0)
 

@@ -21,33 +21,33 @@ Array = jax.Array
 STATS = ("mean", "q75", "q90", "top10")
 
 
-def route(domain_B: Array, per_teacher_DB_: Array) -> Array:
-  """Hard routing: row b takes teacher domain_B[b]'s values from a [D, B, ...] stack."""
-  return jnp.take_along_axis(per_teacher_DB_, domain_B.reshape((1, -1) + (1,) * (per_teacher_DB_.ndim - 2)), 0)[0]
+def route(domain_B: Array, per_teacher_YB_: Array) -> Array:
+  """Hard routing: row b takes teacher domain_B[b]'s values from a [Y, B, ...] stack."""
+  return jnp.take_along_axis(per_teacher_YB_, domain_B.reshape((1, -1) + (1,) * (per_teacher_YB_.ndim - 2)), 0)[0]
 
 
-def token_share_weights(domain_B, ntok_B, target_share_D) -> np.ndarray:
+def token_share_weights(domain_B, ntok_B, target_share_Y) -> np.ndarray:
   """M1: w_b = g*_d / o_d with o_d the observed token share, g* renormalised over the domains present,
   then rescaled so Σ_b ntok_b·w_b / Σ_b ntok_b = 1. Sequences of an absent/zero-token batch get 1."""
   domain_B, ntok_B = np.asarray(domain_B), np.asarray(ntok_B, np.float64)
-  g = np.asarray(target_share_D, np.float64)
-  tok_D = np.bincount(domain_B, weights=ntok_B, minlength=g.shape[0])
-  total = tok_D.sum()
+  g = np.asarray(target_share_Y, np.float64)
+  tok_Y = np.bincount(domain_B, weights=ntok_B, minlength=g.shape[0])
+  total = tok_Y.sum()
   if total <= 0:
     return np.ones_like(ntok_B)
-  present = tok_D > 0
+  present = tok_Y > 0
   g = np.where(present, g, 0.0)
   g = g / g.sum()
-  o = tok_D / total
+  o = tok_Y / total
   w_B = np.where(present[domain_B], g[domain_B] / np.where(present, o, 1.0)[domain_B], 0.0)
   return w_B / ((ntok_B * w_B).sum() / total)
 
 
-def domain_magnitude(abs_reward_BT, mask_BT, domain_B, num_domains: int, stat: str = "mean") -> np.ndarray:
+def domain_magnitude(abs_reward_BN, mask_BN, domain_B, num_domains: int, stat: str = "mean") -> np.ndarray:
   """M2 magnitude m_d of |reward| over each domain's counted tokens; NaN for a domain with no tokens."""
   if stat not in STATS:
     raise ValueError(f"gap statistic {stat!r} must be one of {STATS}")
-  a, m, d = np.asarray(abs_reward_BT, np.float64), np.asarray(mask_BT) > 0, np.asarray(domain_B)
+  a, m, d = np.asarray(abs_reward_BN, np.float64), np.asarray(mask_BN) > 0, np.asarray(domain_B)
   out = np.full(num_domains, np.nan)
   for k in range(num_domains):
     x = a[(d == k)[:, None] & m]
@@ -62,9 +62,9 @@ def domain_magnitude(abs_reward_BT, mask_BT, domain_B, num_domains: int, stat: s
   return out
 
 
-def update_reference(ref_D, m_D, mode: str = "anchored", decay: float = 0.9) -> np.ndarray:
+def update_reference(ref_Y, m_Y, mode: str = "anchored", decay: float = 0.9) -> np.ndarray:
   """ref_d: the first observed magnitude ("anchored") or an EMA ("ema"); NaN entries mean "not yet seen"."""
-  ref, m = np.asarray(ref_D, np.float64), np.asarray(m_D, np.float64)
+  ref, m = np.asarray(ref_Y, np.float64), np.asarray(m_Y, np.float64)
   seen, new = np.isfinite(ref), np.isfinite(m)
   if mode == "anchored":
     return np.where(seen, ref, m)
@@ -73,21 +73,21 @@ def update_reference(ref_D, m_D, mode: str = "anchored", decay: float = 0.9) -> 
   raise ValueError(f"gap reference mode {mode!r} must be 'anchored' or 'ema'")
 
 
-def gap_factor(m_D, ref_D, alpha: float = 1.0, lo: float = 0.05, hi: float = 20.0) -> np.ndarray:
+def gap_factor(m_Y, ref_Y, alpha: float = 1.0, lo: float = 0.05, hi: float = 20.0) -> np.ndarray:
   """M2 (multiply): clip((m_d / ref_d)^α, lo, hi); 1 where either is unknown or ref_d = 0."""
-  m, ref = np.asarray(m_D, np.float64), np.asarray(ref_D, np.float64)
+  m, ref = np.asarray(m_Y, np.float64), np.asarray(ref_Y, np.float64)
   ok = np.isfinite(m) & np.isfinite(ref) & (ref > 0)
   ratio = np.where(ok, m / np.where(ok, ref, 1.0), 1.0)
   return np.where(ok, np.clip(np.power(np.maximum(ratio, 0.0), alpha), lo, hi), 1.0)
 
 
-def domain_loss_weights(domain_B, ntok_B, target_share_D, m_D=None, ref_D=None, alpha: float = 1.0,
+def domain_loss_weights(domain_B, ntok_B, target_share_Y, m_Y=None, ref_Y=None, alpha: float = 1.0,
                         renormalize: bool = True) -> np.ndarray:
   """M1 × M2 per-sequence advantage weights [B]. `renormalize` rescales the product to token-weighted mean 1
   again [GUESS: the fork's order of operations is not pinned]; gap factors then shift budget between domains."""
-  w = token_share_weights(domain_B, ntok_B, target_share_D)
-  if m_D is not None:
-    w = w * gap_factor(m_D, ref_D, alpha)[np.asarray(domain_B)]
+  w = token_share_weights(domain_B, ntok_B, target_share_Y)
+  if m_Y is not None:
+    w = w * gap_factor(m_Y, ref_Y, alpha)[np.asarray(domain_B)]
   if renormalize:
     ntok = np.asarray(ntok_B, np.float64)
     s = (ntok * w).sum()
@@ -95,14 +95,14 @@ def domain_loss_weights(domain_B, ntok_B, target_share_D, m_D=None, ref_D=None, 
   return w
 
 
-def refresh_reward(student_topk_logp_BTK: Array, teacher_topk_logp_BTK: Array, mask_BT: Array) -> Array:
+def refresh_reward(student_topk_logp_BNk: Array, teacher_topk_logp_BNk: Array, mask_BN: Array) -> Array:
   """M4: r_t(v) = sg[(log p_d(v) − log q(v))·p̄_q(v)] on the cached student top-k ids, from the current student.
 
   p̄_q is the student's probability renormalised over the k ids. Invalid slots (non-finite) and masked
   positions give 0. Call before every inner mini-batch update with that update's fresh `log q`.
   """
-  lq, lp = jax.lax.stop_gradient(student_topk_logp_BTK), teacher_topk_logp_BTK
-  ok = jnp.isfinite(lq) & jnp.isfinite(lp) & (mask_BT[..., None] > 0)
+  lq, lp = jax.lax.stop_gradient(student_topk_logp_BNk), teacher_topk_logp_BNk
+  ok = jnp.isfinite(lq) & jnp.isfinite(lp) & (mask_BN[..., None] > 0)
   lq0, lp0 = jnp.where(ok, lq, 0.0), jnp.where(ok, lp, 0.0)
   pbar = jnp.where(ok, jax.nn.softmax(jnp.where(ok, lq0, -1e30), axis=-1), 0.0)
   return jnp.where(ok, (lp0 - lq0) * pbar, 0.0)

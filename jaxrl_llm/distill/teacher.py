@@ -9,6 +9,12 @@ Two sources (config `distill.teacher`):
   PATH        any Hugging Face checkpoint folder (`models.load_hf`) sharing the student's tokenizer: same
               vocabulary size and, when the folder has tokenizer files, the same tokens.
 
+A second, reference teacher (`distill.ref_teacher`: S²D / Direct-OPD's pre-RL checkpoint of the teacher)
+comes from the same two sources with its own fields (`distill.ref_teacher_d_model`, `ref_teacher_n_layers`,
+`ref_teacher_sft_steps`): every function here takes `role` ("teacher" or "ref_teacher"), the prefix of
+the fields it reads. An "sft" reference starts from the teacher's initialisation, so at the teacher's size
+it is the same model trained for fewer (or more) steps; equal settings share one cached folder.
+
 Teacher and student share the run's tokenizer and prompt encoding (`tasks.encoder.Encoder`): the
 "sft" teacher is trained on prompts and targets encoded exactly like the student's, and exported
 with that tokenizer.
@@ -17,7 +23,7 @@ Scoring (`make_teacher_scorer`) is one jitted forward of the teacher over the st
 sequences with a chunked lm-head (no [B, N, V] array): the teacher's log-prob of each sampled
 completion token, a top-k cache (ids, log-probs, residual log-mass) and, for full-distribution
 losses, its final hidden states with its lm-head (`vocab_chunks.VocabHead`), all aligned with the
-completion positions [B, N(, K|D)] exactly like `learner.completion_logprobs` aligns the student's.
+completion positions [B, N(, k|D)] exactly like `learner.completion_logprobs` aligns the student's.
 
 Sharding: on a multi-device mesh (`config.mesh` with more than one device) the teacher's parameters
 are placed with `sharding.TEACHER` (the sampler layout: tensor/expert-parallel, replicated over
@@ -49,34 +55,40 @@ from jaxrl_llm.vocab_chunks import VocabHead
 Array = jax.Array
 
 
-def teacher_model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int) -> ModelConfig:
+ROLES = ("teacher", "ref_teacher")  # prefixes of the distill fields of each frozen teacher
+
+
+def teacher_model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int,
+                         role: str = "teacher") -> ModelConfig:
   """The SFT teacher's architecture: the student's from-scratch model (`policy_init.model_config`) at
-  `distill.teacher_d_model` x `distill.teacher_n_layers`.
+  `distill.teacher_d_model` x `distill.teacher_n_layers` (`role` "ref_teacher": `distill.ref_teacher_*`).
 
   d_ff scales with d_model (same MLP ratio as the student); heads keep the student's head_dim, and
   n_heads / n_kv_heads scale with d_model when it is a multiple of the student's width (GQA ratio kept).
   """
-  d, m = c.distill, c.model
+  m = c.model
+  d_model, n_layers = c.distill[f"{role}_d_model"], c.distill[f"{role}_n_layers"]
   student = policy_init.model_config(c, width, vocab_size)
   heads = {}
-  if d.teacher_d_model % m.d_model == 0:
-    k = d.teacher_d_model // m.d_model
+  if d_model % m.d_model == 0:
+    k = d_model // m.d_model
     heads = {"n_heads": m.n_heads * k, "n_kv_heads": m.n_kv_heads * k}
-  return dataclasses.replace(student, d_model=d.teacher_d_model, n_layers=d.teacher_n_layers,
-                             d_ff=max(1, round(m.d_ff * d.teacher_d_model / m.d_model)),
-                             layer_unroll=policy_init.layer_unroll(c, d.teacher_n_layers), **heads)
+  return dataclasses.replace(student, d_model=d_model, n_layers=n_layers,
+                             d_ff=max(1, round(m.d_ff * d_model / m.d_model)),
+                             layer_unroll=policy_init.layer_unroll(c, n_layers), **heads)
 
 
-def teacher_schedule(c: ml_collections.ConfigDict) -> sft.SftSchedule:
-  """The SFT teacher's schedule: the run's `sft.*` with `distill.teacher_sft_steps` steps."""
-  return sft.SftSchedule.from_config(c, steps=c.distill.teacher_sft_steps)
+def teacher_schedule(c: ml_collections.ConfigDict, role: str = "teacher") -> sft.SftSchedule:
+  """The SFT teacher's schedule: the run's `sft.*` with `distill.teacher_sft_steps` (`{role}_sft_steps`) steps."""
+  return sft.SftSchedule.from_config(c, steps=c.distill[f"{role}_sft_steps"])
 
 
-def cache_key(c: ml_collections.ConfigDict, width: int, vocab_size: int, encoder: Encoder = CHAR_ENCODER) -> str:
+def cache_key(c: ml_collections.ConfigDict, width: int, vocab_size: int, encoder: Encoder = CHAR_ENCODER,
+              role: str = "teacher") -> str:
   """Folder name of the cached SFT teacher: task + seed + size + a hash of everything that shapes it
   (its architecture and SFT schedule; the tokenizer and chat settings too, unless they are the default
   char tokenizer in raw mode)."""
-  cfg, schedule = teacher_model_config(c, width, vocab_size), teacher_schedule(c)
+  cfg, schedule = teacher_model_config(c, width, vocab_size, role), teacher_schedule(c, role)
   what = {"task": c.task.name, "kwargs": task_kwargs(c), "source": c.task.source, "seed": c.seed,
           "prompt_width": c.task.prompt_width, "model": dataclasses.asdict(cfg), "sft": dataclasses.asdict(schedule)}
   if not encoder.exact_char_widths:
@@ -93,31 +105,33 @@ def cache_dir(c: ml_collections.ConfigDict) -> str:
 
 
 def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples,
-                      encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any, float]:
+                      encoder: Encoder = CHAR_ENCODER, role: str = "teacher") -> tuple[ModelConfig, Any, float]:
   """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task."""
-  cfg = teacher_model_config(c, width, encoder.tokenizer.vocab_size)
+  cfg = teacher_model_config(c, width, encoder.tokenizer.vocab_size, role)
   # Its own init key, so the teacher never shares an initialisation with the student of the same seed.
   params = init_params(cfg, jax.random.fold_in(jax.random.key(c.seed), 0x7EAC))
-  params, loss = sft.sft_warm_start(teacher_schedule(c), cfg, params, train_examples, width, encoder)
+  params, loss = sft.sft_warm_start(teacher_schedule(c, role), cfg, params, train_examples, width, encoder)
   return cfg, params, loss
 
 
 def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab_size: int,
-                 encoder: Encoder = CHAR_ENCODER) -> tuple[ModelConfig, Any]:
+                 encoder: Encoder = CHAR_ENCODER, role: str = "teacher") -> tuple[ModelConfig, Any]:
   """The frozen teacher (config, params): an HF folder, or the cached (trained on first use) SFT teacher.
 
   `vocab_size` is the student's model vocabulary; `encoder` the run's prompt encoding (its tokenizer
   is the one teacher and student share). Raises ConfigError naming `config.distill.teacher` when the
   folder is missing, its vocabulary or tokenizer differs from the student's, or its context is
-  shorter than a prompt plus `sampler.max_new_tokens`.
+  shorter than a prompt plus `sampler.max_new_tokens`. `role` "ref_teacher": the reference teacher of
+  `distill.ref_teacher` (errors name that field).
   """
   from jaxrl_llm.config import ConfigError
   from jaxrl_llm.models import load_hf, save_hf
   seq_len = width + c.sampler.max_new_tokens
-  if c.distill.teacher == "sft":
-    path = os.path.join(cache_dir(c), cache_key(c, width, encoder.tokenizer.vocab_size, encoder))
+  source, field = c.distill[role], f"config.distill.{role}"
+  if source == "sft":
+    path = os.path.join(cache_dir(c), cache_key(c, width, encoder.tokenizer.vocab_size, encoder, role))
     if not os.path.exists(os.path.join(path, "config.json")):
-      cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder)
+      cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder, role)
       tmp = f"{path}.tmp{os.getpid()}"
       save_hf(tmp, cfg, params)
       encoder.tokenizer.save(tmp)
@@ -128,24 +142,24 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
           raise
         shutil.rmtree(tmp)
   else:
-    path = c.distill.teacher
+    path = source
     if not os.path.exists(os.path.join(path, "config.json")):
-      raise ConfigError(f"config.distill.teacher={path!r}: not 'sft' and not a Hugging Face checkpoint folder "
+      raise ConfigError(f"{field}={path!r}: not 'sft' and not a Hugging Face checkpoint folder "
                         "(no config.json there)")
   cfg, params = load_hf(path, param_dtype="float32")
   if cfg.vocab_size != vocab_size:
-    raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: teacher vocab_size={cfg.vocab_size} does not "
+    raise ConfigError(f"{field}={source!r}: teacher vocab_size={cfg.vocab_size} does not "
                       f"match the student's vocab_size={vocab_size}")
-  check_shared_tokenizer(c, path, encoder.tokenizer)
+  check_shared_tokenizer(c, path, encoder.tokenizer, role)
   if cfg.max_seq_len < seq_len:
-    raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: the teacher's context of {cfg.max_seq_len} "
+    raise ConfigError(f"{field}={source!r}: the teacher's context of {cfg.max_seq_len} "
                       f"tokens is shorter than the prompt width {width} + sampler.max_new_tokens "
                       f"{c.sampler.max_new_tokens}")
   cfg = dataclasses.replace(cfg, dtype=c.model.dtype, max_seq_len=max(cfg.max_seq_len, seq_len))
   return cfg, place_teacher(params, cfg, c)
 
 
-def check_shared_tokenizer(c: ml_collections.ConfigDict, path: str, tokenizer) -> None:
+def check_shared_tokenizer(c: ml_collections.ConfigDict, path: str, tokenizer, role: str = "teacher") -> None:
   """Raises ConfigError when the teacher folder's own tokenizer (if it has one) is not the student's."""
   from jaxrl_llm.config import ConfigError
   from jaxrl_llm.models.tokenizer import CheckpointTokenizer, has_tokenizer_files, load_checkpoint_tokenizer
@@ -158,7 +172,7 @@ def check_shared_tokenizer(c: ml_collections.ConfigDict, path: str, tokenizer) -
   else:
     return  # a folder without tokenizer files (older exports): only the vocabulary size is checked
   if not same:
-    raise ConfigError(f"config.distill.teacher={c.distill.teacher!r}: the teacher's tokenizer ({path}) is not the "
+    raise ConfigError(f"config.distill.{role}={c.distill[role]!r}: the teacher's tokenizer ({path}) is not the "
                       "student's; on-policy distillation compares both models token by token")
 
 
@@ -190,14 +204,17 @@ def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: A
 
 def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
                       mask_BN: Array, *, temperature: float, topk: int, head: bool = False,
-                      group_size: int = 1) -> dict:
+                      group_size: int = 1, gather_ids_BNk: Array | None = None) -> dict:
   """Teacher scores of sampled completions, all at `temperature` (pure; jit it via `make_teacher_scorer`).
 
   Returns [B, N(, ·)] arrays, zeroed / id 0 where `mask_BN` is 0 (losses mask them anyway):
-    teacher_logp_BT        log p(y_t | s_t) of the sampled token y_t
-    teacher_topk_ids_BTK   the teacher's top-k ids, descending by probability
-    teacher_topk_logp_BTK  their log-probs (full-vocabulary normalised)
-    teacher_topk_residual_logp_BT  log(1 − Σ_k p_k), exact from the logits (-inf when the top-k hold all)
+    teacher_logp_BN        log p(y_t | s_t) of the sampled token y_t
+    teacher_topk_ids_BNk   the teacher's top-k ids, descending by probability
+    teacher_topk_logp_BNk  their log-probs (full-vocabulary normalised)
+    teacher_topk_residual_logp_BN  log(1 − Σ_k p_k), exact from the logits (-inf when the top-k hold all)
+                           (the three top-k fields only when `topk` > 0)
+    gathered_logp_BNk      only with `gather_ids_BNk` [B, N, k]: log p at those ids (the student's recorded
+                           candidates: μ's top-k, Monte-Carlo draws), full-vocabulary normalised; -inf at ids < 0
     teacher_head           only when `head`: a `VocabHead` (final hidden states [B, N, D] and the lm-head
                            [D, V] at `temperature`) from which full-distribution losses form the teacher's
                            logits chunk by chunk (`losses.dense`)
@@ -211,33 +228,38 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
   live_BN = mask_BN > 0
   P = sequence_BT.shape[1] - n_new
   kw = dict(positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature,
-            topk=topk, query_start=P - 1, return_hidden=head)
+            topk=topk, query_start=P - 1, return_hidden=head, gather_ids_BTk=gather_ids_BNk)
   if group_size > 1:
     out = token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, group_size=group_size, **kw)
   else:
     out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, **kw)
-  scores = {
-      "teacher_logp_BT": jnp.where(live_BN, out["logp_BT"], 0.0),
-      "teacher_topk_ids_BTK": jnp.where(live_BN[..., None], out["topk_ids_BTK"].astype(jnp.int32), 0),
-      "teacher_topk_logp_BTK": jnp.where(live_BN[..., None], out["topk_logp_BTK"], 0.0),
-      "teacher_topk_residual_logp_BT": jnp.where(live_BN, out["topk_residual_logp_BT"], 0.0),
-  }
+  scores = {"teacher_logp_BN": jnp.where(live_BN, out["logp_BT"], 0.0)}
+  if topk:
+    scores.update({
+        "teacher_topk_ids_BNk": jnp.where(live_BN[..., None], out["topk_ids_BTk"].astype(jnp.int32), 0),
+        "teacher_topk_logp_BNk": jnp.where(live_BN[..., None], out["topk_logp_BTk"], 0.0),
+        "teacher_topk_residual_logp_BN": jnp.where(live_BN, out["topk_residual_logp_BT"], 0.0),
+    })
+  if gather_ids_BNk is not None:
+    scores["gathered_logp_BNk"] = jnp.where(live_BN[..., None], out["gathered_logp_BTk"], 0.0)
   if head:
     h_BND = jnp.where(live_BN[..., None], out["hidden_BTD"], 0)
-    scores["teacher_head"] = VocabHead(hidden_BTD=h_BND, w_DV=lm_head_weights(params, cfg), temperature=temperature)
+    scores["teacher_head"] = VocabHead(hidden_BND=h_BND, w_DV=lm_head_weights(params, cfg), temperature=temperature)
   return scores
 
 
 def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, head: bool = False, group_size: int = 1):
-  """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN) -> dict` of `score_completions`
-  (`head`: also the teacher's `VocabHead` for full-distribution losses; `group_size`: prompts run once
-  per group of that many rows sharing them)."""
-  if not 0 < topk <= cfg.vocab_size:
+  """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, gather_ids_BNk=None) -> dict` of
+  `score_completions` (`head`: also the teacher's `VocabHead` for full-distribution losses; `group_size`:
+  prompts run once per group of that many rows sharing them; `gather_ids_BNk`: also the teacher at those
+  ids, in the same forward; `topk` 0: no top-k cache, e.g. a reference teacher read only at given ids)."""
+  if not 0 <= topk <= cfg.vocab_size:
     raise ValueError(f"config.distill.topk={topk}: must be in [1, vocab_size={cfg.vocab_size}]")
 
   @jax.jit
-  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN):
+  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, gather_ids_BNk=None):
     return score_completions(params, cfg, sequence_BT, positions_BT, segment_ids_BT, mask_BN,
-                             temperature=temperature, topk=topk, head=head, group_size=group_size)
+                             temperature=temperature, topk=topk, head=head, group_size=group_size,
+                             gather_ids_BNk=gather_ids_BNk)
 
   return score

@@ -24,14 +24,14 @@ class Hparams(decoupled_ppo.Hparams):
       raise ValueError(f"loss.hparams.prox_method={self.prox_method!r}: must be one of {PROX_METHODS}")
 
 
-def interpolation_weight(versions_BT, current_version):
+def interpolation_weight(versions_BN, current_version):
   """α = clamp((v_prox - v_μ)/(v_θ - v_μ), 0, 1) per token, v_θ = current version, v_prox = v_θ - 1.
 
   α = 0 where v_μ ≥ v_θ (no update since sampling, or a token newer than the learner, as AReaL) or
   v_μ < 0 (prompt / unversioned tokens).
   Lag 1 gives α = 0 (π_prox = μ); lag n gives α = (n-1)/n.
   """
-  v_mu = versions_BT.astype(jnp.float32)
+  v_mu = versions_BN.astype(jnp.float32)
   v_theta = jnp.asarray(current_version, jnp.float32)
   den = v_theta - v_mu
   ok = (den > 0) & (v_mu >= 0)
@@ -39,21 +39,21 @@ def interpolation_weight(versions_BT, current_version):
   return jnp.where(ok, alpha, 0.0)
 
 
-def approx_prox_logp(logp_BT, behavior_logp_BT, alpha_BT, mask_BT, method: str = "loglinear"):
+def approx_prox_logp(logp_BN, behavior_logp_BN, alpha_BN, mask_BN, method: str = "loglinear"):
   """Detached log π_prox interpolated between log μ and sg(log π_θ); 0 at masked / non-finite positions.
 
   loglinear: log μ + α·(sg(log π_θ) - log μ)  (geometric interpolation of the probabilities).
   linear:    log((1-α)·μ + α·sg(π_θ)), computed exactly with logaddexp (AReaL adds 1e-10 inside the log
              for safety; logaddexp needs no epsilon, so tiny probabilities may differ slightly).
   """
-  ok = core.valid(mask_BT, logp_BT, behavior_logp_BT)
-  new = jnp.where(ok, sg(logp_BT), 0.0).astype(jnp.float32)
-  behav = jnp.where(ok, sg(behavior_logp_BT), 0.0).astype(jnp.float32)
+  ok = core.valid(mask_BN, logp_BN, behavior_logp_BN)
+  new = jnp.where(ok, sg(logp_BN), 0.0).astype(jnp.float32)
+  behav = jnp.where(ok, sg(behavior_logp_BN), 0.0).astype(jnp.float32)
   if method == "loglinear":
-    prox = behav + alpha_BT * (new - behav)
+    prox = behav + alpha_BN * (new - behav)
   else:
     # log(0) = -inf at α ∈ {0, 1} is intended: logaddexp(-inf, x) = x.
-    prox = jnp.logaddexp(jnp.log1p(-alpha_BT) + behav, jnp.log(alpha_BT) + new)
+    prox = jnp.logaddexp(jnp.log1p(-alpha_BN) + behav, jnp.log(alpha_BN) + new)
   return sg(jnp.where(ok, prox, 0.0))
 
 
@@ -70,11 +70,11 @@ def a3po(inputs, hp: Hparams):
   (compute_prox_logp_approximations).
   On-policy (π_θ = μ, any α): π_prox = μ = π_θ in value, w = r = 1, gradient = vanilla PG -Â·∇log π.
   """
-  alpha = interpolation_weight(inputs.versions_BT, inputs.current_version)
-  prox = approx_prox_logp(inputs.logp_BT, inputs.behavior_logp_BT, alpha, inputs.mask_BT, hp.prox_method)
-  loss, aux = decoupled_ppo.decoupled_ppo_loss(inputs.logp_BT, prox, inputs.behavior_logp_BT, inputs.adv_BT,
-                                               inputs.mask_BT, hp)
-  aux["prox_alpha"] = core.metric(alpha, inputs.mask_BT)
+  alpha = interpolation_weight(inputs.versions_BN, inputs.current_version)
+  prox = approx_prox_logp(inputs.logp_BN, inputs.behavior_logp_BN, alpha, inputs.mask_BN, hp.prox_method)
+  loss, aux = decoupled_ppo.decoupled_ppo_loss(inputs.logp_BN, prox, inputs.behavior_logp_BN, inputs.adv_BN,
+                                               inputs.mask_BN, hp)
+  aux["prox_alpha"] = core.metric(alpha, inputs.mask_BN)
   return loss, aux
 
 

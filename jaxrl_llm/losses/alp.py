@@ -31,7 +31,7 @@ class Hparams:
       raise ValueError(f"loss.hparams.dual_clip={self.dual_clip}: must be > 1")
 
 
-def log_ratio(logp_BT, behavior_logp_BT, mask_BT, mode: str, geometric: bool):
+def log_ratio(logp_BN, behavior_logp_BN, mask_BN, mode: str, geometric: bool):
   """ALP log-ratio per token, with the GSPO-token trick for sequence / prefix statistics.
 
   token:     log ρ_t = log π_t - log μ_t.
@@ -40,25 +40,25 @@ def log_ratio(logp_BT, behavior_logp_BT, mask_BT, mode: str, geometric: bool):
   The value is the statistic; the gradient w.r.t. log π_t is ρ_t (one token's share). Clamped to ±20
   after assembly (per-token log-ratios are also sanitised and clamped first, core.safe_log_ratio).
   """
-  lr = core.safe_log_ratio(logp_BT, sg(behavior_logp_BT), mask_BT)
+  lr = core.safe_log_ratio(logp_BN, sg(behavior_logp_BN), mask_BN)
   if mode == "token":
     return lr
-  m = core.fmask(mask_BT)
+  m = core.fmask(mask_BN)
   if mode == "sequence":
-    stat = core.broadcast_seq(core.seq_mean(lr, mask_BT) if geometric else core.seq_sum(lr, mask_BT), lr)
+    stat = core.broadcast_seq(core.seq_mean(lr, mask_BN) if geometric else core.seq_sum(lr, mask_BN), lr)
   else:
     stat = jnp.cumsum(m * lr, axis=-1)
     if geometric:
       stat = stat / jnp.maximum(jnp.cumsum(m, axis=-1), 1.0)
-  logp = core.safe_logp(logp_BT, mask_BT)
+  logp = core.safe_logp(logp_BN, mask_BN)
   out = sg(stat) + logp - sg(logp)
-  return jnp.where(mask_BT > 0, jnp.clip(out, -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND), 0.0)
+  return jnp.where(mask_BN > 0, jnp.clip(out, -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND), 0.0)
 
 
 def alp(inputs, hp: Hparams):
   """ALP: ℓ_t = dual-clipped PPO surrogate of ρ = π_{θ,δ}/μ with clip [1-0.5, 1+3.0] and c = 3.
 
-  `logp_BT` must come from the *perturbed* training forward (model hook `perturb=(log_sigma_L, key)`:
+  `logp_BN` must come from the *perturbed* training forward (model hook `perturb=(log_sigma_L, key)`:
   h_ℓ ← h_ℓ + σ_ℓ·ξ on every decoder layer's input, learnable σ_ℓ = exp(s_ℓ)); μ is the unperturbed
   sampler. One unified ratio replaces the separate staleness and mismatch ratios ("bypass": no π_old).
   Modes (see `log_ratio`): token, sequence (default: the *sum* of log-ratios, i.e. the full product
@@ -70,9 +70,9 @@ def alp(inputs, hp: Hparams):
   sequence sum; we do (±20, as everywhere), which only matters for already-degenerate tokens.
   On-policy without perturbation (π_θ = μ): ρ = 1 in every mode, gradient = vanilla PG -Â·∇log π.
   """
-  mask = inputs.mask_BT
-  lr = log_ratio(inputs.logp_BT, inputs.behavior_logp_BT, mask, hp.mode, hp.geometric)
-  surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BT, hp.clip_low, hp.clip_high, hp.dual_clip)
+  mask = inputs.mask_BN
+  lr = log_ratio(inputs.logp_BN, inputs.behavior_logp_BN, mask, hp.mode, hp.geometric)
+  surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BN, hp.clip_low, hp.clip_high, hp.dual_clip)
   aux = {"clip_frac": core.metric(clipped, mask), **core.ratio_diagnostics(lr, mask, "ratio")}
   return core.apply_mask(surr, mask), aux
 

@@ -27,26 +27,26 @@ def cispo(inputs, hp: Hparams):
 
   Gradient: −clip(r)·Â·M·∇log π. Unlike PPO, a clipped token keeps its gradient, only its weight is
   capped. With `token_mask=True`, M_t = 0 for A>0 & r>1+mask_eps_high and for A<0 & r<1−mask_eps_low
-  (the paper's general form, which recovers PPO's trust-region masking); `aux["keep_BT"]` is M.
+  (the paper's general form, which recovers PPO's trust-region masking); `aux["keep_BN"]` is M.
   Paper: MiniMax-M1 (MiniMax 2025), token-mean aggregation over the batch.
   On-policy (r = 1): the coefficient is 1 and the gradient is exactly the vanilla PG gradient.
   """
-  mask = inputs.mask_BT
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, mask)
+  mask = inputs.mask_BN
+  lr = core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, mask)
   ratio = jnp.exp(lr)
   weight = jnp.clip(ratio, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
-  adv = inputs.adv_BT
+  adv = inputs.adv_BN
   keep = core.fmask(mask)
   if hp.token_mask:
     drop = ((adv > 0) & (ratio > 1.0 + hp.mask_eps_high)) | ((adv < 0) & (ratio < 1.0 - hp.mask_eps_low))
     keep = jnp.where(drop, 0.0, keep)
-  loss = core.reinforce(weight * adv, inputs.logp_BT, keep)
+  loss = core.reinforce(weight * adv, inputs.logp_BN, keep)
   aux = {
       "clip_frac": core.metric((ratio > 1.0 + hp.eps_high) | (ratio < 1.0 - hp.eps_low), mask),
       **core.ratio_diagnostics(lr, mask, "ratio"),
   }
   if hp.token_mask:
-    aux["keep_BT"] = keep
+    aux["keep_BN"] = keep
     aux["mask_frac"] = core.metric(1.0 - keep, mask)
   return core.apply_mask(loss, mask), aux
 

@@ -48,16 +48,16 @@ class Hparams:
       raise ValueError(f"loss.hparams.dual_clip={self.dual_clip}: must be > 1")
 
 
-def _token_metric(log_w_BT, prox_BT, behav_BT, mask_BT, metric: str):
+def _token_metric(log_w_BN, prox_BN, behav_BN, mask_BN, metric: str):
   """Per-token filter statistic. ratio/k1 return log w (aggregated in log space); k2/k3 the estimate."""
   if metric in ("ratio", "k1"):
-    return log_w_BT
+    return log_w_BN
   # AReaL's KL estimators of π_prox against μ, Schulman convention (k3 = 1/w + log w - 1).
-  return core.kl_estimate(prox_BT, behav_BT, mask_BT, metric)
+  return core.kl_estimate(prox_BN, behav_BN, mask_BN, metric)
 
 
-def behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, hp: Hparams):
-  """Detached behaviour weight w = π_prox/μ after AReaL's filter. Returns (w_BT, keep_BT, filtered_BT).
+def behavior_weight(prox_logp_BN, behavior_logp_BN, mask_BN, hp: Hparams):
+  """Detached behaviour weight w = π_prox/μ after AReaL's filter. Returns (w_BN, keep_BN, filtered_BN).
 
   Token level: the statistic is w_t (ratio), log w_t (k1), ½(log w_t)² (k2) or k3; bounds inclusive.
   Sequence level: sum / mean / max of the statistic over the response (for ratio and k1 in log space,
@@ -67,19 +67,19 @@ def behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, hp: Hparams):
   mask: out-of-bounds tokens (responses) get w = 0 and keep = 0. clamp: w is clipped to
   [lower or 0, upper] on out-of-bounds tokens (responses); keep = mask.
   """
-  prox = sg(prox_logp_BT)
-  behav = sg(behavior_logp_BT)
-  log_w = core.safe_log_ratio(prox, behav, mask_BT)
-  mask_b = mask_BT > 0
+  prox = sg(prox_logp_BN)
+  behav = sg(behavior_logp_BN)
+  log_w = core.safe_log_ratio(prox, behav, mask_BN)
+  mask_b = mask_BN > 0
   if hp.filter_metric is None:
     w = jnp.exp(log_w) if hp.unfiltered_weight == "ratio" else jnp.ones_like(log_w)
-    return core.apply_mask(w, mask_BT), core.fmask(mask_BT), jnp.zeros_like(log_w)
-  stat = _token_metric(log_w, prox, behav, mask_BT, hp.filter_metric)
+    return core.apply_mask(w, mask_BN), core.fmask(mask_BN), jnp.zeros_like(log_w)
+  stat = _token_metric(log_w, prox, behav, mask_BN, hp.filter_metric)
   if hp.filter_level == "sequence":
     agg = {"sum": core.seq_sum, "mean": core.seq_mean, "max": core.seq_max}[hp.filter_agg]
-    stat = core.broadcast_seq(agg(stat, mask_BT), stat)
+    stat = core.broadcast_seq(agg(stat, mask_BN), stat)
     if hp.filter_metric == "ratio":
-      log_w = core.broadcast_seq(core.seq_mean(log_w, mask_BT), log_w)
+      log_w = core.broadcast_seq(core.seq_mean(log_w, mask_BN), log_w)
   if hp.filter_metric == "ratio":
     # Compare the ratio in log space: exp of a sequence sum could overflow.
     stat = jnp.clip(stat, -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND)
@@ -99,32 +99,32 @@ def behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, hp: Hparams):
     clamped = jnp.clip(w, 0.0 if hp.filter_lower is None else hp.filter_lower, hp.filter_upper)
     w_new = jnp.where(in_bounds, w, clamped)
     filtered = mask_b & (w_new != w)
-    keep = core.fmask(mask_BT)
-    w = core.apply_mask(w_new, mask_BT)
+    keep = core.fmask(mask_BN)
+    w = core.apply_mask(w_new, mask_BN)
   return w, keep, filtered.astype(jnp.float32)
 
 
-def decoupled_ppo_loss(logp_BT, prox_logp_BT, behavior_logp_BT, adv_BT, mask_BT, hp: Hparams):
-  """The decoupled-PPO per-token loss from explicit arrays (shared by a3po and ppo_ewma). Returns (loss_BT, aux)."""
-  w, keep, filtered = behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, hp)
-  lr = core.safe_log_ratio(logp_BT, sg(prox_logp_BT), mask_BT)
-  surr, clipped = core.clipped_surrogate(jnp.exp(lr), adv_BT, hp.eps_low, hp.eps_high, hp.dual_clip)
-  log_w = core.safe_log_ratio(sg(prox_logp_BT), sg(behavior_logp_BT), mask_BT)
-  aux = {"keep_BT": keep, "behave_filtered_frac": core.metric(filtered, mask_BT),
+def decoupled_ppo_loss(logp_BN, prox_logp_BN, behavior_logp_BN, adv_BN, mask_BN, hp: Hparams):
+  """The decoupled-PPO per-token loss from explicit arrays (shared by a3po and ppo_ewma). Returns (loss_BN, aux)."""
+  w, keep, filtered = behavior_weight(prox_logp_BN, behavior_logp_BN, mask_BN, hp)
+  lr = core.safe_log_ratio(logp_BN, sg(prox_logp_BN), mask_BN)
+  surr, clipped = core.clipped_surrogate(jnp.exp(lr), adv_BN, hp.eps_low, hp.eps_high, hp.dual_clip)
+  log_w = core.safe_log_ratio(sg(prox_logp_BN), sg(behavior_logp_BN), mask_BN)
+  aux = {"keep_BN": keep, "behave_filtered_frac": core.metric(filtered, mask_BN),
          "clip_frac": core.metric(clipped, keep), "behave_weight": core.metric(w, keep),
-         **core.ratio_diagnostics(lr, mask_BT, "ratio"), **core.ratio_diagnostics(log_w, mask_BT, "behave_ratio")}
-  return core.apply_mask(w * surr, mask_BT), aux
+         **core.ratio_diagnostics(lr, mask_BN, "ratio"), **core.ratio_diagnostics(log_w, mask_BN, "behave_ratio")}
+  return core.apply_mask(w * surr, mask_BN), aux
 
 
 def decoupled_ppo(inputs, hp: Hparams):
   """Decoupled PPO: ℓ_t = w_t·max(-Â·r, -Â·clip(r, 1-ε_low, 1+ε_high)), r = π_θ/π_prox, w = sg(π_prox/μ).
 
-  π_prox is the learner's policy before the current update (recomputed, `prox_logp_BT`); μ the
-  behaviour policy that sampled (`behavior_logp_BT`, possibly several versions stale). The clip is a
+  π_prox is the learner's policy before the current update (recomputed, `prox_logp_BN`); μ the
+  behaviour policy that sampled (`behavior_logp_BN`, possibly several versions stale). The clip is a
   trust region around π_prox; w corrects the off-policy sampling. Optional dual clip (Â < 0):
   ℓ ← min(ℓ, -Â·c) before the weight.
   Behaviour filter (AReaL `rejection_sampling`, default metric=ratio, upper=5.0, token level, mask):
-  see `behavior_weight`. Masked tokens are reported in aux["keep_BT"]; AReaL keeps the *original*
+  see `behavior_weight`. Masked tokens are reported in aux["keep_BN"]; AReaL keeps the *original*
   token count in the denominator ("mask mode would inflate per-token gradients"), which is
   `reduce(..., drop_rejected=False)`, the default.
   With the filter off (filter_metric=None) `unfiltered_weight` picks the convention: "ratio" (default;
@@ -133,8 +133,8 @@ def decoupled_ppo(inputs, hp: Hparams):
   (areal/utils/functional ppo_actor_loss_fn, apply_rejection_sampling).
   On-policy (π_θ = π_prox = μ): w = 1 (in bounds), r = 1, gradient = vanilla PG -Â·∇log π.
   """
-  return decoupled_ppo_loss(inputs.logp_BT, inputs.prox_logp_BT, inputs.behavior_logp_BT, inputs.adv_BT,
-                            inputs.mask_BT, hp)
+  return decoupled_ppo_loss(inputs.logp_BN, inputs.prox_logp_BN, inputs.behavior_logp_BN, inputs.adv_BN,
+                            inputs.mask_BN, hp)
 
 
 registry.register("decoupled_ppo", decoupled_ppo, Hparams, needs=("prox_logp", "behavior_logp"))

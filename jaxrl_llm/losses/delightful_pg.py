@@ -16,11 +16,11 @@ class Hparams:
   eta: float = 1.0  # gate temperature η (Osband; open-instruct `--use_delight` default).
 
 
-def delight_gate(logp_BT, adv_BT, mask_BT, eta: float):
+def delight_gate(logp_BN, adv_BN, mask_BN, eta: float):
   """w_t = σ(χ_t/η), χ_t = Â_t·(−log π_θ(y_t)): the delight of a token, detached. 0 outside the mask."""
-  surprisal = -sg(core.safe_logp(logp_BT, mask_BT))
-  w = jax.nn.sigmoid(adv_BT * surprisal / eta)
-  return core.apply_mask(w, mask_BT), adv_BT * surprisal
+  surprisal = -sg(core.safe_logp(logp_BN, mask_BN))
+  w = jax.nn.sigmoid(adv_BN * surprisal / eta)
+  return core.apply_mask(w, mask_BN), adv_BN * surprisal
 
 
 def delightful_pg(inputs, hp: Hparams):
@@ -39,9 +39,9 @@ def delightful_pg(inputs, hp: Hparams):
   with each token scaled by its gate, −σ(Â·(−log π)/η)·Â·∇log π, not −Â·∇log π. As η → ∞ the gate
   tends to ½ everywhere, i.e. ½·PG.
   """
-  gate, delight = delight_gate(inputs.logp_BT, inputs.adv_BT, inputs.mask_BT, hp.eta)
-  loss = core.reinforce(gate * inputs.adv_BT, inputs.logp_BT, inputs.mask_BT)
-  aux = {"gate_mean": core.metric(gate, inputs.mask_BT), "delight_mean": core.metric(delight, inputs.mask_BT)}
+  gate, delight = delight_gate(inputs.logp_BN, inputs.adv_BN, inputs.mask_BN, hp.eta)
+  loss = core.reinforce(gate * inputs.adv_BN, inputs.logp_BN, inputs.mask_BN)
+  aux = {"gate_mean": core.metric(gate, inputs.mask_BN), "delight_mean": core.metric(delight, inputs.mask_BN)}
   return loss, aux
 
 

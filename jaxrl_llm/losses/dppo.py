@@ -37,39 +37,39 @@ class TopkHparams:
   member_atol: float = 1e-5
 
 
-def _probs(logp_BT, behav_BT, mask_BT):
+def _probs(logp_BN, behav_BN, mask_BN):
   """Detached (π, μ, valid) of the sampled token from sanitised, ≤ 0 log-probs."""
-  lp, lb, ok = _logps(logp_BT, behav_BT, mask_BT)
+  lp, lb, ok = _logps(logp_BN, behav_BN, mask_BN)
   return jnp.exp(lp), jnp.exp(lb), ok
 
 
-def _logps(logp_BT, behav_BT, mask_BT):
-  ok = core.valid(mask_BT, logp_BT, behav_BT)
-  lp = jnp.minimum(jnp.where(ok, sg(logp_BT), 0.0).astype(jnp.float32), 0.0)
-  lb = jnp.minimum(jnp.where(ok, behav_BT, 0.0).astype(jnp.float32), 0.0)
+def _logps(logp_BN, behav_BN, mask_BN):
+  ok = core.valid(mask_BN, logp_BN, behav_BN)
+  lp = jnp.minimum(jnp.where(ok, sg(logp_BN), 0.0).astype(jnp.float32), 0.0)
+  lb = jnp.minimum(jnp.where(ok, behav_BN, 0.0).astype(jnp.float32), 0.0)
   return lp, lb, ok
 
 
-def binary_tv(p_BT, mu_BT):
+def binary_tv(p_BN, mu_BN):
   """TV between the two-bucket distributions {y_t, rest}: |π − μ|."""
-  return jnp.abs(p_BT - mu_BT)
+  return jnp.abs(p_BN - mu_BN)
 
 
-def binary_kl(p_BT, mu_BT):
+def binary_kl(p_BN, mu_BN):
   """KL(μ‖π) between the two-bucket distributions {y_t, rest}, +1e-8 inside the logs."""
-  return (mu_BT * (jnp.log(mu_BT + _EPS) - jnp.log(p_BT + _EPS))
-          + (1.0 - mu_BT) * (jnp.log(1.0 - mu_BT + _EPS) - jnp.log(1.0 - p_BT + _EPS)))
+  return (mu_BN * (jnp.log(mu_BN + _EPS) - jnp.log(p_BN + _EPS))
+          + (1.0 - mu_BN) * (jnp.log(1.0 - mu_BN + _EPS) - jnp.log(1.0 - p_BN + _EPS)))
 
 
 def topk_buckets(inputs, atol):
-  """(π, μ) over K+2 buckets: μ's top-K ids, the sampled token if outside them, and "other" [B,T,K+2]."""
+  """(π, μ) over K+2 buckets: μ's top-K ids, the sampled token if outside them, and "other" [B, N, k+2]."""
   fin = lambda x: jnp.where(jnp.isfinite(x), x.astype(jnp.float32), -jnp.inf)
-  mu_k = jnp.exp(jnp.minimum(fin(inputs.behavior_topk_logp_BTK), 0.0))
-  p_k = jnp.exp(jnp.minimum(fin(sg(inputs.topk_logp_BTK)), 0.0))
-  lp_s, lb_s, _ = _logps(inputs.logp_BT, inputs.behavior_logp_BT, inputs.mask_BT)
+  mu_k = jnp.exp(jnp.minimum(fin(inputs.behavior_topk_logp_BNk), 0.0))
+  p_k = jnp.exp(jnp.minimum(fin(sg(inputs.topk_logp_BNk)), 0.0))
+  lp_s, lb_s, _ = _logps(inputs.logp_BN, inputs.behavior_logp_BN, inputs.mask_BN)
   p_s, mu_s = jnp.exp(lp_s), jnp.exp(lb_s)
-  member = ((jnp.abs(fin(inputs.behavior_topk_logp_BTK) - lb_s[..., None]) <= atol)
-            & (jnp.abs(fin(sg(inputs.topk_logp_BTK)) - lp_s[..., None]) <= atol)).any(-1)
+  member = ((jnp.abs(fin(inputs.behavior_topk_logp_BNk) - lb_s[..., None]) <= atol)
+            & (jnp.abs(fin(sg(inputs.topk_logp_BNk)) - lp_s[..., None]) <= atol)).any(-1)
   p_s = jnp.where(member, 0.0, p_s)
   mu_s = jnp.where(member, 0.0, mu_s)
   p_o = jnp.maximum(1.0 - p_k.sum(-1) - p_s, 0.0)
@@ -79,32 +79,32 @@ def topk_buckets(inputs, atol):
   return p, mu
 
 
-def topk_tv(p_BTK, mu_BTK):
-  return 0.5 * jnp.abs(p_BTK - mu_BTK).sum(-1)
+def topk_tv(p_BNk, mu_BNk):
+  return 0.5 * jnp.abs(p_BNk - mu_BNk).sum(-1)
 
 
-def topk_kl(p_BTK, mu_BTK):
-  return (mu_BTK * (jnp.log(mu_BTK + _EPS) - jnp.log(p_BTK + _EPS))).sum(-1)
+def topk_kl(p_BNk, mu_BNk):
+  return (mu_BNk * (jnp.log(mu_BNk + _EPS) - jnp.log(p_BNk + _EPS))).sum(-1)
 
 
-def dppo_keep_mask(adv_BT, p_BT, mu_BT, div_BT, delta, mask_BT):
+def dppo_keep_mask(adv_BN, p_BN, mu_BN, div_BN, delta, mask_BN):
   """M_t = 0 iff (Â>0 & π>μ & D>δ) or (Â<0 & π<μ & D>δ): only updates moving further out are masked."""
-  far = div_BT > delta
-  drop = ((adv_BT > 0) & (p_BT > mu_BT) & far) | ((adv_BT < 0) & (p_BT < mu_BT) & far)
-  return jnp.where(drop, 0.0, core.fmask(mask_BT))
+  far = div_BN > delta
+  drop = ((adv_BN > 0) & (p_BN > mu_BN) & far) | ((adv_BN < 0) & (p_BN < mu_BN) & far)
+  return jnp.where(drop, 0.0, core.fmask(mask_BN))
 
 
-def _dppo_loss(inputs, div_BT, delta, ratio_cap, p_BT, mu_BT, anchor_BT):
-  mask = inputs.mask_BT
-  keep = dppo_keep_mask(inputs.adv_BT, p_BT, mu_BT, div_BT, delta, mask)
-  lr = core.safe_log_ratio(inputs.logp_BT, anchor_BT, mask)
+def _dppo_loss(inputs, div_BN, delta, ratio_cap, p_BN, mu_BN, anchor_BN):
+  mask = inputs.mask_BN
+  keep = dppo_keep_mask(inputs.adv_BN, p_BN, mu_BN, div_BN, delta, mask)
+  lr = core.safe_log_ratio(inputs.logp_BN, anchor_BN, mask)
   w = core.truncate(jnp.exp(lr), ratio_cap)
-  loss = core.reinforce(w * inputs.adv_BT, inputs.logp_BT, keep)
+  loss = core.reinforce(w * inputs.adv_BN, inputs.logp_BN, keep)
   aux = {
-      "keep_BT": keep,
+      "keep_BN": keep,
       "mask_frac": core.metric(1.0 - keep, mask),
-      "divergence": core.metric(div_BT, mask),
-      "divergence_max": core.max_metric(div_BT, mask),
+      "divergence": core.metric(div_BN, mask),
+      "divergence_max": core.max_metric(div_BN, mask),
       "ratio_capped_frac": core.metric(jnp.exp(lr) > ratio_cap, mask),
       **core.ratio_diagnostics(lr, mask, "ratio"),
   }
@@ -138,10 +138,10 @@ def dppo(inputs, hp: Hparams):
     raise ValueError(f"loss.hparams.divergence={hp.divergence!r}: must be one of {sorted(_BINARY)}")
   if hp.anchor not in _ANCHORS:
     raise ValueError(f"loss.hparams.anchor={hp.anchor!r}: must be one of {_ANCHORS}")
-  anchor = inputs.behavior_logp_BT if hp.anchor == "behavior" else inputs.prox_logp_BT
+  anchor = inputs.behavior_logp_BN if hp.anchor == "behavior" else inputs.prox_logp_BN
   if anchor is None:
-    raise ValueError("loss.hparams.anchor='prox' needs LossInputs.prox_logp_BT (the recomputed π_old)")
-  p, mu, ok = _probs(inputs.logp_BT, anchor, inputs.mask_BT)
+    raise ValueError("loss.hparams.anchor='prox' needs LossInputs.prox_logp_BN (the recomputed π_old)")
+  p, mu, ok = _probs(inputs.logp_BN, anchor, inputs.mask_BN)
   div = jnp.where(ok, _BINARY[hp.divergence](p, mu), 0.0)
   return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu, anchor)
 
@@ -156,10 +156,10 @@ def dppo_topk(inputs, hp: TopkHparams):
   """
   if hp.divergence not in _TOPK:
     raise ValueError(f"loss.hparams.divergence={hp.divergence!r}: must be one of {sorted(_TOPK)}")
-  p, mu, ok = _probs(inputs.logp_BT, inputs.behavior_logp_BT, inputs.mask_BT)
+  p, mu, ok = _probs(inputs.logp_BN, inputs.behavior_logp_BN, inputs.mask_BN)
   pb, mub = topk_buckets(inputs, hp.member_atol)
   div = jnp.where(ok, _TOPK[hp.divergence](pb, mub), 0.0)
-  return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu, inputs.behavior_logp_BT)
+  return _dppo_loss(inputs, div, _delta(hp), hp.ratio_cap, p, mu, inputs.behavior_logp_BN)
 
 
 registry.register("dppo", dppo, Hparams, needs=("behavior_logp",))

@@ -26,9 +26,9 @@ class Hparams:
 _VARIANTS = ("smooth", "eff")
 
 
-def drpo_weight(adv_BT, ratio_BT, coef_BT, eps):
+def drpo_weight(adv_BN, ratio_BN, coef_BN, eps):
   """w = 1 − sign(Â)·c·(r−1)/ε; with c = μ this is 1 − sign(Â(r−1))·|π−μ|/ε. ∇ℓ = −r·Â·w·∇log π."""
-  return 1.0 - jnp.sign(adv_BT) * coef_BT * (ratio_BT - 1.0) / eps
+  return 1.0 - jnp.sign(adv_BN) * coef_BN * (ratio_BN - 1.0) / eps
 
 
 def drpo(inputs, hp: Hparams):
@@ -44,12 +44,12 @@ def drpo(inputs, hp: Hparams):
   """
   if hp.variant not in _VARIANTS:
     raise ValueError(f"loss.hparams.variant={hp.variant!r}: must be one of {_VARIANTS}")
-  mask = inputs.mask_BT
-  adv = inputs.adv_BT
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.behavior_logp_BT, mask)
+  mask = inputs.mask_BN
+  adv = inputs.adv_BN
+  lr = core.safe_log_ratio(inputs.logp_BN, inputs.behavior_logp_BN, mask)
   ratio = jnp.exp(lr)
-  ok = core.valid(mask, inputs.behavior_logp_BT)
-  mu = jnp.exp(jnp.minimum(jnp.where(ok, inputs.behavior_logp_BT, 0.0), 0.0).astype(jnp.float32))
+  ok = core.valid(mask, inputs.behavior_logp_BN)
+  mu = jnp.exp(jnp.minimum(jnp.where(ok, inputs.behavior_logp_BN, 0.0), 0.0).astype(jnp.float32))
   coef = mu if hp.mu_weighted else jnp.ones_like(mu)
   if hp.variant == "smooth":
     loss = -adv * ratio + jnp.abs(adv) * coef * jnp.square(ratio - 1.0) / (2.0 * hp.eps)
@@ -57,7 +57,7 @@ def drpo(inputs, hp: Hparams):
   else:
     r_e = jnp.clip(sg(ratio), hp.eff_clip_low, hp.eff_clip_high)
     w = drpo_weight(adv, r_e, coef, hp.eps)
-    loss = core.reinforce(r_e * adv * w, inputs.logp_BT, mask)
+    loss = core.reinforce(r_e * adv * w, inputs.logp_BN, mask)
   aux = {
       "drpo_weight": core.metric(w, mask),
       "drpo_corrective_frac": core.metric(w < 0, mask),

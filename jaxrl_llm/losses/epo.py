@@ -36,7 +36,7 @@ class Hparams:
 def init_state(hp: Hparams):
   """Empty history: per-turn entropy sums and token counts, and the step counter of the schedule."""
   z = jnp.zeros((hp.max_turns,), jnp.float32)
-  return {"ent_sum_N": z, "ent_count_N": z, "step": jnp.zeros((), jnp.int32)}
+  return {"ent_sum_U": z, "ent_count_U": z, "step": jnp.zeros((), jnp.int32)}
 
 
 def smooth_weight(step, hp: Hparams):
@@ -51,37 +51,37 @@ def smooth_weight(step, hp: Hparams):
   return w
 
 
-def smooth_penalty(ent_BT, hist_BT, has_hist_BT, hp: Hparams):
+def smooth_penalty(ent_BN, hist_BN, has_hist_BN, hp: Hparams):
   """P_t: out-of-band penalty of each token's entropy against its turn's historical mean.
 
   indicator: out_range_penalty·1[H ∉ (lo·h, hi·h)], a constant without gradient (released code);
   hinge:     out_range_penalty·(relu(lo·h − H) + relu(H − hi·h)), whose gradient pushes H back in band.
-  Returns (P_BT, out_of_band_BT); the band is open (strict bounds, as in the code).
+  Returns (P_BN, out_of_band_BN); the band is open (strict bounds, as in the code).
   """
-  lo, hi = hp.band_low * hist_BT, hp.band_high * hist_BT
-  out = has_hist_BT & ~((ent_BT > lo) & (ent_BT < hi))
+  lo, hi = hp.band_low * hist_BN, hp.band_high * hist_BN
+  out = has_hist_BN & ~((ent_BN > lo) & (ent_BN < hi))
   if hp.smooth_penalty == "indicator":
     p = jnp.where(out, hp.out_range_penalty, 0.0)
   elif hp.smooth_penalty == "hinge":
-    p = hp.out_range_penalty * (jax.nn.relu(lo - ent_BT) + jax.nn.relu(ent_BT - hi))
+    p = hp.out_range_penalty * (jax.nn.relu(lo - ent_BN) + jax.nn.relu(ent_BN - hi))
   else:
     raise ValueError(f"loss.hparams.smooth_penalty={hp.smooth_penalty!r}: must be one of {SMOOTH_PENALTIES}")
-  return jnp.where(has_hist_BT, p, 0.0), out
+  return jnp.where(has_hist_BN, p, 0.0), out
 
 
-def update_history(state, ent_BT, turn_BT, mask_BT, hp: Hparams):
+def update_history(state, ent_BN, turn_BN, mask_BN, hp: Hparams):
   """Adds this batch's per-turn entropy sums and token counts (detached); advances the step."""
-  ok = (mask_BT > 0) & (turn_BT >= 0) & (turn_BT < hp.max_turns)
-  idx = jnp.clip(turn_BT, 0, hp.max_turns - 1).reshape(-1)
-  s = jax.ops.segment_sum(jnp.where(ok, sg(ent_BT), 0.0).reshape(-1), idx, num_segments=hp.max_turns)
+  ok = (mask_BN > 0) & (turn_BN >= 0) & (turn_BN < hp.max_turns)
+  idx = jnp.clip(turn_BN, 0, hp.max_turns - 1).reshape(-1)
+  s = jax.ops.segment_sum(jnp.where(ok, sg(ent_BN), 0.0).reshape(-1), idx, num_segments=hp.max_turns)
   c = jax.ops.segment_sum(ok.astype(jnp.float32).reshape(-1), idx, num_segments=hp.max_turns)
-  return {"ent_sum_N": state["ent_sum_N"] + s, "ent_count_N": state["ent_count_N"] + c, "step": state["step"] + 1}
+  return {"ent_sum_U": state["ent_sum_U"] + s, "ent_count_U": state["ent_count_U"] + c, "step": state["step"] + 1}
 
 
 def epo(inputs, hp: Hparams):
   """EPO: ℓ_t = ℓ^PPO_t − β·(H_t − λ·w_k·P_t), i.e. L = L_PPO − β·[H̄ − λ·P̄_smooth] after `reduce`.
 
-  ℓ^PPO is the clipped surrogate (r = π_θ/π_old, dual clip c=3 as in verl); H_t = `entropy_BT`;
+  ℓ^PPO is the clipped surrogate (r = π_θ/π_old, dual clip c=3 as in verl); H_t = `entropy_BN`;
   P_t penalises entropy outside [band_low, band_high] × the historical mean entropy of the token's
   turn (only for turns >= smooth_from_turn, and only once that turn has history); w_k is the
   phase schedule on the loss-call step (1 → 0.8 → 0 over `schedule_steps`).
@@ -96,22 +96,22 @@ def epo(inputs, hp: Hparams):
   (the code switches the whole micro-batch on if any sample's step >= max_step/2); the code's
   "seq" mask mode is not provided.
   On-policy (π_θ = π_old): the PPO part has the vanilla PG gradient −Â·∇log π; the entropy terms
-  depend on log π_θ only through `entropy_BT` (their gradient reaches the parameters through the
-  entropy the learner computes), so the gradient w.r.t. `logp_BT` is exactly PG's.
+  depend on log π_θ only through `entropy_BN` (their gradient reaches the parameters through the
+  entropy the learner computes), so the gradient w.r.t. `logp_BN` is exactly PG's.
   """
-  mask = inputs.mask_BT
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, mask)
+  mask = inputs.mask_BN
+  lr = core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, mask)
   ratio = jnp.exp(lr)
-  ppo, clipped = core.clipped_surrogate(ratio, inputs.adv_BT, hp.eps_low, hp.eps_high, hp.dual_clip)
+  ppo, clipped = core.clipped_surrogate(ratio, inputs.adv_BN, hp.eps_low, hp.eps_high, hp.dual_clip)
 
-  ok = (mask > 0) & jnp.isfinite(inputs.entropy_BT)
-  ent = jnp.where(ok, inputs.entropy_BT, 0.0).astype(jnp.float32)
+  ok = (mask > 0) & jnp.isfinite(inputs.entropy_BN)
+  ent = jnp.where(ok, inputs.entropy_BN, 0.0).astype(jnp.float32)
   state = inputs.state
-  turn = inputs.turn_BT
+  turn = inputs.turn_BN
   in_range = (turn >= 0) & (turn < hp.max_turns)
   idx = jnp.clip(turn, 0, hp.max_turns - 1)
-  count = state["ent_count_N"][idx]
-  hist = state["ent_sum_N"][idx] / jnp.maximum(count, 1.0)
+  count = state["ent_count_U"][idx]
+  hist = state["ent_sum_U"][idx] / jnp.maximum(count, 1.0)
   active = ok & in_range & (count > 0) & (turn >= hp.smooth_from_turn)
   w_k = smooth_weight(state["step"], hp) if hp.smooth_schedule else jnp.ones((), jnp.float32)
   pen, out_band = smooth_penalty(ent, hist, active, hp)

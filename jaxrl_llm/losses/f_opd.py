@@ -55,14 +55,14 @@ def f_opd(inputs, hp: Hparams):
   On-policy (lag 0, μ = π_prox = π_θ, D_sup = 0): f = 1, w = 1, the regulariser's gradient is 0, and the
   loss equals `opd_reverse_kl` (gradient −(log p − log π_θ)∇log π_θ).
   """
-  mask = inputs.mask_BT
-  roll_BT = core.kl_estimate(core.sg(inputs.behavior_logp_BT), inputs.logp_BT, mask, "k3")
-  d_roll = core.sg(core.seq_mean(roll_BT, mask))
+  mask = inputs.mask_BN
+  roll_BN = core.kl_estimate(core.sg(inputs.behavior_logp_BN), inputs.logp_BN, mask, "k3")
+  d_roll = core.sg(core.seq_mean(roll_BN, mask))
   f = freshness(inputs.lag_B, d_roll, core.sg(inputs.sup_drift_B.astype(jnp.float32)), hp.alpha, hp.beta)
   w = core.sg(freshness_gate(f, hp.xi))
   base_hp = opd_reverse_kl.Hparams(online_advantage=hp.online_advantage, eps_low=hp.eps_low, eps_high=hp.eps_high)
-  base_BT, aux = opd_reverse_kl.opd_reverse_kl(inputs, base_hp)
-  loss = w[:, None] * base_BT + hp.reg_coef * roll_BT
+  base_BN, aux = opd_reverse_kl.opd_reverse_kl(inputs, base_hp)
+  loss = w[:, None] * base_BN + hp.reg_coef * roll_BN
   has = core.seq_len(mask) > 0
   aux.update(freshness=core.seq_metric(f, has), fresh_weight=core.seq_metric(w, has),
              roll_drift=core.seq_metric(d_roll, has), sup_drift=core.seq_metric(inputs.sup_drift_B, has))

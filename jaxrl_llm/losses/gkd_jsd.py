@@ -18,14 +18,14 @@ class Hparams:
   temperature: float = 1.0  # TRL scales both logits by its sampling temperature (0.9); we expect tempered logits.
 
 
-def generalized_jsd(lq_BTV, lp_BTV, beta: float):
+def generalized_jsd(lq_BNV, lp_BNV, beta: float):
   """β·KL(p ‖ M) + (1−β)·KL(q ‖ M) per position from log q, log p; β = 0 / 1: forward / reverse KL."""
   if beta == 0.0:
-    return kl_dense(lp_BTV, lq_BTV)
+    return kl_dense(lp_BNV, lq_BNV)
   if beta == 1.0:
-    return kl_dense(lq_BTV, lp_BTV)
-  lm = jnp.logaddexp(lp_BTV + math.log(beta), lq_BTV + math.log1p(-beta))
-  return beta * kl_dense(lp_BTV, lm) + (1.0 - beta) * kl_dense(lq_BTV, lm)
+    return kl_dense(lq_BNV, lp_BNV)
+  lm = jnp.logaddexp(lp_BNV + math.log(beta), lq_BNV + math.log1p(-beta))
+  return beta * kl_dense(lp_BNV, lm) + (1.0 - beta) * kl_dense(lq_BNV, lm)
 
 
 def gkd_jsd(inputs, hp: Hparams):
@@ -38,8 +38,8 @@ def gkd_jsd(inputs, hp: Hparams):
   JSD_β/(1−β) → KL(q_θ‖p) (reverse) as β→1. Like TRL, β = 0 exactly returns the forward KL and β = 1
   the reverse KL (un-normalised; JSD itself would vanish there). The GKD data mix λ (fraction of
   student-generated sequences) is a data-pipeline choice, not part of this loss.
-  Reads the student's (differentiable) and teacher's distributions, dense (`student_logits_BTV`,
-  `teacher_logits_BTV`) or chunked (`student_head`, `teacher_head`; `losses.dense`), not `logp_BT`.
+  Reads the student's (differentiable) and teacher's distributions, dense (`student_logits_BNV`,
+  `teacher_logits_BNV`) or chunked (`student_head`, `teacher_head`; `losses.dense`), not `logp_BN`.
   On-policy: no importance ratio; the divergence is the same function of the current student at any
   staleness (only the visited states differ).
   """
@@ -47,8 +47,8 @@ def gkd_jsd(inputs, hp: Hparams):
   if not 0.0 <= beta <= 1.0:
     raise ValueError(f"loss.hparams.teacher_weight={beta} must be in [0, 1]")
   jsd = core.apply_mask(divergence(inputs, lambda lq, lp: generalized_jsd(lq, lp, beta), hp.temperature),
-                        inputs.mask_BT)
-  return jsd, {"jsd": core.metric(jsd, inputs.mask_BT)}
+                        inputs.mask_BN)
+  return jsd, {"jsd": core.metric(jsd, inputs.mask_BN)}
 
 
 registry.register("gkd_jsd", gkd_jsd, Hparams, needs=("student_logits", "teacher_logits"))

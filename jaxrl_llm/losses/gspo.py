@@ -19,18 +19,18 @@ class Hparams:
   seq_advantage: bool = False  # True: replace Â_t by its masked sequence mean (AReaL).
 
 
-def gspo_log_ratio(logp_BT, prox_logp_BT, mask_BT, max_log_ratio: float = 10.0):
+def gspo_log_ratio(logp_BN, prox_logp_BN, mask_BN, max_log_ratio: float = 10.0):
   """GSPO-token log-ratio log s_{i,t} = sg(log s_i) + log π_θ(y_t) − sg(log π_θ(y_t)), clamped above.
 
   log s_i = (1/L_i) Σ_t m·log(π_θ/π_old) (0 for an empty sequence). The value equals log s_i at
   every token, while ∇ log s_{i,t} = ∇ log π_θ(y_t), so a seq-mean-token-mean of −Â_i·s_{i,t}
   has exactly the gradient of the sequence-level objective −Â_i·s_i.
-  Returns (log s_{i,t} [B,T] clamped to ≤ max_log_ratio, log s_i [B] unclamped, detached).
+  Returns (log s_{i,t} [B, N] clamped to ≤ max_log_ratio, log s_i [B] unclamped, detached).
   """
-  lr = core.safe_log_ratio(logp_BT, prox_logp_BT, mask_BT)
-  seq_lr_B = sg(core.seq_mean(lr, mask_BT))
-  ok = core.valid(mask_BT, logp_BT, prox_logp_BT)
-  lp = jnp.where(ok, logp_BT, 0.0).astype(jnp.float32)
+  lr = core.safe_log_ratio(logp_BN, prox_logp_BN, mask_BN)
+  seq_lr_B = sg(core.seq_mean(lr, mask_BN))
+  ok = core.valid(mask_BN, logp_BN, prox_logp_BN)
+  lp = jnp.where(ok, logp_BN, 0.0).astype(jnp.float32)
   log_s = jnp.where(ok, core.broadcast_seq(seq_lr_B, lp) + lp - sg(lp), 0.0)
   return core.truncate(log_s, max_log_ratio), seq_lr_B
 
@@ -49,19 +49,19 @@ def gspo(inputs, hp: Hparams):
   On-policy (π_θ = π_old): s = 1, nothing is clipped, and under seq-mean-token-mean the gradient is
   the vanilla PG gradient −Â·∇log π.
   """
-  log_s, seq_lr_B = gspo_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, inputs.mask_BT, hp.max_log_ratio)
+  log_s, seq_lr_B = gspo_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, inputs.mask_BN, hp.max_log_ratio)
   ratio = jnp.exp(log_s)
-  adv = inputs.adv_BT
+  adv = inputs.adv_BN
   if hp.seq_advantage:
-    adv = core.broadcast_seq(core.seq_advantage(adv, inputs.mask_BT), adv)
+    adv = core.broadcast_seq(core.seq_advantage(adv, inputs.mask_BN), adv)
   loss, clipped = core.clipped_surrogate(ratio, adv, hp.eps_low, hp.eps_high)
-  has_B = core.seq_len(inputs.mask_BT) > 0
+  has_B = core.seq_len(inputs.mask_BN) > 0
   aux = {
-      "clip_frac": core.metric(clipped, inputs.mask_BT),
+      "clip_frac": core.metric(clipped, inputs.mask_BN),
       "seq_ratio_mean": core.seq_metric(jnp.exp(seq_lr_B), has_B),
       "seq_log_ratio_abs_max": (jnp.max(jnp.where(has_B, jnp.abs(seq_lr_B), 0.0)), jnp.ones(())),
   }
-  return core.apply_mask(loss, inputs.mask_BT), aux
+  return core.apply_mask(loss, inputs.mask_BN), aux
 
 
 registry.register("gspo", gspo, Hparams, needs=("prox_logp",))

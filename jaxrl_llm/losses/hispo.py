@@ -31,11 +31,11 @@ class Hparams:
       raise ValueError(f"loss.hparams.eps_neg_high={self.eps_neg_high}: the dual-clip constant must be > 1")
 
 
-def hierarchical_mask(log_r_dis_BT, mask_BT, delta_seq: float, delta_tok: float):
+def hierarchical_mask(log_r_dis_BN, mask_BN, delta_seq: float, delta_tok: float):
   """H = 1[|exp(mean_t log r_dis) - 1| < δ_seq]·1[|r_dis_t - 1| < δ_tok] within the mask. Returns (H, seq_ok_B, tok_ok)."""
-  seq_ok_B = jnp.abs(jnp.expm1(core.seq_mean(log_r_dis_BT, mask_BT))) < delta_seq
-  tok_ok = jnp.abs(jnp.expm1(log_r_dis_BT)) < delta_tok
-  h = (mask_BT > 0) & seq_ok_B[:, None] & tok_ok
+  seq_ok_B = jnp.abs(jnp.expm1(core.seq_mean(log_r_dis_BN, mask_BN))) < delta_seq
+  tok_ok = jnp.abs(jnp.expm1(log_r_dis_BN)) < delta_tok
+  h = (mask_BN > 0) & seq_ok_B[:, None] & tok_ok
   return h.astype(jnp.float32), seq_ok_B, tok_ok
 
 
@@ -54,23 +54,23 @@ def hispo(inputs, hp: Hparams):
   π_old is the trainer's recomputation at the behaviour version. Absolute bars in the gates are our
   reading of the PDF; defaults are [GUESS] (no values published). No KL term (the paper removed it).
   Aggregation: the paper normalises by G·T_max (Dr.GRPO-style): use reduce mode seq-mean-token-sum-norm
-  with norm_len = the maximum generation length. Masked tokens are in aux["keep_BT"].
+  with norm_len = the maximum generation length. Masked tokens are in aux["keep_BN"].
   Paper: Meituan LongCat team, LongCat-Flash-Prover technical report (arXiv 2603.21065) §3.3, eqs. (8)-(9).
   On-policy (π_θ = π_old = μ): r_dis = 1 passes both gates, r = 1, gradient = vanilla PG -Â·∇log π.
   """
-  mask = inputs.mask_BT
-  log_r_dis = core.safe_log_ratio(sg(inputs.prox_logp_BT), sg(inputs.behavior_logp_BT), mask)
+  mask = inputs.mask_BN
+  log_r_dis = core.safe_log_ratio(sg(inputs.prox_logp_BN), sg(inputs.behavior_logp_BN), mask)
   h, seq_ok_B, tok_ok = hierarchical_mask(log_r_dis, mask, hp.delta_seq, hp.delta_tok)
   if hp.clip_ratio == "total":
-    lr = core.safe_log_ratio(inputs.logp_BT, sg(inputs.behavior_logp_BT), mask)
+    lr = core.safe_log_ratio(inputs.logp_BN, sg(inputs.behavior_logp_BN), mask)
     weight = h
   else:
-    lr = core.safe_log_ratio(inputs.logp_BT, sg(inputs.prox_logp_BT), mask)
+    lr = core.safe_log_ratio(inputs.logp_BN, sg(inputs.prox_logp_BN), mask)
     weight = h * jnp.exp(log_r_dis)
-  surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BT, hp.eps_neg_low, hp.eps_pos_high,
+  surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BN, hp.eps_neg_low, hp.eps_pos_high,
                                          hp.eps_neg_high)
   has_B = core.seq_len(mask) > 0
-  aux = {"keep_BT": h, "masked_frac": core.metric(1.0 - h, mask),
+  aux = {"keep_BN": h, "masked_frac": core.metric(1.0 - h, mask),
          "seq_masked_frac": core.seq_metric(~seq_ok_B, has_B),
          "tok_masked_frac": core.metric(~tok_ok, mask), "clip_frac": core.metric(clipped, h),
          **core.ratio_diagnostics(log_r_dis, mask, "mismatch_ratio"), **core.ratio_diagnostics(lr, mask, "ratio")}

@@ -34,20 +34,20 @@ def icepop(inputs, hp: Hparams):
   the sampler (not π_θ); r = π_θ/π_old. Inside the band the weight is k itself (an IS correction);
   outside it the token is discarded. Band edges are inclusive, compared in log space.
   Denominator: as in verl's IcePop the weights are zeroed but the mask is unchanged, so with the
-  default `reduce(..., drop_rejected=False)` zeroed tokens stay in the denominator; aux["keep_BT"]
+  default `reduce(..., drop_rejected=False)` zeroed tokens stay in the denominator; aux["keep_BN"]
   still reports the band so `drop_rejected=True` works too.
   Equivalent to `mis` with criteria token_k1 [α, β], is_level="token", decoupled mode.
   Paper: Ling Team, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model" (Ring-1T), 2025.
   On-policy (π_θ = π_old = μ): k = 1 ∈ [α, β], M = 1, r = 1, gradient = vanilla PG -Â·∇log π.
   """
-  mask = inputs.mask_BT
-  log_k = core.safe_log_ratio(sg(inputs.prox_logp_BT), sg(inputs.behavior_logp_BT), mask)
+  mask = inputs.mask_BN
+  log_k = core.safe_log_ratio(sg(inputs.prox_logp_BN), sg(inputs.behavior_logp_BN), mask)
   in_band = (log_k >= math.log(hp.alpha)) & (log_k <= math.log(hp.beta))
   keep = core.fmask(mask) * in_band
   m = keep * jnp.exp(log_k)
-  lr = core.safe_log_ratio(inputs.logp_BT, sg(inputs.prox_logp_BT), mask)
-  surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BT, hp.eps_low, hp.eps_high, hp.dual_clip)
-  aux = {"keep_BT": keep, "masked_frac": core.metric(1.0 - keep, mask), "clip_frac": core.metric(clipped, keep),
+  lr = core.safe_log_ratio(inputs.logp_BN, sg(inputs.prox_logp_BN), mask)
+  surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BN, hp.eps_low, hp.eps_high, hp.dual_clip)
+  aux = {"keep_BN": keep, "masked_frac": core.metric(1.0 - keep, mask), "clip_frac": core.metric(clipped, keep),
          **core.ratio_diagnostics(log_k, mask, "mismatch_ratio")}
   return core.apply_mask(m * surr, mask), aux
 

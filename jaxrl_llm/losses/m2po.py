@@ -30,14 +30,14 @@ _VARIANTS = ("paper", "code")
 _ANCHORS = ("prox", "behavior")
 
 
-def m2_keep_mask(m2_BT, active_BT, budget):
+def m2_keep_mask(m2_BN, active_BN, budget):
   """Keeps all but the k largest-M2 active tokens, k minimal such that the kept mean M2 < budget.
 
   If no k qualifies, keeps only the single smallest-M2 token. Jittable: sort (masked entries last),
   then suffix means from a reversed cumsum. Ties are broken by position (stable sort).
   """
-  active = active_BT.reshape(-1) > 0
-  x = jnp.where(active, m2_BT.reshape(-1).astype(jnp.float32), -jnp.inf)
+  active = active_BN.reshape(-1) > 0
+  x = jnp.where(active, m2_BN.reshape(-1).astype(jnp.float32), -jnp.inf)
   order = jnp.argsort(-x, stable=True)  # descending; masked (-inf) sort last
   xs = x[order]
   n = active.sum()
@@ -48,15 +48,15 @@ def m2_keep_mask(m2_BT, active_BT, budget):
   ok = in_set & (mean_rest < budget)
   k = jnp.where(ok.any(), jnp.argmax(ok), jnp.maximum(n - 1, 0))
   rank = jnp.zeros_like(idx).at[order].set(idx)
-  return (active & (rank >= k)).reshape(m2_BT.shape).astype(jnp.float32)
+  return (active & (rank >= k)).reshape(m2_BN.shape).astype(jnp.float32)
 
 
-def m2_clip_tau(delta_sq_BT, harmful_BT, budget):
+def m2_clip_tau(delta_sq_BN, harmful_BN, budget):
   """The released code's threshold: τ with τ² the largest breakpoint v_(k−1) such that capping the
   harmful tokens' Δ² at v_(k−1) keeps their total < budget·n; τ = 0 if even the smallest breakpoint
   is too large, and τ = +inf when the harmful mean is already ≤ budget (no constraint)."""
-  harm = harmful_BT.reshape(-1) > 0
-  v = jnp.where(harm, delta_sq_BT.reshape(-1).astype(jnp.float32), jnp.inf)
+  harm = harmful_BN.reshape(-1) > 0
+  v = jnp.where(harm, delta_sq_BN.reshape(-1).astype(jnp.float32), jnp.inf)
   vs = jnp.sort(v)
   n = harm.sum()
   idx = jnp.arange(v.shape[0])
@@ -77,7 +77,7 @@ def m2po(inputs, hp: Hparams):
   "paper" (paper / AReaL form): M2_t = sg(log r_t)², r = π_θ/π_anchor. Sort the active tokens by M2 and
   mask the top k, k minimal such that the mean M2 of the rest is < τ (keep ≥ 1 token); then
   ℓ_t = −M_t·r_t·Â_t with no clipping (the AReaL docs write a sequence ratio; we read it as token-level).
-  `aux["keep_BT"]` = M. AReaL instead computes M2 from (log μ − log π_prox)² and keeps its PPO loss.
+  `aux["keep_BN"]` = M. AReaL instead computes M2 from (log μ − log π_prox)² and keeps its PPO loss.
   "code" (Infini-AI-Lab/M2PO compute_m2po_policy_loss): over harmful tokens only ((Â>0 & r>1) or
   (Â<0 & r<1)), find τ such that capping Δ² = (log r)² at τ² meets the budget; then PPO-clip every
   token with radii ε_low = max(1−e^{−τ}, min_eps_low) and ε_high = max(e^{τ}−1, min_eps_high); the floors
@@ -92,17 +92,17 @@ def m2po(inputs, hp: Hparams):
     raise ValueError(f"loss.hparams.variant={hp.variant!r}: must be one of {_VARIANTS}")
   if hp.anchor not in _ANCHORS:
     raise ValueError(f"loss.hparams.anchor={hp.anchor!r}: must be one of {_ANCHORS}")
-  mask = inputs.mask_BT
-  den = inputs.prox_logp_BT if hp.anchor == "prox" else inputs.behavior_logp_BT
-  lr = core.safe_log_ratio(inputs.logp_BT, den, mask)
+  mask = inputs.mask_BN
+  den = inputs.prox_logp_BN if hp.anchor == "prox" else inputs.behavior_logp_BN
+  lr = core.safe_log_ratio(inputs.logp_BN, den, mask)
   ratio = jnp.exp(lr)
   m2 = jnp.square(sg(lr))
-  adv = inputs.adv_BT
+  adv = inputs.adv_BN
   aux = {"m2": core.metric(m2, mask), **core.ratio_diagnostics(lr, mask, "ratio")}
   if hp.variant == "paper":
     keep = m2_keep_mask(m2, mask, hp.m2_budget)
     loss = core.apply_mask(-adv * ratio, keep)
-    aux.update(keep_BT=keep, mask_frac=core.metric(1.0 - keep, mask), m2_kept=core.metric(m2, keep))
+    aux.update(keep_BN=keep, mask_frac=core.metric(1.0 - keep, mask), m2_kept=core.metric(m2, keep))
     return loss, aux
   seq_adv = core.broadcast_seq(core.seq_advantage(adv, mask), adv)
   harmful = (mask > 0) & (((seq_adv > 0) & (lr > 0)) | ((seq_adv < 0) & (lr < 0)))

@@ -32,16 +32,16 @@ def minirl(inputs, hp: Hparams):
   Caveat (DPPO): anchored on the recomputed π_old this fails to control the mismatch in their sanity test.
   On-policy (π_θ = π_old = μ): ρ = r = 1, M = 1, gradient = vanilla PG -Â·∇log π.
   """
-  mask = inputs.mask_BT
-  adv = inputs.adv_BT
-  log_rho = core.safe_log_ratio(sg(inputs.prox_logp_BT), sg(inputs.behavior_logp_BT), mask)
-  lr = core.safe_log_ratio(inputs.logp_BT, sg(inputs.prox_logp_BT), mask)
+  mask = inputs.mask_BN
+  adv = inputs.adv_BN
+  log_rho = core.safe_log_ratio(sg(inputs.prox_logp_BN), sg(inputs.behavior_logp_BN), mask)
+  lr = core.safe_log_ratio(inputs.logp_BN, sg(inputs.prox_logp_BN), mask)
   r = jnp.exp(lr)
   r_sg = sg(r)
   drop = ((adv > 0) & (r_sg > 1.0 + hp.eps_high)) | ((adv < 0) & (r_sg < 1.0 - hp.eps_low))
   keep = core.fmask(mask) * ~drop
   loss = -keep * jnp.exp(log_rho) * r * adv
-  aux = {"keep_BT": keep, "masked_frac": core.metric(1.0 - keep, mask),
+  aux = {"keep_BN": keep, "masked_frac": core.metric(1.0 - keep, mask),
          **core.ratio_diagnostics(log_rho, mask, "mismatch_ratio"), **core.ratio_diagnostics(lr, mask, "ratio")}
   return core.apply_mask(loss, mask), aux
 

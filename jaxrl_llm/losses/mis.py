@@ -54,56 +54,56 @@ def _log(x: float) -> float:
   return math.log(x) if x > 0 else -math.inf
 
 
-def _token_divergence(log_rho_BT, metric: str):
+def _token_divergence(log_rho_BN, metric: str):
   """Per-token statistic in the space where it is aggregated: log ρ (k1), ½(log ρ)² (k2), ρ - log ρ - 1 (k3).
 
   k3 = ρ - log ρ - 1 with ρ = π/μ and tokens drawn from μ is the low-variance estimate of KL(μ‖π).
   """
   if metric == "k1":
-    return log_rho_BT
+    return log_rho_BN
   if metric == "k2":
-    return 0.5 * jnp.square(log_rho_BT)
-  return jnp.expm1(log_rho_BT) - log_rho_BT
+    return 0.5 * jnp.square(log_rho_BN)
+  return jnp.expm1(log_rho_BN) - log_rho_BN
 
 
-def _aggregate(x_BT, mask_BT, level: str):
-  """Token statistic as is ([B,T]) or its masked sum / mean / max per sequence, broadcast ([B,T])."""
+def _aggregate(x_BN, mask_BN, level: str):
+  """Token statistic as is ([B, N]) or its masked sum / mean / max per sequence, broadcast ([B, N])."""
   if level == "token":
-    return x_BT
-  x_B = {"seq_sum": core.seq_sum, "seq_mean": core.seq_mean, "seq_max": core.seq_max}[level](x_BT, mask_BT)
-  return core.broadcast_seq(x_B, x_BT)
+    return x_BN
+  x_B = {"seq_sum": core.seq_sum, "seq_mean": core.seq_mean, "seq_max": core.seq_max}[level](x_BN, mask_BN)
+  return core.broadcast_seq(x_B, x_BN)
 
 
-def rejection_keep(log_rho_BT, mask_BT, criteria, lower, upper, veto=None):
-  """Float {0,1} mask of tokens that pass every criterion (and the veto), within `mask_BT`.
+def rejection_keep(log_rho_BN, mask_BN, criteria, lower, upper, veto=None):
+  """Float {0,1} mask of tokens that pass every criterion (and the veto), within `mask_BN`.
 
   k1 is thresholded on the ratio itself, ρ_stat ∈ [lower, upper], compared in log space
   (log lower ≤ log ρ_stat ≤ log upper); ρ_stat is ρ_t, Π_t ρ_t or exp(mean_t log ρ_t) by level.
   k2/k3 keep stat ≤ upper. Bounds are inclusive.
   """
-  keep = mask_BT > 0
+  keep = mask_BN > 0
   for crit, lo, hi in zip(criteria, lower, upper):
     level, metric = crit.rsplit("_", 1)
-    stat = _aggregate(_token_divergence(log_rho_BT, metric), mask_BT, level)
+    stat = _aggregate(_token_divergence(log_rho_BN, metric), mask_BN, level)
     if metric == "k1":
       keep = keep & (stat >= _log(lo)) & (stat <= _log(hi))
     else:
       keep = keep & (stat <= hi)
   if veto is not None:
-    bad_B = ((mask_BT > 0) & (log_rho_BT < _log(veto))).any(-1)
+    bad_B = ((mask_BN > 0) & (log_rho_BN < _log(veto))).any(-1)
     keep = keep & ~bad_B[:, None]
   return keep.astype(jnp.float32)
 
 
-def is_weight(log_rho_BT, mask_BT, level: Optional[str], cap: Optional[float]):
+def is_weight(log_rho_BN, mask_BN, level: Optional[str], cap: Optional[float]):
   """Detached IS weight ρ_t (token) or Π_t ρ_t (sequence, log sum clamped to ±20), optionally min(·, C)."""
   if level is None:
-    return jnp.ones_like(log_rho_BT)
+    return jnp.ones_like(log_rho_BN)
   if level == "token":
-    log_w = log_rho_BT
+    log_w = log_rho_BN
   else:
     log_w = core.broadcast_seq(
-        jnp.clip(core.seq_sum(log_rho_BT, mask_BT), -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND), log_rho_BT)
+        jnp.clip(core.seq_sum(log_rho_BN, mask_BN), -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND), log_rho_BN)
   w = jnp.exp(sg(log_w))
   return w if cap is None else core.truncate(w, cap)
 
@@ -124,27 +124,27 @@ def mis(inputs, hp: Hparams):
   Presets: Token-MIS (default) token_k1 [0.5, 2.0] with token weights; Seq-MIS: is_level="sequence",
   is_cap=2.0, seq_sum_k1 [0.5, 2.0]; Geo-RS: is_level=None, seq_mean_k1 [0.999, 1.001];
   K3-RS: is_level=None, seq_mean_k3 ≤ 0.01; ROLL: token_k1 [0, 2], veto 1e-4 (+ seq_sum_k1 [0.1, 10]).
-  Rejected tokens get zero loss and are reported in aux["keep_BT"]; `reduce(..., drop_rejected=True)`
+  Rejected tokens get zero loss and are reported in aux["keep_BN"]; `reduce(..., drop_rejected=True)`
   removes them from the denominator (verl rejection sampling), the default keeps them (AReaL).
   Paper: Yao et al. 2025 / Liu et al. 2025 "When Speed Kills Stability" (MIS); verl rollout_corr_helper;
   ROLL infer_correction.
   On-policy (π_θ = π_old = μ): ρ = 1 passes every criterion with lo ≤ 1 ≤ hi, w = 1, and the
   gradient is the vanilla PG gradient -Â·∇log π.
   """
-  mask = inputs.mask_BT
-  num = inputs.prox_logp_BT if hp.mode == "decoupled" else inputs.logp_BT
-  log_rho = core.safe_log_ratio(sg(num), sg(inputs.behavior_logp_BT), mask)
+  mask = inputs.mask_BN
+  num = inputs.prox_logp_BN if hp.mode == "decoupled" else inputs.logp_BN
+  log_rho = core.safe_log_ratio(sg(num), sg(inputs.behavior_logp_BN), mask)
   keep = rejection_keep(log_rho, mask, hp.criteria, hp.lower, hp.upper, hp.veto)
   w = keep * is_weight(log_rho, mask, hp.is_level, hp.is_cap)
-  aux = {"keep_BT": keep, "masked_frac": core.metric(1.0 - keep, mask), "is_weight": core.metric(w, keep),
+  aux = {"keep_BN": keep, "masked_frac": core.metric(1.0 - keep, mask), "is_weight": core.metric(w, keep),
          **core.ratio_diagnostics(log_rho, mask, "mismatch_ratio")}
   if hp.mode == "decoupled":
-    lr = core.safe_log_ratio(inputs.logp_BT, sg(inputs.prox_logp_BT), mask)
-    surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BT, hp.eps_low, hp.eps_high, hp.dual_clip)
+    lr = core.safe_log_ratio(inputs.logp_BN, sg(inputs.prox_logp_BN), mask)
+    surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BN, hp.eps_low, hp.eps_high, hp.dual_clip)
     loss = w * surr
     aux["clip_frac"] = core.metric(clipped, keep)
   else:
-    loss = core.reinforce(w * inputs.adv_BT, inputs.logp_BT, mask)
+    loss = core.reinforce(w * inputs.adv_BN, inputs.logp_BN, mask)
   return core.apply_mask(loss, mask), aux
 
 

@@ -18,15 +18,15 @@ def opd_forward_kl(inputs, hp: Hparams):
 
   Spec A1.3; gradient −Σ_v p(v)∇log q_θ(v) (logits gradient q − p). Teacher entries with p = 0
   contribute exactly 0. Reads the student's (differentiable) and teacher's distributions, dense
-  (`student_logits_BTV`, `teacher_logits_BTV`) or chunked (`student_head`, `teacher_head`: hidden
-  states + lm-head, no [B, T, V] array; `losses.dense`), not `logp_BT` (its gradient w.r.t. `logp_BT`
+  (`student_logits_BNV`, `teacher_logits_BNV`) or chunked (`student_head`, `teacher_head`: hidden
+  states + lm-head, no [B, N, V] array; `losses.dense`), not `logp_BN` (its gradient w.r.t. `logp_BN`
   is zero). For a finite teacher cache use `opd_topk_kl`.
   AsyncOPD (A2): the weights p(v) do not depend on the student, so with stale rollouts only the state
   distribution is stale and the per-state target stays exact; this is why forward KL is robust.
   On-policy: identical to its off-policy form (no importance ratio, nothing depends on μ).
   """
-  kl = core.apply_mask(divergence(inputs, lambda lq, lp: kl_dense(lp, lq), hp.temperature), inputs.mask_BT)
-  return kl, {"kl_fwd": core.metric(kl, inputs.mask_BT)}
+  kl = core.apply_mask(divergence(inputs, lambda lq, lp: kl_dense(lp, lq), hp.temperature), inputs.mask_BN)
+  return kl, {"kl_fwd": core.metric(kl, inputs.mask_BN)}
 
 
 registry.register("opd_forward_kl", opd_forward_kl, Hparams, needs=("student_logits", "teacher_logits"))

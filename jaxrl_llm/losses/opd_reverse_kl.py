@@ -34,7 +34,7 @@ def opd_reverse_kl(inputs, hp: Hparams):
   then the PPO surrogate ℓ_t = max(−A_t·r_t, −A_t·clip(r_t, 1−ε_low, 1+ε_high)), r = π_θ/π_prox
   (prox = μ when the run's old-logp strategy is "behavior", giving async-opd's ρ = π_θ/μ). With
   `decoupled`, ℓ_t is multiplied by sg(w_t), w = π_prox/μ, and tokens with w > cap are dropped
-  (aux["keep_BT"]). Without `importance_sampling`: ℓ_t = −A_t·log π_θ(y_t).
+  (aux["keep_BN"]). Without `importance_sampling`: ℓ_t = −A_t·log π_θ(y_t).
   Direct form: ℓ_t = k(log π_θ(y_t), log p(y_t)), differentiated directly, no ratio. On tokens drawn
   from π_θ: k1 = log q − log p has an unbiased value but zero-mean gradient (diagnostic only);
   k2 = ½(log q − log p)² has gradient (log q − log p)∇log q = the reverse-KL gradient (same as the
@@ -46,27 +46,27 @@ def opd_reverse_kl(inputs, hp: Hparams):
   """
   if hp.form not in FORMS:
     raise ValueError(f"loss.hparams.form={hp.form!r}: must be one of {FORMS}")
-  mask = inputs.mask_BT
-  k1 = core.safe_log_ratio(inputs.logp_BT, inputs.teacher_logp_BT, mask)
+  mask = inputs.mask_BN
+  k1 = core.safe_log_ratio(inputs.logp_BN, inputs.teacher_logp_BN, mask)
   aux = {"opd_k1": core.metric(k1, mask),
-         "opd_k3": core.metric(core.kl_estimate(inputs.logp_BT, inputs.teacher_logp_BT, mask, "k3"), mask)}
+         "opd_k3": core.metric(core.kl_estimate(inputs.logp_BN, inputs.teacher_logp_BN, mask, "k3"), mask)}
   if hp.form == "direct":
-    loss = core.kl_estimate(inputs.logp_BT, inputs.teacher_logp_BT, mask, hp.estimator)
+    loss = core.kl_estimate(inputs.logp_BN, inputs.teacher_logp_BN, mask, hp.estimator)
     return core.apply_mask(loss, mask), aux
-  base = core.sg(inputs.logp_BT) if hp.online_advantage else inputs.behavior_logp_BT
-  adv = core.sg(core.safe_log_ratio(inputs.teacher_logp_BT, base, mask))
+  base = core.sg(inputs.logp_BN) if hp.online_advantage else inputs.behavior_logp_BN
+  adv = core.sg(core.safe_log_ratio(inputs.teacher_logp_BN, base, mask))
   if hp.importance_sampling:
-    lr = core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, mask)
+    lr = core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, mask)
     loss, clipped = core.clipped_surrogate(jnp.exp(lr), adv, hp.eps_low, hp.eps_high)
     aux.update(clip_frac=core.metric(clipped, mask), **core.ratio_diagnostics(lr, mask, "ratio"))
   else:
-    loss = core.reinforce(adv, inputs.logp_BT, mask)
+    loss = core.reinforce(adv, inputs.logp_BN, mask)
   aux["opd_adv"] = core.metric(adv, mask)
   if hp.decoupled:
-    w = jnp.exp(core.safe_log_ratio(inputs.prox_logp_BT, inputs.behavior_logp_BT, mask))
+    w = jnp.exp(core.safe_log_ratio(inputs.prox_logp_BN, inputs.behavior_logp_BN, mask))
     keep = (w <= hp.behave_weight_cap) & (mask > 0)
     loss = jnp.where(keep, core.sg(w) * loss, 0.0)
-    aux["keep_BT"] = keep.astype(jnp.float32)
+    aux["keep_BN"] = keep.astype(jnp.float32)
     aux["behave_drop_frac"] = core.metric(1.0 - keep, mask)
   return core.apply_mask(loss, mask), aux
 

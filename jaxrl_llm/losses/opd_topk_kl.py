@@ -23,17 +23,17 @@ class Hparams:
   token_clip: Optional[float] = None  # clamp each element to ±token_clip (OPSD uses 0.05); None = off.
 
 
-def topk_valid(ids_BTK, *logps_BTK):
+def topk_valid(ids_BNk, *logps_BNk):
   """Valid cache slots: id ≥ 0 and every log-prob finite (invalid slots never use -inf ids)."""
-  ok = ids_BTK >= 0
-  for x in logps_BTK:
+  ok = ids_BNk >= 0
+  for x in logps_BNk:
     ok = ok & jnp.isfinite(x)
   return ok
 
 
-def residual_log_mass(logp_BTK, ok_BTK):
+def residual_log_mass(logp_BNk, ok_BNk):
   """(log r, r > floor) for r = max(1 − Σ_k exp(logp_k), 0) over valid slots, float32, double-where safe."""
-  mass = jnp.where(ok_BTK, jnp.exp(logp_BTK), 0.0).sum(-1)
+  mass = jnp.where(ok_BNk, jnp.exp(logp_BNk), 0.0).sum(-1)
   r = 1.0 - mass
   has = r > RESIDUAL_FLOOR
   return jnp.where(has, jnp.log(jnp.where(has, r, 1.0)), 0.0), has
@@ -56,19 +56,19 @@ def opd_topk_kl(inputs, hp: Hparams):
   `residual=True` adds one tail class per side, p_r = 1 − Σ_k p_k and q_r = 1 − Σ_k q_k (clamped ≥ 0,
   q_r differentiable), so both compressed distributions sum to 1 and the KL on K+1 classes is ≤ the
   full KL (data processing). With K = V and no residual (or with it) the loss equals the dense KL.
-  Reads `student_topk_logp_BTK` (log π_θ at `teacher_topk_ids_BTK`, differentiable) and
-  `teacher_topk_logp_BTK`; not `logp_BT`. Invalid slots: id < 0 or a non-finite log-prob; teacher
+  Reads `student_topk_logp_BNk` (log π_θ at `teacher_topk_ids_BNk`, differentiable) and
+  `teacher_topk_logp_BNk`; not `logp_BN`. Invalid slots: id < 0 or a non-finite log-prob; teacher
   top-k ids are assumed distinct (sampled caches must be deduplicated first).
   On-policy: identical to its off-policy form (no ratio); the target is the teacher's, so staleness
   changes only the visited states.
   """
   if hp.direction not in DIRECTIONS:
     raise ValueError(f"loss.hparams.direction={hp.direction!r}: must be one of {DIRECTIONS}")
-  mask = inputs.mask_BT
-  ok = topk_valid(inputs.teacher_topk_ids_BTK, inputs.teacher_topk_logp_BTK, inputs.student_topk_logp_BTK)
+  mask = inputs.mask_BN
+  ok = topk_valid(inputs.teacher_topk_ids_BNk, inputs.teacher_topk_logp_BNk, inputs.student_topk_logp_BNk)
   ok = ok & (mask[..., None] > 0)
-  lp = jnp.where(ok, inputs.teacher_topk_logp_BTK.astype(jnp.float32), 0.0)
-  lq = jnp.where(ok, inputs.student_topk_logp_BTK.astype(jnp.float32), 0.0)
+  lp = jnp.where(ok, inputs.teacher_topk_logp_BNk.astype(jnp.float32), 0.0)
+  lq = jnp.where(ok, inputs.student_topk_logp_BNk.astype(jnp.float32), 0.0)
   lp = jax.lax.stop_gradient(lp)
   bound = core.LOG_RATIO_BOUND
   d = jnp.where(ok, jnp.clip(lq - lp, -bound, bound), 0.0)

@@ -21,7 +21,7 @@ def pg(inputs, hp: Hparams):
   staleness entirely (no ratio), so off-policy it is biased.
   """
   del hp
-  loss = core.reinforce(inputs.adv_BT, inputs.logp_BT, inputs.mask_BT)
+  loss = core.reinforce(inputs.adv_BN, inputs.logp_BN, inputs.mask_BN)
   return loss, {}
 
 

@@ -26,11 +26,11 @@ def ppo_clip(inputs, hp: Hparams):
   Anchor: `prox_logp` (recomputed π_old, or μ itself when the run's old-logp strategy is "behavior").
   On-policy (π_θ = π_old): r = 1, no clipping, gradient = vanilla PG gradient -Â·∇log π.
   """
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, inputs.mask_BT)
+  lr = core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, inputs.mask_BN)
   ratio = jnp.exp(lr)
-  loss, clipped = core.clipped_surrogate(ratio, inputs.adv_BT, hp.eps_low, hp.eps_high, hp.dual_clip)
-  aux = {"clip_frac": core.metric(clipped, inputs.mask_BT), **core.ratio_diagnostics(lr, inputs.mask_BT, "ratio")}
-  return core.apply_mask(loss, inputs.mask_BT), aux
+  loss, clipped = core.clipped_surrogate(ratio, inputs.adv_BN, hp.eps_low, hp.eps_high, hp.dual_clip)
+  aux = {"clip_frac": core.metric(clipped, inputs.mask_BN), **core.ratio_diagnostics(lr, inputs.mask_BN, "ratio")}
+  return core.apply_mask(loss, inputs.mask_BN), aux
 
 
 registry.register("ppo_clip", ppo_clip, Hparams, needs=("prox_logp",))

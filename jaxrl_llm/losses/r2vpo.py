@@ -38,16 +38,16 @@ def r2vpo(inputs, hp: Hparams):
   On-policy (π_θ = π_old): r ≡ 1, Var = 0 and its gradient 2λ(r − r̄)/N = 0, so the gradient is the
   vanilla PG gradient −Â·∇log π; λ then decays by η_λ·δ per step towards 0.
   """
-  mask = inputs.mask_BT
+  mask = inputs.mask_BN
   lam = jnp.asarray(inputs.state, jnp.float32)
-  lr = core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, mask)
+  lr = core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, mask)
   ratio = jnp.exp(lr)
   m = core.fmask(mask)
   n = m.sum()
   mean_r = jnp.where(m > 0, ratio, 0.0).sum() / jnp.maximum(n, 1.0)
   dev2 = jnp.square(ratio - mean_r)
   var = jnp.where(m > 0, dev2, 0.0).sum() / jnp.maximum(n, 1.0)
-  loss = -inputs.adv_BT * ratio + sg(lam) * (dev2 - hp.delta)
+  loss = -inputs.adv_BN * ratio + sg(lam) * (dev2 - hp.delta)
   new_lam = jnp.where(n > 0, jnp.maximum(0.0, lam + hp.dual_lr * (sg(var) - hp.delta)), lam)
   one = jnp.ones((), jnp.float32)
   aux = {

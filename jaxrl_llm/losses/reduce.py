@@ -8,7 +8,7 @@ Modes (verl names, so results compare across frameworks):
 B' counts sequences with L_b > 0. For seq-mean-token-sum-norm we follow the Aug-2026 verl convention
 (divide by B' and by L_norm); the Jan-2026 verl divided the total by L_norm only.
 
-Rejected tokens: a loss that masks tokens returns its effective mask as aux["keep_BT"]. With
+Rejected tokens: a loss that masks tokens returns its effective mask as aux["keep_BN"]. With
 `drop_rejected=False` (AReaL, verl IcePop) the denominator keeps the original token count, so masking
 does not inflate the remaining tokens' gradients; with `drop_rejected=True` (verl rejection sampling)
 rejected tokens leave the denominator: in the sequence modes L_b counts kept tokens, and a row whose
@@ -27,17 +27,17 @@ from jaxrl_llm.losses import core
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def reduce_parts(loss_BT, mask_BT, mode: str = "token-mean", *, keep_BT=None, drop_rejected: bool = False,
+def reduce_parts(loss_BN, mask_BN, mode: str = "token-mean", *, keep_BN=None, drop_rejected: bool = False,
                  norm_len: float | None = None):
   """Returns (numerator, denominator) of the aggregate; the loss is numerator / max(denominator, 1)."""
   if mode not in MODES:
     raise ValueError(f"loss.agg_mode={mode!r}: must be one of {MODES}")
-  if loss_BT.ndim == 1:  # sequence-level loss [B]: mean over non-empty sequences.
-    has = (core.seq_len(mask_BT) > 0).astype(jnp.float32)
-    return jnp.where(has > 0, loss_BT, 0.0).sum(), has.sum()
-  den_mask = keep_BT if (drop_rejected and keep_BT is not None) else mask_BT
+  if loss_BN.ndim == 1:  # sequence-level loss [B]: mean over non-empty sequences.
+    has = (core.seq_len(mask_BN) > 0).astype(jnp.float32)
+    return jnp.where(has > 0, loss_BN, 0.0).sum(), has.sum()
+  den_mask = keep_BN if (drop_rejected and keep_BN is not None) else mask_BN
   m = core.fmask(den_mask)
-  tok = jnp.where(core.fmask(mask_BT) > 0, loss_BT, 0.0)
+  tok = jnp.where(core.fmask(mask_BN) > 0, loss_BN, 0.0)
   if mode == "token-mean":
     return tok.sum(), m.sum()
   per_seq = tok.sum(-1)
@@ -52,9 +52,9 @@ def reduce_parts(loss_BT, mask_BT, mode: str = "token-mean", *, keep_BT=None, dr
   return jnp.where(has > 0, per_seq, 0.0).sum(), has.sum()
 
 
-def reduce(loss_BT, mask_BT, mode: str = "token-mean", **kw):
+def reduce(loss_BN, mask_BN, mode: str = "token-mean", **kw):
   """Scalar aggregate of a per-token (or per-sequence) loss; see `reduce_parts`."""
-  num, den = reduce_parts(loss_BT, mask_BT, mode, **kw)
+  num, den = reduce_parts(loss_BN, mask_BN, mode, **kw)
   return num / jnp.maximum(den, 1.0)
 
 
@@ -62,7 +62,7 @@ def combine_metrics(aux: dict) -> dict:
   """(sum, count) metrics -> means; names ending in `_max` hold a max. Reserved keys are dropped."""
   out = {}
   for k, v in aux.items():
-    if k in ("keep_BT", "state"):
+    if k in ("keep_BN", "state"):
       continue
     s, c = v
     out[k] = s if k.endswith("_max") else s / jnp.maximum(c, 1.0)

@@ -25,16 +25,16 @@ class Hparams:
 _DENOMINATORS = ("prox", "behavior")
 
 
-def sat_factors(d_BT, mask_BT, alpha, p):
+def sat_factors(d_BN, mask_BN, alpha, p):
   """Contraction factors (c₊, c₋), gate and q from the detached staleness proxy d.
 
   q = lower α-quantile of |d| over active tokens; a token is gated iff q > 0 and |d| > q (strict);
   gated tokens get c± = ψ(max(±d, 0); q), so only the endpoint on the side of sign(d) shrinks
   (c < ½ there); all other tokens keep c₊ = c₋ = 1.
   """
-  d = sg(d_BT).astype(jnp.float32)
-  q = sg(core.masked_quantile(jnp.abs(d), mask_BT, alpha))
-  gate = (mask_BT > 0) & (q > 0) & (jnp.abs(d) > q)
+  d = sg(d_BN).astype(jnp.float32)
+  q = sg(core.masked_quantile(jnp.abs(d), mask_BN, alpha))
+  gate = (mask_BN > 0) & (q > 0) & (jnp.abs(d) > q)
   q_safe = jnp.where(q > 0, q, 1.0)
   psi = lambda u: 1.0 / (1.0 + (u / q_safe) ** p)
   c_plus = jnp.where(gate, psi(jnp.maximum(d, 0.0)), 1.0)
@@ -45,17 +45,17 @@ def sat_factors(d_BT, mask_BT, alpha, p):
 def _denominator(inputs, hp):
   if hp.denominator not in _DENOMINATORS:
     raise ValueError(f"loss.hparams.denominator={hp.denominator!r}: must be one of {_DENOMINATORS}")
-  return inputs.prox_logp_BT if hp.denominator == "prox" else inputs.behavior_logp_BT
+  return inputs.prox_logp_BN if hp.denominator == "prox" else inputs.behavior_logp_BN
 
 
-def _sat_surrogate(ratio_BT, d_BT, inputs, hp):
-  mask = inputs.mask_BT
-  c_plus, c_minus, gate, q = sat_factors(d_BT, mask, hp.alpha, hp.hill_p)
+def _sat_surrogate(ratio_BN, d_BN, inputs, hp):
+  mask = inputs.mask_BN
+  c_plus, c_minus, gate, q = sat_factors(d_BN, mask, hp.alpha, hp.hill_p)
   if hp.enabled:
     eps_low, eps_high = hp.eps_low * c_minus, hp.eps_high * c_plus
   else:  # Python floats: exactly the base recipe's ops.
     eps_low, eps_high = hp.eps_low, hp.eps_high
-  loss, clipped = core.clipped_surrogate(ratio_BT, inputs.adv_BT, eps_low, eps_high)
+  loss, clipped = core.clipped_surrogate(ratio_BN, inputs.adv_BN, eps_low, eps_high)
   one = jnp.ones(())
   aux = {
       "clip_frac": core.metric(clipped, mask),
@@ -84,9 +84,9 @@ def sat(inputs, hp: Hparams):
   On-policy: d = 0, q = 0, nothing gated: PPO, hence the vanilla PG gradient.
   """
   den = _denominator(inputs, hp)
-  lr = core.safe_log_ratio(inputs.logp_BT, den, inputs.mask_BT)
+  lr = core.safe_log_ratio(inputs.logp_BN, den, inputs.mask_BN)
   loss, aux = _sat_surrogate(jnp.exp(lr), lr, inputs, hp)
-  return loss, {**aux, **core.ratio_diagnostics(lr, inputs.mask_BT, "ratio")}
+  return loss, {**aux, **core.ratio_diagnostics(lr, inputs.mask_BN, "ratio")}
 
 
 def sat_gspo(inputs, hp: Hparams):
@@ -98,7 +98,7 @@ def sat_gspo(inputs, hp: Hparams):
   grid uses 0.2/0.2). Use seq-mean-token-mean as for GSPO. On-policy: the vanilla PG gradient.
   """
   den = _denominator(inputs, hp)
-  log_s, _ = gspo.gspo_log_ratio(inputs.logp_BT, den, inputs.mask_BT, hp.max_log_ratio)
+  log_s, _ = gspo.gspo_log_ratio(inputs.logp_BN, den, inputs.mask_BN, hp.max_log_ratio)
   return _sat_surrogate(jnp.exp(log_s), log_s, inputs, hp)
 
 

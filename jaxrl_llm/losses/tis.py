@@ -35,30 +35,30 @@ class Hparams:
       raise ValueError(f"loss.hparams.cap={self.cap}: must be > 0")
 
 
-def truncated_weight(log_rho_BT, mask_BT, level: str, cap: float, batch_normalize: bool):
+def truncated_weight(log_rho_BN, mask_BN, level: str, cap: float, batch_normalize: bool):
   """Detached TIS weight min(ρ, C) per token, or per sequence broadcast over its tokens; 0 off the mask.
 
   Sequence level works in log space: log Π_t ρ_t = Σ_t log ρ_t is clamped to ±20 before `exp`.
   Batch normalisation (after truncation) divides by the mean weight: over counted tokens at token
   level, over non-empty sequences at sequence level (each response counts once).
-  Returns (w_BT, truncated_BT).
+  Returns (w_BN, truncated_BN).
   """
-  log_rho_BT = sg(log_rho_BT)
+  log_rho_BN = sg(log_rho_BN)
   if level == "token":
-    log_w = log_rho_BT
+    log_w = log_rho_BN
   else:
-    log_w_B = jnp.clip(core.seq_sum(log_rho_BT, mask_BT), -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND)
-    log_w = core.broadcast_seq(log_w_B, log_rho_BT)
+    log_w_B = jnp.clip(core.seq_sum(log_rho_BN, mask_BN), -core.LOG_RATIO_BOUND, core.LOG_RATIO_BOUND)
+    log_w = core.broadcast_seq(log_w_B, log_rho_BN)
   raw = jnp.exp(log_w)
   w = core.truncate(raw, cap)
   if batch_normalize:
     if level == "token":
-      mean = core.seq_sum(w, mask_BT).sum() / jnp.maximum(core.seq_len(mask_BT).sum(), 1.0)
+      mean = core.seq_sum(w, mask_BN).sum() / jnp.maximum(core.seq_len(mask_BN).sum(), 1.0)
     else:
-      has_B = core.seq_len(mask_BT) > 0
+      has_B = core.seq_len(mask_BN) > 0
       mean = jnp.where(has_B, w[:, 0], 0.0).sum() / jnp.maximum(has_B.sum(), 1)
     w = w / jnp.maximum(mean, 1e-8)
-  return core.apply_mask(w, mask_BT), raw > cap
+  return core.apply_mask(w, mask_BN), raw > cap
 
 
 def tis(inputs, hp: Hparams):
@@ -73,24 +73,24 @@ def tis(inputs, hp: Hparams):
   (the length trap); sequence caps are usually larger (2-10).
   Paper: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training" (TIS blog).
   Needs: both `prox_logp` and `behavior_logp` are declared because needs are static per name; bypass
-  mode never reads `prox_logp_BT`.
+  mode never reads `prox_logp_BN`.
   On-policy (π_θ = π_old = μ): ρ = 1 ≤ C, w = 1, and the gradient is the vanilla PG gradient -Â·∇log π.
   """
-  mask = inputs.mask_BT
+  mask = inputs.mask_BN
   if hp.mode == "decoupled":
-    log_rho = core.safe_log_ratio(sg(inputs.prox_logp_BT), sg(inputs.behavior_logp_BT), mask)
+    log_rho = core.safe_log_ratio(sg(inputs.prox_logp_BN), sg(inputs.behavior_logp_BN), mask)
   else:
-    log_rho = core.safe_log_ratio(sg(inputs.logp_BT), sg(inputs.behavior_logp_BT), mask)
+    log_rho = core.safe_log_ratio(sg(inputs.logp_BN), sg(inputs.behavior_logp_BN), mask)
   w, truncated = truncated_weight(log_rho, mask, hp.level, hp.cap, hp.batch_normalize)
   aux = {"is_weight": core.metric(w, mask), "is_truncated_frac": core.metric(truncated, mask),
          **core.ratio_diagnostics(log_rho, mask, "mismatch_ratio")}
   if hp.mode == "decoupled":
-    lr = core.safe_log_ratio(inputs.logp_BT, sg(inputs.prox_logp_BT), mask)
-    surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BT, hp.eps_low, hp.eps_high, hp.dual_clip)
+    lr = core.safe_log_ratio(inputs.logp_BN, sg(inputs.prox_logp_BN), mask)
+    surr, clipped = core.clipped_surrogate(jnp.exp(lr), inputs.adv_BN, hp.eps_low, hp.eps_high, hp.dual_clip)
     loss = w * surr
     aux["clip_frac"] = core.metric(clipped, mask)
   else:
-    loss = core.reinforce(w * inputs.adv_BT, inputs.logp_BT, mask)
+    loss = core.reinforce(w * inputs.adv_BN, inputs.logp_BN, mask)
   return core.apply_mask(loss, mask), aux
 
 

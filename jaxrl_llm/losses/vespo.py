@@ -31,10 +31,10 @@ class Hparams:
 def vespo_log_weight(inputs, hp: Hparams):
   """Detached sequence log-weight log W_i = clip(Σ_t m·clip(log π_θ/π_old) [+ Σ_t m·log min(ρ_t, C)], ±seq_bound),
   ρ_t = π_old/μ (log clamped to ±token_bound), C = tis_cap."""
-  mask = inputs.mask_BT
-  log_w = core.seq_sum(core.safe_log_ratio(inputs.logp_BT, inputs.prox_logp_BT, mask, hp.token_bound), mask)
+  mask = inputs.mask_BN
+  log_w = core.seq_sum(core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, mask, hp.token_bound), mask)
   if hp.tis:
-    log_rho = core.safe_log_ratio(inputs.prox_logp_BT, inputs.behavior_logp_BT, mask, hp.token_bound)
+    log_rho = core.safe_log_ratio(inputs.prox_logp_BN, inputs.behavior_logp_BN, mask, hp.token_bound)
     if hp.tis_cap is not None:
       if hp.tis_cap <= 0:
         raise ValueError(f"loss.hparams.tis_cap={hp.tis_cap!r}: must be positive or None")
@@ -62,13 +62,13 @@ def vespo(inputs, hp: Hparams):
   Metric `log_w_at_bound`: fraction of sequences whose |log W| hit the clamp (φ ≈ 0: silently dropped).
   On-policy (π_θ = π_old, no TIS): log W = 0, φ = 1 exactly, gradient = vanilla PG gradient.
   """
-  mask = inputs.mask_BT
+  mask = inputs.mask_BN
   log_w_B = vespo_log_weight(inputs, hp)
-  pos_B = core.seq_advantage(inputs.adv_BT, mask) >= 0
+  pos_B = core.seq_advantage(inputs.adv_BN, mask) >= 0
   k_B = jnp.where(pos_B, hp.k_pos, hp.k_neg)
   lam_B = jnp.where(pos_B, hp.lam_pos, hp.lam_neg)
   phi_B = vespo_kernel(log_w_B, k_B, lam_B)
-  loss = core.reinforce(core.broadcast_seq(phi_B, inputs.adv_BT) * inputs.adv_BT, inputs.logp_BT, mask)
+  loss = core.reinforce(core.broadcast_seq(phi_B, inputs.adv_BN) * inputs.adv_BN, inputs.logp_BN, mask)
   has_B = core.seq_len(mask) > 0
   aux = {
       "phi_mean": core.seq_metric(phi_B, has_B),

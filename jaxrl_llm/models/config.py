@@ -9,8 +9,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-_REMAT = (False, True, "none", "full", "dots")
+from jaxrl_llm import model_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,33 +74,10 @@ class ModelConfig:
   family: str | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                 "max_seq_len"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"model.{name} must be a positive int, got {value!r}")
-    if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
-    if self.head_dim % 2:
-      raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-    for name in ("rope_theta", "rms_eps", "init_std"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
-    for name in ("param_dtype", "dtype"):
-      if getattr(self, name) not in _FLOAT_DTYPES:
-        raise ValueError(f"model.{name} must be one of {_FLOAT_DTYPES}, got {getattr(self, name)!r}")
-
-    if self.remat not in _REMAT:
-      raise ValueError(f"model.remat must be one of {_REMAT}, got {self.remat!r}")
-    if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
-      raise ValueError(f"model.num_experts must be an int >= 0 (0 = dense), got {self.num_experts!r}")
-    if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
-      raise ValueError(f"model.experts_per_token={self.experts_per_token!r} must be in [1, "
-                       f"model.num_experts={self.num_experts}]")
-    if not isinstance(self.layer_unroll, int) or isinstance(self.layer_unroll, bool) or self.layer_unroll < 1:
-      raise ValueError(f"model.layer_unroll must be an int >= 1, got {self.layer_unroll!r}")
-    if not self.capacity_factor >= 0:
-      raise ValueError(f"model.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor!r}")
+    bad = model_fields.check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+    if bad is not None:
+      name, value, why = bad
+      raise ValueError(f"model.{name}={value!r}: {why}")
 
   @property
   def is_moe(self) -> bool:

@@ -20,7 +20,8 @@ def rms_norm(x_BTD: Array, w_D: Array, eps: float) -> Array:
   """RMSNorm over the last axis, statistics in float32, scale applied in x's dtype (HF order)."""
   x32 = x_BTD.astype(jnp.float32)
   normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return w_D.astype(x_BTD.dtype) * normed.astype(x_BTD.dtype)
+  w = jnp.expand_dims(w_D.astype(x_BTD.dtype), tuple(range(x_BTD.ndim - 1)))  # [1, ..., 1, D]: explicit broadcast
+  return w * normed.astype(x_BTD.dtype)
 
 
 def rope(x_BTHd: Array, positions_BT: Array, theta: float) -> Array:
@@ -30,7 +31,7 @@ def rope(x_BTHd: Array, positions_BT: Array, theta: float) -> Array:
   """
   hd = x_BTHd.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-  angles_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  angles_BTh = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
   angles_BTd = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(angles_BTd).astype(x_BTHd.dtype), jnp.sin(angles_BTd).astype(x_BTHd.dtype)
   x1, x2 = jnp.split(x_BTHd, 2, axis=-1)
@@ -47,19 +48,19 @@ KV_LAYOUTS = {"BSKd": ("bskd", "bskd"), "decode": ("bksd", "bkds")}
 def attention(q_BTHd: Array, k: Array, v: Array, mask_BTS: Array, kv_layout: str = "BSKd") -> Array:
   """Grouped-query softmax attention with scale 1/sqrt(head_dim).
 
-  Each of the K key/value heads serves G = H // K consecutive query heads (HF layout).
+  Each of the K key/value heads serves Q = H // K consecutive query heads (HF layout).
   Keys and values are [B, S, K, hd], or in `kv_layout="decode"` keys [B, K, S, hd] and values
   [B, K, hd, S]. Scores and softmax are float32; every query row must allow at least one key.
   """
   B, T, H, hd = q_BTHd.shape
   k_spec, v_spec = KV_LAYOUTS[kv_layout]
   K = k.shape[k_spec.index("k")]
-  q_BTKGd = q_BTHd.reshape(B, T, K, H // K, hd)
-  scores_BKGTS = jnp.einsum(f"btkgd,{k_spec}->bkgts", q_BTKGd, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
-  scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
-  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v.dtype)
-  out_BTKGd = jnp.einsum(f"bkgts,{v_spec}->btkgd", probs_BKGTS, v)
-  return out_BTKGd.reshape(B, T, H, hd)
+  q_BTKQd = q_BTHd.reshape(B, T, K, H // K, hd)
+  scores_BKQTS = jnp.einsum(f"btkqd,{k_spec}->bkqts", q_BTKQd, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+  scores_BKQTS = jnp.where(mask_BTS[:, None, None], scores_BKQTS, MASK_VALUE)
+  probs_BKQTS = jax.nn.softmax(scores_BKQTS, axis=-1).astype(v.dtype)
+  out_BTKQd = jnp.einsum(f"bkqts,{v_spec}->btkqd", probs_BKQTS, v)
+  return out_BTKQd.reshape(B, T, H, hd)
 
 
 def project(x_BTD: Array, w_D_: Array, preferred_element_type=None) -> Array:

@@ -29,7 +29,7 @@ def logprobs_from_logits(logits_BTV: Array, targets_BT: Array, temperature: floa
 
 
 def _head_stats(logits_BCV: Array, targets_BC: Array, temperature: float, with_entropy: bool,
-                topk: int, gather_ids_BCK: Array | None = None) -> dict:
+                topk: int, gather_ids_BCk: Array | None = None) -> dict:
   """Per-token statistics of softmax(logits / temperature) for one chunk."""
   scaled_BCV = logits_BCV / temperature
   lse_BC = jax.nn.logsumexp(scaled_BCV, axis=-1)
@@ -39,16 +39,16 @@ def _head_stats(logits_BCV: Array, targets_BC: Array, temperature: float, with_e
     probs_BCV = jnp.exp(scaled_BCV - lse_BC[..., None])
     out["entropy_BT"] = lse_BC - jnp.sum(probs_BCV * scaled_BCV, axis=-1)
   if topk:
-    vals_BCK, ids_BCK = jax.lax.top_k(scaled_BCV, topk)
-    out["topk_logp_BTK"] = vals_BCK - lse_BC[..., None]
-    out["topk_ids_BTK"] = ids_BCK
+    vals_BCk, ids_BCk = jax.lax.top_k(scaled_BCV, topk)
+    out["topk_logp_BTk"] = vals_BCk - lse_BC[..., None]
+    out["topk_ids_BTk"] = ids_BCk
     # log(1 - sum_k p_k) from the logits outside the top-k (exact; no 1 - sum cancellation).
-    b_BCK, c_BCK = jnp.indices(ids_BCK.shape)[:2]
-    in_top_BCV = jnp.zeros(scaled_BCV.shape, bool).at[b_BCK, c_BCK, ids_BCK].set(True)
+    b_BCk, c_BCk = jnp.indices(ids_BCk.shape)[:2]
+    in_top_BCV = jnp.zeros(scaled_BCV.shape, bool).at[b_BCk, c_BCk, ids_BCk].set(True)
     out["topk_residual_logp_BT"] = jax.nn.logsumexp(jnp.where(in_top_BCV, -jnp.inf, scaled_BCV), axis=-1) - lse_BC
-  if gather_ids_BCK is not None:
-    got_BCK = jnp.take_along_axis(scaled_BCV, jnp.maximum(gather_ids_BCK, 0), axis=-1) - lse_BC[..., None]
-    out["gathered_logp_BTK"] = jnp.where(gather_ids_BCK >= 0, got_BCK, -jnp.inf)
+  if gather_ids_BCk is not None:
+    got_BCk = jnp.take_along_axis(scaled_BCV, jnp.maximum(gather_ids_BCk, 0), axis=-1) - lse_BC[..., None]
+    out["gathered_logp_BTk"] = jnp.where(gather_ids_BCk >= 0, got_BCk, -jnp.inf)
   return out
 
 
@@ -56,7 +56,7 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
                    positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
                    temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
                    topk: int = 0, perturb: tuple[Array, Array] | None = None,
-                   routes_BTLk: Array | None = None, query_start: int = 0, gather_ids_BTK: Array | None = None,
+                   routes_BTLk: Array | None = None, query_start: int = 0, gather_ids_BTk: Array | None = None,
                    max_chunk_elements: int = MAX_CHUNK_ELEMENTS, return_hidden: bool = False) -> dict:
   """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
 
@@ -73,16 +73,16 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     topk: if > 0, also return the k most likely ids, their log-probs and the log of the rest's mass.
     query_start: static; score only targets query_start..T-1 (see `hidden_with_routing`): the
       per-token outputs then have T - query_start positions.
-    gather_ids_BTK: optional int ids [B, T - query_start, K]; also return the log-probs at them
+    gather_ids_BTk: optional int ids [B, T - query_start, k]; also return the log-probs at them
       (differentiable; -inf at ids < 0), e.g. the student at the teacher's top-k ids.
     max_chunk_elements: cap on B * C * V per chunk (see `chunk_positions`).
     return_hidden: also return "hidden_BTD", the final hidden states of the scored positions (compute
       dtype, differentiable), e.g. for a `vocab_chunks.VocabHead` of full-distribution losses.
 
   Returns:
-    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTK", "topk_ids_BTK",
+    dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTk", "topk_ids_BTk",
     "topk_residual_logp_BT" (log(1 - sum of the top-k probabilities); -inf when they hold all the mass),
-    "gathered_logp_BTK"; for an MoE model also "routes_BTLk" (expert ids used) and the scalar
+    "gathered_logp_BTk"; for an MoE model also "routes_BTLk" (expert ids used) and the scalar
     "router_aux_loss".
   """
   if isinstance(temperature, (int, float)) and temperature <= 0:
@@ -91,7 +91,7 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
                                       segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk,
                                       query_start=query_start)
   out = {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
-                        chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                        chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTk=gather_ids_BTk,
                         max_chunk_elements=max_chunk_elements), **routing}
   if return_hidden:
     out["hidden_BTD"] = h_BTD
@@ -128,7 +128,7 @@ def query_hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, query_star
 def token_logprobs_shared(params: dict, tokens_BT: Array, targets_BT: Array, cfg: ModelConfig, *, query_start: int,
                           group_size: int, positions_BT: Array | None = None, segment_ids_BT: Array | None = None,
                           temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
-                          topk: int = 0, gather_ids_BTK: Array | None = None,
+                          topk: int = 0, gather_ids_BTk: Array | None = None,
                           max_chunk_elements: int = MAX_CHUNK_ELEMENTS, return_hidden: bool = False) -> dict:
   """`token_logprobs` (dense model, no perturbation or route replay) with the columns before
   `query_start` computed once per group of `group_size` rows that share them (`query_hidden`):
@@ -136,7 +136,7 @@ def token_logprobs_shared(params: dict, tokens_BT: Array, targets_BT: Array, cfg
   h_BTD = query_hidden(params, tokens_BT, cfg, query_start=query_start, group_size=group_size,
                        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
   out = head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
-                      chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTK=gather_ids_BTK,
+                      chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTk=gather_ids_BTk,
                       max_chunk_elements=max_chunk_elements)
   if return_hidden:
     out["hidden_BTD"] = h_BTD
@@ -144,17 +144,17 @@ def token_logprobs_shared(params: dict, tokens_BT: Array, targets_BT: Array, cfg
 
 
 def head_logprobs(h_BTD: Array, targets_BT: Array, w_DV: Array, *, temperature: float = 1.0, chunk_size: int = 256,
-                  with_entropy: bool = False, topk: int = 0, gather_ids_BTK: Array | None = None,
+                  with_entropy: bool = False, topk: int = 0, gather_ids_BTk: Array | None = None,
                   max_chunk_elements: int = MAX_CHUNK_ELEMENTS) -> dict:
   """The chunked lm-head of `token_logprobs` on given final hidden states `h_BTD` (compute dtype) and
   head weights `w_DV` (`models.lm_head_weights`): per-token statistics without any [B, T, V] array.
   Arguments and outputs as in `token_logprobs` (targets already aligned with h_BTD)."""
   B, T, _ = h_BTD.shape
   C = chunk_positions(B, T, w_DV.shape[-1], chunk_size, max_chunk_elements)
-  xs = (h_BTD, targets_BT) + (() if gather_ids_BTK is None else (gather_ids_BTK,))
+  xs = (h_BTD, targets_BT) + (() if gather_ids_BTk is None else (gather_ids_BTk,))
 
-  def chunk(w_DV, h_BCD, targets_BC, gather_ids_BCK=None):
+  def chunk(w_DV, h_BCD, targets_BC, gather_ids_BCk=None):
     logits_BCV = project(h_BCD, w_DV, preferred_element_type=jnp.float32)
-    return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk, gather_ids_BCK)
+    return _head_stats(logits_BCV, targets_BC, temperature, with_entropy, topk, gather_ids_BCk)
 
   return map_time_chunks(chunk, w_DV, xs, C)

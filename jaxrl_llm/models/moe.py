@@ -8,13 +8,13 @@ experts, Mixtral / Qwen3-MoE `norm_topk_prob`), so with replayed ids the router 
 Capacity policy. Tokens are dispatched per batch row (one row = one group) with GShard-style one-hot
 dispatch/combine einsums, which GSPMD partitions over the `expert` mesh axis (the expert weights are
 sharded on E; each shard computes only its experts, and the combine reduces over E).
-  - `capacity_factor == 0` (default): **dropless**. Capacity C = T, the most tokens of one row an
+  - `capacity_factor == 0` (default): **dropless**. Capacity X = T, the most tokens of one row an
     expert can receive (a token picks an expert at most once), so no assignment is ever dropped and a
     token's output does not depend on the other tokens of its row: decode (T = 1) and the learner's
-    full-sequence forward compute the same function. Cost: an O(T·E·C) dispatch tensor per row.
-  - `capacity_factor > 0`: C = min(T, ceil(capacity_factor · T · k / E)). Slots are filled in
+    full-sequence forward compute the same function. Cost: an O(T·E·X) dispatch tensor per row.
+  - `capacity_factor > 0`: X = min(T, ceil(capacity_factor · T · k / E)). Slots are filled in
     choice-major order (every token's first choice before any second choice, then by position);
-    assignments past C are dropped: they contribute 0 and the remaining gates are *not*
+    assignments past X are dropped: they contribute 0 and the remaining gates are *not*
     renormalised (the residual stream carries the token). Drops depend on the other tokens in the
     row, so a sampler decoding one token at a time and a learner scoring the whole row can disagree:
     keep the dropless default for RL unless memory forces otherwise.
@@ -61,23 +61,23 @@ def capacity(T: int, k: int, E: int, capacity_factor: float) -> int:
   return max(1, min(T, math.ceil(capacity_factor * T * k / E)))
 
 
-def dispatch_masks(ids_BTk: Array, gates_BTk: Array, E: int, C: int) -> tuple[Array, Array]:
-  """(dispatch_BTEC in {0,1}, combine_BTEC = gate at the token's slot) under capacity C.
+def dispatch_masks(ids_BTk: Array, gates_BTk: Array, E: int, X: int) -> tuple[Array, Array]:
+  """(dispatch_BTEX in {0,1}, combine_BTEX = gate at the token's slot) under capacity X.
 
   Slot of an assignment = how many earlier assignments (choice-major, then position) went to the
-  same expert in this row; slots >= C are dropped.
+  same expert in this row; slots >= X are dropped.
   """
   B, T, k = ids_BTk.shape
   onehot_BkTE = jax.nn.one_hot(ids_BTk.swapaxes(1, 2), E, dtype=jnp.int32)  # choice-major order
-  flat_BME = onehot_BkTE.reshape(B, k * T, E)
-  slot_BME = jnp.cumsum(flat_BME, axis=1) - 1
-  slot_BkT = jnp.sum(slot_BME * flat_BME, axis=-1).reshape(B, k, T)
-  kept_BkT = slot_BkT < C
-  slot_onehot_BkTC = jax.nn.one_hot(jnp.where(kept_BkT, slot_BkT, C), C, dtype=jnp.float32)  # dropped: all 0
-  dispatch_BkTEC = onehot_BkTE.astype(jnp.float32)[..., None] * slot_onehot_BkTC[:, :, :, None, :]
-  dispatch_BTEC = jnp.sum(dispatch_BkTEC, axis=1)
-  combine_BTEC = jnp.einsum("bktec,bkt->btec", dispatch_BkTEC, gates_BTk.swapaxes(1, 2))
-  return dispatch_BTEC, combine_BTEC
+  # Running count per expert over the assignments flattened choice-major ((k, T) -> k·T), minus one.
+  slot_BkTE = (jnp.cumsum(onehot_BkTE.reshape(B, k * T, E), axis=1) - 1).reshape(B, k, T, E)
+  slot_BkT = jnp.sum(slot_BkTE * onehot_BkTE, axis=-1)
+  kept_BkT = slot_BkT < X
+  slot_onehot_BkTX = jax.nn.one_hot(jnp.where(kept_BkT, slot_BkT, X), X, dtype=jnp.float32)  # dropped: all 0
+  dispatch_BkTEX = onehot_BkTE.astype(jnp.float32)[..., None] * slot_onehot_BkTX[:, :, :, None, :]
+  dispatch_BTEX = jnp.sum(dispatch_BkTEX, axis=1)
+  combine_BTEX = jnp.einsum("bktex,bkt->btex", dispatch_BkTEX, gates_BTk.swapaxes(1, 2))
+  return dispatch_BTEX, combine_BTEX
 
 
 def load_balance_stats(logits_BTE: Array, ids_BTk: Array, real_BT: Array) -> tuple[Array, Array]:
@@ -116,14 +116,14 @@ def moe_mlp(x_BTD: Array, p: dict, *, k: int, capacity_factor: float = 0.0, forc
   E = p["router"].shape[-1]
   logits_BTE = router_logits(x_BTD, p["router"])
   ids_BTk, gates_BTk = select_experts(logits_BTE, k, forced_ids_BTk)
-  C = capacity(T, k, E, capacity_factor)
-  dispatch_BTEC, combine_BTEC = dispatch_masks(ids_BTk, gates_BTk, E, C)
+  X = capacity(T, k, E, capacity_factor)
+  dispatch_BTEX, combine_BTEX = dispatch_masks(ids_BTk, gates_BTk, E, X)
   dt = x_BTD.dtype
-  xin_BECD = jnp.einsum("btec,btd->becd", dispatch_BTEC.astype(dt), x_BTD)
-  gate_BECF = jnp.einsum("becd,edf->becf", xin_BECD, p["w_gate"])
-  up_BECF = jnp.einsum("becd,edf->becf", xin_BECD, p["w_up"])
-  out_BECD = jnp.einsum("becf,efd->becd", jax.nn.silu(gate_BECF) * up_BECF, p["w_down"])
-  y_BTD = jnp.einsum("btec,becd->btd", combine_BTEC.astype(dt), out_BECD)
+  xin_BEXD = jnp.einsum("btex,btd->bexd", dispatch_BTEX.astype(dt), x_BTD)
+  gate_BEXF = jnp.einsum("bexd,edf->bexf", xin_BEXD, p["w_gate"])
+  up_BEXF = jnp.einsum("bexd,edf->bexf", xin_BEXD, p["w_up"])
+  out_BEXD = jnp.einsum("bexf,efd->bexd", jax.nn.silu(gate_BEXF) * up_BEXF, p["w_down"])
+  y_BTD = jnp.einsum("btex,bexd->btd", combine_BTEX.astype(dt), out_BEXD)
   if real_BT is None:
     real_BT = jnp.ones((B, T), jnp.float32)
   aux = load_balance_loss(*load_balance_stats(logits_BTE, ids_BTk, real_BT), k)

@@ -160,7 +160,7 @@ def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig, q0: int =
   q_BTHd = project(x_BTD[:, q0:], p["wq"])
   k_BTKd, v_BTKd = project(x_BTD, p["wk"]), project(x_BTD, p["wv"])
   if cfg.attn_bias:
-    q_BTHd, k_BTKd, v_BTKd = q_BTHd + p["bq"], k_BTKd + p["bk"], v_BTKd + p["bv"]
+    q_BTHd, k_BTKd, v_BTKd = q_BTHd + p["bq"][None, None], k_BTKd + p["bk"][None, None], v_BTKd + p["bv"][None, None]
   if cfg.qk_norm:
     q_BTHd = rms_norm(q_BTHd, p["q_norm"], cfg.rms_eps)
     k_BTKd = rms_norm(k_BTKd, p["k_norm"], cfg.rms_eps)
@@ -307,26 +307,26 @@ def hidden_shared_prefix(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pr
   positions_BT, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
   pos_bP, seg_bP = positions_BT[::G, :Pp], segment_ids_BT[::G, :Pp]
-  pos_BS, seg_BS = positions_BT[:, Pp:], segment_ids_BT[:, Pp:]
+  pos_BN, seg_BN = positions_BT[:, Pp:], segment_ids_BT[:, Pp:]
   mask_bPP = cache_lib.attention_mask(seg_bP, seg_bP)
-  # Suffix queries: their group's prefix (no causal limit: it precedes them), then causally their own columns.
-  to_prefix_BSP = seg_BS[:, :, None] == jnp.repeat(seg_bP, G, axis=0)[:, None, :]
-  mask_BSX = jnp.concatenate([to_prefix_BSP, cache_lib.attention_mask(seg_BS, seg_BS)], axis=2)
+  # Response queries: their group's prompt prefix (no causal limit: it precedes them), then causally their own columns.
+  to_prefix_BNP = seg_BN[:, :, None] == jnp.repeat(seg_bP, G, axis=0)[:, None, :]
+  mask_BNS = jnp.concatenate([to_prefix_BNP, cache_lib.attention_mask(seg_BN, seg_BN)], axis=2)
 
   def layer(h, p_l):
-    h_bPD, h_BSD = h
+    h_bPD, h_BND = h
     q_bPHd, k_bPKd, v_bPKd = _qkv(rms_norm(h_bPD, p_l["attn_norm"], cfg.rms_eps), p_l, pos_bP, cfg)
-    q_BSHd, k_BSKd, v_BSKd = _qkv(rms_norm(h_BSD, p_l["attn_norm"], cfg.rms_eps), p_l, pos_BS, cfg)
-    k_BXKd = jnp.concatenate([jnp.repeat(k_bPKd, G, axis=0), k_BSKd], axis=1)
-    v_BXKd = jnp.concatenate([jnp.repeat(v_bPKd, G, axis=0), v_BSKd], axis=1)
+    q_BNHd, k_BNKd, v_BNKd = _qkv(rms_norm(h_BND, p_l["attn_norm"], cfg.rms_eps), p_l, pos_BN, cfg)
+    k_BSKd = jnp.concatenate([jnp.repeat(k_bPKd, G, axis=0), k_BNKd], axis=1)
+    v_BSKd = jnp.concatenate([jnp.repeat(v_bPKd, G, axis=0), v_BNKd], axis=1)
     h_bPD, _ = _finish_layer(h_bPD, attention(q_bPHd, k_bPKd, v_bPKd, mask_bPP), p_l, cfg)
-    h_BSD, _ = _finish_layer(h_BSD, attention(q_BSHd, k_BXKd, v_BXKd, mask_BSX), p_l, cfg)
-    return (h_bPD, h_BSD), None
+    h_BND, _ = _finish_layer(h_BND, attention(q_BNHd, k_BSKd, v_BSKd, mask_BNS), p_l, cfg)
+    return (h_bPD, h_BND), None
 
   h0 = (_embed(p, tokens_BT[::G, :Pp]), _embed(p, tokens_BT[:, Pp:]))
-  (h_bPD, h_BSD), _ = jax.lax.scan(_remat(layer, cfg), h0, p["layers"], unroll=cfg.layer_unroll)
-  h_BXD = jnp.concatenate([jnp.repeat(h_bPD[:, -1:], G, axis=0), h_BSD], axis=1)
-  return rms_norm(h_BXD, p["final_norm"], cfg.rms_eps)
+  (h_bPD, h_BND), _ = jax.lax.scan(_remat(layer, cfg), h0, p["layers"], unroll=cfg.layer_unroll)
+  # The last prompt position (its output scores the first response token), then the response positions.
+  return rms_norm(jnp.concatenate([jnp.repeat(h_bPD[:, -1:], G, axis=0), h_BND], axis=1), p["final_norm"], cfg.rms_eps)
 
 
 def hidden(params: dict, tokens_BT: Array, cfg: ModelConfig, *, positions_BT: Array | None = None,

@@ -24,16 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.keys import fold_in
+from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import collect, old_logp
 from jaxrl_llm.rollout.admission import Admission
-from jaxrl_llm.rollout.buffer import Buffer, Trajectory, lag
+from jaxrl_llm.rollout.buffer import Buffer, group_record, lag
+from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.param_store import ParamStore, Snapshot
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling import partial as partial_lib
-from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
-from jaxrl_llm.tasks.reward import RewardPolicy
 
-RolloutFn = Callable[[Snapshot, int], Trajectory]
+RolloutFn = Callable[[Snapshot, int], Rollout]
 
 
 def prompt_for_request(train_examples, request_id: int, seed: int) -> dict:
@@ -47,58 +47,48 @@ def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
   return fold_in(fold_in(root, version), request_id)
 
 
-def make_group_rollout(task, train_examples, *, width: int, group_size: int, seed: int, key_root: jax.Array,
-                       model_cfg, sampler_cfg, store: ParamStore | None = None,
+def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | None = None,
                        chunk_steps: int | None = None, reprefill: bool = False,
-                       keep_routes: bool = False, score_fn: Callable | None = None,
-                       encoder: Encoder = CHAR_ENCODER,
-                       reward_policy: RewardPolicy = RewardPolicy()) -> RolloutFn:
-  """The standard `rollout_fn(snapshot, request_id) -> Trajectory`: one prompt, G completions.
+                       score_fn: Callable | None = None) -> RolloutFn:
+  """The standard `rollout_fn(snapshot, request_id) -> Rollout`: one prompt, G completions, as a buffer
+  group (`buffer.group_record`), generated and scored by the run's `Generation` (`gen.finish`).
 
   With `chunk_steps` (partial rollouts) the group decodes in chunks and switches to the newest
-  snapshot of `store` between chunks (keeping the KV cache unless `reprefill`); `versions_GN`
+  snapshot of `store` between chunks (keeping the KV cache unless `reprefill`); `versions_BN`
   records the version of every token. Otherwise the whole group uses the admitted snapshot.
-  `keep_routes` (MoE, routing replay R3): the trajectory carries the sampler's expert ids `routes_GTLk`.
+  `gen.keep_routes` (MoE, routing replay R3): the group carries the sampler's expert ids `routes_BTLk`.
   `score_fn` (`learner.make_score_fn`, for `old_logp=recompute`): the worker also scores π_old of
-  every token with the learner-dtype snapshot of its generating version (`prox_logp_GN`), so the
+  every token with the learner-dtype snapshot of its generating version (`prox_logp_BN`), so the
   learner does not spend a forward per distinct version of its batch.
-  `encoder`: the run's prompt encoder (`tasks.encoder`); its tokenizer decodes the completions.
-  `reward_policy`: time limit, bound and executor of the reward calls; the group records how many failed.
   A snapshot generates from its `worker_params`, made when it was published (several processes: each
   process's own replica, `ParamStore(view=multiprocess.local_view)`); a worker builds no arrays from it.
+  Workers run on their own process's devices: `gen.mesh` is not used here.
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
 
-  def rollout(snap: Snapshot, request_id: int) -> Trajectory:
-    example = prompt_for_request(train_examples, request_id, seed)
-    p = collect.encode_prompts([example] * group_size, width, encoder)
-    key = rollout_key(key_root, snap.version, request_id)
+  def rollout(snap: Snapshot, request_id: int) -> Rollout:
+    example = prompt_for_request(gen.train_examples, request_id, gen.seed)
+    p = collect.encode_prompts([example] * group_size, gen.width, gen.encoder)
+    key = rollout_key(gen.key_root, snap.version, request_id)
     args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
     if chunk_steps is None:
-      out = generate(worker_params(snap), *args, model_cfg, sampler_cfg)
+      out = generate(worker_params(snap), *args, gen.model_cfg, gen.sampler_cfg)
       versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
     else:
-      out = partial_lib.generate_partial(snap.version, worker_params(snap), store_poller(store), *args, model_cfg,
-                                         sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
+      out = partial_lib.generate_partial(snap.version, worker_params(snap), store_poller(store), *args, gen.model_cfg,
+                                         gen.sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
       versions_GN = np.asarray(out["versions_BN"])
-    out = jax.tree.map(np.asarray, out)
-    routes_GTLk = out["routes_BTLk"] if keep_routes and "routes_BTLk" in out else None
-    prox_GN = None if score_fn is None else prox_at_versions(score_fn, store, snap, out, versions_GN, routes_GTLk)
-    reward_G, counts, _ = collect.score_completions(task, p.examples, out["tokens_BN"], reward_policy,
-                                                    tokenizer=encoder.tokenizer)
-    return Trajectory(
-        request_id=request_id, group_id=int(example["example_id"]), start_version=snap.version,
-        sequence_GT=out["sequence_BT"], positions_GT=out["positions_BT"], segment_ids_GT=out["segment_ids_BT"],
-        tokens_GN=out["tokens_BN"], mask_GN=out["mask_BN"], behavior_logp_GN=out["behavior_logp_BN"],
-        versions_GN=versions_GN, reward_G=reward_G, prompt=dict(example), routes_GTLk=routes_GTLk,
-        prox_logp_GN=prox_GN, reward_errors=counts["error"] + counts["timeout"])
+    group = gen.finish(jax.tree.map(np.asarray, out), p.examples, versions_GN)  # scored here: no other process
+    if score_fn is not None:
+      group = group.replace(prox_logp_BN=prox_at_versions(score_fn, store, snap, group))
+    return group_record(group, request_id=request_id, example_id=int(example["example_id"]),
+                        start_version=snap.version)
 
   return rollout
 
 
-def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapshot, out: dict, versions_GN: np.ndarray,
-                     routes_GTLk: np.ndarray | None) -> np.ndarray | None:
+def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapshot, group: Rollout) -> np.ndarray | None:
   """π_old of a finished group: each token scored by the learner-dtype copy of the version that generated it
   (`old_logp.score_at_versions`, the learner's `recompute` on a worker).
 
@@ -115,10 +105,10 @@ def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapsho
     with old_logp.store_pin(store)(v) as snap:
       yield snap
 
-  seq = old_logp.rollout_seq(out)
-  routes = None if routes_GTLk is None else jnp.asarray(routes_GTLk)
+  seq = old_logp.rollout_seq(group)
+  routes = None if group.routes_BTLk is None else jnp.asarray(group.routes_BTLk)
   try:
-    return np.asarray(old_logp.score_at_versions(score_fn, versions_GN, out["mask_BN"], seq, routes, pinned))
+    return np.asarray(old_logp.score_at_versions(score_fn, group.versions_BN, group.mask_BN, seq, routes, pinned))
   except KeyError:  # freed: leave π_old to the learner
     return None
 
@@ -160,7 +150,7 @@ class AsyncRollout:
 
   Args:
     store: the ParamStore the learner publishes into (version 0 must be published before `start`).
-    rollout_fn: `(snapshot, request_id) -> Trajectory`, e.g. `make_group_rollout(...)`.
+    rollout_fn: `(snapshot, request_id) -> Rollout`, e.g. `make_group_rollout(...)`.
     batch_groups: B, groups per learner step.
     eta: staleness bound η (None = unbounded).
     num_workers: rollout threads.
@@ -260,7 +250,7 @@ class AsyncRollout:
     with self._wake:
       self._wake.notify_all()
 
-  def next_batch(self, learner_version: int, timeout: float | None = None) -> tuple[list[Trajectory], dict]:
+  def next_batch(self, learner_version: int, timeout: float | None = None) -> tuple[list[Rollout], dict]:
     """Blocks until `batch_groups` groups with lag ≤ η are buffered; returns them (FIFO) and stats.
 
     `learner_version` is the version of the parameters this batch will train (the newest published).

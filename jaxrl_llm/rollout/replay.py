@@ -22,12 +22,7 @@ from typing import Callable
 import numpy as np
 
 from jaxrl_llm.config import REPLAY_STALE_POLICIES as STALE_POLICIES
-
-# Per-row arrays of a rollout dict (sources.common.sync_rollout) that a group carries; routes_BTLk when present.
-ROW_KEYS = ("sequence_BT", "positions_BT", "segment_ids_BT", "mask_BN", "behavior_logp_BN", "versions_BN", "reward_B")
-# routes_BTLk (MoE R3); prox_logp_BN: π_old scored once at push time under `old_logp=recompute` (it depends
-# only on the generating version, so a replayed group is never rescored and its snapshot need not be kept).
-OPTIONAL_ROW_KEYS = ("routes_BTLk", "prox_logp_BN")
+from jaxrl_llm.record import Rollout, concat, from_plain, rows, to_plain
 
 # Weight of a sampled row by policy, from its excess lag over max_lag (0 when not over-stale).
 _WEIGHT_FNS: dict[str, Callable[[np.ndarray, float], np.ndarray]] = {
@@ -50,31 +45,34 @@ def is_over_stale(lag: int, max_lag: int) -> bool:
 
 @dataclasses.dataclass
 class Group:
-  """The G rows of one prompt as generated, plus what replay needs to know about them."""
-  arrays: dict[str, np.ndarray]  # keys of ROW_KEYS (+ optional), leading axis G
+  """A buffer entry: the G rows of one prompt as generated (a record), and the buffer's bookkeeping of them.
+
+  The record holds what the generation gave (tokens, masks, μ, versions, rewards, routes; π_old when
+  `old_logp=recompute` scored it at push time: it depends only on the generating version, so a replayed
+  group is never rescored and its snapshot need not be kept); lags and group ids are set when sampled.
+  """
+  rollout: Rollout
   version: int  # generating version (every token of the group)
   step: int  # learner step whose sampler call generated it
   group_id: int = -1  # unique, assigned by ReplayBuffer.push in push order
   uses: int = 0  # times sampled so far
 
 
-def split_groups(ro: dict, group_size: int, version: int, step: int) -> list[Group]:
-  """Cuts a rollout dict (B = n · G rows) into its n groups, copying the rows (the buffer owns them)."""
-  keys = ROW_KEYS + tuple(k for k in OPTIONAL_ROW_KEYS if k in ro)
-  B = ro["reward_B"].shape[0]
-  return [Group({k: np.array(ro[k][i:i + group_size]) for k in keys}, int(version), int(step))
-          for i in range(0, B, group_size)]
+def split_groups(ro: Rollout, group_size: int, version: int, step: int) -> list[Group]:
+  """Cuts a rollout (B = n · G rows) into its n groups, copying the rows (the buffer owns them)."""
+  gen = ro.replace(lag_B=None, group_B=None)
+  return [Group(rows(gen, i, i + group_size), int(version), int(step)) for i in range(0, ro.num_rows, group_size)]
 
 
-def collate(groups: list[Group], learner_version: int, max_lag: int, policy: str, decay: float) -> dict:
-  """The learner-batch rollout dict of sampled groups: rows concatenated in the given order, per-row
-  lag (learner version − group version), advantage weights and the group ids."""
-  keys = groups[0].arrays.keys()
-  G_B = [g.arrays["reward_B"].shape[0] for g in groups]
+def collate(groups: list[Group], learner_version: int, max_lag: int, policy: str, decay: float) -> Rollout:
+  """The learner batch of sampled groups: rows concatenated in the given order, per-row lag (learner
+  version − group version), advantage weights, groups numbered 0..n-1; `stats` names the buffer's ids."""
+  G_B = [g.rollout.num_rows for g in groups]
   lag_B = np.repeat(np.array([learner_version - g.version for g in groups], np.int32), G_B)
-  return {**{k: np.concatenate([g.arrays[k] for g in groups], 0) for k in keys}, "lag_B": lag_B,
-          "adv_weight_B": stale_weight(lag_B, max_lag, policy, decay),
-          "replay_group_ids": [g.group_id for g in groups]}
+  return concat([g.rollout for g in groups]).replace(
+      lag_B=lag_B, adv_weight_B=stale_weight(lag_B, max_lag, policy, decay),
+      group_B=np.repeat(np.arange(len(groups), dtype=np.int32), G_B),
+      stats={"replay_group_ids": [g.group_id for g in groups]})
 
 
 class ReplayBuffer:
@@ -153,11 +151,13 @@ class ReplayBuffer:
 
   def state(self) -> dict:
     """The buffer's data (groups as dicts of numpy arrays and ints, id cursor, counters) for a checkpoint."""
-    return {"groups": [dataclasses.asdict(g) for g in self._groups], "next_id": self._next_id,
-            "counters": dict(self.counters)}
+    return {"groups": [{"rollout": to_plain(g.rollout), "version": g.version, "step": g.step,
+                        "group_id": g.group_id, "uses": g.uses} for g in self._groups],
+            "next_id": self._next_id, "counters": dict(self.counters)}
 
   @classmethod
   def from_state(cls, state: dict, capacity: int, **settings) -> "ReplayBuffer":
     """Inverse of `state` under the run's settings (those of `__init__`): same groups, order, ids, counters."""
-    return cls(capacity, **settings, groups=[Group(**g) for g in state["groups"]], next_id=int(state["next_id"]),
-               counters=dict(state["counters"]))
+    groups = [Group(from_plain(g["rollout"] if "rollout" in g else g["arrays"]),  # "arrays": before the record
+                    int(g["version"]), int(g["step"]), int(g["group_id"]), int(g["uses"])) for g in state["groups"]]
+    return cls(capacity, **settings, groups=groups, next_id=int(state["next_id"]), counters=dict(state["counters"]))

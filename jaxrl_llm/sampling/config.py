@@ -21,6 +21,14 @@ class SamplerConfig:
       copied to the G rows (B/G rows of prefill work instead of B). Checked at run time: a batch
       whose groups do not hold equal prompts is prefilled row by row, so the result never depends
       on it beyond rounding. B must be a multiple of G.
+    behavior_topk: k > 0 also records μ's k most likely ids at every completion position and their
+      log μ (`sampling.record`): `behavior_topk_ids_BNk`, `behavior_topk_logp_BNk` (DPPO's top-k
+      divergence, S²D's student candidates). 0 = off.
+    mc_samples: J > 0 also records J Monte-Carlo candidates per position (AsyncOPD): column 0 the
+      sampled token, columns 1..J-1 drawn i.i.d. from μ with replacement, and log μ at all of them:
+      `mc_ids_BNJ`, `mc_behavior_logp_BNJ`. 0 = off. Needs temperature > 0.
+    With both 0 `generate` compiles and returns exactly what it does without them; either on leaves
+    the sampled tokens unchanged (the candidates draw from their own key stream).
   """
 
   max_new_tokens: int
@@ -30,6 +38,8 @@ class SamplerConfig:
   top_p: float = 1.0
   pad_id: int = 0
   group_size: int = 1
+  behavior_topk: int = 0
+  mc_samples: int = 0
 
   def __post_init__(self):
     try:
@@ -47,8 +57,20 @@ class SamplerConfig:
       raise ValueError(f"sampler.top_p must be in (0, 1], got {self.top_p!r}")
     if not isinstance(self.group_size, int) or self.group_size < 1:
       raise ValueError(f"sampler.group_size must be an int >= 1 (1 = no shared prompts), got {self.group_size!r}")
+    if not isinstance(self.behavior_topk, int) or self.behavior_topk < 0:
+      raise ValueError(f"sampler.behavior_topk must be an int >= 0 (0 = off), got {self.behavior_topk!r}")
+    if not isinstance(self.mc_samples, int) or self.mc_samples < 0:
+      raise ValueError(f"sampler.mc_samples must be an int >= 0 (0 = off), got {self.mc_samples!r}")
+    if self.mc_samples and self.temperature == 0:
+      raise ValueError(f"sampler.mc_samples={self.mc_samples} needs temperature > 0: greedy decoding has no "
+                       "distribution to draw candidates from")
 
   @property
   def truncated(self) -> bool:
     """Whether top-k or top-p removes tokens from the sampled distribution."""
     return self.top_k > 0 or self.top_p < 1
+
+  @property
+  def records(self) -> bool:
+    """Whether `generate` records more than the sampled token (μ's top-k or Monte-Carlo candidates)."""
+    return self.behavior_topk > 0 or self.mc_samples > 0

@@ -162,6 +162,10 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
   """
   if chunk_steps < 1:
     raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+  if sampler_cfg.records:  # not implemented for the chunked decode (config.validate refuses it by field)
+    raise ValueError(f"partial rollouts do not record μ's top-k or Monte-Carlo candidates (sampler.behavior_topk="
+                     f"{sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples}); use "
+                     "rollout.partial_chunk=0")
   N = sampler_cfg.max_new_tokens
   try:
     carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)

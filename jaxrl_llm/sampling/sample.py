@@ -52,6 +52,17 @@ def _logp_at(logits_BV: Array, ids_B: Array) -> Array:
   return jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), ids_B[:, None], axis=-1)[:, 0]
 
 
+def truncate(scaled_BV: Array, cfg: SamplerConfig) -> tuple[Array, Array]:
+  """(vals_BK, ids_BK): the candidates of a truncated draw sorted by decreasing probability (K = top_k,
+  or V when top_k = 0: a full sort), their tempered logits set to -inf where top-p drops them."""
+  vals_BK, ids_BK = jax.lax.top_k(scaled_BV, cfg.top_k or scaled_BV.shape[-1])
+  if cfg.top_p < 1:
+    probs_BK = jax.nn.softmax(vals_BK, axis=-1)
+    mass_before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK
+    vals_BK = jnp.where(mass_before_BK < cfg.top_p, vals_BK, -jnp.inf)
+  return vals_BK, ids_BK
+
+
 def sample_token(logits_BV: Array, key: Array, cfg: SamplerConfig, gumbel_BK: Array | None = None) -> tuple[Array, Array]:
   """Draws one token per row and returns `(token_B, behavior_logp_B)`.
 
@@ -78,12 +89,7 @@ def sample_token(logits_BV: Array, key: Array, cfg: SamplerConfig, gumbel_BK: Ar
   if not cfg.truncated:
     token_B = first_argmax(gumbel_BK + scaled_BV)
     return token_B, _logp_at(scaled_BV, token_B)
-  # Candidates sorted by decreasing probability; top_k = 0 means all V (a full sort).
-  vals_BK, ids_BK = jax.lax.top_k(scaled_BV, cfg.top_k or scaled_BV.shape[-1])
-  if cfg.top_p < 1:
-    probs_BK = jax.nn.softmax(vals_BK, axis=-1)
-    mass_before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK
-    vals_BK = jnp.where(mass_before_BK < cfg.top_p, vals_BK, -jnp.inf)
+  vals_BK, ids_BK = truncate(scaled_BV, cfg)
   choice_B = first_argmax(gumbel_BK + vals_BK)
   token_B = jnp.take_along_axis(ids_BK, choice_B[:, None], axis=-1)[:, 0]
   return token_B, _logp_at(vals_BK, choice_B)

@@ -18,6 +18,7 @@ from jaxrl_llm.models.cache import groups_equal, init_cache, repeat_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
                                           stack_cache)
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sample import PREDRAW_MAX_ELEMENTS, noise_shape, predraw_noise, sample_token
 
@@ -104,7 +105,9 @@ def is_stop(token_B: Array, stop_ids: tuple[int, ...]) -> Array:
 def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig,
                noise_NBK: Array | None = None) -> dict:
   """Samples completion column `carry["step"]` with key `fold_in(key, step)`, masks rows that already
-  finished (pad, mask 0, logp 0), marks rows that emitted a stop id, and advances the step.
+  finished (pad, mask 0, logp 0), marks rows that emitted a stop id, and advances the step. With
+  `sampler_cfg.records` it also writes the column's μ top-k / Monte-Carlo records (`behavior.record`)
+  into the carry's arrays of those names (`behavior.init_records`).
 
   `noise_NBK`: that key's Gumbel noise for every column, drawn before the loop (`predraw_noise`);
   None draws it here. The tokens are the same either way.
@@ -113,9 +116,14 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   gumbel_BK = None if noise_NBK is None else jax.lax.dynamic_index_in_dim(noise_NBK, step, keepdims=False)
   token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg, gumbel_BK)
   live_B = ~carry["done_B"]
+  recs = {}
+  if sampler_cfg.records:  # μ's top-k / Monte-Carlo candidates (`behavior`), only when asked
+    recs = behavior.record(logits_BV, token_B, logp_B, jax.random.fold_in(key, step), sampler_cfg)
+    recs = behavior.write_column(carry, recs, step, live_B, sampler_cfg.pad_id)
   token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
   return {
       **carry,
+      **recs,
       "step": step + 1,
       "tokens_BN": carry["tokens_BN"].at[:, step].set(token_B),
       "logp_BN": carry["logp_BN"].at[:, step].set(jnp.where(live_B, logp_B, 0.0)),
@@ -157,6 +165,10 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     ids every layer used for each token of sequence_BT when it was fed through the model, prompt
     included (routing replay, R3). The last column was never fed (it holds experts 0..k-1); the
     learner replays `routes_BTLk[:, :-1]` with the inputs `sequence_BT[:, :-1]`.
+    `sampler_cfg.behavior_topk` k > 0 adds behavior_topk_ids_BNk (int32) and behavior_topk_logp_BNk
+    (float32) [B, N, k]; `sampler_cfg.mc_samples` J > 0 adds mc_ids_BNJ (int32) and mc_behavior_logp_BNJ
+    (float32) [B, N, J] (`sampling.behavior`; finished columns hold pad_id / 0). The tokens are the same
+    with or without them.
   """
   B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
@@ -189,6 +201,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
       "logp_BN": jnp.zeros((B, N), jnp.float32),
       "mask_BN": jnp.zeros((B, N), jnp.float32),
       "done_B": jnp.zeros((B,), bool),
+      **behavior.init_records(B, N, sampler_cfg),
   }
   carry = jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV))
   carry["cache"] = stack_cache(carry["cache"])
@@ -196,8 +209,10 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
   routes = {"routes_BTLk": jnp.moveaxis(carry["cache"]["routes_LBSk"], 0, 2)} if model_cfg.is_moe else {}
+  records = {k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}
   return {
       **routes,
+      **records,
       "tokens_BN": carry["tokens_BN"],
       "mask_BN": mask_BN,
       "behavior_logp_BN": carry["logp_BN"],

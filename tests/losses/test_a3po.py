@@ -17,9 +17,9 @@ ALPHA = np.array([[0.0, 0.5, 0.75, 0.0], [0.0, 0.0, 2 / 3, 0.8], [0.0, 0.0, 0.8,
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC, **kw):
   def f(lp):
-    out = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(out[0], inputs.mask_BT, mode, keep_BT=out[1].get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    out = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(out[0], inputs.mask_BN, mode, keep_BN=out[1].get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -37,8 +37,8 @@ def _case():
 
 
 def _inputs(logp, behav, adv, mask, versions=VERSIONS, current=CURRENT):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    behavior_logp_BT=jnp.asarray(behav), versions_BT=jnp.asarray(versions),
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    behavior_logp_BN=jnp.asarray(behav), versions_BN=jnp.asarray(versions),
                     current_version=jnp.asarray(current, jnp.int32))
 
 
@@ -81,9 +81,9 @@ def test_newer_than_learner_token_is_anchored_on_behavior(method):
   alpha[0, 1] = 0.0
   hp = a3po_mod.Hparams(prox_method=method)
   inputs = _inputs(*case, versions=versions)
-  loss_BT, _ = SPEC.fn(inputs, hp)
+  loss_BN, _ = SPEC.fn(inputs, hp)
   val, grad, _ = _golden(*case, hp, alpha=alpha)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert g[0, 1] == 0.0
@@ -95,11 +95,11 @@ def test_golden_values_and_gradients(method):
   case = _case()
   hp = a3po_mod.Hparams(prox_method=method)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad, keep = _golden(*case, hp)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
   assert keep[1, 3] == 0 and keep.sum() == case[3].sum() - 1
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(np.isfinite(g)) and np.all(g[2, 2:] == 0) and g[1, 3] == 0
@@ -121,7 +121,7 @@ def test_lag_one_reduces_to_ppo_anchored_on_behavior():
   versions = np.full_like(VERSIONS, CURRENT - 1)
   inputs = _inputs(logp, behav, adv, mask, versions)
   ppo = losses.get("ppo_clip")
-  ppo_inputs = inputs.replace(prox_logp_BT=jnp.asarray(behav))
+  ppo_inputs = inputs.replace(prox_logp_BN=jnp.asarray(behav))
   hp = a3po_mod.Hparams()
   a, _ = SPEC.fn(inputs, hp)
   b, _ = ppo.fn(ppo_inputs, ppo.Hparams())

@@ -14,8 +14,8 @@ SPEC = losses.get("alp")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC):
   def f(lp):
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -37,8 +37,8 @@ def _case():
 
 
 def _inputs(logp, behav, adv, mask):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    behavior_logp_BT=jnp.asarray(behav))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    behavior_logp_BN=jnp.asarray(behav))
 
 
 def _golden(logp, behav, adv, mask, hp):
@@ -67,9 +67,9 @@ def test_golden_values_and_gradients(mode, geometric):
   case = _case()
   hp = alp_mod.Hparams(mode=mode, geometric=geometric)
   inputs = _inputs(*case)
-  loss_BT, _ = SPEC.fn(inputs, hp)
+  loss_BN, _ = SPEC.fn(inputs, hp)
   val, grad = _golden(*case, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(np.isfinite(g)) and np.all(g[case[3] == 0] == 0)
@@ -79,11 +79,11 @@ def test_default_sequence_sum_clips_and_dual_clips():
   case = _case()
   hp = alp_mod.Hparams()
   assert hp.mode == "sequence" and not hp.geometric and (hp.clip_low, hp.clip_high, hp.dual_clip) == (0.5, 3.0, 3.0)
-  loss_BT, aux = SPEC.fn(_inputs(*case), hp)
+  loss_BN, aux = SPEC.fn(_inputs(*case), hp)
   g = _grad(_inputs(*case), hp)
   assert np.all(g[0] != 0) and np.all(g[1:] == 0)  # rows 1-3: clip high, clip low, dual clip
-  np.testing.assert_allclose(np.asarray(loss_BT[3, :3]), 3.0, rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(loss_BT[1]), -0.5 * 4.0, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN[3, :3]), 3.0, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN[1]), -0.5 * 4.0, rtol=1e-6)
   assert float(aux["clip_frac"][0]) == case[3][1:].sum()
   # Every token of row 0 gets the whole-sequence ratio e^{0.5} (GSPO-token trick, sum not mean).
   np.testing.assert_allclose(g[0], -np.exp(0.5) / case[3].sum(), rtol=1e-5)

@@ -14,9 +14,9 @@ SPEC = losses.get("cispo")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC, **kw):
   def f(lp):
-    loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(loss_BT, inputs.mask_BT, mode, keep_BT=aux.get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    loss_BN, aux = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(loss_BN, inputs.mask_BN, mode, keep_BN=aux.get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -36,8 +36,8 @@ def _case():
 
 
 def _inputs(logp, prox, mask, adv):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    prox_logp_BN=jnp.asarray(prox))
 
 
 @pytest.mark.parametrize("eps_high", [0.2, 4.0])
@@ -45,11 +45,11 @@ def test_golden_values_and_gradients(eps_high):
   logp, prox, mask, adv, lr = _case()
   hp = cispo_mod.Hparams(eps_high=eps_high)
   inputs = _inputs(logp, prox, mask, adv)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   w = np.clip(np.exp(lr.astype(np.float64)), 0.0, 1.0 + eps_high)
   m = mask > 0
   val = np.where(m, -w * adv * np.where(m, logp, 0.0), 0.0)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   grad = np.where(m, -w * adv, 0.0) / mask.sum()
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
@@ -68,7 +68,7 @@ def test_token_mask_option():
   m = mask > 0
   drop = ((adv > 0) & (r > 1.2)) | ((adv < 0) & (r < 0.8))
   keep = m & ~drop
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
   assert drop[m].sum() == 4  # (0,1), (0,3), (1,0), (2,3) masked; (2,1) is A<0 & r>1 -> kept; (0,2) A>0 & r<1 -> kept
   w = np.clip(r, 0.0, 1.2)
   for drop_rejected, den in [(False, mask.sum()), (True, keep.sum())]:

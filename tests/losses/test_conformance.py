@@ -19,7 +19,7 @@ from jaxrl_llm import losses
 from jaxrl_llm.losses import registry
 from jaxrl_llm.types import LossInputs
 
-B, T, K = 3, 5, 3
+B, N, k = 3, 5, 3
 NAMES = losses.names()
 
 # Mask: right padding, full, left padding (row layouts seen in practice).
@@ -31,29 +31,29 @@ def _rand_logp(rng, shape, lo=-3.0, hi=-0.05):
   return rng.uniform(lo, hi, size=shape).astype(np.float32)
 
 
-def _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, T, K, V=11, N=4):
+def _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, N, k, V=11, J=4):
   if "student_logits" in needs:
-    f["student_logits_BTV"] = np.where(mask[..., None] > 0, rng.normal(0, 30 if extreme else 1, (B, T, V)), np.nan).astype(np.float32)
+    f["student_logits_BNV"] = np.where(mask[..., None] > 0, rng.normal(0, 30 if extreme else 1, (B, N, V)), np.nan).astype(np.float32)
   if "teacher_logits" in needs:
-    zt = rng.normal(0, 30 if extreme else 1, (B, T, V)).astype(np.float32)
+    zt = rng.normal(0, 30 if extreme else 1, (B, N, V)).astype(np.float32)
     zt[..., 0] = -np.inf  # teacher zero entries
-    f["teacher_logits_BTV"] = np.where(mask[..., None] > 0, zt, -np.inf).astype(np.float32)
+    f["teacher_logits_BNV"] = np.where(mask[..., None] > 0, zt, -np.inf).astype(np.float32)
   def padk(x):
     return np.where(mask[..., None] > 0, x, -np.inf).astype(np.float32)
   if "student_topk" in needs:
-    f["student_topk_logp_BTK"] = padk(np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]) * (5 if extreme else 1))
+    f["student_topk_logp_BNk"] = padk(np.log(rng.dirichlet(np.ones(k + 1), (B, N))[..., :k]) * (5 if extreme else 1))
   if "teacher_ref_topk" in needs:
-    f["teacher_ref_topk_logp_BTK"] = padk(np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]))
+    f["teacher_ref_topk_logp_BNk"] = padk(np.log(rng.dirichlet(np.ones(k + 1), (B, N))[..., :k]))
   if "mc" in needs:
-    f["mc_ids_BTN"] = rng.integers(0, 11, (B, T, N)).astype(np.int32)
-    lq = np.log(rng.uniform(0.01, 0.9, (B, T, N)))
-    f["mc_logp_BTN"] = padk(lq)
-    f["mc_behavior_logp_BTN"] = padk(lq if on_policy else lq + rng.normal(0, 30 if extreme else 0.3, (B, T, N)))
-    f["mc_teacher_logp_BTN"] = padk(np.log(rng.uniform(0.01, 0.9, (B, T, N))))
+    f["mc_ids_BNJ"] = rng.integers(0, 11, (B, N, J)).astype(np.int32)
+    lq = np.log(rng.uniform(0.01, 0.9, (B, N, J)))
+    f["mc_logp_BNJ"] = padk(lq)
+    f["mc_behavior_logp_BNJ"] = padk(lq if on_policy else lq + rng.normal(0, 30 if extreme else 0.3, (B, N, J)))
+    f["mc_teacher_logp_BNJ"] = padk(np.log(rng.uniform(0.01, 0.9, (B, N, J))))
   if "sup_drift" in needs:
     f["sup_drift_B"] = np.zeros(B, np.float32) if on_policy else rng.uniform(0, 0.5, B).astype(np.float32)
   if "eviction" in needs:
-    f["eviction_mask_BT"] = (rng.random((B, T)) < 0.5).astype(np.float32)
+    f["eviction_mask_BN"] = (rng.random((B, N)) < 0.5).astype(np.float32)
 
 
 def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_inf=True, hp=None):
@@ -67,57 +67,57 @@ def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_
   hp = spec.Hparams() if hp is None else hp
   rng = np.random.default_rng(seed)
   mask = np.asarray(mask, np.float32)
-  logp = _rand_logp(rng, (B, T))
+  logp = _rand_logp(rng, (B, N))
   if extreme:
-    logp = np.where(rng.random((B, T)) < 0.5, -0.01, -50.0).astype(np.float32)
+    logp = np.where(rng.random((B, N)) < 0.5, -0.01, -50.0).astype(np.float32)
 
   def anchor():
     if on_policy:
       return logp.copy()
     if extreme:
       return np.where(logp > -1.0, -50.0, -0.02).astype(np.float32)  # |log r| ≈ 50 on every token
-    return logp + rng.normal(0.0, 0.3, size=(B, T)).astype(np.float32)
+    return logp + rng.normal(0.0, 0.3, size=(B, N)).astype(np.float32)
 
   def pad(x):
     return np.where(mask > 0, x, -np.inf).astype(np.float32) if pad_inf else x
 
   # Â is broadcast over padding too, so a loss that forgets the mask leaks gradient there and fails.
-  adv = np.broadcast_to(ADV_B[:, None], (B, T)).astype(np.float32)
-  f = {"logp_BT": pad(logp), "mask_BT": mask, "adv_BT": adv}
+  adv = np.broadcast_to(ADV_B[:, None], (B, N)).astype(np.float32)
+  f = {"logp_BN": pad(logp), "mask_BN": mask, "adv_BN": adv}
   needs = spec.needs
   if "prox_logp" in needs:
-    f["prox_logp_BT"] = pad(anchor())
+    f["prox_logp_BN"] = pad(anchor())
   if "behavior_logp" in needs:
-    f["behavior_logp_BT"] = pad(anchor())
+    f["behavior_logp_BN"] = pad(anchor())
   if "ref_logp" in needs:
-    f["ref_logp_BT"] = pad(anchor())
+    f["ref_logp_BN"] = pad(anchor())
   if "entropy" in needs:
-    f["entropy_BT"] = np.where(mask > 0, rng.uniform(0.1, 2.0, (B, T)), 0.0).astype(np.float32)
+    f["entropy_BN"] = np.where(mask > 0, rng.uniform(0.1, 2.0, (B, N)), 0.0).astype(np.float32)
   if "versions" in needs:
     cur = 7
-    stale = np.zeros((B, T), np.int32) if on_policy else rng.integers(0, 4, (B, T)).astype(np.int32)
-    f["versions_BT"] = (cur - stale).astype(np.int32)
+    stale = np.zeros((B, N), np.int32) if on_policy else rng.integers(0, 4, (B, N)).astype(np.int32)
+    f["versions_BN"] = (cur - stale).astype(np.int32)
     f["current_version"] = np.asarray(cur, np.int32)
   if "lag" in needs:
     f["lag_B"] = np.zeros(B, np.int32) if on_policy else rng.integers(0, 4, B).astype(np.int32)
   if "behavior_topk" in needs:
-    f["behavior_topk_ids_BTK"] = rng.integers(0, 11, (B, T, K)).astype(np.int32)
-    mu = np.log(np.sort(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K], -1)[..., ::-1]).astype(np.float32)
-    f["behavior_topk_logp_BTK"] = pad(mu.transpose(2, 0, 1)).transpose(1, 2, 0)
+    f["behavior_topk_ids_BNk"] = rng.integers(0, 11, (B, N, k)).astype(np.int32)
+    mu = np.log(np.sort(rng.dirichlet(np.ones(k + 1), (B, N))[..., :k], -1)[..., ::-1]).astype(np.float32)
+    f["behavior_topk_logp_BNk"] = pad(mu.transpose(2, 0, 1)).transpose(1, 2, 0)
     if on_policy:
-      f["topk_logp_BTK"] = f["behavior_topk_logp_BTK"].copy()
+      f["topk_logp_BNk"] = f["behavior_topk_logp_BNk"].copy()
     else:
-      shift = rng.normal(0.0, 30.0 if extreme else 0.3, (B, T, K)).astype(np.float32)
-      f["topk_logp_BTK"] = pad((np.minimum(mu + shift, -1e-3)).transpose(2, 0, 1)).transpose(1, 2, 0)
+      shift = rng.normal(0.0, 30.0 if extreme else 0.3, (B, N, k)).astype(np.float32)
+      f["topk_logp_BNk"] = pad((np.minimum(mu + shift, -1e-3)).transpose(2, 0, 1)).transpose(1, 2, 0)
   if "turn" in needs:
-    f["turn_BT"] = np.minimum(np.arange(T)[None, :] // 2, 3).repeat(B, 0).astype(np.int32)
+    f["turn_BN"] = np.minimum(np.arange(N)[None, :] // 2, 3).repeat(B, 0).astype(np.int32)
   if "teacher_logp" in needs:
-    f["teacher_logp_BT"] = pad(anchor())
+    f["teacher_logp_BN"] = pad(anchor())
   if "teacher_topk" in needs:
-    f["teacher_topk_ids_BTK"] = rng.integers(0, 11, (B, T, K)).astype(np.int32)
-    tk = np.log(rng.dirichlet(np.ones(K + 1), (B, T))[..., :K]).astype(np.float32)
-    f["teacher_topk_logp_BTK"] = pad(tk.transpose(2, 0, 1)).transpose(1, 2, 0)
-  _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, T, K)
+    f["teacher_topk_ids_BNk"] = rng.integers(0, 11, (B, N, k)).astype(np.int32)
+    tk = np.log(rng.dirichlet(np.ones(k + 1), (B, N))[..., :k]).astype(np.float32)
+    f["teacher_topk_logp_BNk"] = pad(tk.transpose(2, 0, 1)).transpose(1, 2, 0)
+  _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, N, k)
   if "state" in needs:
     f["state"] = spec.init_state(hp)
   inputs = LossInputs(**{k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in f.items()})
@@ -126,16 +126,16 @@ def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_
 
 
 def loss_and_grad(spec, hp, inputs, mode="token-mean", jit=False):
-  """(reduced loss, loss_BT, aux, d loss / d logp_BT) for one aggregation mode."""
+  """(reduced loss, loss_BN, aux, d loss / d logp_BN) for one aggregation mode."""
   def total(lp):
-    loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(loss_BT, inputs.mask_BT, mode), (loss_BT, aux)
+    loss_BN, aux = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(loss_BN, inputs.mask_BN, mode), (loss_BN, aux)
 
   f = jax.value_and_grad(total, has_aux=True)
   if jit:
     f = jax.jit(f)
-  (val, (loss_BT, aux)), g = f(inputs.logp_BT)
-  return val, loss_BT, aux, g
+  (val, (loss_BN, aux)), g = f(inputs.logp_BN)
+  return val, loss_BN, aux, g
 
 
 MODES_CHECKED = ("token-mean", "seq-mean-token-mean")
@@ -148,36 +148,36 @@ def jitted(name):
   hp = spec.Hparams()
 
   def run(inputs):
-    # One forward and one VJP for all modes: `reduce` is linear in loss_BT, so the gradient for a
-    # mode is the VJP of the loss applied to that mode's d reduce / d loss_BT.
-    (loss_BT, aux), vjp = jax.vjp(lambda lp: spec.fn(inputs.replace(logp_BT=lp), hp), inputs.logp_BT)
+    # One forward and one VJP for all modes: `reduce` is linear in loss_BN, so the gradient for a
+    # mode is the VJP of the loss applied to that mode's d reduce / d loss_BN.
+    (loss_BN, aux), vjp = jax.vjp(lambda lp: spec.fn(inputs.replace(logp_BN=lp), hp), inputs.logp_BN)
     out = {}
     for mode in MODES_CHECKED:
-      val, ct = jax.value_and_grad(lambda l: losses.reduce(l, inputs.mask_BT, mode))(loss_BT)
+      val, ct = jax.value_and_grad(lambda l: losses.reduce(l, inputs.mask_BN, mode))(loss_BN)
       ct_aux = jax.tree_util.tree_map(jnp.zeros_like, aux)
       (g,) = vjp((ct, ct_aux))
-      out[mode] = ((val, (loss_BT, aux)), g)
+      out[mode] = ((val, (loss_BN, aux)), g)
     return out
 
   return jax.jit(run)
 
 
 def _metric_leaves(aux):
-  return {k: v for k, v in aux.items() if k not in ("keep_BT", "state")}
+  return {k: v for k, v in aux.items() if k not in ("keep_BN", "state")}
 
 
-def assert_all_finite(val, loss_BT, aux, g, label):
+def assert_all_finite(val, loss_BN, aux, g, label):
   assert np.isfinite(np.asarray(val)), f"{label}: loss not finite"
-  assert np.all(np.isfinite(np.asarray(loss_BT))), f"{label}: loss_BT not finite"
+  assert np.all(np.isfinite(np.asarray(loss_BN))), f"{label}: loss_BN not finite"
   assert np.all(np.isfinite(np.asarray(g))), f"{label}: gradient not finite: {np.asarray(g)}"
   for k, v in _metric_leaves(aux).items():
     assert isinstance(v, tuple) and len(v) == 2, f"{label}: metric {k!r} must be a (sum, count) pair"
     assert np.all(np.isfinite(np.asarray(v[0]))) and np.all(np.isfinite(np.asarray(v[1]))), f"{label}: metric {k} {v}"
   for leaf in jax.tree_util.tree_leaves(aux.get("state")):
     assert np.all(np.isfinite(np.asarray(leaf))), f"{label}: state not finite"
-  if "keep_BT" in aux:
-    keep = np.asarray(aux["keep_BT"])
-    assert keep.shape == (B, T) and set(np.unique(keep)) <= {0.0, 1.0}, f"{label}: keep_BT must be float {{0,1}} [B,T]"
+  if "keep_BN" in aux:
+    keep = np.asarray(aux["keep_BN"])
+    assert keep.shape == (B, N) and set(np.unique(keep)) <= {0.0, 1.0}, f"{label}: keep_BN must be float {{0,1}} [B,N]"
 
 
 def assert_masked_grad_zero(g, mask, label):
@@ -200,7 +200,7 @@ def test_jit_equals_nojit(name):
 
 CASES = {
     "pad_inf": dict(mask=MASK),
-    "empty_mask": dict(mask=np.zeros((B, T), np.float32)),
+    "empty_mask": dict(mask=np.zeros((B, N), np.float32)),
     "zero_length_row": dict(mask=np.array([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]], np.float32)),
     "extreme_ratios": dict(mask=MASK, extreme=True),
     "on_policy": dict(mask=MASK, on_policy=True),
@@ -213,13 +213,13 @@ def test_finite_and_masked_tokens_get_zero_grad(name, case):
   _, _, inputs = make_inputs(name, seed=2, **CASES[case])
   out = jitted(name)(inputs)
   for mode in MODES_CHECKED:
-    (val, (loss_BT, aux)), g = out[mode]
+    (val, (loss_BN, aux)), g = out[mode]
     label = f"{name}/{case}/{mode}"
-    assert_all_finite(val, loss_BT, aux, g, label)
-    assert_masked_grad_zero(g, inputs.mask_BT, label)
-    lb = np.asarray(loss_BT)
+    assert_all_finite(val, loss_BN, aux, g, label)
+    assert_masked_grad_zero(g, inputs.mask_BN, label)
+    lb = np.asarray(loss_BN)
     if lb.ndim == 2:
-      assert np.all(lb[np.asarray(inputs.mask_BT) == 0] == 0.0), f"{label}: loss_BT nonzero outside the mask"
+      assert np.all(lb[np.asarray(inputs.mask_BN) == 0] == 0.0), f"{label}: loss_BN nonzero outside the mask"
     if case == "empty_mask":
       np.testing.assert_array_equal(np.asarray(g), 0.0)
 
@@ -240,12 +240,12 @@ def test_state_round_trips(name):
 
 # ---------------------------------------------------------------------------------------------
 # On-policy: behaviour = prox = current (same values), lag 0, versions = current. Under `reduce` the
-# gradient of every importance-corrected loss must be -c_BT·m/N (token-mean) and -c_BT·m/(L_b·B')
-# (seq-mean-token-mean) with c_BT = Â, the vanilla PG coefficient. This table lists the losses whose
+# gradient of every importance-corrected loss must be -c_BN·m/N (token-mean) and -c_BN·m/(L_b·B')
+# (seq-mean-token-mean) with c_BN = Â, the vanilla PG coefficient. This table lists the losses whose
 # on-policy coefficient is *not* Â, with the exact expected formula; every loss not listed must equal PG.
 #   delightful_pg: gated PG, c = σ(Â·(−log π)/η)·Â (addendum §6; no ratio, so "on-policy" changes nothing).
 #   r2vpo: r ≡ 1 so Var(r) = 0 and ∂Var/∂r_i = 2(r_i − r̄)/N = 0: equals PG (listed for the record).
-#   epo:   PPO part equals PG; the entropy terms read `entropy_BT`, not a function of logp_BT here,
+#   epo:   PPO part equals PG; the entropy terms read `entropy_BN`, not a function of logp_BN here,
 #          so d/d logp is PG (listed for the record; the entropy gradient is tested in test_epo.py).
 # Checked to equal PG at default Hparams, with the reason their docstrings give: gspo (s = 1 and the
 # GSPO-token form carries ∇log π per token, so token-mean too, despite ε = 3e-4), drpo (r = 1: the
@@ -259,15 +259,15 @@ def _sigmoid(x):
 
 
 ON_POLICY_COEF = {
-    "delightful_pg": lambda inp, hp: _sigmoid(np.asarray(inp.adv_BT) * -np.nan_to_num(
-        np.where(np.asarray(inp.mask_BT) > 0, np.asarray(inp.logp_BT), 0.0)) / hp.eta) * np.asarray(inp.adv_BT),
-    "r2vpo": lambda inp, hp: np.asarray(inp.adv_BT),
-    "epo": lambda inp, hp: np.asarray(inp.adv_BT),
+    "delightful_pg": lambda inp, hp: _sigmoid(np.asarray(inp.adv_BN) * -np.nan_to_num(
+        np.where(np.asarray(inp.mask_BN) > 0, np.asarray(inp.logp_BN), 0.0)) / hp.eta) * np.asarray(inp.adv_BN),
+    "r2vpo": lambda inp, hp: np.asarray(inp.adv_BN),
+    "epo": lambda inp, hp: np.asarray(inp.adv_BN),
     # Distillation losses have no advantage term: on-policy here means teacher = reference = student
     # on the sampled tokens, so the sampled-token losses' signal (teacher − student) is 0, and the
     # full-vocabulary / top-k / Monte-Carlo losses differentiate other fields (student logits, top-k
-    # or MC log-probs), not `logp_BT`. Their gradients are tested in their own files.
-    **{n: (lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BT)))
+    # or MC log-probs), not `logp_BN`. Their gradients are tested in their own files.
+    **{n: (lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BN)))
        for n in ("opd_reverse_kl", "opd_reverse_kl_full", "opd_forward_kl", "opd_topk_kl", "gkd_jsd",
                  "opd_reverse_kl_mc", "s2d_opd", "f_opd")},
 }
@@ -278,8 +278,8 @@ def test_on_policy_gradient_relation_to_pg(name):
   spec, hp, inputs = make_inputs(name, seed=4, on_policy=True)
   out = jitted(name)(inputs)
   _, g = out["token-mean"]
-  mask = np.asarray(inputs.mask_BT)
-  coef = ON_POLICY_COEF.get(name, lambda inp, hp: np.asarray(inp.adv_BT))(inputs, hp)
+  mask = np.asarray(inputs.mask_BN)
+  coef = ON_POLICY_COEF.get(name, lambda inp, hp: np.asarray(inp.adv_BN))(inputs, hp)
   coef = np.where(mask > 0, coef, 0.0)
   want = np.where(mask > 0, -coef / mask.sum(), 0.0)
   np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7, err_msg=name)
@@ -290,7 +290,7 @@ def test_on_policy_gradient_relation_to_pg(name):
   # The reference itself: pg's gradient is exactly -Â·m/N.
   _, _, pin = make_inputs("pg", seed=4, on_policy=True)
   _, gpg = jitted("pg")(pin)["token-mean"]
-  np.testing.assert_allclose(np.asarray(gpg), np.where(mask > 0, -np.asarray(pin.adv_BT) / mask.sum(), 0.0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(gpg), np.where(mask > 0, -np.asarray(pin.adv_BN) / mask.sum(), 0.0), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ SPEC = losses.get("decoupled_ppo")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC, **kw):
   def f(lp):
-    out = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(out[0], inputs.mask_BT, mode, keep_BT=out[1].get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    out = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(out[0], inputs.mask_BN, mode, keep_BN=out[1].get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 LW = np.array([[0.0, 1.8, -0.5, 0.3], [0.9, -1.0, 0.2, 0.0], [0.1, 0.4, 0.0, 0.0]])  # log π_prox/μ
@@ -112,7 +112,7 @@ def test_golden_values_and_gradients(kw):
   case = _case()
   hp = dp.Hparams(**kw)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad, keep, w = _golden(*case, hp)
   m = case[4] > 0
   if kw.get("filter_metric", "ratio") is not None:
@@ -121,8 +121,8 @@ def test_golden_values_and_gradients(kw):
     w_open, _ = _np_weight(lw, m, dataclasses.replace(hp, filter_upper=np.inf, filter_lower=None))
     touched = (~keep & m) | (m & (w != w_open))
     assert 0 < touched.sum() < m.sum()
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(np.isfinite(g)) and np.all(g[~m] == 0) and np.all(g[~keep] == 0)
@@ -134,7 +134,7 @@ def test_default_masks_weight_above_five_and_keeps_original_denominator():
   inputs = _inputs(*case)
   hp = dp.Hparams()
   _, aux = SPEC.fn(inputs, hp)
-  keep = np.asarray(aux["keep_BT"])
+  keep = np.asarray(aux["keep_BN"])
   assert keep[0, 1] == 0 and keep.sum() == case[4].sum() - 1  # only w = e^1.8 ≈ 6.05 > 5
   assert float(aux["behave_filtered_frac"][0]) == 1.0
   _, grad, keep, _ = _golden(*case, hp)
@@ -149,10 +149,10 @@ def test_dual_clip():
   case[3] = np.full((3, 4), -1.0, np.float32)
   hp = dp.Hparams(dual_clip=3.0)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad, _, _ = _golden(*case, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(float(loss_BT[0, 0]), 3.0, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(loss_BN[0, 0]), 3.0, rtol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert g[0, 0] == 0 and g[0, 1] != 0
@@ -175,11 +175,11 @@ def test_unfiltered_weight_one_is_plain_ppo_on_prox():
   logp, prox, behav, adv, mask = _case()
   hp = dp.Hparams(filter_metric=None, unfiltered_weight="one")
   assert dp.Hparams().unfiltered_weight == "ratio"
-  loss_BT, _ = SPEC.fn(_inputs(logp, prox, behav, adv, mask), hp)
+  loss_BN, _ = SPEC.fn(_inputs(logp, prox, behav, adv, mask), hp)
   want, _ = SPEC.fn(_inputs(logp, prox, prox, adv, mask), dp.Hparams(filter_metric=None))  # μ = π_prox: w = 1
-  np.testing.assert_allclose(np.asarray(loss_BT), np.asarray(want), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(loss_BN), np.asarray(want), rtol=1e-6, atol=1e-7)
   # By hand, token (0,1): r = e^-0.1 in [0.8, 1.2], Â = 1 -> ℓ = -e^-0.1 (the "ratio" weight would add e^1.8).
-  np.testing.assert_allclose(float(loss_BT[0, 1]), -np.exp(-0.1), rtol=1e-6)
+  np.testing.assert_allclose(float(loss_BN[0, 1]), -np.exp(-0.1), rtol=1e-6)
 
 
 def test_bad_hparams_raise():

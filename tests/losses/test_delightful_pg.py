@@ -19,13 +19,13 @@ ADV = np.array([[1.0] * 4, [-1.5] * 4, [0.5, 0.5, -0.5, 2.0]], np.float32)
 
 
 def _inputs(logp=LOGP, mask=MASK, adv=ADV):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv))
 
 
 def _grad(inputs, hp, mode="token-mean"):
   def f(lp):
-    return losses.reduce(SPEC.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(SPEC.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _gate(logp, adv, mask, eta):
@@ -37,11 +37,11 @@ def _gate(logp, adv, mask, eta):
 def test_golden_values_gradients_and_gate_metric(eta):
   hp = dg.Hparams(eta=eta)
   inputs = _inputs()
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   w = _gate(LOGP, ADV, MASK, eta)
   m = MASK > 0
   lp = np.where(m, LOGP, 0.0)
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(m, -w * ADV * lp, 0.0), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(m, -w * ADV * lp, 0.0), rtol=1e-5, atol=1e-7)
   # token-mean: ∇ = −w·Â/N (gate detached)
   np.testing.assert_allclose(_grad(inputs, hp), np.where(m, -w * ADV, 0.0) / MASK.sum(), rtol=1e-5, atol=1e-8)
   # seq-mean-token-mean: ∇ = −w·Â/(L_b·B')
@@ -89,7 +89,7 @@ def test_on_policy_gradient_is_gated_pg_and_ignores_anchors():
   inputs = _inputs()
   hp = dg.Hparams()
   g0 = _grad(inputs, hp)
-  g1 = _grad(inputs.replace(prox_logp_BT=jnp.asarray(LOGP - 3.0), behavior_logp_BT=jnp.asarray(LOGP + 1.0)), hp)
+  g1 = _grad(inputs.replace(prox_logp_BN=jnp.asarray(LOGP - 3.0), behavior_logp_BN=jnp.asarray(LOGP + 1.0)), hp)
   np.testing.assert_array_equal(g0, g1)
   m = MASK > 0
   pg = np.where(m, -ADV, 0.0) / MASK.sum()
@@ -101,7 +101,7 @@ def test_padding_with_inf_and_empty_mask_are_finite_with_zero_masked_grad():
   g = _grad(inputs, dg.Hparams())
   assert np.all(np.isfinite(g)) and np.all(g[MASK == 0] == 0.0)
   empty = _inputs(mask=np.zeros_like(MASK))
-  loss_BT, aux = SPEC.fn(empty, dg.Hparams())
-  assert np.all(np.asarray(loss_BT) == 0.0)
+  loss_BN, aux = SPEC.fn(empty, dg.Hparams())
+  assert np.all(np.asarray(loss_BN) == 0.0)
   assert np.all(_grad(empty, dg.Hparams()) == 0.0)
   assert float(aux["gate_mean"][1]) == 0.0

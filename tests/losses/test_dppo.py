@@ -15,9 +15,9 @@ TOPK = losses.get("dppo_topk")
 
 def _grad(inputs, hp, spec=SPEC, mode="token-mean", **kw):
   def f(lp):
-    loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(loss_BT, inputs.mask_BT, mode, keep_BT=aux.get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    loss_BN, aux = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(loss_BN, inputs.mask_BN, mode, keep_BN=aux.get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 # Sampled-token probabilities (π, μ) and advantages chosen so every branch of the mask triggers.
@@ -39,9 +39,9 @@ def _inputs(p=P, mu=MU, adv=A, prox=None):
   mask[1, 3] = 0
   logp[1, 3] = -np.inf
   behav[1, 3] = -np.inf
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    behavior_logp_BT=jnp.asarray(behav),
-                    prox_logp_BT=None if prox is None else jnp.asarray(prox))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    behavior_logp_BN=jnp.asarray(behav),
+                    prox_logp_BN=None if prox is None else jnp.asarray(prox))
 
 
 def _golden(div, delta, cap=5.0):
@@ -56,12 +56,12 @@ def _golden(div, delta, cap=5.0):
 def test_binary_tv_golden():
   inputs = _inputs()
   hp = dppo_mod.Hparams()
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   keep, gnum = _golden(np.abs(P - MU), 0.15)
   want_keep = np.array([[0, 1, 1, 1], [0, 1, 1, 0]], bool)
   np.testing.assert_array_equal(keep, want_keep)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), want_keep.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(keep, -np.minimum(P / MU, 5) * A * np.log(P), 0),
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), want_keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(keep, -np.minimum(P / MU, 5) * A * np.log(P), 0),
                              rtol=1e-5, atol=1e-7)
   for drop, den in [(False, 7.0), (True, 5.0)]:
     g = _grad(inputs, hp, drop_rejected=drop)
@@ -98,12 +98,12 @@ def test_recompute_anchor_uses_prox():
   base = _inputs()
   junk_mu = np.log(np.full(P.shape, 0.9)).astype(np.float32)  # μ far from π_old: must play no role
   junk_mu[1, 3] = -np.inf
-  inputs = base.replace(prox_logp_BT=base.behavior_logp_BT, behavior_logp_BT=jnp.asarray(junk_mu))
+  inputs = base.replace(prox_logp_BN=base.behavior_logp_BN, behavior_logp_BN=jnp.asarray(junk_mu))
   hp = dppo_mod.Hparams(anchor="prox")
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   keep, gnum = _golden(np.abs(P - MU), 0.15)  # float64 numpy with π_old = MU
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(keep, -np.minimum(P / MU, 5) * A * np.log(P), 0),
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(keep, -np.minimum(P / MU, 5) * A * np.log(P), 0),
                              rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(_grad(inputs, hp), gnum / 7.0, rtol=1e-5, atol=1e-8)
   # The default anchor reads μ = 0.9 instead: a different gradient.
@@ -123,7 +123,7 @@ def test_on_policy_equals_pg(div):
 
 
 def _topk_inputs():
-  # B=1, T=3, K=2. Position 0: sampled token is μ's top-1; position 1: sampled token outside the
+  # B=1, N=3, k=2. Position 0: sampled token is μ's top-1; position 1: sampled token outside the
   # top-2; position 2: padding.
   logp = np.log(np.array([[0.5, 0.2, 1.0]])).astype(np.float32)
   behav = np.log(np.array([[0.3, 0.05, 1.0]])).astype(np.float32)
@@ -132,11 +132,11 @@ def _topk_inputs():
   mask = np.array([[1.0, 1.0, 0.0]], np.float32)
   logp[0, 2] = -np.inf
   adv = np.array([[1.0, 1.0, 1.0]], np.float32)
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    behavior_logp_BT=jnp.asarray(behav),
-                    behavior_topk_ids_BTK=jnp.zeros((1, 3, 2), jnp.int32),
-                    behavior_topk_logp_BTK=jnp.asarray(np.log(mu_k).astype(np.float32)),
-                    topk_logp_BTK=jnp.asarray(np.log(p_k).astype(np.float32)))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    behavior_logp_BN=jnp.asarray(behav),
+                    behavior_topk_ids_BNk=jnp.zeros((1, 3, 2), jnp.int32),
+                    behavior_topk_logp_BNk=jnp.asarray(np.log(mu_k).astype(np.float32)),
+                    topk_logp_BNk=jnp.asarray(np.log(p_k).astype(np.float32)))
 
 
 def test_topk_tv_golden():
@@ -148,10 +148,10 @@ def test_topk_tv_golden():
   np.testing.assert_allclose(np.asarray(p)[0, :2], [[0.5, 0.1, 0.0, 0.4], [0.4, 0.3, 0.2, 0.1]], atol=1e-6)
   np.testing.assert_allclose(np.asarray(mu)[0, :2], [[0.3, 0.2, 0.0, 0.5], [0.6, 0.3, 0.05, 0.05]], atol=1e-6)
   _, aux = TOPK.fn(inputs, dppo_mod.TopkHparams())
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), [[0.0, 0.0, 0.0]])
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), [[0.0, 0.0, 0.0]])
   hp = dppo_mod.TopkHparams(delta_tv=0.25)
   _, aux = TOPK.fn(inputs, hp)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), [[1.0, 1.0, 0.0]])
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), [[1.0, 1.0, 0.0]])
   np.testing.assert_allclose(float(aux["divergence"][0]), 0.4, rtol=1e-5)
   g = _grad(inputs, hp, spec=TOPK)
   np.testing.assert_allclose(g, [[-0.5 / 0.3 / 2, -0.2 / 0.05 / 2, 0.0]], rtol=1e-5)

@@ -23,13 +23,13 @@ def _inputs(p=P, mu=MU):
   mask[1, 3] = 0
   logp[1, 3] = -np.inf
   behav[1, 3] = -np.inf
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(A),
-                    behavior_logp_BT=jnp.asarray(behav))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(A),
+                    behavior_logp_BN=jnp.asarray(behav))
 
 
 def _grad(inputs, hp, spec=SPEC, mode="token-mean"):
-  f = lambda lp: losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+  f = lambda lp: losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 @pytest.mark.parametrize("eps", [12.5, 0.15])
@@ -37,13 +37,13 @@ def _grad(inputs, hp, spec=SPEC, mode="token-mean"):
 def test_smooth_golden(eps, mu_weighted):
   hp = drpo_mod.Hparams(eps=eps, mu_weighted=mu_weighted)
   inputs = _inputs()
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   m = np.ones(P.shape, bool)
   m[1, 3] = False
   r = P / MU
   c = MU if mu_weighted else np.ones_like(MU)
   val = np.where(m, -A * r + np.abs(A) * c * (r - 1) ** 2 / (2 * eps), 0)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-7)
   # The spec's weight formula: ∇ = −r·Â·w, w = 1 − sign(Â(r−1))·|π−μ|/ε (μ-weighted) or c(r−1) in place of π−μ.
   w = 1 - np.sign(A * (r - 1)) * (np.abs(P - MU) if mu_weighted else np.abs(r - 1)) / eps
   g = _grad(inputs, hp)
@@ -62,8 +62,8 @@ def test_eff_golden():
   m[1, 3] = False
   re = np.clip(P / MU, 0.1, 2.0)  # (0,3) has r = 18 -> 2.0; (1,0) r = .2
   coef = -A * re + np.abs(A) * MU * re * (re - 1) / 0.15
-  loss_BT, _ = SPEC.fn(inputs, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(m, coef * np.log(P), 0), rtol=1e-5, atol=1e-7)
+  loss_BN, _ = SPEC.fn(inputs, hp)
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(m, coef * np.log(P), 0), rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(_grad(inputs, hp), np.where(m, coef, 0) / 7.0, rtol=1e-5, atol=1e-8)
 
 

@@ -38,13 +38,13 @@ def _hp(**kw):
 
 
 def _state(step=0):
-  return {"ent_sum_N": jnp.asarray(HIST_SUM), "ent_count_N": jnp.asarray(HIST_CNT), "step": jnp.asarray(step, jnp.int32)}
+  return {"ent_sum_U": jnp.asarray(HIST_SUM), "ent_count_U": jnp.asarray(HIST_CNT), "step": jnp.asarray(step, jnp.int32)}
 
 
 def _inputs(lr=LR, ent=ENT, state=None, mask=MASK):
   prox = np.where(mask > 0, LOGP - lr, -np.inf).astype(np.float32)
-  return LossInputs(logp_BT=jnp.asarray(LOGP), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(ADV),
-                    prox_logp_BT=jnp.asarray(prox), entropy_BT=jnp.asarray(ent), turn_BT=jnp.asarray(TURN),
+  return LossInputs(logp_BN=jnp.asarray(LOGP), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(ADV),
+                    prox_logp_BN=jnp.asarray(prox), entropy_BN=jnp.asarray(ent), turn_BN=jnp.asarray(TURN),
                     state=_state() if state is None else state)
 
 
@@ -76,21 +76,21 @@ def _penalty_np(ent, hp):
 
 def _grads(inputs, hp, mode="token-mean"):
   def f(lp, ent):
-    return losses.reduce(SPEC.fn(inputs.replace(logp_BT=lp, entropy_BT=ent), hp)[0], inputs.mask_BT, mode)
-  return [np.asarray(x) for x in jax.grad(f, argnums=(0, 1))(inputs.logp_BT, inputs.entropy_BT)]
+    return losses.reduce(SPEC.fn(inputs.replace(logp_BN=lp, entropy_BN=ent), hp)[0], inputs.mask_BN, mode)
+  return [np.asarray(x) for x in jax.grad(f, argnums=(0, 1))(inputs.logp_BN, inputs.entropy_BN)]
 
 
 @pytest.mark.parametrize("kind", ["indicator", "hinge"])
 def test_golden_values_and_gradients(kind):
   hp = _hp(smooth_penalty=kind)
   inputs = _inputs()
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   m = MASK > 0
   ppo, dppo = _ppo_np(LR, ADV)
   ent = np.where(m, ENT, 0.0)
   p, dp = _penalty_np(ent, hp)
   want = np.where(m, ppo - hp.entropy_coef * (ent - hp.smooth_coef * p), 0.0)
-  np.testing.assert_allclose(np.asarray(loss_BT), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), want, rtol=1e-5, atol=1e-6)
   g_lp, g_ent = _grads(inputs, hp)
   n = MASK.sum()
   np.testing.assert_allclose(g_lp, np.where(m, dppo, 0.0) / n, rtol=1e-5, atol=1e-7)
@@ -114,12 +114,12 @@ def test_hinge_pushes_entropy_back_into_band():
 
 def test_gates_turn_threshold_and_missing_history():
   hp = _hp(smooth_from_turn=2)
-  loss_BT, _ = SPEC.fn(_inputs(), hp)
+  loss_BN, _ = SPEC.fn(_inputs(), hp)
   p, _ = _penalty_np(np.where(MASK > 0, ENT, 0.0), hp)
   assert p[0, 2] == 0.0 and p[1, 3] == hp.out_range_penalty and p[1, 4] == 0.0
   ppo, _ = _ppo_np(LR, ADV)
   want = np.where(MASK > 0, ppo - hp.entropy_coef * (np.where(MASK > 0, ENT, 0) - hp.smooth_coef * p), 0.0)
-  np.testing.assert_allclose(np.asarray(loss_BT), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), want, rtol=1e-5, atol=1e-6)
   # default smooth_from_turn = 25 (code: max_step 50 // 2): no penalty on these early turns
   _, aux = SPEC.fn(_inputs(), E.Hparams(max_turns=4))
   assert float(aux["smooth_penalty"][0]) == 0.0
@@ -135,20 +135,20 @@ def test_history_update():
   for b, t in zip(*np.nonzero(m)):
     add_sum[TURN[b, t]] += ENT[b, t]
     add_cnt[TURN[b, t]] += 1
-  np.testing.assert_allclose(np.asarray(s["ent_sum_N"]), HIST_SUM + add_sum, rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(s["ent_count_N"]), HIST_CNT + add_cnt)
+  np.testing.assert_allclose(np.asarray(s["ent_sum_U"]), HIST_SUM + add_sum, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(s["ent_count_U"]), HIST_CNT + add_cnt)
   assert int(s["step"]) == 6
   # turns beyond max_turns are neither penalised nor recorded
   hp3 = _hp(max_turns=3)
-  st3 = {"ent_sum_N": jnp.asarray(HIST_SUM[:3]), "ent_count_N": jnp.asarray(HIST_CNT[:3]), "step": jnp.asarray(0)}
+  st3 = {"ent_sum_U": jnp.asarray(HIST_SUM[:3]), "ent_count_U": jnp.asarray(HIST_CNT[:3]), "step": jnp.asarray(0)}
   _, aux3 = SPEC.fn(_inputs(state=st3), hp3)
-  np.testing.assert_allclose(np.asarray(aux3["state"]["ent_count_N"]), (HIST_CNT + add_cnt)[:3])
+  np.testing.assert_allclose(np.asarray(aux3["state"]["ent_count_U"]), (HIST_CNT + add_cnt)[:3])
 
 
 def test_init_state_then_first_step_has_no_penalty():
   hp = _hp()
   st = SPEC.init_state(hp)
-  assert st["ent_sum_N"].shape == (4,) and int(st["step"]) == 0
+  assert st["ent_sum_U"].shape == (4,) and int(st["step"]) == 0
   _, aux = SPEC.fn(_inputs(state=st), hp)
   assert float(aux["smooth_penalty"][0]) == 0.0
 

@@ -18,8 +18,8 @@ def _f_inputs(case, lag, sup):
 
 
 def _grad(inputs, hp):
-  f = lambda lp: losses.reduce(SPEC.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+  f = lambda lp: losses.reduce(SPEC.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 @pytest.mark.parametrize("hp", [mod.Hparams(), mod.Hparams(alpha=0.5, beta=2.0, xi=0.1, reg_coef=0.0)], ids=["default", "alt"])
@@ -37,8 +37,8 @@ def test_golden_values_and_gradients(hp):
   base_val, base_grad = _golden(*case, opd_reverse_kl.Hparams())
   val = w[:, None] * base_val + hp.reg_coef * k3
   grad = w[:, None] * base_grad + np.where(m, hp.reg_coef * (np.exp(d) - 1), 0.0) / mask.sum()
-  loss_BT, aux = SPEC.fn(inputs, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  loss_BN, aux = SPEC.fn(inputs, hp)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(_grad(inputs, hp), grad, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(float(aux["freshness"][0]) / 3, f.mean(), rtol=1e-5)
   assert w[0] > max(w[1], w[2])  # the fresh row outweighs stale, drifted ones
@@ -50,8 +50,8 @@ def test_on_policy_fresh_equals_opd_reverse_kl():
   case = (logp, logp, logp, teacher, mask)
   inputs = _f_inputs(case, [0, 0, 0], [0.0, 0.0, 0.0])
   base = losses.get("opd_reverse_kl")
-  g_base = jax.grad(lambda lp: losses.reduce(base.fn(inputs.replace(logp_BT=lp), base.Hparams())[0], inputs.mask_BT))(
-      inputs.logp_BT)
+  g_base = jax.grad(lambda lp: losses.reduce(base.fn(inputs.replace(logp_BN=lp), base.Hparams())[0], inputs.mask_BN))(
+      inputs.logp_BN)
   np.testing.assert_allclose(_grad(inputs, mod.Hparams()), np.asarray(g_base), rtol=1e-6, atol=1e-8)
 
 

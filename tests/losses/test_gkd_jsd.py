@@ -34,8 +34,8 @@ def test_golden_value_and_gradient(beta):
   lm = np.log(M)
   kl_pm = (p * np.where(p > 0, lp - lm, 0.0)).sum(-1)
   want = np.where(m, beta * kl_pm + (1 - beta) * np_kl(lq, lm), 0.0)
-  loss_BT, _ = SPEC.fn(inputs, HP(teacher_weight=beta))
-  np.testing.assert_allclose(np.asarray(loss_BT), want, rtol=1e-5, atol=1e-6)
+  loss_BN, _ = SPEC.fn(inputs, HP(teacher_weight=beta))
+  np.testing.assert_allclose(np.asarray(loss_BN), want, rtol=1e-5, atol=1e-6)
   # ∂JSD/∂q_v = (1−β)(log q_v − log M_v).
   gz = softmax_grad(lq, (1 - beta) * (lq - lm)) * (m[..., None] / m.sum())
   np.testing.assert_allclose(logits_grad(SPEC, inputs, HP(teacher_weight=beta)), gz, rtol=1e-4, atol=1e-6)

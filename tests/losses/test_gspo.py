@@ -15,8 +15,8 @@ HP = gspo_mod.Hparams()
 
 def _grad(inputs, hp, mode="seq-mean-token-mean", spec=SPEC):
   def f(lp):
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -43,9 +43,9 @@ def _case():
 
 
 def _golden(logp, prox, mask, adv, eps_l, eps_h, cap=10.0):
-  B, T = logp.shape
-  val = np.zeros((B, T))
-  grad = np.zeros((B, T))
+  B, N = logp.shape
+  val = np.zeros((B, N))
+  grad = np.zeros((B, N))
   L = mask.sum(1)
   n_seq = (L > 0).sum()
   for b in range(B):
@@ -55,7 +55,7 @@ def _golden(logp, prox, mask, adv, eps_l, eps_h, cap=10.0):
       d = np.where(mask[b] > 0, np.nan_to_num(logp[b].astype(np.float64) - prox[b]), 0.0)
     log_s = d.sum() / L[b]
     s = np.exp(min(log_s, cap))
-    for t in range(T):
+    for t in range(N):
       if mask[b, t] == 0:
         continue
       a = adv[b, t]
@@ -67,16 +67,16 @@ def _golden(logp, prox, mask, adv, eps_l, eps_h, cap=10.0):
 
 
 def _inputs(logp, prox, mask, adv):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    prox_logp_BN=jnp.asarray(prox))
 
 
 def test_golden_values_and_gradients():
   logp, prox, mask, adv = _case()
   inputs = _inputs(logp, prox, mask, adv)
-  loss_BT, aux = SPEC.fn(inputs, HP)
+  loss_BN, aux = SPEC.fn(inputs, HP)
   val, grad = _golden(logp, prox, mask, adv, HP.eps_low, HP.eps_high)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, HP)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   # The clip really triggered on rows 1 and 2 (zero gradient) and not on 0, 3, 4.
@@ -119,8 +119,8 @@ def test_log_ratio_clamp_kills_gradient():
   mask = np.ones((1, 2), np.float32)
   adv = np.full((1, 2), -1.0, np.float32)
   inputs = _inputs(logp, prox, mask, adv)
-  loss_BT, _ = SPEC.fn(inputs, HP)
-  np.testing.assert_allclose(np.asarray(loss_BT), np.exp(10.0), rtol=1e-5)
+  loss_BN, _ = SPEC.fn(inputs, HP)
+  np.testing.assert_allclose(np.asarray(loss_BN), np.exp(10.0), rtol=1e-5)
   assert np.all(_grad(inputs, HP) == 0)
 
 

@@ -18,8 +18,8 @@ NORM_LEN = 8.0
 def _grad(inputs, hp, mode="seq-mean-token-sum-norm", spec=SPEC):
   def f(lp):
     kw = {"norm_len": NORM_LEN} if mode == "seq-mean-token-sum-norm" else {}
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode, **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode, **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -80,11 +80,11 @@ def test_golden_values_and_gradients(clip_ratio):
   case = _case()
   hp = hispo_mod.Hparams(clip_ratio=clip_ratio)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad, h = _golden(*case, hp)
   np.testing.assert_array_equal(h, np.array([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]], bool))
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), h.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), h.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(np.isfinite(g)) and np.all(g[~h] == 0)
@@ -96,8 +96,8 @@ def test_golden_values_and_gradients(clip_ratio):
 
 
 def test_dual_clip_value():
-  loss_BT, _ = SPEC.fn(_inputs(*_case()), HP)
-  np.testing.assert_allclose(float(loss_BT[0, 3]), 3.0, rtol=1e-6)  # -Â·c with Â = -1, c = 3
+  loss_BN, _ = SPEC.fn(_inputs(*_case()), HP)
+  np.testing.assert_allclose(float(loss_BN[0, 3]), 3.0, rtol=1e-6)  # -Â·c with Â = -1, c = 3
 
 
 @pytest.mark.parametrize("clip_ratio", ["total", "stale"])

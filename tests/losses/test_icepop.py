@@ -17,9 +17,9 @@ HP = icepop_mod.Hparams()
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC, **kw):
   def f(lp):
-    out = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(out[0], inputs.mask_BT, mode, keep_BT=out[1].get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    out = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(out[0], inputs.mask_BN, mode, keep_BN=out[1].get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -60,11 +60,11 @@ def _golden(logp, prox, behav, adv, mask, hp):
 def test_golden_values_and_gradients():
   case = _case()
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, HP)
+  loss_BN, aux = SPEC.fn(inputs, HP)
   val, grad, keep = _golden(*case, HP)
   np.testing.assert_array_equal(keep, np.array([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 0]], bool))
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, HP)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   # Masked by the band, clipped by PPO, or padding: exactly zero. Kept and unclipped: weight k itself.
@@ -90,7 +90,7 @@ def test_equals_mis_with_icepop_band():
   a, aux_a = SPEC.fn(inputs, HP)
   b, aux_b = losses.get("mis").fn(inputs, hp_mis)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-  np.testing.assert_array_equal(np.asarray(aux_a["keep_BT"]), np.asarray(aux_b["keep_BT"]))
+  np.testing.assert_array_equal(np.asarray(aux_a["keep_BN"]), np.asarray(aux_b["keep_BN"]))
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

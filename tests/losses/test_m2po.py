@@ -15,9 +15,9 @@ SPEC = losses.get("m2po")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC, **kw):
   def f(lp):
-    loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(loss_BT, inputs.mask_BT, mode, keep_BT=aux.get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    loss_BN, aux = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(loss_BN, inputs.mask_BN, mode, keep_BN=aux.get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -36,9 +36,9 @@ def _case():
 
 
 def _inputs(logp, prox, mask, adv, behav=None):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox),
-                    behavior_logp_BT=jnp.asarray(prox if behav is None else behav))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    prox_logp_BN=jnp.asarray(prox),
+                    behavior_logp_BN=jnp.asarray(prox if behav is None else behav))
 
 
 def _np_keep(m2, mask, budget):
@@ -62,7 +62,7 @@ def test_paper_golden():
   logp, prox, mask, adv, lr = _case()
   hp = m2po_mod.Hparams()
   inputs = _inputs(logp, prox, mask, adv)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   m2 = np.where(mask > 0, lr.astype(np.float64) ** 2, 0)
   # mean M2 of all 10 active tokens = 0.0752 > 0.04; masking 0.36 (row1,t0) leaves 0.0436 > 0.04;
   # masking 0.25 too leaves 0.0178 < 0.04 -> k = 2.
@@ -71,9 +71,9 @@ def test_paper_golden():
   want_keep[1, 0] = 0
   want_keep[0, 1] = 0
   np.testing.assert_array_equal(keep, want_keep)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), want_keep)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), want_keep)
   r = np.exp(lr.astype(np.float64))
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(want_keep > 0, -adv * r, 0), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(want_keep > 0, -adv * r, 0), rtol=1e-6, atol=1e-7)
   for drop, den in [(False, mask.sum()), (True, want_keep.sum())]:
     g = _grad(inputs, hp, drop_rejected=drop)
     np.testing.assert_allclose(g, np.where(want_keep > 0, -adv * r, 0) / den, rtol=1e-5, atol=1e-8)
@@ -87,7 +87,7 @@ def test_paper_keeps_at_least_one_token():
   mask = np.ones((1, 3), np.float32)
   inputs = _inputs(logp, prox, mask, np.ones((1, 3), np.float32))
   _, aux = SPEC.fn(inputs, m2po_mod.Hparams())
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), [[0.0, 0.0, 1.0]])
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), [[0.0, 0.0, 1.0]])
 
 
 @settings(max_examples=15, deadline=None)
@@ -125,7 +125,7 @@ def test_code_variant_golden(miniclip):
   hp = m2po_mod.Hparams(variant="code", m2_budget=0.01,
                         **(dict(min_eps_low=0.3, min_eps_high=0.5) if miniclip else {}))
   inputs = _inputs(logp, prox, mask, adv)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   # Harmful: row0 (A>0) r>1 -> {0.05, 0.5, 0.02}; row1 (A<0) r<1 -> {-0.6}; row2 (A<0) -> {-0.3}.
   # Δ² sorted = [0.0004, 0.0025, 0.09, 0.25, 0.36], target = 0.01·5 = 0.05. Capped sums at each
   # breakpoint: 0.002, 0.0104, 0.2729 >= 0.05 -> k = 2, τ² = 0.0025, τ = 0.05.
@@ -142,7 +142,7 @@ def test_code_variant_golden(miniclip):
   unc, clp = -adv * r, -adv * rc
   use_clip = clp > unc
   m = mask > 0
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(m, np.maximum(unc, clp), 0), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(m, np.maximum(unc, clp), 0), rtol=1e-5, atol=1e-7)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, np.where(m & ~use_clip, -adv * r, 0) / mask.sum(), rtol=1e-5, atol=1e-8)
   assert (use_clip & m).any() and (~use_clip & m).any()

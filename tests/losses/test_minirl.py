@@ -16,8 +16,8 @@ HP = minirl_mod.Hparams()
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC):
   def f(lp):
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -54,11 +54,11 @@ def _golden(logp, prox, behav, adv, mask, hp):
 def test_golden_values_and_gradients():
   case = _case()
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, HP)
+  loss_BN, aux = SPEC.fn(inputs, HP)
   val, grad, keep = _golden(*case, HP)
   np.testing.assert_array_equal(keep, np.array([[1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 0, 0]], bool))
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, HP)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert g[0, 1] == 0 and g[1, 0] == 0 and np.all(g[2, 2:] == 0) and np.all(np.isfinite(g))
@@ -81,6 +81,6 @@ def test_mask_uses_recomputed_ratio_not_total():
   behav = np.where(mask > 0, logp - 1.0, -np.inf).astype(np.float32)
   inputs = _inputs(logp, logp, behav, adv, mask)
   _, aux = SPEC.fn(inputs, HP)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), mask)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), mask)
   pg = losses.get("pg")
   np.testing.assert_allclose(_grad(inputs, HP), np.e * _grad(inputs, pg.Hparams(), spec=pg), rtol=1e-5)

@@ -15,9 +15,9 @@ SPEC = losses.get("mis")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC, **kw):
   def f(lp):
-    out = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(out[0], inputs.mask_BT, mode, keep_BT=out[1].get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    out = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(out[0], inputs.mask_BN, mode, keep_BN=out[1].get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 LRHO = np.array([[0.0, 1.2, -0.5, 0.3], [0.9, -1.0, 0.2, 0.0], [0.1, 0.4, 0.0, 0.0]])  # log π_old/μ
@@ -109,14 +109,14 @@ def test_golden_values_and_gradients(crit, is_level, is_cap):
   case = _case()
   hp = mis_mod.Hparams(criteria=crit[0], lower=crit[1], upper=crit[2], is_level=is_level, is_cap=is_cap)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad, keep = _golden(*case, hp)
   mask = case[4]
   # The criterion really rejects something and keeps something.
   assert 0 < keep.sum() < mask.sum()
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
   np.testing.assert_allclose(float(aux["masked_frac"][0]), mask.sum() - keep.sum())
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(g[~keep] == 0) and np.all(np.isfinite(g))
@@ -139,7 +139,7 @@ def test_k1_direction_thresholds_the_ratio_itself():
   lrho[0, 0], lrho[0, 1] = np.log(1.8), np.log(0.6)
   hp = mis_mod.Hparams(lower=(0.5,), upper=(1.5,))
   _, aux = SPEC.fn(_inputs(*_case(lrho)), hp)
-  keep = np.asarray(aux["keep_BT"])
+  keep = np.asarray(aux["keep_BN"])
   assert keep[0, 0] == 0 and keep[0, 1] == 1
 
 
@@ -149,7 +149,7 @@ def test_catastrophic_veto_rejects_whole_sequence():
   case = _case(lrho)
   hp = mis_mod.Hparams(criteria=("token_k1",), lower=(0.0,), upper=(10.0,), veto=1e-4)
   _, aux = SPEC.fn(_inputs(*case), hp)
-  keep = np.asarray(aux["keep_BT"])
+  keep = np.asarray(aux["keep_BN"])
   np.testing.assert_array_equal(keep, case[4] * np.array([[1], [0], [1]]))
   val, grad, _ = _golden(*case, hp)
   np.testing.assert_allclose(_grad(_inputs(*case), hp), grad, rtol=1e-5, atol=1e-7)
@@ -162,7 +162,7 @@ def test_bypass_golden(crit):
   hp = mis_mod.Hparams(criteria=crit[0], lower=crit[1], upper=crit[2], mode="bypass")
   inputs = _inputs(*case)
   val, grad, keep = _golden(*case, hp)
-  np.testing.assert_array_equal(np.asarray(SPEC.fn(inputs, hp)[1]["keep_BT"]), keep.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(SPEC.fn(inputs, hp)[1]["keep_BN"]), keep.astype(np.float32))
   np.testing.assert_allclose(_grad(inputs, hp), grad, rtol=1e-5, atol=1e-7)
 
 

@@ -27,15 +27,15 @@ def _inputs(lr=LR):
   mask[2, 4] = 0
   logp[2, 4] = -np.inf
   behav[2, 4] = -np.inf
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(ADV),
-                    behavior_logp_BT=jnp.asarray(behav))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(ADV),
+                    behavior_logp_BN=jnp.asarray(behav))
 
 
 def _grad(inputs, hp, spec=SPEC, **kw):
   def f(lp):
-    loss_BT, aux = spec.fn(inputs.replace(logp_BT=lp), hp)
-    return losses.reduce(loss_BT, inputs.mask_BT, "token-mean", keep_BT=aux.get("keep_BT"), **kw)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    loss_BN, aux = spec.fn(inputs.replace(logp_BN=lp), hp)
+    return losses.reduce(loss_BN, inputs.mask_BN, "token-mean", keep_BN=aux.get("keep_BN"), **kw)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 KEEP = {
@@ -49,14 +49,14 @@ KEEP = {
 def test_golden_values_and_gradients(scope):
   hp = mu_mod.Hparams(veto_scope=scope)
   inputs = _inputs()
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   keep = np.array(KEEP[scope], bool)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
   r = np.exp(LR.astype(np.float64))
   rc = np.clip(r, 0.0, 5.0)
   unc, clp = -ADV * r, -ADV * rc
   use_clip = clp > unc
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(keep, np.where(use_clip, clp, unc), 0),
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(keep, np.where(use_clip, clp, unc), 0),
                              rtol=1e-5, atol=1e-7)
   assert use_clip[1, 2] and not use_clip[keep & (np.arange(5) != 2)].any()
   for drop, den in [(False, 14.0), (True, keep.sum())]:
@@ -70,10 +70,10 @@ def test_golden_values_and_gradients(scope):
 def test_no_veto_and_threshold():
   inputs = _inputs()
   _, aux = SPEC.fn(inputs, mu_mod.Hparams(veto=False))
-  assert "keep_BT" not in aux
+  assert "keep_BN" not in aux
   # With a 1e-3 threshold row 2's e^-9 token triggers as well.
   _, aux = SPEC.fn(inputs, mu_mod.Hparams(veto_ratio=1e-3))
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"])[2], [1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"])[2], [1, 1, 0, 0, 0])
 
 
 def test_on_policy_equals_pg():

@@ -3,7 +3,7 @@
 import numpy as np
 
 from jaxrl_llm import losses
-from tests.losses.test_opd_reverse_kl_full import (B, T, dense_case, dense_inputs, logits_grad, np_kl,
+from tests.losses.test_opd_reverse_kl_full import (B, N, dense_case, dense_inputs, logits_grad, np_kl,
                                                    np_logsoftmax)
 
 SPEC = losses.get("opd_forward_kl")
@@ -12,12 +12,12 @@ SPEC = losses.get("opd_forward_kl")
 def test_golden_value_and_gradient():
   zs, zt, mask = dense_case()
   inputs = dense_inputs(zs, zt, mask)
-  loss_BT, aux = SPEC.fn(inputs, SPEC.Hparams())
+  loss_BN, aux = SPEC.fn(inputs, SPEC.Hparams())
   m = mask > 0
   lq, lp = np_logsoftmax(np.where(m[..., None], zs, 0)), np_logsoftmax(np.where(m[..., None], zt, 0))
   p = np.exp(lp)
   want = np.where(m, (p * np.where(p > 0, lp - lq, 0.0)).sum(-1), 0.0)  # the p = 0 entry contributes 0
-  np.testing.assert_allclose(np.asarray(loss_BT), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), want, rtol=1e-5, atol=1e-6)
   # d/dz KL(p‖q) = q − p (token-mean: / N).
   gz = (np.exp(lq) - p) * (m[..., None] / m.sum())
   np.testing.assert_allclose(logits_grad(SPEC, inputs, SPEC.Hparams()), gz, rtol=1e-4, atol=1e-6)
@@ -43,4 +43,4 @@ def test_forward_differs_from_reverse_and_is_nonnegative():
   assert np.abs(f - r).max() > 1e-2  # the directions are genuinely different
   lq, lp = np_logsoftmax(np.where(mask[..., None] > 0, zs, 0)), np_logsoftmax(np.where(mask[..., None] > 0, zt, 0))
   np.testing.assert_allclose(f[1, 0], np_kl(lp, lq)[1, 0], rtol=1e-5)
-  assert f.shape == (B, T)
+  assert f.shape == (B, N)

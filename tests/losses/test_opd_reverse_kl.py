@@ -29,14 +29,14 @@ def _case():
 
 
 def _inputs(logp, prox, behav, teacher, mask):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.zeros(mask.shape),
-                    prox_logp_BT=jnp.asarray(prox), behavior_logp_BT=jnp.asarray(behav),
-                    teacher_logp_BT=jnp.asarray(teacher))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.zeros(mask.shape),
+                    prox_logp_BN=jnp.asarray(prox), behavior_logp_BN=jnp.asarray(behav),
+                    teacher_logp_BN=jnp.asarray(teacher))
 
 
 def _grad(inputs, hp, mode="token-mean"):
-  f = lambda lp: losses.reduce(SPEC.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+  f = lambda lp: losses.reduce(SPEC.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _golden(logp, prox, behav, teacher, mask, hp):
@@ -79,14 +79,14 @@ HPS = [
 def test_golden_values_and_gradients(hp):
   case = _case()
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad = _golden(*case, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(np.isfinite(g)) and np.all(g[case[4] == 0] == 0)
   if hp.decoupled:
-    np.testing.assert_array_equal(np.asarray(aux["keep_BT"])[1], [1, 1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(aux["keep_BN"])[1], [1, 1, 0, 1])
 
 
 def test_clip_triggers_where_expected():
@@ -118,15 +118,15 @@ def test_sampled_gradient_matches_dense_reverse_kl_in_expectation():
   def expected_grad(hp):
     def per_token(z, y):
       lq = jax.nn.log_softmax(z)[y].reshape(1, 1)
-      inp = LossInputs(logp_BT=lq, mask_BT=mask, adv_BT=jnp.zeros((1, 1)), prox_logp_BT=jax.lax.stop_gradient(lq),
-                       behavior_logp_BT=jax.lax.stop_gradient(lq), teacher_logp_BT=lp_all[y].reshape(1, 1))
+      inp = LossInputs(logp_BN=lq, mask_BN=mask, adv_BN=jnp.zeros((1, 1)), prox_logp_BN=jax.lax.stop_gradient(lq),
+                       behavior_logp_BN=jax.lax.stop_gradient(lq), teacher_logp_BN=lp_all[y].reshape(1, 1))
       return losses.reduce(SPEC.fn(inp, hp)[0], mask)
     gs = [jax.grad(per_token)(jnp.asarray(zs), y) for y in range(V)]
     return np.sum([np.exp(float(lq_all[y])) * np.asarray(g) for y, g in enumerate(gs)], axis=0)
 
   dense = lambda name: np.asarray(jax.grad(lambda z: losses.get(name).fn(LossInputs(
-      logp_BT=jnp.zeros((1, 1)), mask_BT=mask, adv_BT=jnp.zeros((1, 1)), student_logits_BTV=z.reshape(1, 1, V),
-      teacher_logits_BTV=jnp.asarray(zt).reshape(1, 1, V)), losses.get(name).Hparams())[0].sum())(jnp.asarray(zs)))
+      logp_BN=jnp.zeros((1, 1)), mask_BN=mask, adv_BN=jnp.zeros((1, 1)), student_logits_BNV=z.reshape(1, 1, V),
+      teacher_logits_BNV=jnp.asarray(zt).reshape(1, 1, V)), losses.get(name).Hparams())[0].sum())(jnp.asarray(zs)))
   rev, fwd = dense("opd_reverse_kl_full"), dense("opd_forward_kl")
   np.testing.assert_allclose(expected_grad(mod.Hparams()), rev, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(expected_grad(mod.Hparams(form="direct", estimator="k2")), rev, rtol=1e-4, atol=1e-6)

@@ -11,18 +11,18 @@ from jaxrl_llm.types import LossInputs
 from tests.losses.test_opd_reverse_kl_full import np_logsoftmax
 
 SPEC = losses.get("opd_reverse_kl_mc")
-B, T, N, V = 2, 3, 4, 6
+B, N, J, V = 2, 3, 4, 6
 
 
 def _case(seed=0):
   rng = np.random.default_rng(seed)
-  lq_all = np_logsoftmax(rng.normal(0, 1, (B, T, V)))
-  lmu_all = np_logsoftmax(np.log(np.exp(lq_all)) + rng.normal(0, 0.4, (B, T, V)))
-  lp_all = np_logsoftmax(rng.normal(0, 1, (B, T, V)))
-  ids = rng.integers(0, V, (B, T, N)).astype(np.int32)
+  lq_all = np_logsoftmax(rng.normal(0, 1, (B, N, V)))
+  lmu_all = np_logsoftmax(np.log(np.exp(lq_all)) + rng.normal(0, 0.4, (B, N, V)))
+  lp_all = np_logsoftmax(rng.normal(0, 1, (B, N, V)))
+  ids = rng.integers(0, V, (B, N, J)).astype(np.int32)
   g = lambda a: np.take_along_axis(a, ids, -1).astype(np.float32)
   lq, lmu, lp = g(lq_all), g(lmu_all), g(lp_all)
-  mask = np.ones((B, T), np.float32)
+  mask = np.ones((B, N), np.float32)
   mask[1, 2] = 0
   for x in (lq, lmu, lp):
     x[1, 2] = -np.inf
@@ -32,14 +32,14 @@ def _case(seed=0):
 
 
 def _inputs(ids, lq, lmu, lp, mask, tokens=None):
-  return LossInputs(logp_BT=jnp.zeros(mask.shape), mask_BT=jnp.asarray(mask), adv_BT=jnp.zeros(mask.shape),
-                    mc_ids_BTN=jnp.asarray(ids), mc_logp_BTN=jnp.asarray(lq), mc_behavior_logp_BTN=jnp.asarray(lmu),
-                    mc_teacher_logp_BTN=jnp.asarray(lp), tokens_BT=tokens)
+  return LossInputs(logp_BN=jnp.zeros(mask.shape), mask_BN=jnp.asarray(mask), adv_BN=jnp.zeros(mask.shape),
+                    mc_ids_BNJ=jnp.asarray(ids), mc_logp_BNJ=jnp.asarray(lq), mc_behavior_logp_BNJ=jnp.asarray(lmu),
+                    mc_teacher_logp_BNJ=jnp.asarray(lp), tokens_BN=tokens)
 
 
 def _grad(inputs, hp):
-  f = lambda x: losses.reduce(SPEC.fn(inputs.replace(mc_logp_BTN=x), hp)[0], inputs.mask_BT)
-  return np.asarray(jax.grad(f)(inputs.mc_logp_BTN))
+  f = lambda x: losses.reduce(SPEC.fn(inputs.replace(mc_logp_BNJ=x), hp)[0], inputs.mask_BN)
+  return np.asarray(jax.grad(f)(inputs.mc_logp_BNJ))
 
 
 @pytest.mark.parametrize("hp", [mod.Hparams(), mod.Hparams(online_advantage=False), mod.Hparams(eps_low=0.2, eps_high=0.2)],
@@ -67,9 +67,9 @@ def test_golden_values_and_gradients(hp):
 
 def _dense_rev_grad(zs, zt):
   spec = losses.get("opd_reverse_kl_full")
-  inp = LossInputs(logp_BT=jnp.zeros((1, 1)), mask_BT=jnp.ones((1, 1)), adv_BT=jnp.zeros((1, 1)),
-                   teacher_logits_BTV=jnp.asarray(zt).reshape(1, 1, -1))
-  return np.asarray(jax.grad(lambda z: spec.fn(inp.replace(student_logits_BTV=z.reshape(1, 1, -1)), spec.Hparams())[0].sum())(
+  inp = LossInputs(logp_BN=jnp.zeros((1, 1)), mask_BN=jnp.ones((1, 1)), adv_BN=jnp.zeros((1, 1)),
+                   teacher_logits_BNV=jnp.asarray(zt).reshape(1, 1, -1))
+  return np.asarray(jax.grad(lambda z: spec.fn(inp.replace(student_logits_BNV=z.reshape(1, 1, -1)), spec.Hparams())[0].sum())(
       jnp.asarray(zs)))
 
 
@@ -79,10 +79,10 @@ def _mc_grad(zs, zt, lmu_all, ids, hp):
 
   def f(z):
     lq = jax.nn.log_softmax(z)[ids].reshape(1, 1, -1)
-    inp = LossInputs(logp_BT=jnp.zeros((1, 1)), mask_BT=jnp.ones((1, 1)), adv_BT=jnp.zeros((1, 1)),
-                     mc_ids_BTN=jnp.asarray(ids).reshape(1, 1, -1), mc_logp_BTN=lq,
-                     mc_behavior_logp_BTN=jnp.asarray(lmu_all)[ids].reshape(1, 1, -1),
-                     mc_teacher_logp_BTN=lp_all[ids].reshape(1, 1, -1))
+    inp = LossInputs(logp_BN=jnp.zeros((1, 1)), mask_BN=jnp.ones((1, 1)), adv_BN=jnp.zeros((1, 1)),
+                     mc_ids_BNJ=jnp.asarray(ids).reshape(1, 1, -1), mc_logp_BNJ=lq,
+                     mc_behavior_logp_BNJ=jnp.asarray(lmu_all)[ids].reshape(1, 1, -1),
+                     mc_teacher_logp_BNJ=lp_all[ids].reshape(1, 1, -1))
     return SPEC.fn(inp, hp)[0].sum()
   return np.asarray(jax.grad(f)(jnp.asarray(zs)))
 

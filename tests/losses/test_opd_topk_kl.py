@@ -11,19 +11,19 @@ from jaxrl_llm.types import LossInputs
 from tests.losses.test_opd_reverse_kl_full import np_kl, np_logsoftmax
 
 SPEC = losses.get("opd_topk_kl")
-B, T, K, V = 2, 3, 3, 7
+B, N, k, V = 2, 3, 3, 7
 
 
 def _case(seed=0):
   """Teacher top-3 ids/log-probs and π_θ at the same ids (from random full distributions); row 1 pos 2
   is padding (-inf); slot 2 at (0, 1) is invalid (id −1, -inf teacher log-prob)."""
   rng = np.random.default_rng(seed)
-  lt = np_logsoftmax(rng.normal(0, 1.5, (B, T, V)))
-  ls = np_logsoftmax(rng.normal(0, 1.5, (B, T, V)))
-  ids = np.argsort(-lt, -1)[..., :K].astype(np.int32)
+  lt = np_logsoftmax(rng.normal(0, 1.5, (B, N, V)))
+  ls = np_logsoftmax(rng.normal(0, 1.5, (B, N, V)))
+  ids = np.argsort(-lt, -1)[..., :k].astype(np.int32)
   tp = np.take_along_axis(lt, ids, -1).astype(np.float32)
   sq = np.take_along_axis(ls, ids, -1).astype(np.float32)
-  mask = np.ones((B, T), np.float32)
+  mask = np.ones((B, N), np.float32)
   mask[1, 2] = 0
   tp[1, 2], sq[1, 2] = -np.inf, -np.inf
   ids[0, 1, 2], tp[0, 1, 2] = -1, -np.inf
@@ -31,14 +31,14 @@ def _case(seed=0):
 
 
 def _inputs(ids, tp, sq, mask):
-  return LossInputs(logp_BT=jnp.zeros(mask.shape), mask_BT=jnp.asarray(mask), adv_BT=jnp.zeros(mask.shape),
-                    teacher_topk_ids_BTK=jnp.asarray(ids), teacher_topk_logp_BTK=jnp.asarray(tp),
-                    student_topk_logp_BTK=jnp.asarray(sq))
+  return LossInputs(logp_BN=jnp.zeros(mask.shape), mask_BN=jnp.asarray(mask), adv_BN=jnp.zeros(mask.shape),
+                    teacher_topk_ids_BNk=jnp.asarray(ids), teacher_topk_logp_BNk=jnp.asarray(tp),
+                    student_topk_logp_BNk=jnp.asarray(sq))
 
 
 def _grad(inputs, hp, mode="token-mean"):
-  f = lambda s: losses.reduce(SPEC.fn(inputs.replace(student_topk_logp_BTK=s), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.student_topk_logp_BTK))
+  f = lambda s: losses.reduce(SPEC.fn(inputs.replace(student_topk_logp_BNk=s), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.student_topk_logp_BNk))
 
 
 def _golden(ids, tp, sq, mask, hp):
@@ -71,9 +71,9 @@ def test_golden_values_and_gradients(direction, residual):
   case = _case()
   hp = mod.Hparams(direction=direction, residual=residual, skew_alpha=0.3)
   inputs = _inputs(*case)
-  loss_BT, _ = SPEC.fn(inputs, hp)
+  loss_BN, _ = SPEC.fn(inputs, hp)
   val, grad = _golden(*case, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-4, atol=1e-6)
   assert np.isfinite(g).all() and np.all(g[1, 2] == 0) and g[0, 1, 2] == 0
@@ -81,8 +81,8 @@ def test_golden_values_and_gradients(direction, residual):
 
 def _full_vocab_case(seed):
   rng = np.random.default_rng(seed)
-  lt = np_logsoftmax(rng.normal(0, 1.5, (B, T, V)))
-  ls = np_logsoftmax(rng.normal(0, 1.5, (B, T, V)))
+  lt = np_logsoftmax(rng.normal(0, 1.5, (B, N, V)))
+  ls = np_logsoftmax(rng.normal(0, 1.5, (B, N, V)))
   return lt, ls
 
 
@@ -90,7 +90,7 @@ def _full_vocab_case(seed):
 def test_k_equals_v_equals_dense(residual):
   lt, ls = _full_vocab_case(1)
   ids = np.argsort(-lt, -1).astype(np.int32)  # all V ids, teacher order
-  mask = np.ones((B, T), np.float32)
+  mask = np.ones((B, N), np.float32)
   inputs = _inputs(ids, np.take_along_axis(lt, ids, -1).astype(np.float32),
                    np.take_along_axis(ls, ids, -1).astype(np.float32), mask)
   for direction, want in (("forward", np_kl(lt, ls)), ("reverse", np_kl(ls, lt))):
@@ -100,8 +100,8 @@ def test_k_equals_v_equals_dense(residual):
 
 def test_residual_bucket_lower_bounds_full_kl_and_improves_on_no_residual_forward():
   lt, ls = _full_vocab_case(2)
-  ids = np.argsort(-lt, -1)[..., :K].astype(np.int32)
-  mask = np.ones((B, T), np.float32)
+  ids = np.argsort(-lt, -1)[..., :k].astype(np.int32)
+  mask = np.ones((B, N), np.float32)
   inputs = _inputs(ids, np.take_along_axis(lt, ids, -1).astype(np.float32),
                    np.take_along_axis(ls, ids, -1).astype(np.float32), mask)
   for direction, full in (("forward", np_kl(lt, ls)), ("reverse", np_kl(ls, lt))):

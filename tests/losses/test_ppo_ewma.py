@@ -14,14 +14,14 @@ SPEC = losses.get("ppo_ewma")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC):
   def f(lp):
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _inputs(logp, ewma, behav, adv, mask):
-  return LossInputs(logp_BT=jnp.asarray(logp, jnp.float32), mask_BT=jnp.asarray(mask, jnp.float32),
-                    adv_BT=jnp.asarray(adv, jnp.float32), prox_logp_BT=jnp.asarray(ewma, jnp.float32),
-                    behavior_logp_BT=jnp.asarray(behav, jnp.float32))
+  return LossInputs(logp_BN=jnp.asarray(logp, jnp.float32), mask_BN=jnp.asarray(mask, jnp.float32),
+                    adv_BN=jnp.asarray(adv, jnp.float32), prox_logp_BN=jnp.asarray(ewma, jnp.float32),
+                    behavior_logp_BN=jnp.asarray(behav, jnp.float32))
 
 
 def test_golden_by_hand():
@@ -33,10 +33,10 @@ def test_golden_by_hand():
   mask = np.array([[1.0, 1.0, 1.0, 0.0]])
   inputs = _inputs(logp, ewma, behav, np.ones((1, 4)), mask)
   hp = ewma_mod.Hparams()
-  loss_BT, aux = SPEC.fn(inputs, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), [[-np.exp(0.1), -np.e * 1.2, 0.0, 0.0]], rtol=1e-5)
+  loss_BN, aux = SPEC.fn(inputs, hp)
+  np.testing.assert_allclose(np.asarray(loss_BN), [[-np.exp(0.1), -np.e * 1.2, 0.0, 0.0]], rtol=1e-5)
   np.testing.assert_allclose(_grad(inputs, hp), [[-np.exp(0.1) / 3, 0.0, 0.0, 0.0]], rtol=1e-5, atol=1e-8)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), [[1, 1, 0, 0]])
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), [[1, 1, 0, 0]])
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(filter_level="sequence", filter_upper=1.5, dual_clip=3.0)])
@@ -51,7 +51,7 @@ def test_equals_decoupled_ppo(kw):
   a, aux_a = SPEC.fn(inputs, ewma_mod.Hparams(**kw))
   b, aux_b = dp.fn(inputs, dp.Hparams(**kw))
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_array_equal(np.asarray(aux_a["keep_BT"]), np.asarray(aux_b["keep_BT"]))
+  np.testing.assert_array_equal(np.asarray(aux_a["keep_BN"]), np.asarray(aux_b["keep_BN"]))
   np.testing.assert_array_equal(_grad(inputs, ewma_mod.Hparams(**kw)), _grad(inputs, dp.Hparams(**kw), spec=dp))
 
 

@@ -23,14 +23,14 @@ ADV = np.array([[1.0] * 4, [-2.0] * 4, [0.5] * 4], np.float32)
 
 def _inputs(lam, logp=LOGP, lr=LR, mask=MASK, adv=ADV):
   prox = np.where(mask > 0, logp - lr, -np.inf).astype(np.float32)
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox), state=jnp.asarray(lam, jnp.float32))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    prox_logp_BN=jnp.asarray(prox), state=jnp.asarray(lam, jnp.float32))
 
 
 def _value_and_grad(inputs, hp, mode="token-mean"):
   def f(lp):
-    return losses.reduce(SPEC.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  v, g = jax.value_and_grad(f)(inputs.logp_BT)
+    return losses.reduce(SPEC.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  v, g = jax.value_and_grad(f)(inputs.logp_BN)
   return float(v), np.asarray(g)
 
 
@@ -64,12 +64,12 @@ def test_token_mean_equals_objective_value_and_gradient(lam):
 
 def test_per_token_values_are_documented_form():
   lam, hp = 0.7, r2.Hparams(delta=0.03)
-  loss_BT, _ = SPEC.fn(_inputs(lam), hp)
+  loss_BN, _ = SPEC.fn(_inputs(lam), hp)
   m = MASK > 0
   r = np.exp(LR.astype(np.float64))
   rbar = r[m].mean()
   want = np.where(m, -ADV * r + lam * ((r - rbar) ** 2 - hp.delta), 0.0)
-  np.testing.assert_allclose(np.asarray(loss_BT), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("lam,delta,expect", [
@@ -90,9 +90,9 @@ def test_dual_step(lam, delta, expect):
 def test_state_gets_no_gradient_and_empty_batch_keeps_lambda():
   hp = r2.Hparams()
   inputs = _inputs(1.3, mask=np.zeros_like(MASK))
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   assert float(aux["state"]) == pytest.approx(1.3)
-  assert np.all(np.asarray(loss_BT) == 0.0)
+  assert np.all(np.asarray(loss_BN) == 0.0)
   _, g = _value_and_grad(inputs, hp)
   assert np.all(g == 0.0)
   # d loss / d λ is not propagated (λ is a dual variable, updated only by the dual step)

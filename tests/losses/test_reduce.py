@@ -32,8 +32,8 @@ def _np_ref(mode, drop):
 @pytest.mark.parametrize("drop", [False, True])
 def test_fully_rejected_row_leaves_b_prime(mode, drop):
   def f(lp):
-    loss_BT = -jnp.asarray(ADV, jnp.float32) * jnp.exp(lp) * jnp.asarray(KEEP, jnp.float32)
-    return losses.reduce(loss_BT, jnp.asarray(MASK, jnp.float32), mode, keep_BT=jnp.asarray(KEEP, jnp.float32),
+    loss_BN = -jnp.asarray(ADV, jnp.float32) * jnp.exp(lp) * jnp.asarray(KEEP, jnp.float32)
+    return losses.reduce(loss_BN, jnp.asarray(MASK, jnp.float32), mode, keep_BN=jnp.asarray(KEEP, jnp.float32),
                          drop_rejected=drop, norm_len=4.0)
   lp = jnp.asarray(LOGP, jnp.float32)
   want, want_g = _np_ref(mode, drop)
@@ -45,7 +45,7 @@ def test_fully_rejected_row_hand_value():
   # seq-mean-token-sum with drop: rows 0 and 2 count (B' = 2), row 1 does not.
   # row 0: −(e^−0.5 + e^−0.2); row 2: −0.5·(e^−0.9 + e^−0.4).
   want = (-(np.exp(-0.5) + np.exp(-0.2)) - 0.5 * (np.exp(-0.9) + np.exp(-0.4))) / 2
-  loss_BT = -jnp.asarray(ADV * np.exp(LOGP) * KEEP, jnp.float32)
-  got = losses.reduce(loss_BT, jnp.asarray(MASK, jnp.float32), "seq-mean-token-sum",
-                      keep_BT=jnp.asarray(KEEP, jnp.float32), drop_rejected=True)
+  loss_BN = -jnp.asarray(ADV * np.exp(LOGP) * KEEP, jnp.float32)
+  got = losses.reduce(loss_BN, jnp.asarray(MASK, jnp.float32), "seq-mean-token-sum",
+                      keep_BN=jnp.asarray(KEEP, jnp.float32), drop_rejected=True)
   np.testing.assert_allclose(float(got), want, rtol=1e-6)

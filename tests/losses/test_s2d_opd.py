@@ -11,20 +11,20 @@ from jaxrl_llm.types import LossInputs
 from tests.losses.test_opd_reverse_kl_full import np_logsoftmax
 
 SPEC = losses.get("s2d_opd")
-B, T, K, V = 2, 10, 3, 7
+B, N, k, V = 2, 10, 3, 7
 
 
 def _case(seed=0):
   rng = np.random.default_rng(seed)
-  ls = np_logsoftmax(rng.normal(0, 1.5, (B, T, V)))
-  ids = np.argsort(-ls, -1)[..., :K].astype(np.int32)  # the student's top-K
+  ls = np_logsoftmax(rng.normal(0, 1.5, (B, N, V)))
+  ids = np.argsort(-ls, -1)[..., :k].astype(np.int32)  # the student's top-k
   g = lambda a: np.take_along_axis(a, ids, -1).astype(np.float32)
   lq = g(ls)
-  lT = g(np_logsoftmax(rng.normal(0, 1.5, (B, T, V))))
-  lR = g(np_logsoftmax(rng.normal(0, 1.5, (B, T, V))))
-  logp = rng.uniform(-2, -0.1, (B, T)).astype(np.float32)
-  ref = (logp + rng.normal(0, 0.3, (B, T))).astype(np.float32)
-  mask = np.ones((B, T), np.float32)
+  lT = g(np_logsoftmax(rng.normal(0, 1.5, (B, N, V))))
+  lR = g(np_logsoftmax(rng.normal(0, 1.5, (B, N, V))))
+  logp = rng.uniform(-2, -0.1, (B, N)).astype(np.float32)
+  ref = (logp + rng.normal(0, 0.3, (B, N))).astype(np.float32)
+  mask = np.ones((B, N), np.float32)
   mask[1, 7:] = 0  # row 1 has 7 valid states
   for x in (lq, lT, lR):
     x[1, 7:] = -np.inf
@@ -33,10 +33,10 @@ def _case(seed=0):
 
 
 def _inputs(ids, lq, lT, lR, logp, ref, mask, alpha=2.0):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.zeros(mask.shape),
-                    ref_logp_BT=jnp.asarray(ref), teacher_topk_ids_BTK=jnp.asarray(ids),
-                    teacher_topk_logp_BTK=jnp.asarray(lT), teacher_ref_topk_logp_BTK=jnp.asarray(lR),
-                    student_topk_logp_BTK=jnp.asarray(lq), state=jnp.asarray(alpha, jnp.float32))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.zeros(mask.shape),
+                    ref_logp_BN=jnp.asarray(ref), teacher_topk_ids_BNk=jnp.asarray(ids),
+                    teacher_topk_logp_BNk=jnp.asarray(lT), teacher_ref_topk_logp_BNk=jnp.asarray(lR),
+                    student_topk_logp_BNk=jnp.asarray(lq), state=jnp.asarray(alpha, jnp.float32))
 
 
 def _np_jsd(a, b):
@@ -55,7 +55,7 @@ def _golden(ids, lq, lT, lR, logp, ref, mask, hp, alpha):
   pt, pr = np.exp(t), np.exp(r)
   score = _np_jsd(np.concatenate([pt, 1 - pt.sum(-1, keepdims=True)], -1),
                   np.concatenate([pr, 1 - pr.sum(-1, keepdims=True)], -1))
-  keep = np.zeros((B, T), bool)
+  keep = np.zeros((B, N), bool)
   for b in range(B):
     n = int(m[b].sum())
     k = max(1, int(np.ceil(hp.rho * n - 1e-9)))
@@ -76,15 +76,15 @@ def test_golden_values_gradients_selection_and_alpha(rho):
   case = _case()
   hp = mod.Hparams(rho=rho)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, dq, dlogp, keep, new_alpha = _golden(*case, hp, 2.0)
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), keep.astype(np.float32))
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), keep.astype(np.float32))
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(aux["state"]), new_alpha, rtol=1e-6)
   mask = case[-1]
-  red = lambda x: losses.reduce(x, inputs.mask_BT, "token-mean", keep_BT=aux["keep_BT"], drop_rejected=True)
-  gq = jax.grad(lambda s: red(SPEC.fn(inputs.replace(student_topk_logp_BTK=s), hp)[0]))(inputs.student_topk_logp_BTK)
-  gl = jax.grad(lambda l: red(SPEC.fn(inputs.replace(logp_BT=l), hp)[0]))(inputs.logp_BT)
+  red = lambda x: losses.reduce(x, inputs.mask_BN, "token-mean", keep_BN=aux["keep_BN"], drop_rejected=True)
+  gq = jax.grad(lambda s: red(SPEC.fn(inputs.replace(student_topk_logp_BNk=s), hp)[0]))(inputs.student_topk_logp_BNk)
+  gl = jax.grad(lambda l: red(SPEC.fn(inputs.replace(logp_BN=l), hp)[0]))(inputs.logp_BN)
   nk = keep.sum()
   np.testing.assert_allclose(np.asarray(gq), dq / nk, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(np.asarray(gl), dlogp / nk, rtol=1e-5, atol=1e-7)
@@ -96,7 +96,7 @@ def test_golden_values_gradients_selection_and_alpha(rho):
 def test_rho_one_is_direct_opd_on_every_valid_state():
   case = _case(1)
   _, aux = SPEC.fn(_inputs(*case), mod.Hparams(rho=1.0))
-  np.testing.assert_array_equal(np.asarray(aux["keep_BT"]), case[-1])
+  np.testing.assert_array_equal(np.asarray(aux["keep_BN"]), case[-1])
 
 
 def test_single_valid_token_is_kept_and_alpha_clips():
@@ -104,7 +104,7 @@ def test_single_valid_token_is_kept_and_alpha_clips():
   mask[0] = 0
   mask[0, 4] = 1
   _, aux = SPEC.fn(_inputs(ids, lq, lT, lR, logp, ref, mask, alpha=2.5), mod.Hparams())
-  assert np.asarray(aux["keep_BT"])[0].sum() == 1 and np.asarray(aux["keep_BT"])[0, 4] == 1
+  assert np.asarray(aux["keep_BN"])[0].sum() == 1 and np.asarray(aux["keep_BN"])[0, 4] == 1
   assert 0.5 <= float(aux["state"]) <= 2.5
   _, aux_fixed = SPEC.fn(_inputs(ids, lq, lT, lR, logp, ref, mask, alpha=1.7), mod.Hparams(adaptive_alpha=False))
   np.testing.assert_allclose(float(aux_fixed["state"]), 1.7)
@@ -123,7 +123,7 @@ def test_jsd_on_k_plus_1_classes_lower_bounds_full_jsd():
   ids = np.argsort(-la, -1)
   got = mod.jsd_k_plus_1(jnp.asarray(np.take_along_axis(la, ids, -1), jnp.float32),
                          jnp.asarray(np.take_along_axis(lb, ids, -1), jnp.float32), jnp.ones((50, V), bool))
-  np.testing.assert_allclose(np.asarray(got), full, rtol=1e-4, atol=1e-6)  # K = V: equal
+  np.testing.assert_allclose(np.asarray(got), full, rtol=1e-4, atol=1e-6)  # k = V: equal
 
 
 def test_ties_break_stably_toward_earlier_positions():
@@ -135,8 +135,8 @@ def test_ties_break_stably_toward_earlier_positions():
 def test_empty_mask_zero_grad():
   ids, lq, lT, lR, logp, ref, mask = _case()
   inputs = _inputs(ids, lq, lT, lR, logp, ref, np.zeros_like(mask))
-  loss_BT, aux = SPEC.fn(inputs, mod.Hparams())
-  assert float(jnp.abs(loss_BT).sum()) == 0.0 and float(aux["state"]) == 2.0
-  g = jax.grad(lambda s: losses.reduce(SPEC.fn(inputs.replace(student_topk_logp_BTK=s), mod.Hparams())[0],
-                                       inputs.mask_BT))(inputs.student_topk_logp_BTK)
+  loss_BN, aux = SPEC.fn(inputs, mod.Hparams())
+  assert float(jnp.abs(loss_BN).sum()) == 0.0 and float(aux["state"]) == 2.0
+  g = jax.grad(lambda s: losses.reduce(SPEC.fn(inputs.replace(student_topk_logp_BNk=s), mod.Hparams())[0],
+                                       inputs.mask_BN))(inputs.student_topk_logp_BNk)
   np.testing.assert_array_equal(np.asarray(g), 0.0)

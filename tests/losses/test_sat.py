@@ -19,18 +19,18 @@ HP = sat_mod.Hparams()
 
 def _tok_grad(spec, inputs, hp):
   """Per-token gradient of Σ ℓ (each token's ℓ depends on its own log-prob only for token ratios)."""
-  return np.asarray(jax.grad(lambda lp: spec.fn(inputs.replace(logp_BT=lp), hp)[0].sum())(inputs.logp_BT))
+  return np.asarray(jax.grad(lambda lp: spec.fn(inputs.replace(logp_BN=lp), hp)[0].sum())(inputs.logp_BN))
 
 
 def _grad(spec, inputs, hp, mode="token-mean"):
-  return np.asarray(jax.grad(lambda lp: losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0],
-                                                      inputs.mask_BT, mode))(inputs.logp_BT))
+  return np.asarray(jax.grad(lambda lp: losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0],
+                                                      inputs.mask_BN, mode))(inputs.logp_BN))
 
 
 def _inputs(logp, den, mask, adv, behav=None):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(den),
-                    behavior_logp_BT=jnp.asarray(den if behav is None else behav))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    prox_logp_BN=jnp.asarray(den),
+                    behavior_logp_BN=jnp.asarray(den if behav is None else behav))
 
 
 def _np_sat(d, mask, adv, eps_l=0.2, eps_h=0.2, alpha=0.9, p=2.0):
@@ -68,14 +68,14 @@ def _case():
 def test_golden_values_and_gradients():
   logp, den, mask, adv, d = _case()
   inputs = _inputs(logp, den, mask, adv)
-  loss_BT, aux = SAT.fn(inputs, HP)
+  loss_BN, aux = SAT.fn(inputs, HP)
   dd = np.where(mask > 0, (np.where(mask > 0, logp, 0) - np.where(mask > 0, den, 0)).astype(np.float64), 0)
   loss, grad, gate, cp, cm, q = _np_sat(dd, mask, adv)
   # |d| sorted: .01 .02 .03 .05 .06 .07 .08 .30 .35 .50 -> q = .35, only the -0.5 token is gated.
   np.testing.assert_allclose(q, 0.35, rtol=1e-6)
   np.testing.assert_array_equal(gate, np.abs(d) == np.float32(0.5))
   np.testing.assert_allclose(float(aux["sat_q"][0]), 0.35, rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(loss_BT), loss, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(loss_BN), loss, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(_grad(SAT, inputs, HP), grad / mask.sum(), rtol=1e-5, atol=1e-8)
   # The gated token (A<0, r = e^-0.5 = .607 < .8): PPO clips it too, SAT lower bound 1 - .2·ψ = .9342.
   np.testing.assert_allclose(cm[2, 0], 1 / (1 + (0.5 / 0.35) ** 2), rtol=1e-5)
@@ -173,13 +173,13 @@ def test_sat_gspo_golden():
   # Shorten the third sequence to 1 token: 10 tokens, q = 9th smallest = .25, the -.4 token is gated.
   mask2 = np.array([[1] * 5, [1] * 4 + [0], [1] + [0] * 4], np.float32)
   inputs2 = _inputs(logp, den, mask2, adv)
-  loss_BT, aux = SAT_GSPO.fn(inputs2, HP)
+  loss_BN, aux = SAT_GSPO.fn(inputs2, HP)
   np.testing.assert_allclose(float(aux["sat_q"][0]), 0.25, rtol=1e-5)
   assert float(aux["sat_gate_rate"][0]) == 1.0
   c = 1 / (1 + (0.4 / 0.25) ** 2)
   # A<0, ρ = e^-.4 = .670 is below both PPO's .8 and SAT's 1 - .2c = .9438: the clipped value moves.
   assert np.exp(-0.4) < 1 - 0.2 * c
-  np.testing.assert_allclose(np.asarray(loss_BT)[2, 0], 1 - 0.2 * c, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(loss_BN)[2, 0], 1 - 0.2 * c, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(SAT_GSPO.fn(inputs2, sat_mod.Hparams(enabled=False))[0])[2, 0], 0.8,
                              rtol=1e-6)
   g = _grad(SAT_GSPO, inputs2, HP, "seq-mean-token-mean")

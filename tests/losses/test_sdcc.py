@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxrl_llm import losses
 from jaxrl_llm.losses import sdcc as mod
-from tests.losses.test_opd_reverse_kl_full import B, T, dense_case, dense_inputs, logits_grad, np_logsoftmax
+from tests.losses.test_opd_reverse_kl_full import B, N, dense_case, dense_inputs, logits_grad, np_logsoftmax
 
 SPEC = losses.get("sdcc")
 
@@ -14,12 +14,12 @@ SPEC = losses.get("sdcc")
 def _inputs(seed=0):
   zs, zt, mask = dense_case(seed)
   rng = np.random.default_rng(seed)
-  logp = rng.uniform(-2, -0.1, (B, T)).astype(np.float32)
-  prox = (logp - rng.normal(0, 0.3, (B, T))).astype(np.float32)
-  adv = np.array([[1.0] * T, [-0.5] * T], np.float32)
+  logp = rng.uniform(-2, -0.1, (B, N)).astype(np.float32)
+  prox = (logp - rng.normal(0, 0.3, (B, N))).astype(np.float32)
+  adv = np.array([[1.0] * N, [-0.5] * N], np.float32)
   evict = np.array([[0, 1, 1], [1, 0, 1]], np.float32)  # (1, 2) is an eviction point but padding
-  inp = dense_inputs(zs, zt, mask).replace(logp_BT=jnp.asarray(logp), prox_logp_BT=jnp.asarray(prox),
-                                           adv_BT=jnp.asarray(adv), eviction_mask_BT=jnp.asarray(evict))
+  inp = dense_inputs(zs, zt, mask).replace(logp_BN=jnp.asarray(logp), prox_logp_BN=jnp.asarray(prox),
+                                           adv_BN=jnp.asarray(adv), eviction_mask_BN=jnp.asarray(evict))
   return inp, zs, zt, mask, logp, prox, adv, evict
 
 
@@ -36,11 +36,11 @@ def test_golden_values_and_gradients():
   use = clp > unc
   task = np.where(use, clp, unc)
   want = np.where(m, task + 0.5 * np.where(e, kl, 0.0), 0.0)
-  loss_BT, aux = SPEC.fn(inp, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), want, rtol=1e-5, atol=1e-6)
+  loss_BN, aux = SPEC.fn(inp, hp)
+  np.testing.assert_allclose(np.asarray(loss_BN), want, rtol=1e-5, atol=1e-6)
   gz = 0.5 * (np.exp(lq) - p) * (e[..., None] / m.sum())
   np.testing.assert_allclose(logits_grad(SPEC, inp, hp), gz, rtol=1e-4, atol=1e-6)
-  gl = jax.grad(lambda l: losses.reduce(SPEC.fn(inp.replace(logp_BT=l), hp)[0], inp.mask_BT))(inp.logp_BT)
+  gl = jax.grad(lambda l: losses.reduce(SPEC.fn(inp.replace(logp_BN=l), hp)[0], inp.mask_BN))(inp.logp_BN)
   np.testing.assert_allclose(np.asarray(gl), np.where(m & ~use, -adv * r, 0.0) / m.sum(), rtol=1e-5, atol=1e-7)
   assert float(aux["eviction_frac"][0]) == 3.0
 
@@ -55,5 +55,5 @@ def test_lambda_zero_is_the_naive_compressed_task_loss():
 
 def test_no_eviction_points_no_kl_gradient():
   inp = _inputs(2)[0]
-  inp = inp.replace(eviction_mask_BT=jnp.zeros((B, T)))
+  inp = inp.replace(eviction_mask_BN=jnp.zeros((B, N)))
   np.testing.assert_array_equal(logits_grad(SPEC, inp, mod.Hparams()), 0.0)

@@ -15,8 +15,8 @@ SPEC = losses.get("tis")
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC):
   def f(lp):
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -71,9 +71,9 @@ def test_golden_values_and_gradients(level, mode, batch_normalize):
   case = _case()
   hp = tis_mod.Hparams(level=level, mode=mode, batch_normalize=batch_normalize)
   inputs = _inputs(*case)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   val, grad = _golden(*case, hp)
-  np.testing.assert_allclose(np.asarray(loss_BT), val, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss_BN), val, rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-7)
   assert np.all(np.isfinite(g)) and np.all(g[case[4] == 0] == 0)
@@ -126,9 +126,9 @@ def test_all_padding_row_is_finite():
   adv = np.ones((2, 3), np.float32)
   for hp in (tis_mod.Hparams(level="sequence", batch_normalize=True), tis_mod.Hparams(mode="bypass")):
     inputs = _inputs(logp, logp, logp, adv, mask)
-    loss_BT, _ = SPEC.fn(inputs, hp)
+    loss_BN, _ = SPEC.fn(inputs, hp)
     g = _grad(inputs, hp)
-    assert np.all(np.isfinite(np.asarray(loss_BT))) and np.all(np.isfinite(g))
+    assert np.all(np.isfinite(np.asarray(loss_BN))) and np.all(np.isfinite(g))
     assert np.all(g[1] == 0)
 
 

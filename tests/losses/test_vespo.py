@@ -15,8 +15,8 @@ HP = vespo_mod.Hparams()
 
 def _grad(inputs, hp, mode="token-mean", spec=SPEC):
   def f(lp):
-    return losses.reduce(spec.fn(inputs.replace(logp_BT=lp), hp)[0], inputs.mask_BT, mode)
-  return np.asarray(jax.grad(f)(inputs.logp_BT))
+    return losses.reduce(spec.fn(inputs.replace(logp_BN=lp), hp)[0], inputs.mask_BN, mode)
+  return np.asarray(jax.grad(f)(inputs.logp_BN))
 
 
 def _case():
@@ -43,8 +43,8 @@ def _case():
 
 
 def _inputs(logp, prox, behav, mask, adv):
-  return LossInputs(logp_BT=jnp.asarray(logp), mask_BT=jnp.asarray(mask), adv_BT=jnp.asarray(adv),
-                    prox_logp_BT=jnp.asarray(prox), behavior_logp_BT=jnp.asarray(behav))
+  return LossInputs(logp_BN=jnp.asarray(logp), mask_BN=jnp.asarray(mask), adv_BN=jnp.asarray(adv),
+                    prox_logp_BN=jnp.asarray(prox), behavior_logp_BN=jnp.asarray(behav))
 
 
 def _golden_phi(lr, mask, adv, hp, extra=None):
@@ -65,12 +65,12 @@ def test_golden_values_and_gradients(tis):
   logp, prox, behav, mask, adv, lr = _case()
   hp = vespo_mod.Hparams(tis=tis)
   inputs = _inputs(logp, prox, behav, mask, adv)
-  loss_BT, aux = SPEC.fn(inputs, hp)
+  loss_BN, aux = SPEC.fn(inputs, hp)
   with np.errstate(invalid="ignore"):
     extra = np.nan_to_num(prox.astype(np.float64) - behav) if tis else None
   phi, log_w = _golden_phi(lr, mask, adv, hp, extra)
   m = mask > 0
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(m, -phi[:, None] * adv * np.where(m, logp, 0), 0.0),
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(m, -phi[:, None] * adv * np.where(m, logp, 0), 0.0),
                              rtol=1e-5, atol=1e-6)
   g = _grad(inputs, hp)
   np.testing.assert_allclose(g, np.where(m, -phi[:, None] * adv, 0.0) / mask.sum(), rtol=1e-5, atol=1e-9)
@@ -114,13 +114,13 @@ def test_tis_term_is_capped_per_token(cap):
   if cap == "default":
     assert hp.tis_cap == 2.0
   inputs = _inputs(logp, prox, behav, mask, adv)
-  loss_BT, _ = SPEC.fn(inputs, hp)
+  loss_BN, _ = SPEC.fn(inputs, hp)
   extra = np.broadcast_to(log_rho.astype(np.float64), mask.shape)
   if c is not None:
     extra = np.minimum(extra, np.log(c))
   phi, _ = _golden_phi(lr, mask, adv, hp, extra)
   m = mask > 0
-  np.testing.assert_allclose(np.asarray(loss_BT), np.where(m, -phi[:, None] * adv * np.where(m, logp, 0), 0.0),
+  np.testing.assert_allclose(np.asarray(loss_BN), np.where(m, -phi[:, None] * adv * np.where(m, logp, 0), 0.0),
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(_grad(inputs, hp), np.where(m, -phi[:, None] * adv, 0.0) / mask.sum(),
                              rtol=1e-5, atol=1e-9)

@@ -36,71 +36,68 @@ import jax
 import numpy as np
 
 from jaxrl_llm import multiprocess
+from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
 from jaxrl_llm.rollout.buffer import collate, lag
+from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
-from jaxrl_llm.rollout.sources.common import reward_policy
 
 
-def async_engine(run, store, state_dict: dict | None) -> ae.AsyncRollout:
+def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
   """The run's (not yet started) engine, fresh or continuing from `state_dict`."""
-  c = run.c
-  fn = ae.make_group_rollout(run.task, run.train_examples, width=run.P, group_size=c.rollout.group_size, seed=c.seed,
-                             key_root=run.k_sample, model_cfg=run.sampler_model_cfg, sampler_cfg=run.samp_cfg,
-                             store=store, chunk_steps=c.rollout.partial_chunk or None,
-                             keep_routes=c.model.routing_replay,  # R3: collate then hands routes_BTLk to make_batch
-                             score_fn=run.score if c.rollout.old_logp == "recompute" and c.rollout.prox_in_worker else None,
-                             encoder=run.encoder, reward_policy=reward_policy(c))
+  s = ctx.settings
+  fn = ae.make_group_rollout(ctx.gen, group_size=s.group_size, store=store, chunk_steps=s.partial_chunk or None,
+                             score_fn=ctx.score if s.old_logp == "recompute" and s.prox_in_worker else None)
   n_proc = jax.process_count()  # config validation: divides prompts_per_step
-  kw = dict(batch_groups=c.rollout.prompts_per_step // n_proc, eta=c.rollout.lag, num_workers=c.rollout.num_workers,
-            id_stride=n_proc)
+  kw = dict(batch_groups=s.prompts_per_step // n_proc, eta=s.lag, num_workers=s.num_workers, id_stride=n_proc)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
   return ae.AsyncRollout(store, fn, next_request_id=jax.process_index(), **kw)
 
 
-def merge_processes(parts: list[dict]) -> dict:
-  """One batch from the processes' own batches (`Async.next_batch` fields): rows in process order, groups
+def merge_processes(parts: list[Rollout]) -> Rollout:
+  """One batch from the processes' own batches (`Async.next_batch`): rows in process order, groups
   renumbered, counts and lag histograms added, `time_*` of the slowest process, request ids joined."""
-  out = {}
-  for k, first in parts[0].items():
-    vals = [p[k] for p in parts]
-    if k == "group_id_B":
-      offsets = np.cumsum([0] + [int(v.max()) + 1 if v.size else 0 for v in vals[:-1]])
-      out[k] = np.concatenate([v + o for v, o in zip(vals, offsets)]).astype(first.dtype)
-    elif isinstance(first, np.ndarray):
-      out[k] = np.concatenate(vals)
-    elif k == "async_lag_hist":
-      out[k] = np.sum(vals, axis=0).astype(int).tolist()
+  offsets = np.cumsum([0] + [int(p.group_B.max()) + 1 if p.group_B.size else 0 for p in parts[:-1]])
+  arrays = {k: np.concatenate([np.asarray(p.arrays()[k]) for p in parts]) for k in parts[0].arrays()}
+  arrays["group_B"] = np.concatenate([p.group_B + o for p, o in zip(parts, offsets)]).astype(parts[0].group_B.dtype)
+  stats = {}
+  for k, first in parts[0].stats.items():
+    vals = [p.stats[k] for p in parts]
+    if k == "async_lag_hist":
+      stats[k] = np.sum(vals, axis=0).astype(int).tolist()
     elif k == "request_ids":
-      out[k] = sorted(i for v in vals for i in v)
+      stats[k] = sorted(i for v in vals for i in v)
     elif k.startswith("time_"):
-      out[k] = max(vals)
+      stats[k] = max(vals)
     else:  # reward_errors, async_dropped_stale / _buffered / _running: counts
-      out[k] = sum(vals)
-  return out
+      stats[k] = sum(vals)
+  return Rollout(**arrays, stats=stats)
 
 
 @register("async")
 class Async:
 
-  @staticmethod
-  def retention(c) -> int:
-    return c.rollout.lag + 1
+  on_policy = False
+  per_process_workers = True  # several processes: each generates from its own replica (`multiprocess.local_view`)
 
-  def __init__(self, run, store):
-    self.run, self.store = run, store
+  @staticmethod
+  def retention(s: RolloutSettings) -> int:
+    return s.lag + 1
+
+  def __init__(self, ctx, store):
+    self.ctx, self.store = ctx, store
     self.engine: ae.AsyncRollout | None = None  # built by restore or the first batch; started by a batch
     self.running = False
-    self.eta = run.c.rollout.lag
+    self.eta = ctx.settings.lag
     self._returned = None  # perf_counter when the previous batch was handed to the learner
     self._batches = 0  # batches handed out by this source
     self._idle_s = self._busy_s = 0.0  # learner waiting / working, from the second batch's return on
 
-  def next_batch(self, step: int, version: int) -> dict:
+  def next_batch(self, step: int, version: int) -> Rollout:
     del step  # which request a batch holds depends on the workers, not the step
     if self.engine is None:
-      self.engine = async_engine(self.run, self.store, None)
+      self.engine = async_engine(self.ctx, self.store, None)
     if not self.running:
       self.engine.start()
       self.running = True
@@ -110,21 +107,22 @@ class Async:
       self._busy_s += asked - self._returned
       self._idle_s += st["time_learner_idle_s"]
     self._returned, self._batches = time.perf_counter(), self._batches + 1
-    ro = collate(groups, version)
-    ro.update(time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
-              async_buffered=st["buffered"], async_running=st["running"],
-              async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
-              time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9))
-    ro["request_ids"] = sorted({int(g.request_id) for g in groups})
-    return merge_processes(multiprocess.allgather_host(ro)) if multiprocess.multi() else ro
-
+    ro = collate(groups, version).with_stats(
+        time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
+        async_buffered=st["buffered"], async_running=st["running"],
+        async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
+        time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
+        request_ids=sorted({int(g.stat("request_id")) for g in groups}))
+    if not multiprocess.multi():
+      return ro
+    return merge_processes([from_plain(p) for p in multiprocess.allgather_host(to_plain(ro))])
   def state(self) -> dict | None:
     """Stops the workers after their current rollout; the next batch continues from this state."""
     if self.engine is None:
       return None
     self.close()
     st = self.engine.state()
-    self.engine = async_engine(self.run, self.store, st)
+    self.engine = async_engine(self.ctx, self.store, st)
     return {"processes": multiprocess.allgather_host(st)} if multiprocess.multi() else st
 
   def restore(self, state: dict | None) -> None:
@@ -134,7 +132,7 @@ class Async:
     if saved != n_proc:
       raise ValueError(f"the async state was saved by {saved} process(es) and this run has {n_proc}: an async run "
                        "resumes on the number of processes that wrote its checkpoint")
-    self.engine = async_engine(self.run, self.store, state["processes"][jax.process_index()] if n_proc > 1 else state)
+    self.engine = async_engine(self.ctx, self.store, state["processes"][jax.process_index()] if n_proc > 1 else state)
 
   def close(self) -> None:
     if self.running:

@@ -21,8 +21,10 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.errors import RunError
-from jaxrl_llm.rollout.sources.base import Stateless, register
+from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import old_logp
+from jaxrl_llm.rollout.settings import RolloutSettings
+from jaxrl_llm.rollout.sources.base import Stateless, register
 from jaxrl_llm.rollout.sources.common import sync_rollout
 
 
@@ -30,26 +32,26 @@ from jaxrl_llm.rollout.sources.common import sync_rollout
 class FixedLag(Stateless):
 
   @staticmethod
-  def lag_of(c) -> int:
-    return c.rollout.lag
+  def lag_of(s: RolloutSettings) -> int:
+    return s.lag
 
-  def __init__(self, run, store):
-    self.run, self.store, self.lag = run, store, self.lag_of(run.c)
-    self.queue: dict[int, dict] = {}  # learner step -> its batch, generated k steps ahead
+  def __init__(self, ctx, store):
+    self.ctx, self.store, self.lag = ctx, store, self.lag_of(ctx.settings)
+    self.queue: dict[int, Rollout] = {}  # learner step -> its batch, generated k steps ahead
 
   def behavior_version(self, version: int) -> int:
     """The version that generates fresh data at learner version `version` under a snapshot-per-version
     scheme (replay over fixed_lag keeps k + 1 snapshots and uses this)."""
     return max(0, version - self.lag)
 
-  def _generate(self, step: int, version: int) -> dict:
-    ro = sync_rollout(self.run, self.store, [step], version, version)[0]
-    if self.lag > 0 and self.run.c.rollout.old_logp == "recompute":
+  def _generate(self, step: int, version: int) -> Rollout:
+    ro = sync_rollout(self.ctx, self.store, [step], version, version)[0]
+    if self.lag > 0 and self.ctx.settings.old_logp == "recompute":
       # π_old is this version's learner copy: score it now, before the snapshot is dropped.
-      ro["prox_logp_BN"] = multiprocess.to_host(old_logp.at_generation(self.run.score, self.store, ro))
+      ro = ro.replace(prox_logp_BN=multiprocess.to_host(old_logp.at_generation(self.ctx.score, self.store, ro)))
     return ro
 
-  def next_batch(self, step: int, version: int) -> dict:
+  def next_batch(self, step: int, version: int) -> Rollout:
     # Ahead even past `num_steps`: a run resumed with a larger `num_steps` then continues exactly.
     missing = [s for s in range(step, step + self.lag + 1) if s not in self.queue]
     early = [s for s in missing if s < step + self.lag]  # due from an earlier step: only a fresh start has none
@@ -59,16 +61,14 @@ class FixedLag(Stateless):
     t0, tokens = time.perf_counter(), 0.0
     for s in missing:
       self.queue[s] = self._generate(s, version)
-      tokens += float(self.queue[s]["mask_BN"].sum())
-    ro = dict(self.queue.pop(step))
-    ro["lag_B"] = np.full_like(ro["lag_B"], version - int(ro["versions_BN"].flat[0]))
+      tokens += float(self.queue[s].mask_BN.sum())
+    ro = self.queue.pop(step)
     # Timings are this step's: the generation it ran (for a later step), not the batch's own.
-    ro["time_generate_s"] = time.perf_counter() - t0 if missing else 0.0
-    ro["generated_tokens"] = tokens
-    return ro
+    return ro.replace(lag_B=np.full_like(ro.lag_B, version - int(ro.versions_BN.flat[0]))).with_stats(
+        time_generate_s=time.perf_counter() - t0 if missing else 0.0, generated_tokens=tokens)
 
   def state(self) -> dict:
-    return {"queue": [[s, self.queue[s]] for s in sorted(self.queue)]}
+    return {"queue": [[s, to_plain(self.queue[s])] for s in sorted(self.queue)]}
 
   def restore(self, state: dict | None) -> None:
-    self.queue = {} if state is None else {int(s): ro for s, ro in state["queue"]}
+    self.queue = {} if state is None else {int(s): from_plain(ro) for s, ro in state["queue"]}

@@ -11,22 +11,24 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl_llm import multiprocess
-from jaxrl_llm.rollout import replay as replay_lib
-from jaxrl_llm.rollout.sources.base import get, register
+from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import old_logp
-from jaxrl_llm.rollout.sources.common import replay_config, sync_rollout
+from jaxrl_llm.rollout import replay as replay_lib
+from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings
+from jaxrl_llm.rollout.sources.base import get, register
+from jaxrl_llm.rollout.sources.common import sync_rollout
 
 
-def new_replay(rc, state_dict: dict | None) -> replay_lib.ReplayBuffer:
+def new_replay(rs: ReplaySettings, state_dict: dict | None) -> replay_lib.ReplayBuffer:
   """The run's replay buffer, empty or (on resume) restored from its checkpointed state."""
-  kw = dict(reuse_limit=rc.reuse_limit, recency=rc.recency, policy=rc.stale_policy, max_lag=rc.max_lag,
-            decay=rc.decay)
+  kw = dict(reuse_limit=rs.reuse_limit, recency=rs.recency, policy=rs.stale_policy, max_lag=rs.max_lag,
+            decay=rs.decay)
   if state_dict is None:
-    return replay_lib.ReplayBuffer(rc.capacity, **kw)
-  return replay_lib.ReplayBuffer.from_state(state_dict, rc.capacity, **kw)
+    return replay_lib.ReplayBuffer(rs.capacity, **kw)
+  return replay_lib.ReplayBuffer.from_state(state_dict, rs.capacity, **kw)
 
 
-def replay_rollout(run, store, buf, rc, step: int, version: int, v_b: int) -> dict:
+def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollout:
   """The batch of learner step `step` sampled from the replay buffer, after pushing this step's fresh groups.
 
   One sampler call of `fresh_per_step` prompts (a constant shape: generate compiles once); further
@@ -34,48 +36,51 @@ def replay_rollout(run, store, buf, rc, step: int, version: int, v_b: int) -> di
   Each call adds fresh groups that `sample` may pick, and capacity holds a batch, so
   ceil(prompts_per_step / fresh_per_step) calls always suffice. The sampling rng depends on (seed, step).
   """
-  c = run.c
-  n = c.rollout.prompts_per_step
+  s, rs = ctx.settings, ctx.settings.replay
+  n = s.prompts_per_step
   calls, errors, time_gen, gen_tokens = 0, 0, 0.0, 0.0
   while calls == 0 or buf.available(version) < n:
-    fresh = sync_rollout(run, store, [step], version, v_b, n=rc.fresh_per_step, call=calls)[0]
-    if c.rollout.old_logp == "recompute":  # π_old depends only on the generating version: score it once
-      fresh["prox_logp_BN"] = multiprocess.to_host(old_logp.at_generation(run.score, store, fresh))
-    buf.push(replay_lib.split_groups(fresh, c.rollout.group_size, v_b, step))
-    errors, time_gen, calls = errors + fresh["reward_errors"], time_gen + fresh["time_generate_s"], calls + 1
-    gen_tokens += float(fresh["mask_BN"].sum())
-  groups = buf.sample(np.random.default_rng([c.seed, 13, step]), n, version)
-  ro = replay_lib.collate(groups, version, rc.max_lag, rc.stale_policy, rc.decay)
-  down = [rc.stale_policy == "downweight" and replay_lib.is_over_stale(version - g.version, rc.max_lag) for g in groups]
-  ro.update(reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
-            replay_generated_groups=calls * rc.fresh_per_step,
-            replay_fresh_frac=float(np.mean([g.step == step for g in groups])),
-            replay_mean_uses=float(np.mean([g.uses for g in groups])),  # including this use
-            replay_dropped_stale=buf.counters["dropped_stale"], replay_downweighted_frac=float(np.mean(down)))
-  return ro
+    fresh = sync_rollout(ctx, store, [step], version, v_b, n=rs.fresh_per_step, call=calls)[0]
+    if s.old_logp == "recompute":  # π_old depends only on the generating version: score it once
+      fresh = fresh.replace(prox_logp_BN=multiprocess.to_host(old_logp.at_generation(ctx.score, store, fresh)))
+    buf.push(replay_lib.split_groups(fresh, s.group_size, v_b, step))
+    errors, time_gen, calls = errors + fresh.stat("reward_errors"), time_gen + fresh.stat("time_generate_s"), calls + 1
+    gen_tokens += float(fresh.mask_BN.sum())
+  groups = buf.sample(np.random.default_rng([s.seed, 13, step]), n, version)
+  ro = replay_lib.collate(groups, version, rs.max_lag, rs.stale_policy, rs.decay)
+  down = [rs.stale_policy == "downweight" and replay_lib.is_over_stale(version - g.version, rs.max_lag) for g in groups]
+  return ro.with_stats(
+      reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
+      replay_generated_groups=calls * rs.fresh_per_step,
+      replay_fresh_frac=float(np.mean([g.step == step for g in groups])),
+      replay_mean_uses=float(np.mean([g.uses for g in groups])),  # including this use
+      replay_dropped_stale=buf.counters["dropped_stale"], replay_downweighted_frac=float(np.mean(down)))
 
 
 @register("replay", mode=False)
 class Replay:
   """Replay over the base mode (`rollout.mode`): its behaviour version generates the fresh groups."""
 
+  per_process_workers = False
+  on_policy = False  # replayed groups come from older versions
+
   @staticmethod
-  def retention(c) -> int:
-    return get(c.rollout.mode).lag_of(c) + 1  # fresh groups come from the snapshot of version v - k
+  def retention(s: RolloutSettings) -> int:
+    return get(s.mode).lag_of(s) + 1  # fresh groups come from the snapshot of version v - k
 
-  def __init__(self, run, store):
-    self.run, self.store, self.rc = run, store, replay_config(run.c)
-    self.base = get(run.c.rollout.mode)(run, store)
-    self.buf = new_replay(self.rc, None)
+  def __init__(self, ctx, store):
+    self.ctx, self.store = ctx, store
+    self.base = get(ctx.settings.mode)(ctx, store)
+    self.buf = new_replay(ctx.settings.replay, None)
 
-  def next_batch(self, step: int, version: int) -> dict:
-    return replay_rollout(self.run, self.store, self.buf, self.rc, step, version, self.base.behavior_version(version))
+  def next_batch(self, step: int, version: int) -> Rollout:
+    return replay_rollout(self.ctx, self.store, self.buf, step, version, self.base.behavior_version(version))
 
   def state(self) -> dict:
     return self.buf.state()
 
   def restore(self, state: dict | None) -> None:
-    self.buf = new_replay(self.rc, state)
+    self.buf = new_replay(self.ctx.settings.replay, state)
 
   def close(self) -> None:
     self.base.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout.sources.base import Stateless, register
 from jaxrl_llm.rollout.sources.common import sync_rollout
 
@@ -17,25 +18,24 @@ from jaxrl_llm.rollout.sources.common import sync_rollout
 class Staged(Stateless):
 
   @staticmethod
-  def retention(c) -> int:
-    return c.rollout.lag + 1  # a stage cut by a resume is regenerated from its starting version
+  def retention(s) -> int:
+    return s.lag + 1  # a stage cut by a resume is regenerated from its starting version
 
-  def __init__(self, run, store):
-    self.run, self.store, self.k = run, store, run.c.rollout.lag
+  def __init__(self, ctx, store):
+    self.ctx, self.store, self.k = ctx, store, ctx.settings.lag
     self.stage_version = 0
-    self.stage: dict[int, dict] = {}  # the current stage's rollouts by learner step
+    self.stage: dict[int, Rollout] = {}  # the current stage's rollouts by learner step
 
-  def next_batch(self, step: int, version: int) -> dict:
+  def next_batch(self, step: int, version: int) -> Rollout:
     k = self.k
     if step % k == 0:
       self.stage_version = version
     if step % k == 0 or not self.stage:  # a stage starts (or is regenerated after a resume mid-stage)
       first = step - step % k
       steps = list(range(first, first + k))
-      self.stage = dict(zip(steps, sync_rollout(self.run, self.store, steps, version, self.stage_version)))
+      self.stage = dict(zip(steps, sync_rollout(self.ctx, self.store, steps, version, self.stage_version)))
     ro = self.stage.pop(step)
-    ro["lag_B"] = np.full_like(ro["lag_B"], version - self.stage_version)
-    return ro
+    return ro.replace(lag_B=np.full_like(ro.lag_B, version - self.stage_version))
 
   def state(self) -> dict:
     return {"stage_version": int(self.stage_version)}

@@ -8,8 +8,9 @@ from jaxrl_llm.rollout.sources.fixed_lag import FixedLag
 
 @register("sync")
 class Sync(FixedLag):
+  on_policy = True
 
   @staticmethod
-  def lag_of(c) -> int:
-    del c
+  def lag_of(s) -> int:
+    del s
     return 0

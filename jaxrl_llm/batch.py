@@ -1,0 +1,65 @@
+"""From a batch source's record to the learner's: advantages, DAPO's filter, π_old and the teachers' outputs.
+
+The learner trains on the same `Rollout` record the source returned, with these fields added and the
+host-only ones (rewards, group and request ids, stats) left on the host (`Rollout.learner_view`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxrl_llm import advantages, losses
+from jaxrl_llm.record import Rollout
+from jaxrl_llm.rollout import collect, old_logp
+from jaxrl_llm.rollout.param_store import ParamStore
+from jaxrl_llm.wiring import source_class
+
+
+def prox_is_current(c: ml_collections.ConfigDict) -> bool:
+  """Whether π_old is, by construction, the learner's current parameters (`old_logp.is_current`)."""
+  on_policy = source_class(c).on_policy
+  return old_logp.is_current(c.rollout.old_logp, on_policy, "perturb" in losses.get(c.loss.name).needs)
+
+
+def prox_logp(run, store: ParamStore, state, extra, ro: Rollout, seq, routes=None) -> jax.Array | None:
+  """The learner-side π_old of the sampled tokens by the run's `rollout.old_logp` strategy (`jaxrl_llm.rollout.old_logp`);
+  None when π_old is the current parameters (`prox_is_current`): the learner uses sg(log π_θ)."""
+  if prox_is_current(run.c):
+    return None  # the learner takes sg(log π_θ) from its own forward: no separate scoring pass
+  ctx = old_logp.OldLogpContext(run.score, store, state.params, state.version, extra["ewma"])
+  return old_logp.compute(run.c.rollout.old_logp, ctx, ro, seq, routes)
+
+
+def make_batch(run, store: ParamStore, state, extra, ro: Rollout) -> tuple[Rollout, dict]:
+  """(the learner's record of rollout `ro`, host metrics): `run` is the loop's `wiring.Run`."""
+  c = run.c
+  seq = old_logp.rollout_seq(ro)
+  mask = jnp.asarray(ro.mask_BN)
+  adv_B = collect.group_advantages(ro.reward_B, c.rollout.group_size, c.advantage.name, c.advantage.std_normalize)
+  if ro.adv_weight_B is not None:  # replay: over-stale groups down-weighted, after group normalisation
+    adv_B = adv_B * jnp.asarray(ro.adv_weight_B)
+  info = {}
+  if c.rollout.dynamic_sampling:  # DAPO: groups whose rewards are all equal leave the loss and its denominator
+    B = mask.shape[0]
+    keep_B = advantages.dapo_keep_mask(jnp.asarray(ro.reward_B), jnp.arange(B) // c.rollout.group_size,
+                                       B // c.rollout.group_size)
+    mask = mask * keep_B[:, None]
+    info["dapo_filtered_frac"] = float(1.0 - keep_B.mean())
+  teacher = run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None
+  # Distillation options (`jaxrl_llm.distill.extras`) may also give, under "_batch", the loss mask to train on
+  # (ADWIN's prefix), the advantages (Open-MOPD's routed teacher reward) and host metrics for the row.
+  over = teacher.pop("_batch", {}) if teacher else {}
+  mask = over.get("mask_BN", mask)
+  info.update(over.get("info", {}))
+  routes = None if ro.routes_BTLk is None else jnp.asarray(ro.routes_BTLk)
+  prox = jnp.asarray(ro.prox_logp_BN) if ro.prox_logp_BN is not None else prox_logp(run, store, state, extra, ro, seq,
+                                                                                    routes)
+  batch = ro.learner_view().replace(
+      sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask,
+      adv_BN=over.get("adv_BN", adv_B[:, None]) * mask,
+      behavior_logp_BN=jnp.asarray(ro.behavior_logp_BN), versions_BN=jnp.asarray(ro.versions_BN),
+      lag_B=jnp.asarray(ro.lag_B), prox_logp_BN=prox, routes_BTLk=routes,  # ref_logp_BN: scored in the step
+      extra=teacher)
+  return batch, info  # the mismatch |π_old − μ| is measured inside the train step

@@ -1,0 +1,80 @@
+"""Generating and scoring completions: the one home every batch source and the async workers use.
+
+`Generation` holds the static wiring (task, prompts, encoder, sampler settings, reward policy, key root)
+and turns a pinned snapshot's parameters plus prompts into a `Rollout` record:
+`sample` runs the sampler (on a mesh: split over its batch axes and every process), `finish` scores the
+completions (each row once, by the process that generated it) and packs the record. The async workers
+generate their own way (partial rollouts switch parameters mid-sequence) and call `finish` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm import multiprocess
+from jaxrl_llm.keys import fold_in
+from jaxrl_llm.record import Rollout
+from jaxrl_llm.rollout import collect
+from jaxrl_llm.sampling import behavior, generate
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
+from jaxrl_llm.tasks.reward import RewardPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """The static wiring of generation (references only).
+
+  `train_examples`: the prompts' examples; `width`: the prompt bucket P; `model_cfg`: the sampler's model
+  config (its dtype); `key_root`: the root of every sampling key; `keep_routes`: an MoE sampler's expert
+  ids travel with the record (routing replay, R3); `mesh`: None (one device) or the sampler's mesh.
+  """
+  task: Any
+  train_examples: Any
+  width: int
+  model_cfg: Any
+  sampler_cfg: Any
+  key_root: Any
+  seed: int
+  encoder: Encoder = CHAR_ENCODER
+  reward: RewardPolicy = RewardPolicy()
+  keep_routes: bool = False
+  mesh: Any = None
+
+  def step_prompts(self, steps: list[int], n: int, group_size: int, call: int = 0) -> collect.Prompts:
+    """The prompts of learner steps `steps` (n each, a pure function of (seed, step, call)), each
+    repeated `group_size` times in a row (a group)."""
+    ps = [collect.prompts_for_step(self.train_examples, t, n, self.seed, self.width, call, self.encoder) for t in steps]
+    return collect.Prompts(np.repeat(np.concatenate([q.tokens_BP for q in ps]), group_size, 0),
+                           np.repeat(np.concatenate([q.len_B for q in ps]), group_size),
+                           [ex for q in ps for ex in q.examples for _ in range(group_size)])
+
+  def step_key(self, version: int, step: int, call: int = 0):
+    """Sampling key of a learner step's sampler call: (root, generating version, step[, call])."""
+    key = fold_in(fold_in(self.key_root, version), step)
+    return fold_in(key, call) if call else key
+
+  def sample(self, params, prompts: collect.Prompts, key) -> tuple[dict, np.ndarray | None]:
+    """(sampler output as host arrays, row owners or None): `sampling.generate` on the mesh, if any."""
+    return multiprocess.generate_on_mesh(generate, params, prompts.tokens_BP, prompts.len_B, key,  # numpy: no eager put
+                                         self.model_cfg, self.sampler_cfg, self.mesh)
+
+  def finish(self, out: dict, examples: list[dict], versions_BN: np.ndarray, owners: np.ndarray | None = None,
+             **stats) -> Rollout:
+    """The record of sampled completions: rewards scored (each row once, by the process that owns it;
+    a reward that raises or hangs costs that sample), μ's log-probs, per-token versions, routes when kept,
+    μ's top-k and Monte-Carlo candidates when the sampler recorded them.
+    `stats` (host bookkeeping) is added to the record's, with the number of failed reward calls."""
+    reward_B, status = multiprocess.score_rows(
+        lambda ex, t: collect.score_completions(self.task, ex, t, self.reward, tokenizer=self.encoder.tokenizer)[:2],
+        examples, out["tokens_BN"], owners)
+    routes = out.get("routes_BTLk") if self.keep_routes else None
+    # μ's top-k and Monte-Carlo candidates, when the sampler records them (`sampling.behavior`)
+    recorded = {k: out[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if out.get(k) is not None}
+    return Rollout(sequence_BT=out["sequence_BT"], positions_BT=out["positions_BT"],
+                   segment_ids_BT=out["segment_ids_BT"], mask_BN=out["mask_BN"],
+                   behavior_logp_BN=out["behavior_logp_BN"], versions_BN=np.asarray(versions_BN, np.int32),
+                   reward_B=np.asarray(reward_B, np.float32), routes_BTLk=routes, **recorded,
+                   stats={"reward_errors": int(status.get("error", 0) + status.get("timeout", 0)), **stats})

@@ -1,0 +1,49 @@
+"""The typed settings a batch source reads: the `rollout.*` fields it needs, resolved once from the run config.
+
+Nothing under `jaxrl_llm.rollout` reads the run config: the loop's setup builds these (`jaxrl_llm.wiring`),
+and a test or notebook can build them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from jaxrl_llm.rollout.generation import Generation
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySettings:
+  """`rollout.replay.*` with `fresh_per_step` resolved (0 -> prompts_per_step); see `rollout/replay.py`."""
+  capacity: int
+  fresh_per_step: int
+  reuse_limit: int = 0
+  recency: float = 1.0
+  stale_policy: str = "keep"
+  max_lag: int = -1
+  decay: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """What decides which version generates which batch, and how π_old is scored (`rollout.*`)."""
+  mode: str  # the registered batch source of `rollout.mode`
+  prompts_per_step: int
+  group_size: int
+  seed: int
+  lag: int = 0  # fixed_lag's k, staged's stage length, async's η
+  old_logp: str = "recompute"  # `rollout.old_logp` (`jaxrl_llm.rollout.old_logp`)
+  num_workers: int = 1  # async rollout threads
+  partial_chunk: int = 0  # async partial rollouts: decode steps between parameter switches (0 = off)
+  prox_in_worker: bool = False  # async + recompute: the workers score π_old
+  routing_replay: bool = False  # MoE R3: the batch carries the sampler's expert ids
+  replay: Optional[ReplaySettings] = None  # experience replay (None = off)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceContext:
+  """What a batch source is built from (with the run's ParamStore): settings, the generation home, and
+  the learner's scorer of π_old (`learner.make_score_fn`)."""
+  settings: RolloutSettings
+  gen: Generation
+  score: Callable[..., Any]

@@ -1,0 +1,186 @@
+"""A run's state on disk: Orbax checkpoints (train state, held ParamStore snapshots, reference / EWMA copies,
+the batch source's plain-data state, the resolved config), resuming from the latest valid one, and a fresh start.
+
+Checkpoints hold the batch source's state as arrays + a JSON skeleton (async: buffered groups and request-id
+cursor; replay: the buffer; staged: the stage's version): nothing is ever unpickled. A resume whose config
+differs from the checkpoint's in a field that changes shapes or semantics (anything but
+`config_lib.RESUMABLE`) stops with the list of fields unless `checkpoint.config_change` says "resume"
+(deliberately) or "restart" (old run moved to `previous-<time>/`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+from jaxrl_llm import checkpoint as checkpoint_lib
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import distributed, metrics as metrics_lib, multiprocess
+from jaxrl_llm import workdir as workdir_lib
+from jaxrl_llm.errors import RunError
+from jaxrl_llm.models import init_params
+from jaxrl_llm.policy_init import initial_policy
+from jaxrl_llm.rollout.param_store import ParamStore
+from jaxrl_llm.sft import SftSchedule, sft_warm_start
+from jaxrl_llm.wiring import Run, evaluate, fresh_state
+
+def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: dict) -> tuple[dict, list[int]]:
+  """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies +
+  the flat host arrays of the async engine / replay state (`checkpoint.pack_host`; None when empty)."""
+  held = store.held_versions()[-slots:]
+  snaps = [store.acquire(v) for v in held]
+  try:
+    pick = lambda i: snaps[min(i, len(snaps) - 1)]
+    tree = {"train": state, "snap": [pick(i).params for i in range(slots)],
+            "snap_learner": [pick(i).learner_params for i in range(slots)], "ref": extra["ref"], "ewma": extra["ewma"],
+            "host": host_arrays or None}
+  finally:
+    for s in snaps:
+      store.release(s)
+  return tree, held
+
+
+def save(ckpt, step: int, state, store, extra, slots: int, meta: dict, host: dict, force: bool = False,
+          metrics=None) -> None:
+  """Saves checkpoint `step`; `host` (plain data: dicts, lists, numpy arrays, numbers, strings) is split
+  into a JSON skeleton in meta and flat arrays in the tree, so that restoring never unpickles anything."""
+  skeleton, arrays = checkpoint_lib.pack_host(host)
+  tree, held = full_state(state, store, extra, slots, arrays)
+  meta = metrics_lib.json_safe({**meta, "snapshot_versions": held, "host": skeleton,
+                                "host_sizes": checkpoint_lib.host_sizes(arrays)})
+  if not ckpt.save(step, tree, meta, metrics=metrics, force=force):
+    warnings.warn(f"checkpoint step {step} already exists in {ckpt.directory} (left by an earlier run); "
+                  "not rewritten", checkpoint_lib.CheckpointWarning, stacklevel=2)
+  ckpt.wait()
+
+
+class ConfigChanged(Exception):
+  """The checkpoint to resume was written under a config that differs in `fields` (dotted names)."""
+
+  def __init__(self, fields: list[str]):
+    super().__init__(f"config differs in {', '.join(fields)}")
+    self.fields = fields
+
+
+def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
+  """(step, state, extra, meta, host) from the latest valid checkpoint, or None. Rebuilds the ParamStore.
+
+  Each candidate's stored config is compared with `config_json` before its arrays are read: a difference
+  outside `config_lib.RESUMABLE` raises `ConfigChanged`, unless `checkpoint.config_change="resume"`.
+  Steps that are intact but do not fit this run's state are never moved aside: RunError.
+  """
+  if not ckpt.all_steps():
+    return None
+  params = init_params(run.model_cfg, run.k_init)
+  state, extra = fresh_state(run, params)
+  base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
+          "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
+  policy = run.c.checkpoint.get("config_change", "error")
+
+  def template(meta):
+    for k in ("async_engine", "replay"):
+      if k in meta:  # the pickled format (base64 strings) of earlier versions, or a tampered checkpoint
+        raise checkpoint_lib.MetaError(f"meta[{k!r}] holds pickled state, which is never loaded")
+    versions = meta.get("snapshot_versions")
+    if not (isinstance(versions, list) and 0 < len(versions) <= slots and all(type(v) is int for v in versions)):
+      raise checkpoint_lib.MetaError(f"bad snapshot_versions {str(versions)[:80]}")
+    if "config" in meta:
+      fields = config_lib.resume_diff(meta["config"], config_json)
+      if fields and policy != "resume":
+        raise ConfigChanged(fields)
+      if fields:
+        warnings.warn(f"resuming although the config differs in {', '.join(fields)} (checkpoint.config_change="
+                      "'resume')", RuntimeWarning, stacklevel=2)
+    if "host_sizes" not in meta:  # a checkpoint from before host arrays (no async / replay state in it)
+      return base
+    return {**base, "host": checkpoint_lib.host_template(meta["host_sizes"]) or None}
+
+  try:
+    found = ckpt.latest_valid(template)
+  except OSError as e:
+    raise RunError(f"{ckpt.directory}: cannot read the checkpoint directory ({e.strerror or e})") from None
+  if found is None:
+    if ckpt.mismatched:
+      step, why = ckpt.mismatched[0]
+      raise RunError(f"checkpoint step {step} in {ckpt.directory} does not fit this run ({why}); left in place. "
+                     "Use another --workdir, or --config.checkpoint.config_change=restart to move the old run aside")
+    return None
+  step, tree, meta = found
+  try:
+    host = checkpoint_lib.unpack_host(meta.get("host"), tree.get("host") or {}) or {}
+    if not isinstance(host, dict):
+      raise checkpoint_lib.MetaError("host state is not a JSON object")
+  except checkpoint_lib.MetaError as e:
+    raise RunError(f"checkpoint step {step} in {ckpt.directory}: unusable host state ({e})") from None
+  for i, v in enumerate(meta["snapshot_versions"]):
+    learner_copy = tree["snap_learner"][i]
+    store.restore(v, tree["snap"][i], learner_copy)
+  return step, tree["train"], {"ref": tree["ref"], "ewma": tree["ewma"]}, meta, host
+
+
+def resume_error(e: ConfigChanged, directory: str) -> RunError:
+  return RunError(f"{directory}: the checkpoint to resume was written with a different config "
+                  f"({'; '.join(e.fields)}). Nothing was changed on disk. Use another --workdir, restore the old "
+                  "values, --config.checkpoint.config_change=restart (moves the old run to previous-<time>/ and "
+                  "starts at step 0) or =resume (resume anyway, deliberately)")
+
+
+def open_checkpointer(c, workdir: str):
+  d = os.path.join(workdir, "checkpoints")
+  try:
+    return checkpoint_lib.Checkpointer(d, keep=c.checkpoint.keep,
+                                       best_metric="eval_accuracy" if c.eval.every > 0 else None)
+  except OSError as e:
+    raise RunError(f"{d}: cannot open the checkpoint directory ({e.strerror or e})") from None
+
+
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.json", "run_info.json", "tb", "reward_accuracy.png")
+
+def resume_point(c, workdir: str, r: Run, store: ParamStore, slots: int, config_json: dict):
+  """(checkpointer, restored or None): the latest valid checkpoint to resume, after the config check.
+
+  A changed config raises RunError, or with `checkpoint.config_change="restart"` moves the old run aside.
+  """
+  ckpt = open_checkpointer(c, workdir)
+  try:
+    return ckpt, restore(ckpt, r, store, slots, config_json)
+  except ConfigChanged as e:
+    ckpt.close()
+    if c.checkpoint.get("config_change", "error") != "restart":
+      raise resume_error(e, workdir) from None
+    moved = workdir_lib.move_aside(workdir, list(RUN_FILES)) if multiprocess.is_writer() else None
+    distributed.barrier("config_change_restart")  # every process reopens the checkpoints after the move
+    print(f"config changed ({'; '.join(e.fields)}): previous run moved to {moved}; starting at step 0", flush=True)
+    return open_checkpointer(c, workdir), None
+
+
+def fresh_start(c, r: Run, store: ParamStore, workdir: str):
+  """(0, state, extra, meta, host) of a run without a checkpoint: initial policy, SFT warm start, version 0
+  published, the initial evaluation."""
+  moved = workdir_lib.move_aside(workdir, ["metrics.jsonl", "run_info.json"]) if multiprocess.is_writer() else None
+  if moved:  # rows of a run that left no usable checkpoint: kept, never deleted
+    print(f"no checkpoint to resume: the earlier metrics.jsonl was moved to {moved}; starting at step 0", flush=True)
+  t0 = time.perf_counter()
+  model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
+  params, sft_loss = sft_warm_start(SftSchedule.from_config(c), model_cfg, params, r.train_examples, r.P, r.encoder)
+  meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
+  if c.sft.save_to and multiprocess.is_writer():
+    from jaxrl_llm.models import save_hf
+    save_hf(c.sft.save_to, model_cfg, params)
+    r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
+  state, extra = fresh_state(r, params)
+  store.publish(state.params)
+  meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer,
+                                           r.mesh) if c.eval.every > 0 else None
+  return 0, state, extra, meta, {}
+
+
+def source_state(name: str, meta: dict, host: dict):
+  """The checkpointed state of source `name` (None when the checkpoint's source was another one)."""
+  if "source" not in host:  # a checkpoint from before batch sources, or a fresh start
+    return {"replay": host.get("replay"), "async": host.get("async_engine"),
+            "staged": {"stage_version": meta["stage_version"]} if "stage_version" in meta else None}.get(name)
+  saved = host["source"]
+  return saved.get("state") if isinstance(saved, dict) and saved.get("name") == name else None

