@@ -42,6 +42,7 @@ BACK_ARROWS = [
     ("rollout/collect.py", "from jaxrl_llm import sft", "jaxrl_llm.rollout.collect -> jaxrl_llm.sft"),
     ("tasks/encoder.py", "from jaxrl_llm.models import tokenizer", "jaxrl_llm.tasks.encoder -> jaxrl_llm.models"),
     ("losses/pg.py", "from jaxrl_llm.tasks import reward", "jaxrl_llm.losses.pg -> jaxrl_llm.tasks"),
+    ("envs/guess_number.py", "from jaxrl_llm.rollout import collect", "jaxrl_llm.envs.guess_number -> jaxrl_llm.rollout"),
     ("config.py", "from jaxrl_llm.models import ModelConfig", "jaxrl_llm.config -> jaxrl_llm.models"),
     ("sharding.py", "from jaxrl_llm.rollout import param_store", "jaxrl_llm.sharding -> jaxrl_llm.rollout"),
     ("rollout/sources/staged.py", "import ml_collections", "jaxrl_llm.rollout.sources.staged -> ml_collections"),

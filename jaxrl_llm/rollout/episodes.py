@@ -1,0 +1,242 @@
+"""Multi-turn episodes: a policy playing text environments (`jaxrl_llm.envs`), packed as one `Rollout`.
+
+`run_episodes` plays n seeds × G episodes (a GRPO group of G rows per seed: the G environments start
+from one state) for up to `max_turns` turns with pinned parameters:
+
+- every turn re-prefills each episode so far (initial prompt + response so far) left-padded to one
+  bucket width W = P + N (N = `max_episode_tokens`, the response budget), so one shape is compiled, and
+  samples at most `turn_tokens` tokens (`sampling.generate`, key `fold_in(key, turn)`);
+- the policy's tokens are copied into the episode exactly as sampled (never decoded and re-encoded), up
+  to and including the stop id; the action text given to the environment is their decoded text
+  without the stop id (`tasks.tokenizer.completion_text`);
+- the environment's observation is rendered to ids by `render_env_message` and appended (not after the
+  last step of a finished episode, nor after the last allowed turn: nothing follows it);
+- a finished episode generates no more tokens (its row still rides in the fixed-shape sampler call;
+  its outputs are dropped).
+
+The record: sequence = [left-padded initial prompt (width P) | response (width N)], the response
+compact (policy and environment tokens in order, padding only at the end), so positions and segments
+are exactly what the sampler saw at every turn and the learner's recomputed log-probs equal
+`behavior_logp_BN` (same parameters, dtype and temperature). `mask_BN` is 1 on policy tokens,
+`env_mask_BN` 1 on environment tokens, both 0 on padding; `turn_BN` the turn index of each token
+(-1 on padding; an observation belongs to the turn whose action it answers); `reward_B` the
+episode's return (sum of step rewards).
+
+Every environment call (`reset`, `step`) runs under the time limit of rewards (`tasks.reward`, on its
+worker threads): an environment that raises ("error"), overruns `timeout_s` ("timeout") or rejects the
+action (`envs.InvalidAction`, "invalid") ends that episode with return 0, counted in the stats; the
+batch still forms. Episodes that hit the token budget end "truncated" (return so far). The stats:
+`episode_status` counts, `turns_mean`, `policy_tokens`, `env_tokens`, `env_errors`, `env_timeouts`,
+`env_invalid`, `episodes_truncated`, and `reward_errors` (errors + timeouts + invalid).
+
+One process only for now: with a mesh the sampler call is split over devices (`generate_on_mesh`) but
+every process steps every environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxrl_llm import envs, multiprocess
+from jaxrl_llm.keys import fold_in
+from jaxrl_llm.record import Rollout
+from jaxrl_llm.sampling import generate
+from jaxrl_llm.tasks.encoder import Encoder
+from jaxrl_llm.tasks.reward import safe_reward_batch
+from jaxrl_llm.tasks.tokenizer import completion_text
+
+EPISODE_STATUSES = ("done", "max_turns", "truncated", "error", "timeout", "invalid")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSettings:
+  """Config `env.*`: the environment, its arguments, and the episode limits."""
+  name: str
+  kwargs: tuple = ()  # (name, value) pairs passed to `envs.get`
+  max_turns: int = 4
+  turn_tokens: int = 4
+  max_episode_tokens: int = 32
+  timeout_s: float = 5.0
+  workers: int = 8
+
+
+def render_env_message(encoder: Encoder, text: str) -> list[int]:
+  """Ids of an environment message (an observation) appended to an episode.
+
+  Raw prompts (the character tokenizer, base models): the text's ids, no special tokens (for the
+  character tokenizer, one id per character). Chat-template prompts would render the message as a
+  user turn followed by the generation prompt; not implemented yet.
+  """
+  if encoder.chat:
+    raise NotImplementedError("environment messages through a chat template are not implemented yet "
+                              "(use task.chat_template='none')")
+  return list(encoder.tokenizer.encode(text))
+
+
+def _checked_step(result: Any) -> tuple[str, float, bool]:
+  """`Env.step`'s result validated: (str, finite real, bool); anything else raises (an "error")."""
+  obs, reward, done = result
+  if not isinstance(obs, str):
+    raise TypeError(f"observation must be a str, got {type(obs).__name__}")
+  if not isinstance(reward, (numbers.Real, np.bool_)) or not math.isfinite(float(reward)):
+    raise TypeError(f"step reward must be a finite number, got {reward!r}")
+  return obs, float(reward), bool(done)
+
+
+def env_calls(calls: Sequence[tuple], timeout_s: float, workers: int = 8) -> list[tuple[str, Any]]:
+  """Runs `fn(*args)` for each `(fn, *args)` in `calls` under the reward time limit; returns
+  (status, value) per call: "ok" with the result, "invalid" (`envs.InvalidAction`), "error" or "timeout"."""
+  box: dict[int, tuple[str, Any]] = {}
+
+  def one(i):
+    fn, *args = calls[i]
+    try:
+      box[i] = ("ok", fn(*args))
+    except envs.InvalidAction as e:
+      box[i] = ("invalid", str(e))
+    return 0.0  # the value `safe_reward_batch` validates; the real result is in `box`
+
+  res = safe_reward_batch(one, [(i,) for i in range(len(calls))], timeout_s, max_workers=workers)
+  # A call counts only when the limiter saw it finish ("ok"): a timed-out call that returns later is ignored.
+  return [box[i] if s == "ok" and i in box else (s, None) for i, s in enumerate(res.status)]
+
+
+def episode_seeds(seed: int, step: int, n: int, call: int = 0) -> list[int]:
+  """The environment seeds of a learner step's n groups: a pure function of (run seed, step, call)."""
+  rng = np.random.default_rng([seed, step, call, 0x45505])
+  return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
+
+
+def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: EnvSettings, key, version: int,
+                 width: int | None = None, keep_turns: bool = False) -> Rollout:
+  """n = len(seeds) groups × G episodes with parameters `params` of `version` (module docstring).
+
+  `gen`: the run's `Generation` (sampler model and settings, encoder, mesh); `width`: the prompt
+  bucket P (default `gen.width`); an initial prompt longer than P raises ValueError.
+  `keep_turns`: stats["turn_outputs"] holds every turn's sampler output and live rows (tests).
+  """
+  s, G = settings, group_size
+  P, N = width or gen.width, s.max_episode_tokens
+  B = len(seeds) * G
+  tok = gen.encoder.tokenizer
+  pad = gen.sampler_cfg.pad_id
+  kwargs = dict(s.kwargs)
+  env_list = [envs.get(s.name, **kwargs) for _ in range(B)]
+  status: list[str | None] = [None] * B
+  reward_B = np.zeros((B,), np.float32)
+
+  # Reset: the G episodes of a group share one seed.
+  first = env_calls([(e.reset, int(seeds[b // G])) for b, e in enumerate(env_list)], s.timeout_s, s.workers)
+  prompts: list[list[int]] = []
+  for b, (st, text) in enumerate(first):
+    if st == "ok" and not isinstance(text, str):
+      st = "error"
+    if st != "ok":
+      status[b], text = st, ""
+    ids = gen.encoder.prompt_ids(text)
+    if len(ids) > P:
+      raise ValueError(f"environment {s.name!r}: its first message is {len(ids)} tokens, longer than the prompt "
+                       f"width P={P} (task.prompt_width)")
+    prompts.append(ids)
+  plen_B = np.asarray([len(p) for p in prompts], np.int32)
+  prompt_BP = np.full((B, P), pad, np.int32)
+  for b, p in enumerate(prompts):
+    prompt_BP[b, P - len(p):] = p
+
+  resp_BN = np.full((B, N), pad, np.int32)
+  mask_BN = np.zeros((B, N), np.float32)
+  env_mask_BN = np.zeros((B, N), np.float32)
+  turn_BN = np.full((B, N), -1, np.int32)
+  logp_BN = np.zeros((B, N), np.float32)
+  used_B = np.zeros((B,), np.int64)
+  turns_B = np.zeros((B,), np.int32)
+  live = np.asarray([st is None for st in status])
+  W = P + N
+  samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
+  turn_outputs = []
+
+  for t in range(s.max_turns):
+    if not live.any():
+      break
+    ctx_BW = np.full((B, W), pad, np.int32)
+    len_B = np.zeros((B,), np.int32)
+    for b in range(B):
+      seq = prompts[b] + resp_BN[b, :used_B[b]].tolist()
+      ctx_BW[b, W - len(seq):] = seq
+      len_B[b] = len(seq)
+    out, _ = multiprocess.generate_on_mesh(generate, params, ctx_BW, len_B, fold_in(key, t), gen.model_cfg,
+                                           samp_cfg, gen.mesh)
+    if keep_turns:
+      turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
+                           "behavior_logp_BN": out["behavior_logp_BN"], "live_B": live.copy(),
+                           "start_B": used_B.copy()})
+    calls, rows = [], []
+    for b in np.flatnonzero(live):
+      n_b = int(out["lengths_B"][b])
+      k = min(n_b, N - int(used_B[b]))
+      u = int(used_B[b])
+      resp_BN[b, u:u + k] = out["tokens_BN"][b, :k]
+      logp_BN[b, u:u + k] = out["behavior_logp_BN"][b, :k]
+      mask_BN[b, u:u + k] = 1.0
+      turn_BN[b, u:u + k] = t
+      used_B[b] += k
+      turns_B[b] = t + 1
+      if k < n_b:  # the budget cut the turn
+        status[b], live[b] = "truncated", False
+        continue
+      calls.append((env_list[b].step, completion_text(tok, out["tokens_BN"][b, :k])))
+      rows.append(b)
+    results = env_calls(calls, s.timeout_s, s.workers)
+    for b, (st, val) in zip(rows, results):
+      if st == "ok":
+        try:
+          obs, r, done = _checked_step(val)
+        except Exception:  # pylint: disable=broad-except  # a malformed step result is the environment's error
+          st = "error"
+      if st != "ok":
+        status[b], live[b], reward_B[b] = st, False, 0.0
+        continue
+      reward_B[b] += r
+      if done:
+        status[b], live[b] = "done", False
+        continue
+      if t == s.max_turns - 1:  # the turn limit: no observation is appended after the last turn
+        status[b], live[b] = "max_turns", False
+        continue
+      ids = render_env_message(gen.encoder, obs)
+      u = int(used_B[b])
+      if u + len(ids) >= N:  # no room for the observation and at least one more policy token
+        status[b], live[b] = "truncated", False
+        continue
+      resp_BN[b, u:u + len(ids)] = ids
+      env_mask_BN[b, u:u + len(ids)] = 1.0
+      turn_BN[b, u:u + len(ids)] = t
+      used_B[b] += len(ids)
+  for b in range(B):
+    if status[b] is None:
+      status[b] = "max_turns"
+
+  col_P = np.arange(P)
+  first_B = P - plen_B
+  seg_BP = (col_P[None, :] >= first_B[:, None]).astype(np.int32)
+  pos_BP = np.where(seg_BP > 0, col_P[None, :] - first_B[:, None], 0).astype(np.int32)
+  pos_BN = (plen_B[:, None] + np.arange(N)[None, :]).astype(np.int32)
+  seg_BN = (np.arange(N)[None, :] < used_B[:, None]).astype(np.int32)
+  counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
+  stats = {"episode_status": counts, "turns_mean": float(turns_B.mean()) if B else 0.0,
+           "policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
+           "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
+           "episodes_truncated": counts["truncated"],
+           "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
+           "episode_statuses": tuple(status)}
+  if keep_turns:
+    stats["turn_outputs"] = turn_outputs
+  return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=np.concatenate([pos_BP, pos_BN], 1),
+                 segment_ids_BT=np.concatenate([seg_BP, seg_BN], 1), mask_BN=mask_BN, behavior_logp_BN=logp_BN,
+                 versions_BN=np.full((B, N), version, np.int32), reward_B=reward_B,
+                 group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, stats=stats)

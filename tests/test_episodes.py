@@ -1,0 +1,219 @@
+"""Multi-turn episodes (`rollout.episodes`) and the environment registry (`envs`), with numbers.
+
+A random tiny model on the character vocabulary plays test environments registered here; the
+record is checked against the sampler's own turn outputs, the encoded observations and the learner's
+recomputed log-probs.
+"""
+
+import dataclasses
+import functools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import envs, losses
+from jaxrl_llm.models import ModelConfig, init_params, token_logprobs
+from jaxrl_llm.rollout.episodes import EnvSettings, render_env_message, run_episodes
+from jaxrl_llm.rollout.generation import Generation
+from jaxrl_llm.sampling import SamplerConfig
+from jaxrl_llm.tasks import tokenizer as char_tok
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER
+from jaxrl_llm.types import LossInputs
+
+CFG = ModelConfig(vocab_size=char_tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  d_ff=64, max_seq_len=128, dtype="float32")
+P = 8
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def random_params(cfg):
+  scale = lambda path, x: x if "norm" in jax.tree_util.keystr(path) else 4.0 * x
+  return jax.tree_util.tree_map_with_path(scale, init_params(cfg, jax.random.key(0)))
+
+
+PARAMS = random_params(CFG)
+
+
+@envs.register("test_echo")
+class Echo:
+  """Accepts any action; observes "<" or "<<" (by the action's length), reward = 0.25 per step; never done."""
+
+  def __init__(self, max_turns: int = 3):
+    self.max_turns = max_turns
+
+  def reset(self, seed):
+    return "go" + str(seed % 10)
+
+  def step(self, action):
+    return ("<" * (1 + len(action) % 2)), 0.25, False
+
+
+@envs.register("test_faulty")
+class Faulty:
+  """Row behaviour chosen by the seed: 0 fine, 1 raises at step, 2 hangs at step, 3 rejects the action."""
+
+  def __init__(self, hang_s: float = 3.0):
+    self.hang_s = hang_s
+
+  def reset(self, seed):
+    self.mode = seed
+    return "x"
+
+  def step(self, action):
+    if self.mode == 1:
+      raise RuntimeError("boom")
+    if self.mode == 2:
+      time.sleep(self.hang_s)
+    if self.mode == 3:
+      raise envs.InvalidAction(action)
+    return "=", 1.0, True
+
+
+def make_gen(temperature=1.0):
+  samp = SamplerConfig(max_new_tokens=4, stop_ids=(char_tok.eos_id,), temperature=temperature, pad_id=char_tok.pad_id)
+  return Generation(task=None, train_examples=None, width=P, model_cfg=CFG, sampler_cfg=samp,
+                    key_root=jax.random.key(1), seed=0, encoder=CHAR_ENCODER)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature",))
+def learner_logp(params, seq, pos, seg, temperature):
+  logp = token_logprobs(params, seq[:, :-1], seq[:, 1:], CFG, positions_BT=pos[:, :-1], segment_ids_BT=seg[:, :-1],
+                        temperature=temperature, chunk_size=16)["logp_BT"]
+  return logp[:, P - 1:]
+
+
+@pytest.fixture(scope="module")
+def echo_record():
+  s = EnvSettings(name="test_echo", max_turns=3, turn_tokens=4, max_episode_tokens=20, timeout_s=5.0)
+  return run_episodes(make_gen(0.7), PARAMS, [3, 7], 3, s, jax.random.key(5), version=2, keep_turns=True), s
+
+
+def test_guess_number_env():
+  e = envs.get("guess_number", max_turns=3)
+  first = e.reset(123)
+  secret = e.secret
+  assert first == "guess:" and envs.get("guess_number").reset(123) == first
+  e2 = envs.get("guess_number")
+  e2.reset(123)
+  assert e2.secret == secret  # deterministic in the seed
+  wrong = (secret + 1) % 10
+  obs, r, done = e.step(str(wrong))
+  assert obs == ("<" if secret < wrong else ">") and r == 0.0 and not done
+  assert e.step(f" {secret}\n") == ("=", 1.0, True)
+  with pytest.raises(envs.InvalidAction):
+    e.step("12")
+  assert char_tok.decode(char_tok.encode("<>=guess:")) == "<>=guess:"
+  with pytest.raises(ValueError, match="takes no argument 'turns'"):
+    envs.get("guess_number", turns=2)
+  with pytest.raises(ValueError, match="unknown environment"):
+    envs.get("nope")
+
+
+def test_record_layout_tokens_and_masks(echo_record):
+  r, s = echo_record
+  st = r.stats
+  B, N = 6, s.max_episode_tokens
+  assert r.sequence_BT.shape == (B, P + N) and r.mask_BN.shape == (B, N) and r.turn_BN.shape == (B, N)
+  pol, env = r.mask_BN > 0, r.env_mask_BN > 0
+  pad = ~pol & ~env
+  assert not (pol & env).any()  # the masks partition the response
+  resp = r.sequence_BT[:, P:]
+  # padding only at the end, with pad id, segment 0, turn -1; real tokens segment 1
+  used = (pol | env).sum(1)
+  assert (pad == (np.arange(N)[None] >= used[:, None])).all()
+  assert (resp[pad] == char_tok.pad_id).all() and (r.turn_BN[pad] == -1).all()
+  assert (r.segment_ids_BT[:, P:] == (~pad)).all()
+  assert (r.behavior_logp_BN[~pol] == 0).all() and (r.versions_BN == 2).all()
+  # rebuild every episode from the sampler's turn outputs and the encoded observations (the echo is never done)
+  outs = st["turn_outputs"]
+  for b in range(B):
+    expect, steps, status = [], 0, "max_turns"
+    for t, o in enumerate(outs):
+      assert o["live_B"][b] and o["start_B"][b] == len(expect)
+      n_b = int(o["lengths_B"][b])
+      toks = o["tokens_BN"][b, :n_b]
+      k = min(n_b, N - len(expect))
+      expect += [("p", int(x), t, float(lp)) for x, lp in zip(toks[:k], o["behavior_logp_BN"][b, :k])]
+      if k < n_b:
+        status = "truncated"
+        break
+      steps += 1
+      action = char_tok.decode(toks[:-1] if toks[-1] == char_tok.eos_id else toks)
+      ids = render_env_message(CHAR_ENCODER, "<" * (1 + len(action) % 2))
+      assert ids == char_tok.encode("<" * (1 + len(action) % 2))
+      if t == s.max_turns - 1:
+        break
+      if len(expect) + len(ids) >= N:
+        status = "truncated"
+        break
+      expect += [("e", x, t, 0.0) for x in ids]
+    assert st["episode_statuses"][b] == status
+    assert used[b] == len(expect)
+    got = [("p" if pol[b, j] else "e", int(resp[b, j]), int(r.turn_BN[b, j])) for j in range(used[b])]
+    assert got == [e[:3] for e in expect], b
+    np.testing.assert_array_equal(r.behavior_logp_BN[b, pol[b]], np.asarray([e[3] for e in expect if e[0] == "p"], np.float32))
+    assert r.reward_B[b] == pytest.approx(0.25 * steps)
+    # the prompt is the encoded reset text, left-padded
+    first = CHAR_ENCODER.prompt_ids("go" + str([3, 7][b // 3] % 10))
+    assert r.sequence_BT[b, P - len(first):P].tolist() == first
+  counts = st["episode_status"]
+  assert sum(counts.values()) == B and st["policy_tokens"] == pol.sum() and st["env_tokens"] == env.sum()
+  assert (r.group_B == np.arange(B) // 3).all()
+
+
+def test_behavior_logp_equals_learner_logp(echo_record):
+  """The context of every turn is what the learner sees: recomputed log-probs equal μ's (fp32, same temperature)."""
+  r, _ = echo_record
+  lp = np.asarray(learner_logp(PARAMS, jnp.asarray(r.sequence_BT), jnp.asarray(r.positions_BT),
+                               jnp.asarray(r.segment_ids_BT), 0.7))
+  m = r.mask_BN > 0
+  assert m.sum() > 10
+  np.testing.assert_allclose(lp[m], r.behavior_logp_BN[m], atol=1e-5)
+
+
+def test_environment_tokens_get_zero_gradient(echo_record):
+  """d(summed ppo_clip loss)/d logp is exactly 0 where mask_BN is 0 (environment tokens and padding)."""
+  r, _ = echo_record
+  assert (r.env_mask_BN > 0).any()
+  spec = losses.get("ppo_clip")
+  hp = losses.make_hparams(spec)
+  adv = jnp.asarray(np.random.default_rng(0).normal(size=r.mask_BN.shape), jnp.float32)
+  rng_logp = jnp.asarray(r.behavior_logp_BN) + 0.1
+
+  def total(logp):
+    inp = LossInputs(logp_BN=logp, mask_BN=jnp.asarray(r.mask_BN), adv_BN=adv, prox_logp_BN=jnp.asarray(r.behavior_logp_BN),
+                     behavior_logp_BN=jnp.asarray(r.behavior_logp_BN), turn_BN=jnp.asarray(r.turn_BN))
+    loss_BN, _ = spec.fn(inp, hp)
+    num, den = losses.reduce_parts(loss_BN, inp.mask_BN)
+    return num / jnp.maximum(den, 1.0)
+
+  g = np.asarray(jax.grad(total)(rng_logp))
+  assert (g[r.mask_BN == 0] == 0).all()
+  assert np.abs(g[r.mask_BN > 0]).sum() > 0
+
+
+def test_faulty_environments_cost_one_episode_each():
+  s = EnvSettings(name="test_faulty", kwargs=(("hang_s", 3.0),), max_turns=2, turn_tokens=3, max_episode_tokens=12,
+                  timeout_s=0.5)
+  t0 = time.perf_counter()
+  r = run_episodes(make_gen(), PARAMS, [0, 1, 2, 3], 2, s, jax.random.key(9), version=0)
+  assert time.perf_counter() - t0 < 60
+  st = r.stats
+  assert st["episode_statuses"] == ("done",) * 2 + ("error",) * 2 + ("timeout",) * 2 + ("invalid",) * 2
+  assert st["env_errors"] == 2 and st["env_timeouts"] == 2 and st["env_invalid"] == 2 and st["reward_errors"] == 6
+  np.testing.assert_array_equal(r.reward_B, [1, 1, 0, 0, 0, 0, 0, 0])
+  assert r.mask_BN.shape == (8, 12) and (r.mask_BN.sum(1) > 0).all()  # every episode played its first turn
+  assert (r.env_mask_BN == 0).all()
+
+
+def test_budget_truncates_and_guess_number_plays():
+  s = EnvSettings(name="test_echo", max_turns=10, turn_tokens=4, max_episode_tokens=7)
+  r = run_episodes(make_gen(), PARAMS, [1], 2, s, jax.random.key(3), version=0)
+  assert r.stats["episodes_truncated"] == 2 and r.mask_BN.shape == (2, 7)
+  g = EnvSettings(name="guess_number", kwargs=(("max_turns", 2),), max_turns=2, turn_tokens=2, max_episode_tokens=8)
+  r = run_episodes(make_gen(), PARAMS, [5, 6], 2, g, jax.random.key(4), version=1)
+  assert sum(r.stats["episode_status"].values()) == 4 and r.reward_B.shape == (4,)
