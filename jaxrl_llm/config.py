@@ -166,6 +166,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
         "must be an int >= 1")
   _validate_reward(c)
+  _validate_env(c)
   missing = losses.missing_needs(spec, available_needs(c))
   if missing:
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
@@ -322,6 +323,60 @@ RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep"
              "task.data_dir")
 
 
+ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width")
+
+
+def env_on(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run plays multi-turn episodes: an `env` section with a non-empty `env.name`."""
+  e = c.get("env")
+  return bool(e is not None and e.get("name", ""))
+
+
+def env_length(c: ml_collections.ConfigDict) -> int:
+  """Longest context an episode needs (0 without `env`): its prompt bucket, its token budget, and the
+  sampler's cache slots of a turn (`rollout.episodes`: every turn re-prefills P + budget columns)."""
+  if not env_on(c):
+    return 0
+  e = c.env
+  return e.prompt_width + e.max_episode_tokens + e.turn_tokens
+
+
+def _validate_env(c: ml_collections.ConfigDict) -> None:
+  """`env`: absent or `env.name=""` = single-turn; otherwise a registered environment, the arguments it takes,
+  positive limits, a synchronous batch source, and no sampler records the episodes do not keep."""
+  e = c.get("env")
+  if e is None:
+    return
+  _need(isinstance(e.get("name", ""), str), "env.name", e.get("name"), "must be a str ('' = single-turn)")
+  if not e.get("name", ""):
+    return
+  for k in e.keys():
+    _need(k in ENV_FIELDS, f"env.{k}", e[k], f"unknown field; the env section takes {ENV_FIELDS}")
+  from jaxrl_llm import envs  # local: text only (numpy), but keep `import jaxrl_llm.config` light
+  _need(e.name in envs.names(), "env.name", e.name, f"unknown environment; valid names: {envs.names()}")
+  accepted = envs.kwarg_names(e.name)
+  for k, v in dict(e.get("kwargs", {})).items():
+    _need(k in accepted, f"env.kwargs.{k}", v, f"environment {e.name!r} takes no such argument (its arguments: {accepted})")
+  for f in ("max_turns", "turn_tokens", "max_episode_tokens", "prompt_width"):
+    v = e.get(f)
+    _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"env.{f}", v, "must be an int >= 1")
+  _need(e.max_episode_tokens >= e.turn_tokens, "env.max_episode_tokens", e.max_episode_tokens,
+        f"must be >= env.turn_tokens = {e.turn_tokens} (the budget holds at least one turn)")
+  t = e.get("timeout_s")
+  _need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0, "env.timeout_s", t,
+        "must be a finite number of seconds > 0")
+  _need(c.rollout.mode != "async", "rollout.mode", c.rollout.mode,
+        f"env.name={e.name!r}: multi-turn episodes run in the synchronous sources (sync, fixed_lag, staged, replay); "
+        "async is not supported yet")
+  for f in ("behavior_topk", "mc_samples"):
+    v = c.sampler.get(f, 0)
+    _need(not v, f"sampler.{f}", v, f"must be 0 with env.name={e.name!r} (episodes do not record it)")
+  _need(not (c.model.get("num_experts", 0) and c.model.get("routing_replay", False)), "model.routing_replay", c.model.get("routing_replay"),
+        f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")
+  _need(not (c.get("distill") and c.distill.get("teacher")), "distill.teacher", c.get("distill", {}).get("teacher"),
+        f"must be '' with env.name={e.name!r} (teachers score single completions)")
+
+
 def _flatten(d, prefix: str = "") -> dict:
   out = {}
   for k, v in d.items():
@@ -386,6 +441,7 @@ def sampler_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 
 register_needs("sampler", sampler_needs)
+register_needs("env", lambda c: ("turn",) if env_on(c) else ())  # episodes number their turns (`turn_BN`)
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

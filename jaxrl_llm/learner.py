@@ -250,7 +250,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
         logp_BN=out["logp_BT"], mask_BN=batch.mask_BN, adv_BN=batch.adv_BN,
         prox_logp_BN=prox_BN, behavior_logp_BN=batch.behavior_logp_BN, ref_logp_BN=batch.ref_logp_BN,
         entropy_BN=out.get("entropy_BT"), versions_BN=batch.versions_BN, current_version=state.version,
-        lag_B=batch.lag_B, state=state.loss_state, tokens_BN=batch.sequence_BT[:, -n_new:])
+        lag_B=batch.lag_B, state=state.loss_state, tokens_BN=batch.sequence_BT[:, -n_new:],
+        turn_BN=batch.turn_BN)  # None for single completions; multi-turn episodes number their turns
     if batch.extra:
       inputs = inputs.replace(**batch.extra)
     if student_dense:

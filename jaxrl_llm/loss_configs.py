@@ -22,8 +22,6 @@ GENERAL = ("tiny.py", "opd_tiny.py")  # tried first, in this order
 
 # Losses whose inputs no run produces yet, and what will produce them.
 PENDING = {
-    "epo": "needs multi-turn episodes (per-token turn ids and a per-turn entropy history): the agent rollouts of "
-           "issue 33 fill `turn_BN`",
     "sdcc": "needs context-eviction events (`eviction_mask_BN`, MemoryWalker's compressed contexts): the "
             "long-horizon / context-compression work (issue 34)",
 }

@@ -60,7 +60,9 @@ def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok
                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
                      layer_unroll=layer_unroll(c),
                      num_experts=m.num_experts, experts_per_token=m.experts_per_token,
-                     capacity_factor=m.capacity_factor, max_seq_len=width + c.sampler.max_new_tokens)
+                     capacity_factor=m.capacity_factor,
+                     # an episode (`env`) re-prefills its prompt bucket + token budget every turn
+                     max_seq_len=max(width + c.sampler.max_new_tokens, config_lib.env_length(c)))
 
 
 def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> int:

@@ -21,6 +21,7 @@ from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides 
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, model_config, tokenizer_for_checkpoint
 from jaxrl_llm.rollout import collect, sources
+from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.ewma import ewma_init
 from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.param_store import ParamStore
@@ -57,7 +58,18 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
                             max_lag=r.max_lag, decay=r.decay)
   return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
                          lag=ro.lag, old_logp=ro.old_logp, num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
-                         prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay)
+                         prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay,
+                         env=env_settings(c))
+
+
+def env_settings(c: ml_collections.ConfigDict) -> EnvSettings | None:
+  """The typed `env.*` settings (None without an environment: single completions)."""
+  if not config_lib.env_on(c):
+    return None
+  e = c.env
+  return EnvSettings(name=e.name, kwargs=tuple(sorted(dict(e.get("kwargs", {})).items())), max_turns=e.max_turns,
+                     turn_tokens=e.turn_tokens, max_episode_tokens=e.max_episode_tokens, timeout_s=float(e.timeout_s),
+                     prompt_width=e.prompt_width, workers=c.reward.workers if c.get("reward") else 8)
 
 
 def uses_reference(c: ml_collections.ConfigDict) -> bool:

@@ -105,7 +105,14 @@ def test_guess_number_env():
   assert obs == ("<" if secret < wrong else ">") and r == 0.0 and not done
   assert e.step(f" {secret}\n") == ("=", 1.0, True)
   with pytest.raises(envs.InvalidAction):
-    e.step("12")
+    e.step("ab")
+  strict = envs.get("guess_number", strict=True)
+  strict.reset(123)
+  with pytest.raises(envs.InvalidAction):
+    strict.step("12")
+  lenient = envs.get("guess_number")
+  lenient.reset(123)
+  assert lenient.step(f"a{secret}9") == ("=", 1.0, True)
   assert char_tok.decode(char_tok.encode("<>=guess:")) == "<>=guess:"
   with pytest.raises(ValueError, match="takes no argument 'turns'"):
     envs.get("guess_number", turns=2)
@@ -161,7 +168,7 @@ def test_record_layout_tokens_and_masks(echo_record):
     first = CHAR_ENCODER.prompt_ids("go" + str([3, 7][b // 3] % 10))
     assert r.sequence_BT[b, P - len(first):P].tolist() == first
   counts = st["episode_status"]
-  assert sum(counts.values()) == B and st["policy_tokens"] == pol.sum() and st["env_tokens"] == env.sum()
+  assert sum(counts.values()) == B and st["env_policy_tokens"] == pol.sum() and st["env_tokens"] == env.sum()
   assert (r.group_B == np.arange(B) // 3).all()
 
 
@@ -213,7 +220,7 @@ def test_faulty_environments_cost_one_episode_each():
 def test_budget_truncates_and_guess_number_plays():
   s = EnvSettings(name="test_echo", max_turns=10, turn_tokens=4, max_episode_tokens=7)
   r = run_episodes(make_gen(), PARAMS, [1], 2, s, jax.random.key(3), version=0)
-  assert r.stats["episodes_truncated"] == 2 and r.mask_BN.shape == (2, 7)
+  assert r.stats["env_truncated"] == 2 and r.mask_BN.shape == (2, 7)
   g = EnvSettings(name="guess_number", kwargs=(("max_turns", 2),), max_turns=2, turn_tokens=2, max_episode_tokens=8)
   r = run_episodes(make_gen(), PARAMS, [5, 6], 2, g, jax.random.key(4), version=1)
   assert sum(r.stats["episode_status"].values()) == 4 and r.reward_B.shape == (4,)

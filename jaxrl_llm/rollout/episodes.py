@@ -26,8 +26,9 @@ Every environment call (`reset`, `step`) runs under the time limit of rewards (`
 worker threads): an environment that raises ("error"), overruns `timeout_s` ("timeout") or rejects the
 action (`envs.InvalidAction`, "invalid") ends that episode with return 0, counted in the stats; the
 batch still forms. Episodes that hit the token budget end "truncated" (return so far). The stats:
-`episode_status` counts, `turns_mean`, `policy_tokens`, `env_tokens`, `env_errors`, `env_timeouts`,
-`env_invalid`, `episodes_truncated`, and `reward_errors` (errors + timeouts + invalid).
+`episode_status` (counts by status), `episode_statuses` (per row), `env_turns_mean`, `env_policy_tokens`,
+`env_tokens`, `env_errors`, `env_timeouts`, `env_invalid`, `env_truncated`, `env_done`, and
+`reward_errors` (errors + timeouts + invalid).
 
 One process only for now: with a mesh the sampler call is split over devices (`generate_on_mesh`) but
 every process steps every environment.
@@ -63,6 +64,7 @@ class EnvSettings:
   max_episode_tokens: int = 32
   timeout_s: float = 5.0
   workers: int = 8
+  prompt_width: int = 16  # P: the initial message's bucket (left-padded)
 
 
 def render_env_message(encoder: Encoder, text: str) -> list[int]:
@@ -228,10 +230,10 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   pos_BN = (plen_B[:, None] + np.arange(N)[None, :]).astype(np.int32)
   seg_BN = (np.arange(N)[None, :] < used_B[:, None]).astype(np.int32)
   counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
-  stats = {"episode_status": counts, "turns_mean": float(turns_B.mean()) if B else 0.0,
-           "policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
+  stats = {"episode_status": counts, "env_turns_mean": float(turns_B.mean()) if B else 0.0,
+           "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
            "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
-           "episodes_truncated": counts["truncated"],
+           "env_truncated": counts["truncated"], "env_done": counts["done"],
            "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
            "episode_statuses": tuple(status)}
   if keep_turns:

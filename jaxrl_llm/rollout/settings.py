@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.generation import Generation
 
 
@@ -38,6 +39,7 @@ class RolloutSettings:
   prox_in_worker: bool = False  # async + recompute: the workers score π_old
   routing_replay: bool = False  # MoE R3: the batch carries the sampler's expert ids
   replay: Optional[ReplaySettings] = None  # experience replay (None = off)
+  env: Optional[EnvSettings] = None  # multi-turn episodes in a text environment (None = single completions)
 
 
 @dataclasses.dataclass(frozen=True)

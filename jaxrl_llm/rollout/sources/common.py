@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from jaxrl_llm.record import Rollout, rows
+from jaxrl_llm.rollout import episodes
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import SourceContext
 
@@ -28,6 +29,8 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
   """
   s, gen = ctx.settings, ctx.gen
   G, n = s.group_size, n or s.prompts_per_step
+  if s.env is not None:
+    return _episode_rollout(ctx, store, steps, version, v_b, n, call)
   p = gen.step_prompts(steps, n, G, call)
   snap = store.acquire(v_b)
   try:
@@ -43,4 +46,31 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
               group_B=np.arange(B, dtype=np.int32) // G,
               stats={"reward_errors": whole.stat("reward_errors") if i == 0 else 0,
                      "time_generate_s": time_gen if i == 0 else 0.0})
+          for i in range(len(steps))]
+
+
+def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int,
+                     call: int) -> list[Rollout]:
+  """`sync_rollout` with an environment (`settings.env`): n seeds × G multi-turn episodes per step, all steps
+  played together with the pinned snapshot v_b (`rollout.episodes`); seeds depend on (seed, step, call) only.
+  The first record's stats hold the call's environment counters (`env_*`), reward errors and sampler time."""
+  s, gen = ctx.settings, ctx.gen
+  G = s.group_size
+  seeds = [x for t in steps for x in episodes.episode_seeds(s.seed, t, n, call)]
+  snap = store.acquire(v_b)
+  try:
+    t0 = time.perf_counter()
+    whole = episodes.run_episodes(gen, snap.params, seeds, G, s.env, gen.step_key(v_b, steps[0], call), v_b,
+                                  width=s.env.prompt_width)
+    time_gen = time.perf_counter() - t0
+  finally:
+    store.release(snap)
+  B = n * G
+  counters = {k: v for k, v in whole.stats.items() if k.startswith("env_")}
+  return [rows(whole, i * B, (i + 1) * B).replace(
+              lag_B=np.full((B,), version - v_b, np.int32),
+              group_B=np.arange(B, dtype=np.int32) // G,
+              stats={"reward_errors": whole.stat("reward_errors") if i == 0 else 0,
+                     "time_generate_s": time_gen if i == 0 else 0.0,
+                     **{k: (v if i == 0 else 0) for k, v in counters.items()}})
           for i in range(len(steps))]

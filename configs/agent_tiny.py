@@ -1,0 +1,31 @@
+"""Tiny multi-turn agent: the tiny model plays guess-the-number (`jaxrl_llm.envs.guess_number`) with PPO-clip.
+
+A delta over configs/tiny.py: every episode is up to 4 turns of at most 3 policy tokens, each answered
+by "<", ">" or "=" (the environment's tokens are context: no loss); the return is 1 when the secret
+digit is guessed. No SFT warm start (the task's arithmetic answers would not help) and no evaluation
+(evaluation is single-turn, on the task). Runs in the synchronous sources: sync, fixed_lag, staged, replay.
+
+Run:  python -m jaxrl_llm --config=configs/agent_tiny.py --workdir=/tmp/agent_tiny
+"""
+
+import pathlib
+
+import ml_collections
+
+from jaxrl_llm.config import load_file
+
+
+def get_config():
+  c = load_file(pathlib.Path(__file__).with_name("tiny.py"))
+  c.env = ml_collections.ConfigDict()
+  c.env.name = "guess_number"  # a registered environment (jaxrl_llm.envs); "" = single-turn
+  c.env.kwargs = ml_collections.ConfigDict({"max_turns": 4})  # the environment's own arguments
+  c.env.max_turns = 4  # turns the runner plays at most
+  c.env.turn_tokens = 3  # policy tokens per turn at most (stop id included)
+  c.env.max_episode_tokens = 16  # response budget N of an episode (policy + environment tokens)
+  c.env.timeout_s = 5.0  # per environment call; an overrun ends the episode with return 0, counted
+  c.env.prompt_width = 8  # P: the first message's bucket ("guess:" + BOS)
+  c.sft.steps = 0
+  c.eval.every = 0
+  c.loss.name = "ppo_clip"
+  return c

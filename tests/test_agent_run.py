@@ -1,0 +1,67 @@
+"""Multi-turn agents through the loop: configs/agent_tiny.py trains in the synchronous sources; `env` validation."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import loop
+from jaxrl_llm.config import ConfigError, load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def agent(**over):
+  c = load_file(os.path.join(ROOT, "configs", "agent_tiny.py"))
+  c.log.tensorboard, c.log.progress = False, False
+  c.num_steps, c.checkpoint.every = 2, 0
+  for k, v in over.items():
+    sec, key = k.split("__")
+    c[sec][key] = v
+  return c
+
+
+@pytest.mark.parametrize("mode,lag", [("sync", 0), ("fixed_lag", 1)])
+def test_agent_tiny_trains_two_steps(tmp_path, mode, lag):
+  c = agent(rollout__mode=mode, rollout__lag=lag)
+  rows = loop.run(c, str(tmp_path / mode))
+  assert [r["step"] for r in rows] == [0, 1]
+  assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows), rows
+  assert sum(r["updates_applied"] for r in rows) >= 1
+  assert all(r["env_policy_tokens"] > 0 for r in rows), rows
+  assert all(r["env_turns_mean"] >= 1 for r in rows), rows
+
+
+def test_env_absent_or_empty_is_single_turn():
+  c = load_file(os.path.join(ROOT, "configs", "tiny.py"))
+  assert not config_lib.env_on(c) and config_lib.env_length(c) == 0 and "turn" not in config_lib.available_needs(c)
+  c.loss.name = "epo"
+  with pytest.raises(ConfigError, match="needs \\['turn'\\]"):
+    config_lib.validate(c)
+  a = agent()
+  a.env.name = ""
+  assert not config_lib.env_on(a)
+  assert "turn" in config_lib.available_needs(agent())
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("name", "nope", "env.name"), ("max_turns", 0, "env.max_turns"), ("turn_tokens", 0, "env.turn_tokens"),
+    ("max_episode_tokens", 2, "env.max_episode_tokens"), ("timeout_s", 0, "env.timeout_s"),
+    ("prompt_width", -1, "env.prompt_width"), ("kwargs", {"nope": 1}, "env.kwargs.nope"),
+])
+def test_env_validation_names_the_field(field, value, named):
+  c = agent()
+  if field == "kwargs":
+    c.env.kwargs = config_lib.ml_collections.ConfigDict(value)
+  else:
+    c.env[field] = value
+  with pytest.raises(ConfigError, match=f"config.{named}="):
+    config_lib.validate(c)
+
+
+def test_env_refuses_async():
+  c = agent(rollout__mode="async", rollout__lag=1)
+  with pytest.raises(ConfigError, match="config.rollout.mode='async': env.name='guess_number'"):
+    config_lib.validate(c)
