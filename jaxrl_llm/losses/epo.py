@@ -35,8 +35,9 @@ class Hparams:
 
 def init_state(hp: Hparams):
   """Empty history: per-turn entropy sums and token counts, and the step counter of the schedule."""
-  z = jnp.zeros((hp.max_turns,), jnp.float32)
-  return {"ent_sum_U": z, "ent_count_U": z, "step": jnp.zeros((), jnp.int32)}
+  # two arrays, not one shared twice: the learner donates its state, and a buffer is donated only once
+  z = lambda: jnp.zeros((hp.max_turns,), jnp.float32)
+  return {"ent_sum_U": z(), "ent_count_U": z(), "step": jnp.zeros((), jnp.int32)}
 
 
 def smooth_weight(step, hp: Hparams):
