@@ -39,6 +39,7 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
   s, rs = ctx.settings, ctx.settings.replay
   n = s.prompts_per_step
   calls, errors, time_gen, gen_tokens = 0, 0, 0.0, 0.0
+  env_counts: dict = {}  # multi-turn episodes' counters (`env_*`), summed over the calls
   while calls == 0 or buf.available(version) < n:
     fresh = sync_rollout(ctx, store, [step], version, v_b, n=rs.fresh_per_step, call=calls)[0]
     if s.old_logp == "recompute":  # π_old depends only on the generating version: score it once
@@ -46,11 +47,16 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
     buf.push(replay_lib.split_groups(fresh, s.group_size, v_b, step))
     errors, time_gen, calls = errors + fresh.stat("reward_errors"), time_gen + fresh.stat("time_generate_s"), calls + 1
     gen_tokens += float(fresh.mask_BN.sum())
+    for k, v in (fresh.stats or {}).items():
+      if k.startswith("env_"):
+        env_counts[k] = env_counts.get(k, 0) + v
+  if "env_turns_mean" in env_counts:  # a mean over the calls' episodes (every call plays as many)
+    env_counts["env_turns_mean"] /= calls
   groups = buf.sample(np.random.default_rng([s.seed, 13, step]), n, version)
   ro = replay_lib.collate(groups, version, rs.max_lag, rs.stale_policy, rs.decay)
   down = [rs.stale_policy == "downweight" and replay_lib.is_over_stale(version - g.version, rs.max_lag) for g in groups]
   return ro.with_stats(
-      reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
+      **env_counts, reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
       replay_generated_groups=calls * rs.fresh_per_step,
       replay_fresh_frac=float(np.mean([g.step == step for g in groups])),
       replay_mean_uses=float(np.mean([g.uses for g in groups])),  # including this use
