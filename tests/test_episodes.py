@@ -73,6 +73,19 @@ class Faulty:
     return "=", 1.0, True
 
 
+@envs.register("test_countdown")
+class Countdown:
+  """Done after seed % 3 + 1 steps (reward 1 at the end); observes "." meanwhile."""
+
+  def reset(self, seed):
+    self.left = seed % 3 + 1
+    return "c"
+
+  def step(self, action):
+    self.left -= 1
+    return (".", 0.0, False) if self.left else ("=", 1.0, True)
+
+
 def make_gen(temperature=1.0):
   samp = SamplerConfig(max_new_tokens=4, stop_ids=(char_tok.eos_id,), temperature=temperature, pad_id=char_tok.pad_id)
   return Generation(task=None, train_examples=None, width=P, model_cfg=CFG, sampler_cfg=samp,
@@ -224,3 +237,23 @@ def test_budget_truncates_and_guess_number_plays():
   g = EnvSettings(name="guess_number", kwargs=(("max_turns", 2),), max_turns=2, turn_tokens=2, max_episode_tokens=8)
   r = run_episodes(make_gen(), PARAMS, [5, 6], 2, g, jax.random.key(4), version=1)
   assert sum(r.stats["episode_status"].values()) == 4 and r.reward_B.shape == (4,)
+
+
+def test_finished_episodes_stop_generating():
+  """Episodes that end early leave the sampler batch; the rest play on with contexts the learner reproduces."""
+  s = EnvSettings(name="test_countdown", max_turns=4, turn_tokens=3, max_episode_tokens=20)
+  r = run_episodes(make_gen(), PARAMS, [0, 1, 2], 2, s, jax.random.key(11), version=0, keep_turns=True)
+  assert r.stats["episode_statuses"] == ("done",) * 6
+  want_turns = np.repeat([1, 2, 3], 2)
+  np.testing.assert_array_equal(r.turn_BN.max(1) + 1, want_turns)
+  np.testing.assert_array_equal(r.reward_B, np.ones(6))
+  live = [o["live_B"].sum() for o in r.stats["turn_outputs"]]
+  assert live == [6, 4, 2]
+  lp = np.asarray(learner_logp(PARAMS, jnp.asarray(r.sequence_BT), jnp.asarray(r.positions_BT),
+                               jnp.asarray(r.segment_ids_BT), 1.0))
+  m = r.mask_BN > 0
+  np.testing.assert_allclose(lp[m], r.behavior_logp_BN[m], atol=1e-5)
+  # environment tokens: "." after every step but the last
+  for b in range(6):
+    env_ids = r.sequence_BT[b, P:][r.env_mask_BN[b] > 0].tolist()
+    assert env_ids == char_tok.encode(".") * (want_turns[b] - 1)

@@ -11,8 +11,8 @@ from one state) for up to `max_turns` turns with pinned parameters:
   without the stop id (`tasks.tokenizer.completion_text`);
 - the environment's observation is rendered to ids by `render_env_message` and appended (not after the
   last step of a finished episode, nor after the last allowed turn: nothing follows it);
-- a finished episode generates no more tokens (its row still rides in the fixed-shape sampler call;
-  its outputs are dropped).
+- a finished episode generates no more tokens: each turn's sampler call holds the live episodes only,
+  padded to a power-of-two batch (at most log2(B) + 1 batch shapes are compiled; pad rows are dropped).
 
 The record: sequence = [left-padded initial prompt (width P) | response (width N)], the response
 compact (policy and environment tokens in order, padding only at the end), so positions and segments
@@ -114,6 +114,11 @@ def episode_seeds(seed: int, step: int, n: int, call: int = 0) -> list[int]:
   return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
 
 
+def _bucket(n: int, cap: int) -> int:
+  """The sampler batch of n live episodes: the next power of two, at most `cap` (few shapes to compile)."""
+  return min(cap, 1 << max(0, n - 1).bit_length())
+
+
 def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: EnvSettings, key, version: int,
                  width: int | None = None, keep_turns: bool = False) -> Rollout:
   """n = len(seeds) groups × G episodes with parameters `params` of `version` (module docstring).
@@ -165,14 +170,22 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   for t in range(s.max_turns):
     if not live.any():
       break
-    ctx_BW = np.full((B, W), pad, np.int32)
-    len_B = np.zeros((B,), np.int32)
-    for b in range(B):
+    # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
+    idx = np.flatnonzero(live)
+    rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
+    ctx_bW = np.full((len(rows_b), W), pad, np.int32)
+    len_b = np.zeros((len(rows_b),), np.int32)
+    for i, b in enumerate(rows_b):
       seq = prompts[b] + resp_BN[b, :used_B[b]].tolist()
-      ctx_BW[b, W - len(seq):] = seq
-      len_B[b] = len(seq)
-    out, _ = multiprocess.generate_on_mesh(generate, params, ctx_BW, len_B, fold_in(key, t), gen.model_cfg,
-                                           samp_cfg, gen.mesh)
+      ctx_bW[i, W - len(seq):] = seq
+      len_b[i] = len(seq)
+    # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
+    cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
+    got, _ = multiprocess.generate_on_mesh(generate, params, ctx_bW, len_b, fold_in(key, t), gen.model_cfg,
+                                           cfg_t, gen.mesh)
+    out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in ("tokens_BN", "lengths_B", "behavior_logp_BN")}
+    for k in out:
+      out[k][idx] = got[k][:len(idx)]
     if keep_turns:
       turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
                            "behavior_logp_BN": out["behavior_logp_BN"], "live_B": live.copy(),
