@@ -356,7 +356,8 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   _need(e.name in envs.names(), "env.name", e.name, f"unknown environment; valid names: {envs.names()}")
   accepted = envs.kwarg_names(e.name)
   for k, v in dict(e.get("kwargs", {})).items():
-    _need(k in accepted, f"env.kwargs.{k}", v, f"environment {e.name!r} takes no such argument (its arguments: {accepted})")
+    _need(k in accepted, f"env.kwargs.{k}", v,
+          f"environment {e.name!r} takes no such argument (its arguments: {accepted})")
   for f in ("max_turns", "turn_tokens", "max_episode_tokens", "prompt_width"):
     v = e.get(f)
     _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"env.{f}", v, "must be an int >= 1")
@@ -371,7 +372,8 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   for f in ("behavior_topk", "mc_samples"):
     v = c.sampler.get(f, 0)
     _need(not v, f"sampler.{f}", v, f"must be 0 with env.name={e.name!r} (episodes do not record it)")
-  _need(not (c.model.get("num_experts", 0) and c.model.get("routing_replay", False)), "model.routing_replay", c.model.get("routing_replay"),
+  moe_routes = c.model.get("num_experts", 0) and c.model.get("routing_replay", False)
+  _need(not moe_routes, "model.routing_replay", c.model.get("routing_replay"),
         f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")
   _need(not (c.get("distill") and c.distill.get("teacher")), "distill.teacher", c.get("distill", {}).get("teacher"),
         f"must be '' with env.name={e.name!r} (teachers score single completions)")

@@ -148,7 +148,7 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
     ids = gen.encoder.prompt_ids(text)
     if len(ids) > P:
       raise ValueError(f"environment {s.name!r}: its first message is {len(ids)} tokens, longer than the prompt "
-                       f"width P={P} (task.prompt_width)")
+                       f"width P={P} (env.prompt_width)")
     prompts.append(ids)
   plen_B = np.asarray([len(p) for p in prompts], np.int32)
   prompt_BP = np.full((B, P), pad, np.int32)
