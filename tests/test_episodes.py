@@ -54,12 +54,14 @@ class Echo:
 
 @envs.register("test_faulty")
 class Faulty:
-  """Row behaviour chosen by the seed: 0 fine, 1 raises at step, 2 hangs at step, 3 rejects the action."""
+  """Row behaviour chosen by the seed: 0 fine, 1 raises at step, 2 hangs at step, 3 rejects the action, 4 raises at reset."""
 
   def __init__(self, hang_s: float = 3.0):
     self.hang_s = hang_s
 
   def reset(self, seed):
+    if seed == 4:
+      raise RuntimeError("no reset")
     self.mode = seed
     return "x"
 
@@ -220,13 +222,14 @@ def test_faulty_environments_cost_one_episode_each():
   s = EnvSettings(name="test_faulty", kwargs=(("hang_s", 3.0),), max_turns=2, turn_tokens=3, max_episode_tokens=12,
                   timeout_s=0.5)
   t0 = time.perf_counter()
-  r = run_episodes(make_gen(), PARAMS, [0, 1, 2, 3], 2, s, jax.random.key(9), version=0)
+  r = run_episodes(make_gen(), PARAMS, [0, 1, 2, 3, 4], 2, s, jax.random.key(9), version=0)
   assert time.perf_counter() - t0 < 60
   st = r.stats
-  assert st["episode_statuses"] == ("done",) * 2 + ("error",) * 2 + ("timeout",) * 2 + ("invalid",) * 2
-  assert st["env_errors"] == 2 and st["env_timeouts"] == 2 and st["env_invalid"] == 2 and st["reward_errors"] == 6
-  np.testing.assert_array_equal(r.reward_B, [1, 1, 0, 0, 0, 0, 0, 0])
-  assert r.mask_BN.shape == (8, 12) and (r.mask_BN.sum(1) > 0).all()  # every episode played its first turn
+  assert st["episode_statuses"] == ("done",) * 2 + ("error",) * 2 + ("timeout",) * 2 + ("invalid",) * 2 + ("error",) * 2
+  assert st["env_errors"] == 4 and st["env_timeouts"] == 2 and st["env_invalid"] == 2 and st["reward_errors"] == 8
+  np.testing.assert_array_equal(r.reward_B, [1, 1, 0, 0, 0, 0, 0, 0, 0, 0])
+  assert r.mask_BN.shape == (10, 12) and (r.mask_BN[:8].sum(1) > 0).all()  # those reset played their first turn
+  assert (r.mask_BN[8:] == 0).all() and (r.segment_ids_BT[8:, P:] == 0).all()  # a failed reset plays nothing
   assert (r.env_mask_BN == 0).all()
 
 
