@@ -364,6 +364,8 @@ class Checkpointer:
         create=True)
     self._quarantine_unreadable_metrics()
     self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+    self._last_saved: int | None = None  # the newest step handed to Orbax (its write may finish in the background)
+    self._committed: int | None = None  # the newest step seen on disk after a `wait`
 
   def _quarantine_unreadable_metrics(self) -> None:
     """Orbax reads every step's metrics when the manager is built and raises on a corrupt file, so a
@@ -403,10 +405,16 @@ class Checkpointer:
     elif self._best_metric is not None:
       metrics = {}  # not evaluated: an empty record, not None (see `_BestEvaluated`)
     try:
-      return bool(self._mngr.save(step, args=args, metrics=metrics, force=force))
+      saved = bool(self._mngr.save(step, args=args, metrics=metrics, force=force))
     except Exception as e:  # noqa: BLE001 -- Orbax / TensorStore raise many types; say which step and where
       why = _save_failure(self.directory, e)
-      raise RunError(f"checkpoint step {step} in {self.directory}: cannot save ({why})") from e
+      # Orbax may raise a background write's failure only at the next save: name the step that failed.
+      prev = self._last_saved
+      failed = prev if prev is not None and prev != self._committed and prev not in self._mngr.all_steps() else step
+      raise RunError(f"checkpoint step {failed} in {self.directory}: cannot save ({why})") from e
+    if saved:
+      self._last_saved = step
+    return saved
 
   def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
     """Restores checkpoint `step` into `abstract_state`'s structure, shapes, dtypes and shardings.
@@ -459,6 +467,8 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until an async save has been committed."""
     self._mngr.wait_until_finished()
+    if self._last_saved is not None and self._last_saved in self._mngr.all_steps():
+      self._committed = self._last_saved
 
   def close(self) -> None:
     """Waits for pending saves and releases Orbax resources."""

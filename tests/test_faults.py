@@ -628,3 +628,36 @@ def test_async_workers_generate_from_the_view_made_at_publish(monkeypatch):
       store.publish(state.params)  # the learner's publish, concurrent with the workers
   assert view_threads and set(view_threads) == {"MainThread"}, view_threads  # never on a rollout thread
   assert generated_from_view and all(generated_from_view), generated_from_view
+
+
+def test_a_background_write_failure_is_named_by_its_own_step(tmp_path):
+  """Orbax may raise a failed background write only at the next save: the error names the step that failed."""
+  from jaxrl_llm import checkpoint as checkpoint_lib
+
+  class Manager:  # stands for Orbax's CheckpointManager: step 1's write fails after `save` returned
+    def __init__(self):
+      self.calls = 0
+
+    def all_steps(self):
+      return []  # step 1 never reached the disk
+
+    def save(self, step, **kw):
+      self.calls += 1
+      if self.calls == 2:
+        raise OSError(27, "File too large")
+      return True
+
+    def wait_until_finished(self):
+      pass
+
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "c"))
+  real, ckpt._mngr = ckpt._mngr, Manager()
+  try:
+    state = {"w": np.zeros(3, np.float32)}
+    assert ckpt.save(1, state, {})
+    ckpt.wait()
+    with pytest.raises(RunError, match=r"checkpoint step 1 in .*File too large"):
+      ckpt.save(2, state, {})
+  finally:
+    ckpt._mngr = real
+    ckpt.close()
