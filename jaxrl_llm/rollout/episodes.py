@@ -49,7 +49,7 @@ from jaxrl_llm.record import Rollout
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.tasks.encoder import Encoder
 from jaxrl_llm.tasks.reward import safe_reward_batch
-from jaxrl_llm.tasks.tokenizer import completion_text
+from jaxrl_llm.tasks.tokenizer import completion_text, pad_left
 
 EPISODE_STATUSES = ("done", "max_turns", "truncated", "error", "timeout", "invalid")
 
@@ -150,10 +150,7 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
       raise ValueError(f"environment {s.name!r}: its first message is {len(ids)} tokens, longer than the prompt "
                        f"width P={P} (env.prompt_width)")
     prompts.append(ids)
-  plen_B = np.asarray([len(p) for p in prompts], np.int32)
-  prompt_BP = np.full((B, P), pad, np.int32)
-  for b, p in enumerate(prompts):
-    prompt_BP[b, P - len(p):] = p
+  prompt_BP, plen_B = pad_left(prompts, P, pad)
 
   resp_BN = np.full((B, N), pad, np.int32)
   mask_BN = np.zeros((B, N), np.float32)
@@ -173,12 +170,7 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
-    ctx_bW = np.full((len(rows_b), W), pad, np.int32)
-    len_b = np.zeros((len(rows_b),), np.int32)
-    for i, b in enumerate(rows_b):
-      seq = prompts[b] + resp_BN[b, :used_B[b]].tolist()
-      ctx_bW[i, W - len(seq):] = seq
-      len_b[i] = len(seq)
+    ctx_bW, len_b = pad_left([prompts[b] + resp_BN[b, :used_B[b]].tolist() for b in rows_b], W, pad)
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
     cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
     got, _ = multiprocess.generate_on_mesh(generate, params, ctx_bW, len_b, fold_in(key, t), gen.model_cfg,

@@ -40,13 +40,20 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
   finally:
     store.release(snap)
   whole = gen.finish(out, p.examples, np.full(out["mask_BN"].shape, v_b, np.int32), owners)
-  B = n * G
+  return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen)
+
+
+def _per_step(whole: Rollout, n_steps: int, B: int, G: int, lag: int, time_gen: float, *counters: str
+              ) -> list[Rollout]:
+  """One sampler call's record cut into the batches of its `n_steps` learner steps (B rows each), with lags
+  (staged: recomputed when consumed) and group ids; the first batch's stats hold the call's reward errors,
+  sampler time and `counters` (the others 0)."""
+  first = {"reward_errors": whole.stat("reward_errors"), "time_generate_s": time_gen,
+           **{k: whole.stats[k] for k in counters}}
   return [rows(whole, i * B, (i + 1) * B).replace(
-              lag_B=np.full((B,), version - v_b, np.int32),  # staged: recomputed when consumed
-              group_B=np.arange(B, dtype=np.int32) // G,
-              stats={"reward_errors": whole.stat("reward_errors") if i == 0 else 0,
-                     "time_generate_s": time_gen if i == 0 else 0.0})
-          for i in range(len(steps))]
+              lag_B=np.full((B,), lag, np.int32), group_B=np.arange(B, dtype=np.int32) // G,
+              stats=first if i == 0 else {k: 0.0 if k == "time_generate_s" else 0 for k in first})
+          for i in range(n_steps)]
 
 
 def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int,
@@ -65,12 +72,5 @@ def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], ve
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  B = n * G
-  counters = {k: v for k, v in whole.stats.items() if k.startswith("env_")}
-  return [rows(whole, i * B, (i + 1) * B).replace(
-              lag_B=np.full((B,), version - v_b, np.int32),
-              group_B=np.arange(B, dtype=np.int32) // G,
-              stats={"reward_errors": whole.stat("reward_errors") if i == 0 else 0,
-                     "time_generate_s": time_gen if i == 0 else 0.0,
-                     **{k: (v if i == 0 else 0) for k, v in counters.items()}})
-          for i in range(len(steps))]
+  counters = [k for k in whole.stats if k.startswith("env_")]
+  return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *counters)
