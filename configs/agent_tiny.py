@@ -3,7 +3,8 @@
 A delta over configs/tiny.py: every episode is up to 4 turns of at most 3 policy tokens, each answered
 by "<", ">" or "=" (the environment's tokens are context: no loss); the return is 1 when the secret
 digit is guessed. No SFT warm start (the task's arithmetic answers would not help) and no evaluation
-(evaluation is single-turn, on the task). Runs in the synchronous sources: sync, fixed_lag, staged, replay.
+(evaluation is single-turn, on the task). Runs in every source: sync, fixed_lag, staged, replay and async
+(`--config.rollout.mode=async --config.rollout.lag=2`: later turns use the newest parameters, recorded per token).
 
 Run:  python -m jaxrl_llm --config=configs/agent_tiny.py --workdir=/tmp/agent_tiny
 """
@@ -25,6 +26,7 @@ def get_config():
   c.env.max_episode_tokens = 16  # response budget N of an episode (policy + environment tokens)
   c.env.timeout_s = 5.0  # per environment call; an overrun ends the episode with return 0, counted
   c.env.prompt_width = 8  # P: the first message's bucket ("guess:" + BOS)
+  c.env.newest_each_turn = True  # async: turns after the first generate from the newest published parameters
   c.sft.steps = 0
   c.eval.every = 0
   c.loss.name = "ppo_clip"

@@ -323,7 +323,8 @@ RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep"
              "task.data_dir")
 
 
-ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width")
+ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width",
+              "newest_each_turn")
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:
@@ -343,7 +344,7 @@ def env_length(c: ml_collections.ConfigDict) -> int:
 
 def _validate_env(c: ml_collections.ConfigDict) -> None:
   """`env`: absent or `env.name=""` = single-turn; otherwise a registered environment, the arguments it takes,
-  positive limits, a synchronous batch source, and no sampler records the episodes do not keep."""
+  positive limits, no within-turn partial rollouts, and no sampler records the episodes do not keep."""
   e = c.get("env")
   if e is None:
     return
@@ -366,9 +367,10 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   t = e.get("timeout_s")
   _need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0, "env.timeout_s", t,
         "must be a finite number of seconds > 0")
-  _need(c.rollout.mode != "async", "rollout.mode", c.rollout.mode,
-        f"env.name={e.name!r}: multi-turn episodes run in the synchronous sources (sync, fixed_lag, staged, replay); "
-        "async is not supported yet")
+  _need(isinstance(e.get("newest_each_turn", True), bool), "env.newest_each_turn", e.get("newest_each_turn"),
+        "must be a bool")
+  _need(not c.rollout.get("partial_chunk", 0), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
+        f"must be 0 with env.name={e.name!r} (async episodes switch versions between turns: env.newest_each_turn)")
   for f in ("behavior_topk", "mc_samples"):
     v = c.sampler.get(f, 0)
     _need(not v, f"sampler.{f}", v, f"must be 0 with env.name={e.name!r} (episodes do not record it)")

@@ -65,7 +65,28 @@ def test_env_validation_names_the_field(field, value, named):
     config_lib.validate(c)
 
 
-def test_env_refuses_async():
+def test_agent_tiny_trains_in_async_mode(tmp_path):
+  """Async episodes through the loop: worker threads play, admission bounds the lag, π_old is recomputed per token
+  at its version (by the workers), and the episode counters of the batch's groups are merged."""
+  c = agent(rollout__mode="async", rollout__lag=1, rollout__num_workers=2)
+  c.num_steps = 3
+  rows = loop.run(c, str(tmp_path / "async"))
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert all(math.isfinite(r["loss"]) for r in rows), rows
+  for r in rows:
+    assert len(r["async_lag_hist"]) == 2 and sum(r["async_lag_hist"]) == c.rollout.prompts_per_step
+    assert r["env_episodes"] == c.rollout.prompts_per_step * c.rollout.group_size
+    statuses = ("env_done", "env_max_turns", "env_truncated", "env_errors", "env_timeouts", "env_invalid")
+    assert sum(r[k] for k in statuses) == r["env_episodes"] and r["env_turns_mean"] >= 1
+    assert 0 <= r["env_version_span_max"] <= c.rollout.lag
+  assert rows[0]["async_lag_hist"] == [c.rollout.prompts_per_step, 0]  # nothing older than version 0 exists
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("env.newest_each_turn", 1, "env.newest_each_turn"), ("rollout.partial_chunk", 2, "rollout.partial_chunk")])
+def test_async_episode_validation_names_the_field(field, value, named):
   c = agent(rollout__mode="async", rollout__lag=1)
-  with pytest.raises(ConfigError, match="config.rollout.mode='async': env.name='guess_number'"):
+  sec, key = field.split(".")
+  c[sec][key] = value
+  with pytest.raises(ConfigError, match=f"config.{named}="):
     config_lib.validate(c)

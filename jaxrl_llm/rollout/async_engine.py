@@ -25,9 +25,10 @@ import numpy as np
 
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
-from jaxrl_llm.rollout import collect, old_logp
+from jaxrl_llm.rollout import collect, episodes, old_logp
 from jaxrl_llm.rollout.admission import Admission
 from jaxrl_llm.rollout.buffer import Buffer, group_record, lag
+from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.param_store import ParamStore, Snapshot
 from jaxrl_llm.sampling import generate
@@ -84,6 +85,39 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
       group = group.replace(prox_logp_BN=prox_at_versions(score_fn, store, snap, group))
     return group_record(group, request_id=request_id, example_id=int(example["example_id"]),
                         start_version=snap.version)
+
+  return rollout
+
+
+def episode_seed(seed: int, request_id: int) -> int:
+  """The environment seed of an async episode group: a pure function of (run seed, request id), so a request
+  redone after a resume starts its G episodes from the same state."""
+  return int(np.random.default_rng([seed, 0x45505, 1, request_id]).integers(0, 2**31 - 1))
+
+
+def make_episode_rollout(gen: Generation, env: EnvSettings, *, group_size: int, store: ParamStore | None = None,
+                         score_fn: Callable | None = None) -> RolloutFn:
+  """`rollout_fn(snapshot, request_id) -> Rollout` for multi-turn episodes (`rollout.episodes.run_episodes`):
+  one group of G episodes from the environment seed of the request (`episode_seed`).
+
+  The first turn generates from the admitted snapshot; with `env.newest_each_turn` every later turn generates from
+  the newest published snapshot (`store_poller`: what an agent served by an updating engine sees), so an
+  episode may span several versions, each token's recorded in `versions_BN`. Admission bounds the lag of the
+  admitted (oldest) version, hence of every policy token. `score_fn`: π_old of every token at its generating
+  version, as in `make_group_rollout`.
+  """
+  if env.newest_each_turn and store is None:
+    raise ValueError("env.newest_each_turn needs the ParamStore to poll for new versions")
+
+  def rollout(snap: Snapshot, request_id: int) -> Rollout:
+    seed = episode_seed(gen.seed, request_id)
+    key = rollout_key(gen.key_root, snap.version, request_id)
+    group = episodes.run_episodes(gen, worker_params(snap), [seed], group_size, env, key, snap.version,
+                                  width=env.prompt_width, poll=store_poller(store) if env.newest_each_turn else None,
+                                  on_mesh=False)
+    if score_fn is not None:
+      group = group.replace(prox_logp_BN=prox_at_versions(score_fn, store, snap, group))
+    return group_record(group, request_id=request_id, example_id=seed, start_version=snap.version)
 
   return rollout
 

@@ -26,12 +26,18 @@ Every environment call (`reset`, `step`) runs under the time limit of rewards (`
 worker threads): an environment that raises ("error"), overruns `timeout_s` ("timeout") or rejects the
 action (`envs.InvalidAction`, "invalid") ends that episode with return 0, counted in the stats; the
 batch still forms. Episodes that hit the token budget end "truncated" (return so far). The stats:
-`episode_status` (counts by status), `episode_statuses` (per row), `env_turns_mean`, `env_policy_tokens`,
-`env_tokens`, `env_errors`, `env_timeouts`, `env_invalid`, `env_truncated`, `env_done`, and
-`reward_errors` (errors + timeouts + invalid).
+`episode_status` (counts by status), `episode_statuses` (per row), `env_episodes`, `env_turns` (total) and
+`env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`, `env_errors`,
+`env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
+one), and `reward_errors` (errors + timeouts + invalid); `merge_stats` adds the counters of several records.
 
-One process only for now: with a mesh the sampler call is split over devices (`generate_on_mesh`) but
-every process steps every environment.
+Versions: the synchronous sources play a whole batch with one pinned snapshot. Async episodes
+(`async_engine.make_episode_rollout`) pass a `poll` that offers the newest published parameters before each
+turn after the first, so an episode may span versions; `versions_BN` records each token's, and π_old
+(`old_logp="recompute"`) scores each token at its own version.
+
+Several processes: in the synchronous sources the sampler call is split over the mesh's devices
+(`generate_on_mesh`) but every process steps every environment; async workers play their own process's requests.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -65,6 +71,7 @@ class EnvSettings:
   timeout_s: float = 5.0
   workers: int = 8
   prompt_width: int = 16  # P: the initial message's bucket (left-padded)
+  newest_each_turn: bool = True  # async: each turn after the first generates from the newest snapshot
 
 
 def render_env_message(encoder: Encoder, text: str) -> list[int]:
@@ -114,19 +121,50 @@ def episode_seeds(seed: int, step: int, n: int, call: int = 0) -> list[int]:
   return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
 
 
+def merge_stats(stats: Sequence[dict]) -> dict:
+  """The episode counters of several `run_episodes` records as one batch's: counts added (`env_*`, `episode_status`,
+  `reward_errors`), `env_turns_mean` recomputed over all episodes, `env_version_span_max` the largest."""
+  out: dict[str, Any] = {}
+  for st in stats:
+    for k, v in st.items():
+      if k == "episode_status":
+        out[k] = {s_: out.get(k, {}).get(s_, 0) + n for s_, n in v.items()}
+      elif k == "env_version_span_max":
+        out[k] = max(out.get(k, 0), v)
+      elif k.startswith("env_") and k != "env_turns_mean" or k == "reward_errors":
+        out[k] = out.get(k, 0) + v
+  if "env_episodes" in out:
+    out["env_turns_mean"] = out.get("env_turns", 0) / max(out["env_episodes"], 1)
+  return out
+
+
 def _bucket(n: int, cap: int) -> int:
   """The sampler batch of n live episodes: the next power of two, at most `cap` (few shapes to compile)."""
   return min(cap, 1 << max(0, n - 1).bit_length())
 
 
 def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: EnvSettings, key, version: int,
-                 width: int | None = None, keep_turns: bool = False) -> Rollout:
+                 width: int | None = None, keep_turns: bool = False, poll: Callable | None = None,
+                 on_mesh: bool = True) -> Rollout:
   """n = len(seeds) groups × G episodes with parameters `params` of `version` (module docstring).
 
   `gen`: the run's `Generation` (sampler model and settings, encoder, mesh); `width`: the prompt
   bucket P (default `gen.width`); an initial prompt longer than P raises ValueError.
+  `poll` (async episodes): a `sampling.partial.Poll`, asked before every turn after the first for newer
+  parameters (`poll(current_version) -> (version, params) | None`) and told the end (`poll(None)`); each
+  token's version is recorded in `versions_BN` (an observation carries the version of the turn it answers).
+  `on_mesh=False`: generate on the caller's default device, not over `gen.mesh` (rollout worker threads).
   `keep_turns`: stats["turn_outputs"] holds every turn's sampler output and live rows (tests).
   """
+  try:
+    return _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll,
+                         gen.mesh if on_mesh else None)
+  finally:
+    if poll is not None:
+      poll(None)
+
+
+def _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll, mesh) -> Rollout:
   s, G = settings, group_size
   P, N = width or gen.width, s.max_episode_tokens
   B = len(seeds) * G
@@ -157,6 +195,7 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   env_mask_BN = np.zeros((B, N), np.float32)
   turn_BN = np.full((B, N), -1, np.int32)
   logp_BN = np.zeros((B, N), np.float32)
+  ver_BN = np.full((B, N), version, np.int32)
   used_B = np.zeros((B,), np.int64)
   turns_B = np.zeros((B,), np.int32)
   live = np.asarray([st is None for st in status])
@@ -167,6 +206,9 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   for t in range(s.max_turns):
     if not live.any():
       break
+    newer = poll(version) if poll is not None and t > 0 else None
+    if newer is not None:  # async: this turn generates from the newest published parameters
+      version, params = newer
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
@@ -174,14 +216,14 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
     cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
     got, _ = multiprocess.generate_on_mesh(generate, params, ctx_bW, len_b, fold_in(key, t), gen.model_cfg,
-                                           cfg_t, gen.mesh)
+                                           cfg_t, mesh)
     out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in ("tokens_BN", "lengths_B", "behavior_logp_BN")}
     for k in out:
       out[k][idx] = got[k][:len(idx)]
     if keep_turns:
       turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
                            "behavior_logp_BN": out["behavior_logp_BN"], "live_B": live.copy(),
-                           "start_B": used_B.copy()})
+                           "start_B": used_B.copy(), "version": version})
     calls, rows = [], []
     for b in np.flatnonzero(live):
       n_b = int(out["lengths_B"][b])
@@ -191,6 +233,7 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
       logp_BN[b, u:u + k] = out["behavior_logp_BN"][b, :k]
       mask_BN[b, u:u + k] = 1.0
       turn_BN[b, u:u + k] = t
+      ver_BN[b, u:] = version  # this turn's tokens and its observation (padding keeps the last version)
       used_B[b] += k
       turns_B[b] = t + 1
       if k < n_b:  # the budget cut the turn
@@ -235,15 +278,19 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   pos_BN = (plen_B[:, None] + np.arange(N)[None, :]).astype(np.int32)
   seg_BN = (np.arange(N)[None, :] < used_B[:, None]).astype(np.int32)
   counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
-  stats = {"episode_status": counts, "env_turns_mean": float(turns_B.mean()) if B else 0.0,
+  policy_BN = mask_BN > 0
+  span_B = (np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30))
+  stats = {"episode_status": counts, "env_episodes": B, "env_turns": int(turns_B.sum()),
+           "env_turns_mean": float(turns_B.mean()) if B else 0.0,
+           "env_version_span_max": int(max(0, span_B.max(initial=0))),
            "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
            "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
-           "env_truncated": counts["truncated"], "env_done": counts["done"],
+           "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
            "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
            "episode_statuses": tuple(status)}
   if keep_turns:
     stats["turn_outputs"] = turn_outputs
   return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=np.concatenate([pos_BP, pos_BN], 1),
                  segment_ids_BT=np.concatenate([seg_BP, seg_BN], 1), mask_BN=mask_BN, behavior_logp_BN=logp_BN,
-                 versions_BN=np.full((B, N), version, np.int32), reward_B=reward_B,
+                 versions_BN=ver_BN, reward_B=reward_B,
                  group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, stats=stats)

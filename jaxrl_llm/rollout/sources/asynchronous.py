@@ -38,6 +38,7 @@ import numpy as np
 from jaxrl_llm import multiprocess
 from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
+from jaxrl_llm.rollout import episodes
 from jaxrl_llm.rollout.buffer import collate, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
@@ -46,8 +47,12 @@ from jaxrl_llm.rollout.sources.base import register
 def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
   """The run's (not yet started) engine, fresh or continuing from `state_dict`."""
   s = ctx.settings
-  fn = ae.make_group_rollout(ctx.gen, group_size=s.group_size, store=store, chunk_steps=s.partial_chunk or None,
-                             score_fn=ctx.score if s.old_logp == "recompute" and s.prox_in_worker else None)
+  score_fn = ctx.score if s.old_logp == "recompute" and s.prox_in_worker else None
+  if s.env is not None:
+    fn = ae.make_episode_rollout(ctx.gen, s.env, group_size=s.group_size, store=store, score_fn=score_fn)
+  else:
+    fn = ae.make_group_rollout(ctx.gen, group_size=s.group_size, store=store, chunk_steps=s.partial_chunk or None,
+                               score_fn=score_fn)
   n_proc = jax.process_count()  # config validation: divides prompts_per_step
   kw = dict(batch_groups=s.prompts_per_step // n_proc, eta=s.lag, num_workers=s.num_workers, id_stride=n_proc)
   if state_dict is not None:
@@ -61,9 +66,11 @@ def merge_processes(parts: list[Rollout]) -> Rollout:
   offsets = np.cumsum([0] + [int(p.group_B.max()) + 1 if p.group_B.size else 0 for p in parts[:-1]])
   arrays = {k: np.concatenate([np.asarray(p.arrays()[k]) for p in parts]) for k in parts[0].arrays()}
   arrays["group_B"] = np.concatenate([p.group_B + o for p, o in zip(parts, offsets)]).astype(parts[0].group_B.dtype)
-  stats = {}
+  stats = episodes.merge_stats([p.stats for p in parts])  # episode counters (none without an environment)
   for k, first in parts[0].stats.items():
     vals = [p.stats[k] for p in parts]
+    if k in stats:
+      continue
     if k == "async_lag_hist":
       stats[k] = np.sum(vals, axis=0).astype(int).tolist()
     elif k == "request_ids":
@@ -108,6 +115,8 @@ class Async:
       self._idle_s += st["time_learner_idle_s"]
     self._returned, self._batches = time.perf_counter(), self._batches + 1
     ro = collate(groups, version).with_stats(
+        **episodes.merge_stats([{k: v for k, v in g.stats.items() if k.startswith(("env_", "episode_status"))}
+                                for g in groups]),
         time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
         async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.record import Rollout
-from jaxrl_llm.rollout import old_logp
+from jaxrl_llm.rollout import episodes, old_logp
 from jaxrl_llm.rollout import replay as replay_lib
 from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings
 from jaxrl_llm.rollout.sources.base import get, register
@@ -39,7 +39,7 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
   s, rs = ctx.settings, ctx.settings.replay
   n = s.prompts_per_step
   calls, errors, time_gen, gen_tokens = 0, 0, 0.0, 0.0
-  env_counts: dict = {}  # multi-turn episodes' counters (`env_*`), summed over the calls
+  env_stats: list[dict] = []  # multi-turn episodes' counters (`env_*`) of each call
   while calls == 0 or buf.available(version) < n:
     fresh = sync_rollout(ctx, store, [step], version, v_b, n=rs.fresh_per_step, call=calls)[0]
     if s.old_logp == "recompute":  # π_old depends only on the generating version: score it once
@@ -47,11 +47,8 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
     buf.push(replay_lib.split_groups(fresh, s.group_size, v_b, step))
     errors, time_gen, calls = errors + fresh.stat("reward_errors"), time_gen + fresh.stat("time_generate_s"), calls + 1
     gen_tokens += float(fresh.mask_BN.sum())
-    for k, v in (fresh.stats or {}).items():
-      if k.startswith("env_"):
-        env_counts[k] = env_counts.get(k, 0) + v
-  if "env_turns_mean" in env_counts:  # a mean over the calls' episodes (every call plays as many)
-    env_counts["env_turns_mean"] /= calls
+    env_stats.append({k: v for k, v in (fresh.stats or {}).items() if k.startswith("env_")})
+  env_counts = episodes.merge_stats(env_stats)
   groups = buf.sample(np.random.default_rng([s.seed, 13, step]), n, version)
   ro = replay_lib.collate(groups, version, rs.max_lag, rs.stale_policy, rs.decay)
   down = [rs.stale_policy == "downweight" and replay_lib.is_over_stale(version - g.version, rs.max_lag) for g in groups]
