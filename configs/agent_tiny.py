@@ -27,6 +27,7 @@ def get_config():
   c.env.timeout_s = 5.0  # per environment call; an overrun ends the episode with return 0, counted
   c.env.prompt_width = 8  # P: the first message's bucket ("guess:" + BOS)
   c.env.newest_each_turn = True  # async: turns after the first generate from the newest published parameters
+  c.env.kv_cache = True  # keep each episode's KV cache across turns (False: re-prefill every turn)
   c.sft.steps = 0
   c.eval.every = 0
   c.loss.name = "ppo_clip"

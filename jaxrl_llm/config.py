@@ -324,7 +324,7 @@ RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep"
 
 
 ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width",
-              "newest_each_turn")
+              "newest_each_turn", "kv_cache")
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:
@@ -367,8 +367,8 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   t = e.get("timeout_s")
   _need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0, "env.timeout_s", t,
         "must be a finite number of seconds > 0")
-  _need(isinstance(e.get("newest_each_turn", True), bool), "env.newest_each_turn", e.get("newest_each_turn"),
-        "must be a bool")
+  for f in ("newest_each_turn", "kv_cache"):
+    _need(isinstance(e.get(f, True), bool), f"env.{f}", e.get(f), "must be a bool")
   _need(not c.rollout.get("partial_chunk", 0), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
         f"must be 0 with env.name={e.name!r} (async episodes switch versions between turns: env.newest_each_turn)")
   for f in ("behavior_topk", "mc_samples"):

@@ -23,9 +23,10 @@ def agent(**over):
   return c
 
 
-@pytest.mark.parametrize("mode,lag", [("sync", 0), ("fixed_lag", 1), ("staged", 2), ("replay", 1)])
-def test_agent_tiny_trains_two_steps(tmp_path, mode, lag):
-  c = agent(rollout__mode="fixed_lag" if mode == "replay" else mode, rollout__lag=lag)
+@pytest.mark.parametrize("mode,lag,kv_cache", [("sync", 0, True), ("sync", 0, False), ("fixed_lag", 1, True),
+                                               ("staged", 2, True), ("replay", 1, True)])
+def test_agent_tiny_trains_two_steps(tmp_path, mode, lag, kv_cache):
+  c = agent(rollout__mode="fixed_lag" if mode == "replay" else mode, rollout__lag=lag, env__kv_cache=kv_cache)
   if mode == "replay":
     c.rollout.replay.capacity, c.rollout.replay.fresh_per_step, c.rollout.replay.reuse_limit = 8, 2, 2
   rows = loop.run(c, str(tmp_path / mode))
@@ -34,6 +35,11 @@ def test_agent_tiny_trains_two_steps(tmp_path, mode, lag):
   assert sum(r["updates_applied"] for r in rows) >= 1
   # staged generates a stage in one call: its counters are on the stage's first step
   assert rows[0]["env_policy_tokens"] > 0 and rows[0]["env_turns_mean"] >= 1, rows
+  # the kept cache prefills once per sampler call (one version per call, enough slots); else once per turn
+  if kv_cache and mode != "replay":
+    assert rows[0]["env_prefills"] == 1, rows
+  elif not kv_cache:
+    assert rows[0]["env_prefills"] >= max(2, math.ceil(rows[0]["env_turns_mean"])), rows
   if mode == "sync":  # π_old recomputed by the learner at the generating version equals μ on every policy token
     assert all(r["mismatch_abs_max"] < 1e-5 for r in rows), rows
 
@@ -54,11 +60,14 @@ def test_env_absent_or_empty_is_single_turn():
     ("name", "nope", "env.name"), ("max_turns", 0, "env.max_turns"), ("turn_tokens", 0, "env.turn_tokens"),
     ("max_episode_tokens", 2, "env.max_episode_tokens"), ("timeout_s", 0, "env.timeout_s"),
     ("prompt_width", -1, "env.prompt_width"), ("kwargs", {"nope": 1}, "env.kwargs.nope"),
+    ("kv_cache", 1, "env.kv_cache"),
 ])
 def test_env_validation_names_the_field(field, value, named):
   c = agent()
   if field == "kwargs":
     c.env.kwargs = config_lib.ml_collections.ConfigDict(value)
+  elif field == "kv_cache":  # a bool field: ml_collections refuses another type on assignment, not on a new section
+    c.env = config_lib.ml_collections.ConfigDict({**c.env.to_dict(), field: value})
   else:
     c.env[field] = value
   with pytest.raises(ConfigError, match=f"config.{named}="):
@@ -87,6 +96,6 @@ def test_agent_tiny_trains_in_async_mode(tmp_path):
 def test_async_episode_validation_names_the_field(field, value, named):
   c = agent(rollout__mode="async", rollout__lag=1)
   sec, key = field.split(".")
-  c[sec][key] = value
+  c[sec] = config_lib.ml_collections.ConfigDict({**c[sec].to_dict(), key: value})  # (a bool field: see above)
   with pytest.raises(ConfigError, match=f"config.{named}="):
     config_lib.validate(c)

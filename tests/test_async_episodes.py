@@ -16,7 +16,7 @@ from jaxrl_llm import learner
 from jaxrl_llm.rollout.async_engine import AsyncRollout, episode_seed, make_episode_rollout
 from jaxrl_llm.rollout.episodes import EnvSettings, merge_stats, run_episodes
 from jaxrl_llm.rollout.param_store import ParamStore
-from tests.test_episodes import CFG, P, PARAMS, learner_logp, make_gen
+from test_episodes import CFG, P, PARAMS, learner_logp, make_gen
 
 ECHO = EnvSettings(name="test_echo", max_turns=3, turn_tokens=3, max_episode_tokens=16, timeout_s=30.0,
                    prompt_width=P)

@@ -87,3 +87,8 @@ def groups_equal(x_B: Array, group_size: int) -> Array:
   """Scalar bool: whether rows g·G .. g·G+G-1 of `x_B` (any trailing shape) are equal for every group g."""
   x_gG = x_B.reshape(x_B.shape[0] // group_size, group_size, *x_B.shape[1:])
   return jnp.all(x_gG == x_gG[:, :1])
+
+
+def take_rows(cache: dict, rows_b: Array) -> dict:
+  """The cache of rows `rows_b` (an int array; repeats allowed), in that order: a batch that lost finished rows."""
+  return {name: x if name == "index" else jnp.take(x, rows_b, axis=_ROW_AXIS[name]) for name, x in cache.items()}

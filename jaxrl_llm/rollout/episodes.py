@@ -3,9 +3,11 @@
 `run_episodes` plays n seeds × G episodes (a GRPO group of G rows per seed: the G environments start
 from one state) for up to `max_turns` turns with pinned parameters:
 
-- every turn re-prefills each episode so far (initial prompt + response so far) left-padded to one
-  bucket width W = P + N (N = `max_episode_tokens`, the response budget), so one shape is compiled, and
-  samples at most `turn_tokens` tokens (`sampling.generate`, key `fold_in(key, turn)`);
+- every turn samples at most `turn_tokens` tokens (key `fold_in(key, turn)`) after each episode so far
+  (initial prompt + response so far), through `rollout.turn_sampler`: by default (`kv_cache`, one device)
+  each episode's KV cache is kept across turns and a turn prefills only the appended observation; else
+  (or on a mesh) every turn re-prefills the episode left-padded to one width W = P + N
+  (N = `max_episode_tokens`, the response budget) with `sampling.generate`;
 - the policy's tokens are copied into the episode exactly as sampled (never decoded and re-encoded), up
   to and including the stop id; the action text given to the environment is their decoded text
   without the stop id (`tasks.tokenizer.completion_text`);
@@ -49,10 +51,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxrl_llm import envs, multiprocess
+from jaxrl_llm import envs
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
-from jaxrl_llm.sampling import generate
+from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.tasks.encoder import Encoder
 from jaxrl_llm.tasks.reward import safe_reward_batch
 from jaxrl_llm.tasks.tokenizer import completion_text, pad_left
@@ -72,6 +74,7 @@ class EnvSettings:
   workers: int = 8
   prompt_width: int = 16  # P: the initial message's bucket (left-padded)
   newest_each_turn: bool = True  # async: each turn after the first generates from the newest snapshot
+  kv_cache: bool = True  # keep each episode's KV cache across turns (one device; `rollout.turn_sampler`)
 
 
 def render_env_message(encoder: Encoder, text: str) -> list[int]:
@@ -201,6 +204,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   live = np.asarray([st is None for st in status])
   W = P + N
   samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
+  turns = turn_sampler.CachedTurns(gen, W) if s.kv_cache and mesh is None else turn_sampler.Reprefill(gen, W, mesh)
   turn_outputs = []
 
   for t in range(s.max_turns):
@@ -212,11 +216,10 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
-    ctx_bW, len_b = pad_left([prompts[b] + resp_BN[b, :used_B[b]].tolist() for b in rows_b], W, pad)
+    contexts = [prompts[b] + resp_BN[b, :used_B[b]].tolist() for b in rows_b]
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
     cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
-    got, _ = multiprocess.generate_on_mesh(generate, params, ctx_bW, len_b, fold_in(key, t), gen.model_cfg,
-                                           cfg_t, mesh)
+    got = turns.turn(params, version, rows_b.tolist(), contexts, fold_in(key, t), cfg_t)
     out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in ("tokens_BN", "lengths_B", "behavior_logp_BN")}
     for k in out:
       out[k][idx] = got[k][:len(idx)]
@@ -282,7 +285,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   span_B = (np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30))
   stats = {"episode_status": counts, "env_episodes": B, "env_turns": int(turns_B.sum()),
            "env_turns_mean": float(turns_B.mean()) if B else 0.0,
-           "env_version_span_max": int(max(0, span_B.max(initial=0))),
+           "env_version_span_max": int(max(0, span_B.max(initial=0))), "env_prefills": turns.prefills,
            "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
            "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
            "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],

@@ -1,0 +1,81 @@
+"""Episode turns from a kept KV cache (`rollout.turn_sampler.CachedTurns`) equal re-prefilled turns (`Reprefill`):
+the same tokens and, up to float rounding, the same behaviour log-probs; rows leave, slots run out, versions change.
+
+The contexts are driven by hand: each turn appends the sampled tokens and an "observation" of a row-dependent
+length, so rows of one batch sit at different lengths and the cache's shared write index leaves gaps.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.keys import fold_in
+from jaxrl_llm.rollout.turn_sampler import CachedTurns, Reprefill
+from jaxrl_llm.tasks import tokenizer as char_tok
+from test_episodes import PARAMS, make_gen
+
+W = 32
+bump = jax.jit(lambda p, k: jax.tree.map(lambda x: x + 0.3 * jax.random.normal(k, x.shape), p))
+
+
+def play(sampler, turns=3, rows=(0, 1, 2, 3), leave_after=None, versions=None):
+  """Plays `turns` turns on 4 episodes; episode 2 leaves after turn `leave_after`. Returns per-turn outputs."""
+  gen = make_gen(0.8)
+  cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=3)
+  ctx = {b: char_tok.encode("go" + str(b), add_bos=True) for b in rows}
+  outs = []
+  for t in range(turns):
+    live = [b for b in rows if not (leave_after is not None and b == 2 and t > leave_after)]
+    rows_b = live + [live[0]] * (4 - len(live))  # a padded batch repeats its first episode
+    version, params = (0, PARAMS) if versions is None else versions[t]
+    out = sampler.turn(params, version, rows_b, [ctx[b] for b in rows_b], fold_in(jax.random.key(9), t), cfg)
+    outs.append({b: (out["tokens_BN"][i, :out["lengths_B"][i]].tolist(), out["behavior_logp_BN"][i, :out["lengths_B"][i]])
+                 for i, b in enumerate(live)})
+    for i, b in enumerate(live):
+      ctx[b] = ctx[b] + outs[-1][b][0] + char_tok.encode("<" * (1 + (b + t) % 3))  # the observation
+  return outs
+
+
+def assert_same(a, b):
+  assert len(a) == len(b)
+  for ta, tb in zip(a, b):
+    assert ta.keys() == tb.keys()
+    for k in ta:
+      assert ta[k][0] == tb[k][0]
+      np.testing.assert_allclose(ta[k][1], tb[k][1], atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return play(Reprefill(make_gen(0.8), W))
+
+
+def test_cached_turns_equal_reprefilled_turns(reference):
+  cached = CachedTurns(make_gen(0.8), W)
+  assert_same(play(cached), reference)
+  assert cached.prefills == 1  # the first turn only: later turns append the observation to the kept cache
+  assert int(cached.cache["index"]) > W  # turns were written after the prefilled width
+
+
+def test_rows_leave_the_cache():
+  cached = CachedTurns(make_gen(0.8), W)
+  got = play(cached, turns=4, leave_after=1)
+  assert_same(got, play(Reprefill(make_gen(0.8), W), turns=4, leave_after=1))
+  assert 2 not in got[2] and cached.prefills == 1
+
+
+def test_running_out_of_slots_reprefills(reference):
+  cached = CachedTurns(make_gen(0.8), W)
+  cached.slots = W + 3 + 4 + 3  # the first turn (3), then room for one more (observation bucket 4 + 3), not two
+  assert_same(play(cached), reference)
+  assert cached.prefills == 2
+
+
+def test_a_new_version_reprefills():
+  """Async episodes: a turn under newer parameters is computed from a cache of those parameters, not the old."""
+  versions = [(0, PARAMS), (1, bump(PARAMS, jax.random.key(1))), (1, bump(PARAMS, jax.random.key(1)))]
+  cached = CachedTurns(make_gen(0.8), W)
+  assert_same(play(cached, versions=versions), play(Reprefill(make_gen(0.8), W), versions=versions))
+  assert cached.prefills == 2  # turn 0, and turn 1 (new version); turn 2 continues the cache
