@@ -275,3 +275,13 @@ def test_reasoning_gym_episode_in_the_runner(gen_params):
   r = run_episodes(gen, params, [0, 1], 2, s, jax.random.key(3), version=0)
   assert r.stats["episode_statuses"] == ("done",) * 4  # single turn: done after the first step
   assert r.stats["env_errors"] == 0 and r.env_mask_BN.sum() == 0  # no observation after the last step
+
+
+def test_agent_textarena_tiny_config_fits():
+  """configs/agent_textarena_tiny.py validates, and its first message fits its prompt bucket (BOS included)."""
+  import pathlib
+  from jaxrl_llm.config import load_file, validate
+  c = load_file(pathlib.Path(__file__).parents[1] / "configs" / "agent_textarena_tiny.py")
+  validate(c)
+  first = envs.get(c.env.name, **c.env.kwargs.to_dict()).reset(0)
+  assert len(CHAR_ENCODER.prompt_ids(first)) <= c.env.prompt_width
