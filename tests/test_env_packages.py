@@ -285,3 +285,35 @@ def test_agent_textarena_tiny_config_fits():
   validate(c)
   first = envs.get(c.env.name, **c.env.kwargs.to_dict()).reset(0)
   assert len(CHAR_ENCODER.prompt_ids(first)) <= c.env.prompt_width
+
+
+# --- the single-turn task
+
+
+def test_reasoning_gym_task_rows_and_reward():
+  from jaxrl_llm import tasks
+  t = tasks.get_task("reasoning_gym", rg_task="basic_arithmetic", size=16, dataset_seed=3,
+                     rg_config='{"operators": ["+", "-", "*"]}')
+  items = reasoning_gym_env.dataset_items(**ARITH)  # the same dataset as the environment's (one cache)
+  assert t.rows == tuple((it["question"], it["answer"]) for it in items)
+  test = tasks.split_examples(t, "test", seed=0, num_test=4)
+  train = tasks.split_examples(t, "train", seed=0, num_test=4)
+  assert len(test) == 4 and len(train) == 12 and not {e["prompt"] for e in test} & {e["prompt"] for e in train}
+  for it in items[:4]:
+    gold = arith_value(it)
+    assert t.reward(it["question"], "", f"<answer>{gold}</answer>") == 1.0
+    assert t.reward(it["question"], "", str(gold)) == 1.0
+    assert t.reward(it["question"], "", str(gold + 1)) < 1.0
+  assert t.reward("not a question of the dataset", "", "1") == 0.0
+  assert t.max_prompt_len == max(len(it["question"]) for it in items)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(rg_task="nope"), "rg_task"), (dict(rg_task="basic_arithmetic", rg_config="{bad"), "rg_config"),
+    (dict(rg_task="basic_arithmetic", rg_config='{"bogus": 1}'), "rg_config"),
+    (dict(rg_task="basic_arithmetic", size=1), "size")])
+def test_reasoning_gym_task_errors_name_the_argument(kwargs, field):
+  from jaxrl_llm import tasks
+  with pytest.raises(tasks.TaskError) as e:
+    tasks.get_task("reasoning_gym", **{"size": 8, **kwargs})
+  assert e.value.kwarg == field
