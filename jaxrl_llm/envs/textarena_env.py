@@ -41,10 +41,15 @@ as a two-player game refusing one player, is the ValueError. Works offline: Gues
 TowerOfHanoi-v0, 2048-v0, Blackjack-v0, FrozenLake-v0, Mastermind-v0, Minesweeper-v0, Sudoku-v0-easy,
 ... (`SUPPORTED_EXAMPLES`).
 
-Offline, textarena's word-game modules call `nltk.download` when imported; with no network that
-fails in well under a second and prints `[nltk_data] Error loading ...`. This adapter never imports
-those modules (their ids are refused before `ta.make`), and textarena's package import itself makes
-no download attempt (measured: `import textarena` takes ~1 s and prints nothing offline).
+nltk offline: textarena's word-game modules call `nltk.download` when `ta.make` first imports them;
+with no network that fails in well under a second (no hang) and prints `[nltk_data] Error loading
+words ...`, then the game raises LookupError. Their ids are refused before `ta.make`, so the adapter
+does not import those modules and nothing is printed; `import textarena` itself downloads nothing
+(measured: ~1 s, silent offline). An id outside the list that did reach such a module would fail the
+same fast way and be refused by the probe. Where a network exists the word games are still refused.
+
+One lock serialises textarena calls in the process: a game that hangs inside a call (none of the
+listed ones does) holds it, so the runner's time limit then ends the other episodes' calls too.
 """
 
 from __future__ import annotations
