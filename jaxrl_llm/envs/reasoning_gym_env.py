@@ -82,7 +82,8 @@ def dataset(task: str, size: int, dataset_seed: int = 0, config: dict | None = N
       try:
         ds = rg.create_dataset(task, size=int(size), seed=int(dataset_seed), **plain_config(config))
       except (TypeError, AssertionError, ValueError) as e:
-        raise ValueError(f"reasoning_gym task={task!r}: bad config {plain_config(config)!r} ({type(e).__name__}: {e})") from e
+        raise ValueError(f"reasoning_gym task={task!r}: bad config {plain_config(config)!r} "
+                         f"({type(e).__name__}: {e})") from e
       _CACHE[key] = _Dataset(ds)
     return _CACHE[key]
 
