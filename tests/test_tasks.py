@@ -71,7 +71,8 @@ def test_import_is_light():
 # --- registry ----------------------------------------------------------------------------------
 
 def test_registry():
-  assert tasks.task_names() == ["arithmetic", "arithmetic_chat", "countdown", "dapo", "gsm8k", "jsonl", "math"]
+  assert tasks.task_names() == ["arithmetic", "arithmetic_chat", "countdown", "dapo", "gsm8k", "jsonl", "math",
+                               "reasoning_gym"]
   assert tasks.get_task("arithmetic").name == "arithmetic"
   assert tasks.get_task("countdown", max_count=3).kwargs == tasks.get_task(
       "countdown", max_count=3).kwargs

@@ -68,3 +68,6 @@ def get(name: str, **kwargs: Any) -> Env:
 
 
 from jaxrl_llm.envs import guess_number  # noqa: E402,F401  (registers the toy environment)
+# Package-backed environments (the `envs` extra): these modules import textarena / reasoning_gym only when an
+# instance is made, so they register without the packages and a missing package is an ImportError at `get`.
+from jaxrl_llm.envs import reasoning_gym_env, textarena_env  # noqa: E402,F401

@@ -20,7 +20,7 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from jaxrl_llm.tasks import arithmetic, countdown, jsonl, math_data
+from jaxrl_llm.tasks import arithmetic, countdown, jsonl, math_data, reasoning_gym_task
 from jaxrl_llm.tasks.base import (Task, TaskError, num_held_out, prompt_ids, score_completions,
                                   sft_examples, split_examples, target_ids)
 
@@ -32,6 +32,7 @@ _FACTORIES: dict[str, Callable[..., Task]] = {
     "gsm8k": math_data.make_gsm8k_task,
     "math": math_data.make_math_task,
     "dapo": math_data.make_dapo_task,
+    "reasoning_gym": reasoning_gym_task.make_task,  # the `envs` extra
 }
 
 
