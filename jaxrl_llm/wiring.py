@@ -134,7 +134,8 @@ def prompt_width(c: ml_collections.ConfigDict, task, encoder: Encoder = CHAR_ENC
 
 
 def check_context(c: ml_collections.ConfigDict, width: int, context: int | None) -> None:
-  """Raises ConfigError when a prompt of `width` tokens plus the completion do not fit the checkpoint's context."""
+  """Raises ConfigError when a prompt of `width` tokens plus the completion, or an episode's first message bucket
+  plus its token budget (`env`), do not fit the checkpoint's context."""
   if context is None:
     return
   N = c.sampler.max_new_tokens
@@ -145,6 +146,9 @@ def check_context(c: ml_collections.ConfigDict, width: int, context: int | None)
     field = "task.prompt_width" if c.task.prompt_width else "sampler.max_new_tokens"
     raise config_lib.ConfigError(f"config.{field}={c.task.prompt_width or N}: prompt width {width} + "
                                  f"sampler.max_new_tokens {N} reach past {where}")
+  if config_lib.env_on(c) and c.env.prompt_width + c.env.max_episode_tokens > context:
+    raise config_lib.ConfigError(f"config.env.max_episode_tokens={c.env.max_episode_tokens}: env.prompt_width "
+                                 f"{c.env.prompt_width} + the episode budget reach past {where}")
 
 
 def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,

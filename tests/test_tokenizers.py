@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_collections
 import pytest
 
 from jaxrl_llm import loop
@@ -260,3 +261,8 @@ def test_checkpoint_bad_input_names_the_field(ckpt, tmp_path):
     loop.setup(tiny(base, task__system_prompt="hi"))
   with pytest.raises(ConfigError, match="config.task.prompt_width=4: every train prompt is longer"):
     loop.setup(tiny(ckpt, task__prompt_width=4))  # ChatML prompts are longer than 4 tokens
+  agent = tiny(ckpt)
+  agent.env = ml_collections.ConfigDict(dict(name="guess_number", kwargs={}, max_turns=2, turn_tokens=4,
+                                             max_episode_tokens=120, timeout_s=5.0, prompt_width=16))
+  with pytest.raises(ConfigError, match="config.env.max_episode_tokens=120: env.prompt_width 16 .* context of 128"):
+    loop.setup(agent)
