@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden, \
     stack_cache
-from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import emit_token
+from jaxrl_llm.sampling.sampler import decode_carry, emit_token
 
 Array = jax.Array
 
@@ -79,16 +78,7 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
     return (carry["step"] < N) & ~jnp.all(carry["done_B"])
 
   decode_params, cache = decode_view(params, cache, model_cfg)
-  carry = {
-      "step": jnp.zeros((), jnp.int32),
-      "cache": cache,
-      "last_logits_BV": first_logits_BV,
-      "tokens_BN": jnp.full((B, N), sampler_cfg.pad_id, jnp.int32),
-      "logp_BN": jnp.zeros((B, N), jnp.float32),
-      "mask_BN": jnp.zeros((B, N), jnp.float32),
-      "done_B": jnp.zeros((B,), bool),
-      **behavior.init_records(B, N, sampler_cfg),
-  }
+  carry = {**decode_carry(cache, B, N, sampler_cfg), "last_logits_BV": first_logits_BV}
   carry = feed(jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV)))
   out = {"tokens_BN": carry["tokens_BN"], "mask_BN": carry["mask_BN"], "behavior_logp_BN": carry["logp_BN"],
          "lengths_B": jnp.sum(carry["mask_BN"], axis=1).astype(jnp.int32)}

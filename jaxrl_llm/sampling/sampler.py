@@ -132,6 +132,20 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   }
 
 
+def decode_carry(cache: dict, B: int, N: int, sampler_cfg: SamplerConfig) -> dict:
+  """The decode loop's state before its first column (`emit_token` writes the columns): the cache, no tokens,
+  no row done, and the empty records of μ the sampler config asks for."""
+  return {
+      "step": jnp.zeros((), jnp.int32),
+      "cache": cache,
+      "tokens_BN": jnp.full((B, N), sampler_cfg.pad_id, jnp.int32),
+      "logp_BN": jnp.zeros((B, N), jnp.float32),
+      "mask_BN": jnp.zeros((B, N), jnp.float32),
+      "done_B": jnp.zeros((B,), bool),
+      **behavior.init_records(B, N, sampler_cfg),
+  }
+
+
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"))
 def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
              model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
@@ -194,16 +208,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     return (carry["step"] < N) & ~jnp.all(carry["done_B"])
 
   decode_params, cache = decode_view(params, cache, model_cfg)
-  carry = {
-      "step": jnp.zeros((), jnp.int32),
-      "cache": cache,
-      "tokens_BN": jnp.full((B, N), sampler_cfg.pad_id, jnp.int32),
-      "logp_BN": jnp.zeros((B, N), jnp.float32),
-      "mask_BN": jnp.zeros((B, N), jnp.float32),
-      "done_B": jnp.zeros((B,), bool),
-      **behavior.init_records(B, N, sampler_cfg),
-  }
-  carry = jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV))
+  carry = jax.lax.while_loop(keep_going, decode, emit(decode_carry(cache, B, N, sampler_cfg), first_logits_BV))
   carry["cache"] = stack_cache(carry["cache"])
 
   mask_BN = carry["mask_BN"]
