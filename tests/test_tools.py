@@ -152,3 +152,10 @@ def test_gsm8k_calculator_env(tmp_path):
   a, b = envs.get("gsm8k_calculator"), envs.get("gsm8k_calculator")
   assert len(a.rows) == 50 and a.reset(7) == b.reset(7) and a.answer == b.answer
   assert len({a.reset(s) for s in range(20)}) > 5
+
+
+def test_tool_schema_without_transformers_names_the_extra(monkeypatch):
+  import sys
+  monkeypatch.setitem(sys.modules, "transformers.utils", None)  # `from transformers.utils import ...` fails
+  with pytest.raises(ImportError, match=r"pip install -e '\.\[hf\]' \(the `hf` extra\)"):
+    tool_schema(add)
