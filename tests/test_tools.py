@@ -111,6 +111,10 @@ def test_tool_env_steps_counts_and_limit():
   assert env.step("4") == ("", 0.0, True, counts())
   with pytest.raises(ValueError, match="max_tool_calls"):
     Adder(max_tool_calls=-1)
+  # schemas given (an MCP server's) must name the functions, in order
+  assert ToolEnv([add], schemas=[tool_schema(add)]).tools == [tool_schema(add)]
+  with pytest.raises(ValueError, match=r"tool schemas name \['boom'\], the functions are \['add'\]"):
+    ToolEnv([add], schemas=[tool_schema(boom)])
 
 
 @pytest.mark.parametrize("expression, value", [

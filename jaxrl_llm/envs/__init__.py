@@ -17,7 +17,7 @@ Tools. An environment with an attribute `tools` (a list of JSON schemas, `envs.t
 shown to the policy: passed to a chat template that renders tools, else described in the system message
 (`tasks.encoder.hermes_tools_text`). `envs.tools.ToolEnv` runs the Hermes-format calls of an action
 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and answers with tool messages;
-`gsm8k_calculator` is one (GSM8K with a calculator).
+`gsm8k_calculator` is one (GSM8K with a calculator). `envs.mcp_tools` serves an MCP server's tools to one.
 
 An episode's return is the sum of its step rewards. `reset(seed)` must be deterministic in the seed:
 the G episodes of a GRPO group start from one seed, hence one state. An action the environment cannot

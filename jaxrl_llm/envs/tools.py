@@ -100,14 +100,18 @@ class ToolEnv:
       (counted `tool_limit`);
     - no tool call: the final answer, reward `score(action)`, done.
   The fourth element `info` holds this step's counts `TOOL_COUNTERS` (the runner sums them as `env_<key>`).
-  `tools` lists the functions' JSON schemas (`tool_schema`), what the runner hands the chat template.
+  `tools` lists the functions' JSON schemas (`tool_schema`, or `schemas` when given, e.g. an MCP server's:
+  `envs.mcp_tools`), what the runner hands the chat template. A function's tool name is its `__name__`.
   """
 
-  def __init__(self, functions: Sequence[Callable], max_tool_calls: int = 4):
+  def __init__(self, functions: Sequence[Callable], max_tool_calls: int = 4, schemas: Sequence[dict] | None = None):
     if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0:
       raise ValueError(f"max_tool_calls={max_tool_calls!r}: must be an int >= 0")
     self.functions = {f.__name__: f for f in functions}
-    self.tools = [tool_schema(f) for f in functions]
+    self.tools = [tool_schema(f) for f in functions] if schemas is None else [dict(x) for x in schemas]
+    named = [x.get("function", {}).get("name") for x in self.tools]
+    if named != list(self.functions):
+      raise ValueError(f"tool schemas name {named}, the functions are {list(self.functions)}")
     self.max_tool_calls = max_tool_calls
     self.calls_made = 0
 
