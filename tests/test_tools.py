@@ -98,13 +98,15 @@ def test_tool_env_steps_counts_and_limit():
   assert (r, done, info) == (0.0, False, counts(tool_calls=2, tool_failed=1))
   # wrong arguments: the tool raises TypeError, counted as failed
   obs, r, done, info = env.step(call("add", a=2))
-  assert obs[0]["content"].startswith("error: ") and "b" in obs[0]["content"] and info == counts(tool_calls=1, tool_failed=1)
+  assert obs[0]["content"].startswith("error: ") and "b" in obs[0]["content"]
+  assert info == counts(tool_calls=1, tool_failed=1)
   # the 4th call of the episode: over max_tool_calls=3 -> done, return 0
   assert env.step(call("add", a=0, b=0)) == ("", 0.0, True, counts(tool_limit=1))
   # a malformed call is an error observation; the episode goes on, and the answer is scored
   env.reset(2)
   obs, r, done, info = env.step('<tool_call>{"name": "add", "arguments": 3}</tool_call>')
-  assert obs == [{"role": "tool", "content": 'error: malformed tool call: tool call 1 (add): "arguments" must be a JSON object'}]
+  reason = 'tool call 1 (add): "arguments" must be a JSON object'
+  assert obs == [{"role": "tool", "content": "error: malformed tool call: " + reason}]
   assert (r, done, info) == (0.0, False, counts(tool_malformed=1))
   assert env.step(" 5 ") == ("", 1.0, True, counts())
   env.reset(3)

@@ -140,7 +140,8 @@ class Encoder:
     """
     messages = check_messages(first, ("system", "user"))
     if not self.chat:
-      return self.prompt_ids("\n".join(([hermes_tools_text(tools)] if tools else []) + [m["content"] for m in messages]))
+      texts = ([hermes_tools_text(tools)] if tools else []) + [m["content"] for m in messages]
+      return self.prompt_ids("\n".join(texts))
     if messages[0]["role"] != "system" and self.system_prompt:
       messages.insert(0, {"role": "system", "content": self.system_prompt})
     if tools and not self.renders_tools:
