@@ -21,7 +21,8 @@ from jaxrl_llm.rollout.episodes import EnvSettings, render_env_message, run_epis
 from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.sampling import SamplerConfig
 from jaxrl_llm.tasks import tokenizer as char_tok
-from jaxrl_llm.tasks.encoder import CHAR_ENCODER
+from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
+from jaxrl_llm.tasks.tokenizer import CHAR_TOKENIZER, completion_text
 from jaxrl_llm.types import LossInputs
 
 CFG = ModelConfig(vocab_size=char_tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -262,3 +263,113 @@ def test_finished_episodes_stop_generating():
   for b in range(6):
     env_ids = r.sequence_BT[b, P:][r.env_mask_BN[b] > 0].tolist()
     assert env_ids == char_tok.encode(".") * (want_turns[b] - 1)
+
+
+# ----------------------------------------------------------------------------- messages, info, chat templates
+
+
+@envs.register("test_messages")
+class Messages:
+  """Chat-style: a system + user start, tool messages and an `info` dict; reward 0.5 per step.
+  Seed 5: reset returns a bad message list; seed 6: step returns a bad observation; seed 7: info is no dict."""
+
+  def reset(self, seed):
+    self.seed = seed
+    if seed == 5:
+      return [{"role": "assistant", "content": "not a start"}]
+    return [{"role": "system", "content": "sys"}, {"role": "user", "content": f"go{seed}"}]
+
+  def step(self, action):
+    if self.seed == 6:
+      return {"role": "tool", "content": "x"}, 0.0, False
+    if self.seed == 7:
+      return "x", 0.0, False, ["not", "a", "dict"]
+    return [{"role": "tool", "content": str(len(action))}], 0.5, False, {"calls": 1, "chars": len(action), "tag": "t"}
+
+
+@envs.register("test_messages_tools")
+class MessagesWithTools(Messages):
+  """`test_messages` with a `tools` attribute (schemas the runner hands the template)."""
+
+  tools = [{"type": "function", "function": {"name": "f", "description": "F.", "parameters": {}}}]
+
+
+def test_message_results_info_and_malformed_results_are_errors():
+  s = EnvSettings(name="test_messages", max_turns=2, turn_tokens=3, max_episode_tokens=24)
+  r = run_episodes(make_gen(), PARAMS, [1, 5, 6, 7], 2, s, jax.random.key(2), version=0, keep_turns=True)
+  st = r.stats
+  assert st["episode_statuses"] == ("max_turns",) * 2 + ("error",) * 6
+  np.testing.assert_array_equal(r.reward_B, [1.0, 1.0] + [0.0] * 6)
+  # raw mode (character tokenizer): the messages' contents joined with "\n" (unk)
+  first = [char_tok.bos_id] + char_tok.encode("sys") + [char_tok.unk_id] + char_tok.encode("go1")
+  assert r.sequence_BT[0, :P].tolist() == first and r.sequence_BT[1, :P].tolist() == first
+  assert st["env_calls"] == 4  # 2 rows x 2 steps, summed over the batch; "tag" (not a number) is dropped
+  outs = st["turn_outputs"]
+  assert st["env_chars"] == sum(len(completion_text(CHAR_TOKENIZER, o["tokens_BN"][b, :o["lengths_B"][b]]))
+                                for o in outs for b in (0, 1))
+  # the observation after turn 0: the tool message's content, no separator (raw mode)
+  for b in (0, 1):
+    n0 = int(outs[0]["lengths_B"][b])
+    obs = r.sequence_BT[b, P:][r.env_mask_BN[b] > 0].tolist()
+    assert obs == char_tok.encode(str(len(completion_text(CHAR_TOKENIZER, outs[0]["tokens_BN"][b, :n0]))))
+
+
+CHAT_P = 48
+
+
+@pytest.fixture(scope="module")
+def chat_gen(tmp_path_factory):
+  """A random tiny model on a tiny BPE vocabulary whose ChatML template also renders `tools` (as a short
+  "tools:N" line, so prompts stay small). Half the vocabulary are stop ids (generation_config), so that
+  policy turns end with a stop id about as often as the per-turn token limit cuts them."""
+  pytest.importorskip("transformers")
+  import tiny_hf
+  from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer
+  template = "{% if tools %}{{ 'tools:' + (tools | length | string) + '\n' }}{% endif %}" + tiny_hf.CHATML
+  tok = load_checkpoint_tokenizer(tiny_hf.make_tokenizer(tmp_path_factory.mktemp("chat_tok"), template=template,
+                                                         generation_eos=list(range(0, 300, 2))))
+  cfg = dataclasses.replace(CFG, vocab_size=320)
+  samp = SamplerConfig(max_new_tokens=4, stop_ids=tok.stop_ids, temperature=1.0, pad_id=tok.pad_id)
+  gen = Generation(task=None, train_examples=None, width=CHAT_P, model_cfg=cfg, sampler_cfg=samp,
+                   key_root=jax.random.key(1), seed=0, encoder=Encoder(tok))
+  return gen, random_params(cfg)
+
+
+def test_chat_episode_keeps_sampled_tokens_and_appends_template_deltas(chat_gen):
+  """With a chat template: the prompt is the template's (tools passed), every policy token is the sampled
+  one, and each observation is exactly the template delta (closed by <|im_end|> after a cut turn)."""
+  gen, params = chat_gen
+  enc, tok = gen.encoder, gen.encoder.tokenizer
+  assert enc.chat and enc.renders_tools
+  s = EnvSettings(name="test_messages_tools", max_turns=3, turn_tokens=3, max_episode_tokens=64)
+  r = run_episodes(gen, params, [1, 2], 2, s, jax.random.key(4), version=0, keep_turns=True)
+  assert r.stats["episode_statuses"] == ("max_turns",) * 4
+  outs = r.stats["turn_outputs"]
+  ended_seen = set()
+  for b in range(4):
+    start = Messages().reset([1, 2][b // 2])
+    first = tok.hf.apply_chat_template(start, tools=MessagesWithTools.tools, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+    assert tok.hf.decode(first).startswith("tools:1\n<|im_start|>system\nsys")
+    assert r.sequence_BT[b, CHAT_P - len(first):CHAT_P].tolist() == list(first)
+    expect = []
+    for t, o in enumerate(outs):
+      toks = o["tokens_BN"][b, :int(o["lengths_B"][b])].tolist()
+      expect += [("p", x) for x in toks]
+      if t == s.max_turns - 1:
+        break
+      ended = toks[-1] in tok.stop_ids
+      ended_seen.add(ended)
+      content = str(len(completion_text(tok, toks)))
+      ref = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+      delta_text = "\n<|im_start|>tool\n" + content + "<|im_end|>\n<|im_start|>assistant\n"
+      full = tok.hf.apply_chat_template(ref + [{"role": "tool", "content": content}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+      delta = list(full[len(tok.hf.apply_chat_template(ref, tokenize=True, return_dict=False)) - 1:])
+      assert tok.hf.decode(delta) == delta_text
+      expect += [("e", x) for x in ([] if ended else [tok.end_of_turn_id]) + delta]
+    pol, env = r.mask_BN[b] > 0, r.env_mask_BN[b] > 0
+    got = [("p" if pol[j] else "e", int(r.sequence_BT[b, CHAT_P + j])) for j in range(int((pol | env).sum()))]
+    assert got == expect, b
+  assert ended_seen == {True, False}  # both a stopped and a cut turn were followed by an observation
+  assert r.stats["env_calls"] == 12  # 4 rows x 3 steps

@@ -3,14 +3,28 @@
 An environment is text only (it imports no models, sampler, rollout or loop; `.importlinter`):
 
   env = envs.get("guess_number", max_turns=4)
-  first = env.reset(seed)              # the first user message / observation text
-  obs, reward, done = env.step("7")    # the policy's action text -> (observation text, step reward, done)
+  first = env.reset(seed)              # the first message(s): a str, or a list of message dicts
+  obs, reward, done = env.step("7")    # the policy's action text -> (observation, step reward, done)
+
+Messages. `reset(seed)` returns a str (one user message) or a list of `{"role": "system" | "user",
+"content": str}` dicts; an observation is a str (one user message) or a list of `{"role": "user" | "tool",
+"content": str}` dicts. The runner renders them through the policy's chat template (or as raw text for
+base models and the character tokenizer): `tasks.encoder.Encoder.episode_prompt_ids` / `observation_ids`.
+`step` may return a fourth element `info`: a dict of this step's counters (numbers; others are ignored),
+summed over the batch's steps into the stats as `env_<key>` (e.g. `env_tool_calls`).
+
+Tools. An environment with an attribute `tools` (a list of JSON schemas, `envs.tools.tool_schema`) has them
+shown to the policy: passed to a chat template that renders tools, else described in the system message
+(`tasks.encoder.hermes_tools_text`). `envs.tools.ToolEnv` runs the Hermes-format calls of an action
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and answers with tool messages;
+`gsm8k_calculator` is one (GSM8K with a calculator). `envs.mcp_tools` serves an MCP server's tools to one.
 
 An episode's return is the sum of its step rewards. `reset(seed)` must be deterministic in the seed:
 the G episodes of a GRPO group start from one seed, hence one state. An action the environment cannot
 read raises `InvalidAction`: the episode ends with return 0 and is counted ("invalid"), as an
-environment that raises anything else ("error") or overruns its time limit ("timeout") is
-(`jaxrl_llm.rollout.episodes`). One instance plays one episode at a time (the runner makes one per row).
+environment that raises anything else ("error"), returns something malformed ("error") or overruns its
+time limit ("timeout") is (`jaxrl_llm.rollout.episodes`). One instance plays one episode at a time (the
+runner makes one per row).
 """
 
 from __future__ import annotations
@@ -23,13 +37,17 @@ class InvalidAction(ValueError):
   """Raised by `Env.step` for an action it cannot read (a malformed action)."""
 
 
-class Env(Protocol):
-  """A text environment (module docstring)."""
+Message = dict  # {"role": str, "content": str}
 
-  def reset(self, seed: int) -> str:
+
+class Env(Protocol):
+  """A text environment (module docstring). Optional attribute `tools: list[dict]` (JSON schemas)."""
+
+  def reset(self, seed: int) -> str | list[Message]:
     ...
 
-  def step(self, action_text: str) -> tuple[str, float, bool]:
+  def step(self, action_text: str) -> (tuple[str | list[Message], float, bool]
+                                       | tuple[str | list[Message], float, bool, dict]):
     ...
 
 
@@ -68,6 +86,8 @@ def get(name: str, **kwargs: Any) -> Env:
 
 
 from jaxrl_llm.envs import guess_number  # noqa: E402,F401  (registers the toy environment)
+from jaxrl_llm.envs import gsm8k_calculator  # noqa: E402,F401  (registers GSM8K with a calculator tool)
+from jaxrl_llm.envs.tools import MalformedToolCall, ToolCall, ToolEnv, parse_tool_calls, tool_schema  # noqa: E402,F401
 # Package-backed environments (the `envs` extra): these modules import textarena / reasoning_gym only when an
 # instance is made, so they register without the packages and a missing package is an ImportError at `get`.
 from jaxrl_llm.envs import reasoning_gym_env, textarena_env  # noqa: E402,F401

@@ -153,13 +153,29 @@ class CheckpointTokenizer:
 
   def chat_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
     """`apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`'s ids."""
+    return self.chat_ids(messages)
+
+  def chat_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
+    """`apply_chat_template(messages, tools=tools, add_generation_prompt=..., tokenize=True)`'s ids.
+
+    A template that raises on these messages or tools is a ValueError naming the template's source
+    (TemplateTimeout when it overruns `RENDER_TIMEOUT_S`); no template at all is a ValueError too.
+    """
     if self.chat_template is None:
       raise ValueError(f"{self.source}: the tokenizer has no chat template (no 'chat_template' in "
                        "tokenizer_config.json and no chat_template.jinja)")
-    messages = list(messages)
-    return list(_RENDERER.run(
-        lambda: self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False),
-        lambda: f"the chat template {_template_source(self.source)}, given a {len(messages)}-message prompt,"))
+    messages, tools = list(messages), (None if tools is None else list(tools))
+    describe = lambda: (f"the chat template {_template_source(self.source)}, given a {len(messages)}-message prompt"
+                        + (f" and {len(tools)} tools" if tools else "") + ",")
+    try:
+      return list(_RENDERER.run(
+          lambda: self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                              tokenize=True, return_dict=False), describe))
+    except TemplateTimeout:
+      raise
+    except Exception as e:  # jinja's TemplateError, a raise_exception() in the template, a KeyError...
+      raise ValueError(f"{describe()[:-1]} failed to render: {type(e).__name__}: {e}") from e
 
   def save(self, folder) -> None:
     """Copies the tokenizer files of `source` into `folder` (a checkpoint exported from this model)."""

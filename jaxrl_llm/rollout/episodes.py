@@ -11,8 +11,12 @@ from one state) for up to `max_turns` turns with pinned parameters:
 - the policy's tokens are copied into the episode exactly as sampled (never decoded and re-encoded), up
   to and including the stop id; the action text given to the environment is their decoded text
   without the stop id (`tasks.tokenizer.completion_text`);
-- the environment's observation is rendered to ids by `render_env_message` and appended (not after the
-  last step of a finished episode, nor after the last allowed turn: nothing follows it);
+- the first prompt is `encoder.episode_prompt_ids(reset result, tools=env.tools)` (a str or system/user
+  messages; the environment's optional `tools` schemas go to the chat template or a system block);
+- the environment's observation (a str or user/tool messages) is rendered to ids by `render_env_message`
+  (`encoder.observation_ids`: with a chat template, the template's delta after the policy's turn, closed
+  by the end-of-turn id when the turn was cut before a stop id) and appended (not after the last step of
+  a finished episode, nor after the last allowed turn: nothing follows it);
 - a finished episode generates no more tokens: each turn's sampler call holds the live episodes only,
   padded to a power-of-two batch (at most log2(B) + 1 batch shapes are compiled; pad rows are dropped).
 
@@ -31,7 +35,11 @@ batch still forms. Episodes that hit the token budget end "truncated" (return so
 `episode_status` (counts by status), `episode_statuses` (per row), `env_episodes`, `env_turns` (total) and
 `env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`, `env_errors`,
 `env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
-one), and `reward_errors` (errors + timeouts + invalid); `merge_stats` adds the counters of several records.
+one), `env_prefills` (sampler prefills: one per turn, or per call with the kept KV cache), `reward_errors` (errors
++ timeouts + invalid), and `env_<key>` for each numeric key of the steps' `info` dicts (a 4-tuple step result),
+summed over the batch's steps (e.g. `env_tool_calls`; a key that would shadow one of the runner's own stats is
+dropped); `merge_stats` adds the counters of several records. A reset or step result of the wrong shape (an
+observation that is neither a str nor a list of message dicts, an `info` that is no dict) is an "error".
 
 Versions: the synchronous sources play a whole batch with one pinned snapshot. Async episodes
 (`async_engine.make_episode_rollout`) pass a `poll` that offers the newest published parameters before each
@@ -55,7 +63,7 @@ from jaxrl_llm import envs
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import turn_sampler
-from jaxrl_llm.tasks.encoder import Encoder
+from jaxrl_llm.tasks.encoder import Encoder, check_messages
 from jaxrl_llm.tasks.reward import safe_reward_batch
 from jaxrl_llm.tasks.tokenizer import completion_text, pad_left
 
@@ -77,27 +85,32 @@ class EnvSettings:
   kv_cache: bool = True  # keep each episode's KV cache across turns (one device; `rollout.turn_sampler`)
 
 
-def render_env_message(encoder: Encoder, text: str) -> list[int]:
-  """Ids of an environment message (an observation) appended to an episode.
+def render_env_message(encoder: Encoder, message: str | Sequence[dict], turn_ended: bool = True) -> list[int]:
+  """Ids of an environment message (an observation) appended to an episode: `encoder.observation_ids`.
 
   Raw prompts (the character tokenizer, base models): the text's ids, no special tokens (for the
-  character tokenizer, one id per character). Chat-template prompts would render the message as a
-  user turn followed by the generation prompt; not implemented yet.
+  character tokenizer, one id per character). Chat templates: the template's delta after the policy's
+  turn; `turn_ended=False` (the turn was cut before a stop id) closes the turn with the end-of-turn id first.
   """
-  if encoder.chat:
-    raise NotImplementedError("environment messages through a chat template are not implemented yet "
-                              "(use task.chat_template='none')")
-  return list(encoder.tokenizer.encode(text))
+  return encoder.observation_ids(message, turn_ended=turn_ended)
 
 
-def _checked_step(result: Any) -> tuple[str, float, bool]:
-  """`Env.step`'s result validated: (str, finite real, bool); anything else raises (an "error")."""
-  obs, reward, done = result
+def _checked_step(result: Any) -> tuple[str | list[dict], float, bool, dict]:
+  """`Env.step`'s result validated: (observation, finite real, bool[, info dict]); anything else raises (an
+  "error"). The observation is a str or a list of user/tool message dicts; `info` keeps its numeric values."""
+  if not isinstance(result, tuple) or len(result) not in (3, 4):
+    raise TypeError(f"step must return (obs, reward, done) or (obs, reward, done, info), got {result!r:.200}")
+  obs, reward, done = result[:3]
+  info = result[3] if len(result) == 4 else {}
   if not isinstance(obs, str):
-    raise TypeError(f"observation must be a str, got {type(obs).__name__}")
+    obs = check_messages(obs, ("user", "tool"))
   if not isinstance(reward, (numbers.Real, np.bool_)) or not math.isfinite(float(reward)):
     raise TypeError(f"step reward must be a finite number, got {reward!r}")
-  return obs, float(reward), bool(done)
+  if not isinstance(info, dict):
+    raise TypeError(f"step info must be a dict, got {type(info).__name__}")
+  counters = {str(k): v for k, v in info.items()
+              if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))}
+  return obs, float(reward), bool(done), counters
 
 
 def env_calls(calls: Sequence[tuple], timeout_s: float, workers: int = 8) -> list[tuple[str, Any]]:
@@ -181,12 +194,14 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   # Reset: the G episodes of a group share one seed.
   first = env_calls([(e.reset, int(seeds[b // G])) for b, e in enumerate(env_list)], s.timeout_s, s.workers)
   prompts: list[list[int]] = []
-  for b, (st, text) in enumerate(first):
-    if st == "ok" and not isinstance(text, str):
+  for b, (st, msg) in enumerate(first):
+    try:
+      msg = msg if st != "ok" or isinstance(msg, str) else check_messages(msg, ("system", "user"))
+    except ValueError:  # neither a str nor system/user messages: the environment's error
       st = "error"
     if st != "ok":
-      status[b], text = st, ""
-    ids = gen.encoder.prompt_ids(text)
+      status[b], msg = st, ""
+    ids = gen.encoder.episode_prompt_ids(msg, tools=getattr(env_list[b], "tools", None) if st == "ok" else None)
     if len(ids) > P:
       raise ValueError(f"environment {s.name!r}: its first message is {len(ids)} tokens, longer than the prompt "
                        f"width P={P} (env.prompt_width)")
@@ -206,6 +221,8 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
   turns = turn_sampler.CachedTurns(gen, W) if s.kv_cache and mesh is None else turn_sampler.Reprefill(gen, W, mesh)
   turn_outputs = []
+  info_sums: dict[str, float] = {}
+  stop_set = set(tok.stop_ids)
 
   for t in range(s.max_turns):
     if not live.any():
@@ -248,21 +265,25 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     for b, (st, val) in zip(rows, results):
       if st == "ok":
         try:
-          obs, r, done = _checked_step(val)
+          obs, r, done, info = _checked_step(val)
         except Exception:  # pylint: disable=broad-except  # a malformed step result is the environment's error
           st = "error"
       if st != "ok":
         status[b], live[b], reward_B[b] = st, False, 0.0
         continue
       reward_B[b] += r
+      for k, v in info.items():
+        info_sums[k] = info_sums.get(k, 0) + v
       if done:
         status[b], live[b] = "done", False
         continue
       if t == s.max_turns - 1:  # the turn limit: no observation is appended after the last turn
         status[b], live[b] = "max_turns", False
         continue
-      ids = render_env_message(gen.encoder, obs)
       u = int(used_B[b])
+      # the policy's turn ended when its last token (this turn's) is a stop id; else the turn was cut
+      ended = u > 0 and turn_BN[b, u - 1] == t and mask_BN[b, u - 1] > 0 and int(resp_BN[b, u - 1]) in stop_set
+      ids = render_env_message(gen.encoder, obs, turn_ended=bool(ended))
       if u + len(ids) >= N:  # no room for the observation and at least one more policy token
         status[b], live[b] = "truncated", False
         continue
@@ -291,6 +312,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
            "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
            "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
            "episode_statuses": tuple(status)}
+  stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
   if keep_turns:
     stats["turn_outputs"] = turn_outputs
   return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=np.concatenate([pos_BP, pos_BN], 1),

@@ -117,8 +117,10 @@ class Tokenizer(Protocol):
     encode(text, add_special_tokens=False) -> ids; with `add_special_tokens` the tokenizer's own
       BOS/EOS rules for a raw prompt (the char tokenizer adds BOS).
     decode(ids) -> text, special tokens (pad, BOS, EOS, ...) dropped.
-    chat_prompt_ids(messages) -> ids of the messages rendered through `chat_template` with the
-      generation prompt (raises ValueError when there is no template).
+    chat_ids(messages, *, tools=None, add_generation_prompt=True) -> the ids `apply_chat_template(messages,
+      tools=tools, add_generation_prompt=..., tokenize=True)` gives (ValueError when there is no template
+      or it raises on these messages/tools, naming the template's source).
+    chat_prompt_ids(messages) -> `chat_ids(messages)`: a prompt with the generation prompt, no tools.
     save(folder): writes what `policy_init.tokenizer_for_checkpoint(folder)` needs to load it back.
   """
   vocab_size: int
@@ -132,6 +134,9 @@ class Tokenizer(Protocol):
   def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+  def chat_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool = True) -> list[int]: ...
 
   def chat_prompt_ids(self, messages: Sequence[dict]) -> list[int]: ...
 
@@ -161,8 +166,12 @@ class CharTokenizer:
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     return decode(ids)
 
-  def chat_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+  def chat_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
     raise ValueError("the character tokenizer has no chat template (use task.chat_template='none')")
+
+  def chat_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+    return self.chat_ids(messages)
 
   def save(self, folder: str | os.PathLike) -> None:
     path = pathlib.Path(folder)
