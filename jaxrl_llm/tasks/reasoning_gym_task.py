@@ -2,10 +2,10 @@
 
 Needs the `envs` extra. The task's rows are the `size` items of `rg.create_dataset(rg_task, size=size,
 seed=dataset_seed, **json.loads(rg_config))`, made once per process (the dataset cache of
-`envs.reasoning_gym_env`): prompt = the item's question, answer = its reference answer (for SFT).
+`tasks.reasoning_gym_data`): prompt = the item's question, answer = its reference answer (for SFT).
 Splits hold rows out, as for a data file (`Task.rows`).
 
-Reward: the dataset's own verifier (`envs.reasoning_gym_env.score`) on the completion's `<answer>...</answer>`
+Reward: the dataset's own verifier (`tasks.reasoning_gym_data.score`) on the completion's `<answer>...</answer>`
 when it has one, else on the whole completion, for the item whose question is the prompt (the first
 such item when two items ask the same question; 0 for a prompt that is no question of the dataset).
 Partial credit: some verifiers score wrong answers above 0 (countdown 0.05 / 0.01), so the reward is
@@ -21,7 +21,7 @@ import json
 
 import numpy as np
 
-from jaxrl_llm.envs import reasoning_gym_env as rge
+from jaxrl_llm.tasks import reasoning_gym_data as rgd
 from jaxrl_llm.tasks.base import Task, TaskError
 
 
@@ -36,7 +36,7 @@ def _reward(prompt: str, answer: str, completion: str, *, data, by_question: dic
   item = by_question.get(prompt) if isinstance(prompt, str) else None
   if item is None or not isinstance(completion, str):
     return 0.0
-  return min(1.0, max(0.0, rge.score(data.ds, item, completion)))
+  return min(1.0, max(0.0, rgd.score(data.ds, item, completion)))
 
 
 def make_task(rg_task: str, size: int = 1000, dataset_seed: int = 0, rg_config: str = "",
@@ -52,10 +52,10 @@ def make_task(rg_task: str, size: int = 1000, dataset_seed: int = 0, rg_config: 
   if isinstance(size, bool) or not isinstance(size, int) or size < 2:
     raise TaskError(f"size={size!r} must be an int >= 2 (a split holds rows out)", "size")
   try:
-    data = rge.dataset(rg_task, size, dataset_seed, config)
+    data = rgd.dataset(rg_task, size, dataset_seed, config)
   except ValueError as e:
     raise TaskError(str(e), "rg_config" if "config" in str(e) else "rg_task") from e
-  items = rge.dataset_items(rg_task, size, dataset_seed, config)
+  items = rgd.dataset_items(rg_task, size, dataset_seed, config)
   by_question: dict = {}
   for it in items:
     by_question.setdefault(it["question"], it)
