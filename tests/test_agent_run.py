@@ -85,7 +85,8 @@ def test_agent_tiny_trains_in_async_mode(tmp_path):
   for r in rows:
     assert len(r["async_lag_hist"]) == 2 and sum(r["async_lag_hist"]) == c.rollout.prompts_per_step
     assert r["env_episodes"] == c.rollout.prompts_per_step * c.rollout.group_size
-    statuses = ("env_done", "env_max_turns", "env_truncated", "env_errors", "env_timeouts", "env_invalid")
+    statuses = ("env_done", "env_max_turns", "env_truncated", "env_too_long", "env_errors", "env_timeouts",
+                "env_invalid")
     assert sum(r[k] for k in statuses) == r["env_episodes"] and r["env_turns_mean"] >= 1
     assert 0 <= r["env_version_span_max"] <= c.rollout.lag
   assert rows[0]["async_lag_hist"] == [c.rollout.prompts_per_step, 0]  # nothing older than version 0 exists

@@ -55,8 +55,9 @@ def test_poll_switches_parameters_between_turns():
 def test_poll_is_released_when_an_episode_batch_fails():
   """The runner tells the poll the end even when it raises (the worker's pinned snapshots are released)."""
   asked = []
-  with pytest.raises(ValueError, match="longer than the prompt width"):
-    run_episodes(make_gen(), PARAMS, [1], 1, ECHO, jax.random.key(0), 0, width=2, poll=lambda v: asked.append(v))
+  with pytest.raises(ValueError, match="takes no argument 'nope'"):
+    run_episodes(make_gen(), PARAMS, [1], 1, dataclasses.replace(ECHO, kwargs=(("nope", 1),)), jax.random.key(0), 0,
+                 poll=lambda v: asked.append(v))
   assert asked == [None]
 
 

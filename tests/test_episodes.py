@@ -238,8 +238,11 @@ def test_budget_truncates_and_guess_number_plays():
   s = EnvSettings(name="test_echo", max_turns=10, turn_tokens=4, max_episode_tokens=7)
   r = run_episodes(make_gen(), PARAMS, [1], 2, s, jax.random.key(3), version=0)
   assert r.stats["env_truncated"] == 2 and r.mask_BN.shape == (2, 7)
-  with pytest.raises(ValueError, match="longer than the prompt width P=3"):
-    run_episodes(make_gen(), PARAMS, [1], 2, s, jax.random.key(3), version=0, width=3)
+  # a first message longer than the prompt width: those episodes never start (counted); the batch forms
+  r = run_episodes(make_gen(), PARAMS, [1], 2, s, jax.random.key(3), version=0, width=3)
+  assert r.stats["episode_statuses"] == ("too_long",) * 2 and r.stats["env_too_long"] == 2
+  assert r.mask_BN.sum() == 0 and r.reward_B.tolist() == [0.0, 0.0]
+  np.testing.assert_array_equal(r.sequence_BT[:, :3], [[0, 0, char_tok.bos_id]] * 2)  # an empty first message
   g = EnvSettings(name="guess_number", kwargs=(("max_turns", 2),), max_turns=2, turn_tokens=2, max_episode_tokens=8)
   r = run_episodes(make_gen(), PARAMS, [5, 6], 2, g, jax.random.key(4), version=1)
   assert sum(r.stats["episode_status"].values()) == 4 and r.reward_B.shape == (4,)

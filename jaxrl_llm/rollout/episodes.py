@@ -31,9 +31,11 @@ episode's return (sum of step rewards).
 Every environment call (`reset`, `step`) runs under the time limit of rewards (`tasks.reward`, on its
 worker threads): an environment that raises ("error"), overruns `timeout_s` ("timeout") or rejects the
 action (`envs.InvalidAction`, "invalid") ends that episode with return 0, counted in the stats; the
-batch still forms. Episodes that hit the token budget end "truncated" (return so far). The stats:
+batch still forms. Episodes that hit the token budget end "truncated" (return so far); an episode whose first
+message is longer than the prompt width P is "too_long" (return 0, no tokens: it never starts). The stats:
 `episode_status` (counts by status), `episode_statuses` (per row), `env_episodes`, `env_turns` (total) and
-`env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`, `env_errors`,
+`env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`,
+`env_too_long`, `env_errors`,
 `env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
 one), `env_prefills` (sampler prefills: one per turn, or per call with the kept KV cache), `reward_errors` (errors
 + timeouts + invalid), and `env_<key>` for each numeric key of the steps' `info` dicts (a 4-tuple step result),
@@ -67,7 +69,7 @@ from jaxrl_llm.tasks.encoder import Encoder, check_messages
 from jaxrl_llm.tasks.reward import safe_reward_batch
 from jaxrl_llm.tasks.tokenizer import completion_text, pad_left
 
-EPISODE_STATUSES = ("done", "max_turns", "truncated", "error", "timeout", "invalid")
+EPISODE_STATUSES = ("done", "max_turns", "truncated", "too_long", "error", "timeout", "invalid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +167,7 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   """n = len(seeds) groups × G episodes with parameters `params` of `version` (module docstring).
 
   `gen`: the run's `Generation` (sampler model and settings, encoder, mesh); `width`: the prompt
-  bucket P (default `gen.width`); an initial prompt longer than P raises ValueError.
+  bucket P (default `gen.width`); an episode whose first message is longer than P is "too_long".
   `poll` (async episodes): a `sampling.partial.Poll`, asked before every turn after the first for newer
   parameters (`poll(current_version) -> (version, params) | None`) and told the end (`poll(None)`); each
   token's version is recorded in `versions_BN` (an observation carries the version of the turn it answers).
@@ -202,9 +204,12 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     if st != "ok":
       status[b], msg = st, ""
     ids = gen.encoder.episode_prompt_ids(msg, tools=getattr(env_list[b], "tools", None) if st == "ok" else None)
-    if len(ids) > P:
-      raise ValueError(f"environment {s.name!r}: its first message is {len(ids)} tokens, longer than the prompt "
-                       f"width P={P} (env.prompt_width)")
+    if len(ids) > P:  # this episode cannot start: counted, the batch goes on
+      status[b] = "too_long"
+      ids = gen.encoder.episode_prompt_ids("")
+      if len(ids) > P:
+        raise ValueError(f"environment {s.name!r}: even an empty first message is {len(ids)} tokens, longer than "
+                         f"the prompt width P={P} (env.prompt_width)")
     prompts.append(ids)
   prompt_BP, plen_B = pad_left(prompts, P, pad)
 
@@ -310,6 +315,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
            "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
            "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
            "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
+           "env_too_long": counts["too_long"],
            "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
            "episode_statuses": tuple(status)}
   stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
