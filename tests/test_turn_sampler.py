@@ -31,8 +31,8 @@ def play(sampler, turns=3, rows=(0, 1, 2, 3), leave_after=None, versions=None):
     rows_b = live + [live[0]] * (4 - len(live))  # a padded batch repeats its first episode
     version, params = (0, PARAMS) if versions is None else versions[t]
     out = sampler.turn(params, version, rows_b, [ctx[b] for b in rows_b], fold_in(jax.random.key(9), t), cfg)
-    outs.append({b: (out["tokens_BN"][i, :out["lengths_B"][i]].tolist(), out["behavior_logp_BN"][i, :out["lengths_B"][i]])
-                 for i, b in enumerate(live)})
+    n = out["lengths_B"]
+    outs.append({b: (out["tokens_BN"][i, :n[i]].tolist(), out["behavior_logp_BN"][i, :n[i]]) for i, b in enumerate(live)})
     for i, b in enumerate(live):
       ctx[b] = ctx[b] + outs[-1][b][0] + char_tok.encode("<" * (1 + (b + t) % 3))  # the observation
   return outs

@@ -308,7 +308,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   seg_BN = (np.arange(N)[None, :] < used_B[:, None]).astype(np.int32)
   counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
   policy_BN = mask_BN > 0
-  span_B = (np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30))
+  span_B = np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30)
   stats = {"episode_status": counts, "env_episodes": B, "env_turns": int(turns_B.sum()),
            "env_turns_mean": float(turns_B.mean()) if B else 0.0,
            "env_version_span_max": int(max(0, span_B.max(initial=0))), "env_prefills": turns.prefills,
