@@ -17,11 +17,17 @@ from jaxrl_llm.config import load_file
 
 def get_config():
   c = load_file(pathlib.Path(__file__).with_name("agent_tiny.py"))
-  c.num_steps = 40
-  c.sft.steps = 100
+  c.num_steps = 60
+  # Two layers of 64: one layer of 32 (configs/tiny.py) imitates the demos' format but not their play.
+  c.model.n_layers = 2
+  c.model.d_model = 64
+  c.model.n_heads = 2
+  c.model.head_dim = 32
+  c.model.d_ff = 128
+  c.sft.steps = 300
   c.sft.batch_size = 16
   c.sft.lr = 3e-3
-  c.sft.demos = 32
+  c.sft.demos = 64
   c.sft.demo_player = "consistent"
   c.eval.every = 10
   c.eval.num_prompts = 64
