@@ -39,7 +39,8 @@ def plan(ms: list[str], lags: list[int], seeds: int) -> list[dict]:
 
 def run_overrides(r: dict, steps: int, eval_every: int, sft_steps: int | None = None) -> dict:
   return {**methods.overrides(r["method"]), "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
-          "rollout.mode": "fixed_lag", "rollout.lag": r["lag"], **({} if sft_steps is None else {"sft.steps": sft_steps})}
+          "rollout.mode": "fixed_lag", "rollout.lag": r["lag"],
+          **({} if sft_steps is None else {"sft.steps": sft_steps})}
 
 
 def episode_summary(workdir: str) -> dict:
@@ -51,6 +52,7 @@ def episode_summary(workdir: str) -> dict:
     info = json.load(f)
   turns = [r["eval_episode_turns"] for r in rows if "eval_episode_turns" in r]
   return {"eval_episode_success_initial": info.get("eval_episode_success_initial"),
+          "eval_episode_turns_initial": info.get("eval_episode_turns_initial"),
           "eval_episode_turns_final": turns[-1] if turns else None,
           "env_invalid_total": sum(int(r.get("env_invalid", 0)) for r in rows),
           "env_turns_mean": sum(r.get("env_turns_mean", 0.0) for r in rows) / max(1, len(rows))}

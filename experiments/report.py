@@ -871,7 +871,7 @@ def agent_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   turns = lambda rs, k: stats([r.get("episodes", {}).get(k) for r in rs])
   lines += [f"| policy ({base}, lag {k0}) | held-out episode success | mean turns of the last evaluation |",
             "|---|---|---|",
-            f"| SFT only (0 RL steps) | {fmt(sft_only)} | — |",
+            f"| SFT only (0 RL steps) | {fmt(sft_only)} | {fmt(turns(b, 'eval_episode_turns_initial'), 2)} |",
             f"| SFT + RL ({doc.get('steps')} steps) | {fmt(rl)} | {fmt(turns(b, 'eval_episode_turns_final'), 2)} |",
             "", "Fixed lag (`rollout.lag`): held-out episode success after RL.", "",
             "| method | " + " | ".join(f"lag {k}" for k in lags) + " |", "|---|" + "---|" * len(lags)]

@@ -205,8 +205,8 @@ def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, star
   """Writes run_info.json; raises RunError on `failure` or when every update of this call was skipped."""
   skipped = sum(1 for row in rows if row.get("update_skipped"))
   info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"),
-          **({"eval_episode_success_initial": meta["eval_episode_success_initial"]}
-             if "eval_episode_success_initial" in meta else {}), "sft_final_loss": meta.get("sft_final_loss"),
+          **{k: v for k, v in meta.items() if k.startswith("eval_episode_")},  # episode_eval, with an env
+          "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
           "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals(),
           "prompts_dropped": r.prompts_dropped,

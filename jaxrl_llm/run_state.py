@@ -182,8 +182,7 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
   store.publish(state.params)
   initial = evaluate_run(r, state.params) if c.eval.every > 0 else {}
   meta["eval_accuracy_initial"] = initial.get("eval_accuracy")
-  if "eval_episode_success" in initial:
-    meta["eval_episode_success_initial"] = initial["eval_episode_success"]
+  meta.update({f"{k}_initial": v for k, v in initial.items() if k.startswith("eval_episode_")})  # with an env
   return 0, state, extra, meta, {}
 
 

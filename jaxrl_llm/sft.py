@@ -77,7 +77,8 @@ def sft_warm_start(schedule: SftSchedule, model_cfg: ModelConfig, params, train,
   return params, float(loss)
 
 
-def episode_record(encoder: Encoder, first: str, steps, max_turns: int, N: int) -> tuple[list[int], list[int], list[int]]:
+def episode_record(encoder: Encoder, first: str, steps, max_turns: int,
+                   N: int) -> tuple[list[int], list[int], list[int]]:
   """(prompt ids, response ids, policy mask) of one demonstration episode as `run_episodes` packs it.
 
   `steps`: `(action_text, observation_text)` pairs (`envs.demos`). Each turn appends the action's ids
@@ -131,7 +132,8 @@ def demo_seeds(seed: int, n: int) -> list[int]:
 def demo_records(encoder: Encoder, settings: episodes.EnvSettings, player: str, n: int, seed: int) -> list:
   """`episode_record`s of n demonstration episodes of the scripted `player` in the run's environment."""
   eps = demos_lib.demo_episodes(settings.name, dict(settings.kwargs), player, demo_seeds(seed, n), settings.max_turns)
-  return [episode_record(encoder, first, steps, settings.max_turns, settings.max_episode_tokens) for first, steps in eps]
+  N = settings.max_episode_tokens
+  return [episode_record(encoder, first, steps, settings.max_turns, N) for first, steps in eps]
 
 
 def sft_on_demos(schedule: SftSchedule, model_cfg: ModelConfig, params, records, P: int, N: int,

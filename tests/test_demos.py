@@ -3,6 +3,7 @@ and the held-out multi-turn evaluation (`episode_eval`), with numbers."""
 
 import dataclasses
 import functools
+import json
 import os
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl_llm import config as config_lib, learner, loop, sft
+from jaxrl_llm import config as config_lib, envs, learner, loop, sft
 from jaxrl_llm.config import ConfigError, load_file
 from jaxrl_llm.envs import demos
 from jaxrl_llm.episode_eval import EVAL_SEED_BASE, eval_seeds
@@ -83,7 +84,8 @@ def test_episode_record_layout_golden():
   pol = [t for t, m in zip(resp, mask) if m]
   ends = [i + 1 for i, t in enumerate(pol) if t == char_tok.eos_id]
   assert ends == [2, 4, 6]
-  assert [char_tok.completion_text(char_tok.CHAR_TOKENIZER, pol[a:b]) for a, b in zip([0] + ends, ends)] == ["7", "9", "8"]
+  texts = [char_tok.completion_text(char_tok.CHAR_TOKENIZER, pol[a:b]) for a, b in zip([0] + ends, ends)]
+  assert texts == ["7", "9", "8"]
   # the runner's turn limit (no observation after turn max_turns) and budget (no observation without room after it)
   assert sft.episode_record(CHAR_ENCODER, "guess:", steps, max_turns=2, N=16)[1] == resp[:5]
   assert sft.episode_record(CHAR_ENCODER, "guess:", steps, max_turns=4, N=5)[1:] == (resp[:5], mask[:5])
@@ -109,7 +111,8 @@ def greedy_gen():
 def test_sft_on_demos_raises_greedy_episode_success():
   p0, p1, loss = trained_params()
   seeds = [next(s for s in range(EVAL_SEED_BASE, EVAL_SEED_BASE + 1000) if secret(s) == d) for d in range(10)]
-  success = lambda p: float(np.mean(run_episodes(greedy_gen(), p, seeds, 1, SETTINGS, jax.random.key(2), 0).reward_B >= 1))
+  success = lambda p: float(np.mean(
+      run_episodes(greedy_gen(), p, seeds, 1, SETTINGS, jax.random.key(2), 0).reward_B >= 1))
   before, after = success(p0), success(p1)
   assert np.isfinite(loss) and loss < 1.2  # the demos' own entropy is about 0.9 nats per policy token
   assert before <= 0.1 and after >= before + 0.3, (before, after)  # measured 0.1 -> 0.5 (the 10 secrets once each)
@@ -128,7 +131,7 @@ def test_demo_record_equals_the_runners_record_of_the_same_play():
     acts = [a for a in acts if a.size]
     if st not in ("done", "max_turns") or any(a[-1] != char_tok.eos_id for a in acts):
       continue
-    env = demos.envs.get("guess_number", max_turns=4)
+    env = envs.get("guess_number", max_turns=4)
     first = env.reset([11, 12, 13, 14][b // 2])
     steps = [(char_tok.decode(a[:-1]), env.step(char_tok.decode(a[:-1]))[0]) for a in acts]
     rec = sft.episode_record(CHAR_ENCODER, first, steps, SETTINGS.max_turns, SETTINGS.max_episode_tokens)
@@ -180,9 +183,9 @@ def test_loop_writes_episode_success_as_eval_accuracy(tmp_path):
   (row,) = rows
   assert row["eval_accuracy"] == row["eval_episode_success"] and 0 <= row["eval_episode_success"] <= 1
   assert 1 <= row["eval_episode_turns"] <= 4
-  import json
   info = json.load(open(tmp_path / "run" / "run_info.json"))
   assert info["eval_episode_success_initial"] == info["eval_accuracy_initial"]
+  assert 1 <= info["eval_episode_turns_initial"] <= 4
   assert np.isfinite(info["sft_final_loss"])
 
 

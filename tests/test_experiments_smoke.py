@@ -605,7 +605,7 @@ def _agent_doc(lag4_success):
              "mask_frac_mean": 0.0}
         runs.append({"method": m, "lag": lag, "seed": seed, "summary": s,
                      "curves": {"reward_mean": [0.1, 0.2 + lag + (m == "m2po")], "eval_accuracy": [acc]},
-                     "episodes": {"eval_episode_turns_final": 3.0}})
+                     "episodes": {"eval_episode_turns_initial": 3.5, "eval_episode_turns_final": 3.0}})
   return {"experiment": "agent_staleness", "command": "python -m experiments.agent_staleness", "commit": "abc",
           "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 60, "seeds": 3, "eval_every": 10,
           "base_config": "agent_sft_tiny", "env": {"name": "guess_number", "kwargs": {"max_turns": 4}, "max_turns": 4},
@@ -622,7 +622,7 @@ def test_agent_section_verdicts_follow_the_numbers(tmp_path, lag4, degrades):
   out = tmp_path / "RESULTS.md"
   report.main(["--results", str(results), "--out", str(out)])
   text = out.read_text()
-  assert "## Multi-turn agents (toy)" in text and "| SFT only (0 RL steps) | 0.500 ± 0.006 (n=3) |" in text
+  assert "## Multi-turn agents (toy)" in text and "| SFT only (0 RL steps) | 0.500 ± 0.006 (n=3) | 3.50 ± 0.00 (n=3) |" in text
   assert _verdict(text, "RL raises held-out multi-turn episode success") == "reproduces"  # gain 0.35 ± 0
   assert _verdict(text, "GRPO degrades as staleness grows (guess_number") == degrades
   assert _verdict(text, "m2po stays stable where GRPO degrades (guess_number") == (
