@@ -869,7 +869,7 @@ def agent_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   sft_only = stats([r["summary"]["eval_accuracy_initial"] for r in b])
   rl = cell(b)
   turns = lambda rs, k: stats([r.get("episodes", {}).get(k) for r in rs])
-  lines += [f"| policy ({base}, lag {k0}) | held-out episode success | mean turns of the last evaluation |",
+  lines += [f"| policy ({base}, lag {k0}) | held-out episode success | mean turns per held-out episode (same evaluation; last one after RL) |",
             "|---|---|---|",
             f"| SFT only (0 RL steps) | {fmt(sft_only)} | {fmt(turns(b, 'eval_episode_turns_initial'), 2)} |",
             f"| SFT + RL ({doc.get('steps')} steps) | {fmt(rl)} | {fmt(turns(b, 'eval_episode_turns_final'), 2)} |",
