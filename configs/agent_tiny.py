@@ -2,8 +2,8 @@
 
 A delta over configs/tiny.py: every episode is up to 4 turns of at most 3 policy tokens, each answered
 by "<", ">" or "=" (the environment's tokens are context: no loss); the return is 1 when the secret
-digit is guessed. No SFT warm start (the task's arithmetic answers would not help) and no evaluation
-(evaluation is single-turn, on the task). Runs in every source: sync, fixed_lag, staged, replay and async
+digit is guessed. No SFT warm start and no evaluation: configs/agent_sft_tiny.py adds both (SFT on scripted
+demonstration episodes, held-out greedy episodes). Runs in every source: sync, fixed_lag, staged, replay and async
 (`--config.rollout.mode=async --config.rollout.lag=2`: later turns use the newest parameters, recorded per token).
 
 Run:  python -m jaxrl_llm --config=configs/agent_tiny.py --workdir=/tmp/agent_tiny

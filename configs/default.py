@@ -114,6 +114,10 @@ def get_config():
   c.sft.batch_size = 64
   c.sft.lr = 2e-3
   c.sft.save_to = ""  # if set, the post-SFT policy is exported there (HF safetensors) for reuse via model.init_from
+  # With an environment (env.name set) the warm start trains on scripted demonstration episodes instead
+  # (jaxrl_llm.envs.demos): `demos` episodes of the player `demo_player` ("consistent" | "optimal" for guess_number).
+  c.sft.demos = 64
+  c.sft.demo_player = "consistent"
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 40

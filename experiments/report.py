@@ -836,6 +836,70 @@ def soak_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
                        f"steps vs {SOAK_SLOPE:.0%} of {doc['rss_start_mb']:.0f} MB")]
 
 
+def agent_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """Multi-turn agents (toy), `experiments/agent_staleness.py`: held-out greedy episode success after an SFT warm
+  start on scripted demonstrations (the run's initial evaluation: 0 RL steps) and after RL (`ACC`, the mean of
+  the last three evaluations), then fixed lag 0 vs the largest lag per method. "RL raises episode success" is
+  the lag-0 baseline's per-seed gain (late − SFT only) by more than MARGIN and 2 standard errors (`learns_claim`'s
+  rule); the staleness claims are the staleness ablation's (`staleness_claims`)."""
+  env = doc.get("env", {})
+  task = f"{env.get('name', 'env')}, multi-turn"
+  runs = [{"task": task, **r} for r in doc["runs"]]
+  ok = [r for r in runs if "summary" in r]
+  base = doc.get("baseline", "grpo")
+  ms = [m for m in doc.get("methods", {}) if any(r["method"] == m for r in ok)]
+  lags = sorted({r["lag"] for r in ok})
+  sft, ref = doc.get("sft", {}), doc.get("reference", {})
+  lines = ["## Multi-turn agents (toy)", "", provenance(doc), "",
+           f"The tiny character model of `configs/{doc.get('base_config', 'agent_sft_tiny')}.py` plays "
+           f"`{env.get('name')}` ({json.dumps(env.get('kwargs'))}, at most {env.get('max_turns')} turns; return 1 when "
+           f"the secret digit is guessed). Every run first trains {sft.get('steps')} SFT steps on {sft.get('demos')} "
+           f"demonstration episodes of the scripted `{sft.get('demo_player')}` player (`jaxrl_llm/envs/demos.py`), "
+           f"laid out as the episode runner lays out an episode, then {doc.get('steps')} learner steps under "
+           "`rollout.mode=fixed_lag`. Cells: success of greedy episodes on "
+           f"{doc.get('eval_episodes')} held-out seeds no training episode uses (`jaxrl_llm/episode_eval.py`), mean "
+           f"± standard error over {doc.get('seeds')} seeds; SFT + RL is the mean of a run's last three evaluations "
+           f"(every {doc.get('eval_every')} steps), SFT only its evaluation before the first learner step. "
+           "Scripted players on the same held-out seeds: "
+           + ", ".join(f"{p} {v:.3f}" for p, v in sorted(ref.items())) + ".", ""]
+  if not ok:
+    return lines + ["No finished runs." + (f" First error: {doc['runs'][0]['error']}" if doc["runs"] else ""), ""], []
+  k0 = min(lags)
+  b = [r for r in ok if r["method"] == base and r["lag"] == k0]
+  sft_only = stats([r["summary"]["eval_accuracy_initial"] for r in b])
+  rl = cell(b)
+  turns = lambda rs, k: stats([r.get("episodes", {}).get(k) for r in rs])
+  lines += [f"| policy ({base}, lag {k0}) | held-out episode success | mean turns per held-out episode (same evaluation; last one after RL) |",
+            "|---|---|---|",
+            f"| SFT only (0 RL steps) | {fmt(sft_only)} | {fmt(turns(b, 'eval_episode_turns_initial'), 2)} |",
+            f"| SFT + RL ({doc.get('steps')} steps) | {fmt(rl)} | {fmt(turns(b, 'eval_episode_turns_final'), 2)} |",
+            "", "Fixed lag (`rollout.lag`): held-out episode success after RL.", "",
+            "| method | " + " | ".join(f"lag {k}" for k in lags) + " |", "|---|" + "---|" * len(lags)]
+  for m in ms:
+    lines.append(f"| {m} | " + " | ".join(fmt(cell(ok, method=m, lag=k)) for k in lags) + " |")
+  version0 = start_model_batches(doc["steps"], lags) if doc.get("steps") else ""
+  same = same_trajectory(ok, base, k0)
+  lines += ["", version0] if version0 else []
+  if same:
+    lines += ["", f"At lag {k0}, {', '.join(same)} ran {base}'s trajectory exactly (identical reward and held-out "
+              "curves on every seed): on-policy they make the same update, so those cells carry no information of "
+              "their own."]
+  errors = [r for r in doc["runs"] if "error" in r]
+  if errors:
+    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  f1 = "agent_guess_number_acc_vs_lag.png"
+  plot_acc_vs_lag(ok, task, ms, lags, os.path.join(fig_dir, f1))
+  lines += ["", f"![episode success vs lag]({rel}/{f1})", ""]
+  gain = stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in b
+                if r["summary"].get(ACC) is not None and r["summary"].get("eval_accuracy_initial") is not None])
+  raised = None if gain is None else gain["mean"] > MARGIN and (gain["n"] < 2 or gain["mean"] > 2 * gain["se"])
+  claims = [claim(f"RL raises held-out multi-turn episode success after an SFT warm start on demonstrations "
+                  f"({task}, {base}, lag {k0})", "issue 33", raised,
+                  f"SFT only {fmt(sft_only)} → SFT + RL {fmt(rl)}; per-seed gain {fmt(gain)} "
+                  f"(rule: > {MARGIN} and 2 se)" + seeds_note(gain))]
+  return lines, claims + staleness_claims(ok, task, base, lags)
+
+
 def claim(text: str, source: str, verdict: bool | str | None, evidence: str) -> dict:
   return {"claim": text, "source": source, "verdict": verdict, "evidence": evidence}
 
@@ -850,7 +914,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
             "async_throughput": throughput_section,
             "async_throughput_smollm2": functools.partial(throughput_section, real=True), "async_staleness": async_section,
-            "replay_ablation": replay_section, "soak": soak_section}
+            "replay_ablation": replay_section, "soak": soak_section, "agent_staleness": agent_section}
 
 
 # Other results documents a section reads beside its own (keyword argument -> experiment name).

@@ -163,6 +163,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _need(c.sft.batch_size > 0, "sft.batch_size", c.sft.batch_size,
           f"must be > 0 when sft.steps={c.sft.steps} (set sft.steps=0 to skip the warm start)")
     _need(c.sft.lr > 0, "sft.lr", c.sft.lr, "must be > 0")
+    if env_on(c):  # the warm start plays demonstration episodes (jaxrl_llm.sft.demo_records)
+      n = c.sft.get("demos", 64)
+      _need(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "sft.demos", n,
+            f"must be an int >= 1 when sft.steps={c.sft.steps} and env.name={c.env.name!r} (demonstration episodes)")
+      from jaxrl_llm import envs  # local: text only, as in _validate_env
+      from jaxrl_llm.envs import demos
+      player = c.sft.get("demo_player", "consistent")
+      _need(c.env.name not in envs.names() or player in demos.player_names(c.env.name), "sft.demo_player", player,
+            f"environment {c.env.name!r} has the scripted players {demos.player_names(c.env.name)} "
+            "(set sft.steps=0 to skip the warm start)")
   _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
         "must be an int >= 1")
   _validate_reward(c)

@@ -32,6 +32,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import metrics as metrics_lib, multiprocess, preemption, run_state
 from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm.batch import make_batch, prox_is_current, prox_logp  # noqa: F401 (re-exported)
+from jaxrl_llm.episode_eval import evaluate_run
 from jaxrl_llm.errors import RunError  # noqa: F401 (re-exported)
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
@@ -188,8 +189,7 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: d
   if ro.stat("request_ids", None) is not None:  # async: which requests the batch holds
     row["request_ids"] = ro.stat("request_ids")
   if c.eval.every > 0 and ((t + 1) % c.eval.every == 0 or t + 1 == c.num_steps):
-    row["eval_accuracy"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer,
-                                    r.mesh)
+    row.update(evaluate_run(r, state.params))  # eval_accuracy (+ eval_episode_* with an env: episode_eval)
   return row
 
 
@@ -204,7 +204,9 @@ def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, star
                     failure: str | None) -> None:
   """Writes run_info.json; raises RunError on `failure` or when every update of this call was skipped."""
   skipped = sum(1 for row in rows if row.get("update_skipped"))
-  info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"), "sft_final_loss": meta.get("sft_final_loss"),
+  info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"),
+          **{k: v for k, v in meta.items() if k.startswith("eval_episode_")},  # episode_eval, with an env
+          "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
           "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals(),
           "prompts_dropped": r.prompts_dropped,

@@ -22,8 +22,9 @@ from jaxrl_llm.errors import RunError
 from jaxrl_llm.models import init_params
 from jaxrl_llm.policy_init import initial_policy
 from jaxrl_llm.rollout.param_store import ParamStore
-from jaxrl_llm.sft import SftSchedule, sft_warm_start
-from jaxrl_llm.wiring import Run, evaluate, fresh_state
+from jaxrl_llm.episode_eval import evaluate_run
+from jaxrl_llm.sft import SftSchedule, demo_records, sft_on_demos, sft_warm_start
+from jaxrl_llm.wiring import Run, env_settings, fresh_state
 
 def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: dict) -> tuple[dict, list[int]]:
   """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies +
@@ -164,7 +165,14 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
     print(f"no checkpoint to resume: the earlier metrics.jsonl was moved to {moved}; starting at step 0", flush=True)
   t0 = time.perf_counter()
   model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
-  params, sft_loss = sft_warm_start(SftSchedule.from_config(c), model_cfg, params, r.train_examples, r.P, r.encoder)
+  if config_lib.env_on(c):  # multi-turn: SFT on scripted demonstration episodes (jaxrl_llm.envs.demos)
+    es = env_settings(c)
+    records = demo_records(r.encoder, es, c.sft.get("demo_player", "consistent"), c.sft.get("demos", 64), c.seed) \
+        if c.sft.steps > 0 else []
+    params, sft_loss = sft_on_demos(SftSchedule.from_config(c), model_cfg, params, records, es.prompt_width,
+                                    es.max_episode_tokens, r.encoder)
+  else:
+    params, sft_loss = sft_warm_start(SftSchedule.from_config(c), model_cfg, params, r.train_examples, r.P, r.encoder)
   meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
   if c.sft.save_to and multiprocess.is_writer():
     from jaxrl_llm.models import save_hf
@@ -172,8 +180,9 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
     r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
   state, extra = fresh_state(r, params)
   store.publish(state.params)
-  meta["eval_accuracy_initial"] = evaluate(state.params, r.model_cfg, c, r.test, r.task, r.k_eval, r.encoder.tokenizer,
-                                           r.mesh) if c.eval.every > 0 else None
+  initial = evaluate_run(r, state.params) if c.eval.every > 0 else {}
+  meta["eval_accuracy_initial"] = initial.get("eval_accuracy")
+  meta.update({f"{k}_initial": v for k, v in initial.items() if k.startswith("eval_episode_")})  # with an env
   return 0, state, extra, meta, {}
 
 
