@@ -32,7 +32,10 @@ episode. An instance takes a JVM from a process-wide pool of idle ones at `reset
 none is idle) and gives it back when its episode ends (`done`), at `close()`, or when the instance is garbage
 collected (the runner makes one instance per episode row and drops them after the batch); the next `reset`
 in that JVM loads the task again (~0.4-3 s, ~6 s with `gold_path`). So a process holds as many JVMs as
-episodes ever ran at once: a batch of B rows keeps B JVMs. Memory: each JVM's heap is capped at `jvm_heap_mb`
+episodes ever ran at once: a batch of B rows keeps B JVMs, and up to B + `reward.workers` in the runner, whose
+worker threads keep a reference to their last batch of calls (hence to its instances) until they get the next
+one: the first resets of the next batch may start a JVM before the previous rows' are back (bounded: the extra
+JVMs are idle and reused from then on). Memory: each JVM's heap is capped at `jvm_heap_mb`
 (default 512: a JVM then stays at ~0.3-0.45 GB resident over many episodes, measured; uncapped, Java takes a
 quarter of the machine's memory as its limit and a JVM grew to ~1.1 GB), so 32 rows cost ~10-15 GB.
 `close_idle()` ends the idle JVMs; all of them end with the Python process.
@@ -122,14 +125,14 @@ _IDLE: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 _VARIATIONS: dict[tuple[str, str], tuple[int, ...]] = {}  # (task, set) -> variation indices
 
 
-def acquire(heap_mb: int, start=Jvm):
-  """An idle JVM of `heap_mb` from the pool (dead ones are dropped), else a new one from `start(heap_mb)`."""
+def acquire(heap_mb: int):
+  """An idle JVM of `heap_mb` from the pool (dead ones are dropped), else a new `Jvm(heap_mb)`."""
   idle = _IDLE[heap_mb]
   while True:
     try:
       jvm = idle.pop()
     except IndexError:
-      return start(heap_mb)
+      return Jvm(heap_mb)
     if jvm.alive():
       return jvm
     jvm.close()
@@ -168,8 +171,8 @@ def variations(server, task: str, which: str) -> tuple[int, ...]:
   k = (task, which)
   if k not in _VARIATIONS:
     server.load(task, 0, "", False)
-    get = {"train": server.getVariationsTrain, "dev": server.getVariationsDev, "test": server.getVariationsTest}
-    _VARIATIONS[k] = tuple(int(v) for v in get[which]())
+    got = getattr(server, f"getVariations{which.capitalize()}")()  # getVariationsTrain / Dev / Test
+    _VARIATIONS[k] = tuple(int(v) for v in got)
     if not _VARIATIONS[k]:
       raise ValueError(f"scienceworld task={task!r} has no {which!r} variations")
   return _VARIATIONS[k]
@@ -248,7 +251,8 @@ class ScienceWorld:
       yield self._jvm.server
     except BaseException:
       jvm, self._jvm = self._jvm, None
-      jvm.close()
+      if jvm is not None:
+        jvm.close()
       raise
     finally:
       with self._lock:
