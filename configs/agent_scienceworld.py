@@ -12,12 +12,13 @@ score / 100 (1.0 solved, -1.0 failed, e.g. focusing on the wrong substance, part
 unreadable command is answered "No known action matches that input." and the episode goes on. Each seed picks one
 of boil's 14 training variations (`env.kwargs.variations="dev" | "test"` for the held-out ones).
 
-Sizes (SmolLM2 tokenizer, measured on 12 tasks x 6 variations): the first message is 136-208 tokens raw and
-30 more through the chat template (boil: at most 154 / 184), so `prompt_width=256`; 30 turns of 24 tokens and
-short answers fit `max_episode_tokens=2048`, long room descriptions end some episodes "truncated".
+Sizes (SmolLM2 tokenizer): the first message is at most 309 tokens raw and 339 through the chat template over
+all 30 variations of boil (melt 294 / 324; find-living-thing 305 / 335 over its 300), so `prompt_width=384` (a
+longer first message is a clear ValueError of the runner; other tasks: measure). 30 turns of 24 tokens and short
+answers fit `max_episode_tokens=2048`; long room descriptions end some episodes "truncated".
 
 Chat template: environment messages through a chat template are being added (`rollout.episodes.render_env_message`
-raises for now); until then run with `--config.task.chat_template=none` (raw prompts, 154 tokens at most for boil).
+raises for now); until then run with `--config.task.chat_template=none` (raw prompts).
 
 Memory and time: each episode row holds its own ScienceWorld JVM while it plays (~0.3-0.45 GB with the 512 MB heap
 cap; the JVMs are pooled and reused across batches): 2 prompts x 8 rows = 16 JVMs, and up to 16 + reward.workers
@@ -44,7 +45,7 @@ def get_config():
   c.env.turn_tokens = 24  # one command and the stop id ("use thermometer in inventory on substance in metal pot": 11)
   c.env.max_episode_tokens = 2048  # policy + environment tokens of one episode
   c.env.timeout_s = 60.0  # per environment call: the first reset of a row starts its JVM
-  c.env.prompt_width = 256  # the first message: <= 208 tokens raw, + 30 through the chat template (module docstring)
+  c.env.prompt_width = 384  # boil's first message: <= 309 tokens raw, <= 339 through the chat template (docstring)
   c.env.newest_each_turn = True
   c.env.kv_cache = True
   c.rollout.prompts_per_step = 2

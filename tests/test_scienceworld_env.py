@@ -324,3 +324,28 @@ def test_agent_scienceworld_config_validates():
   assert c.env.name == "scienceworld" and c.env.max_turns == 30
   env = envs.get(c.env.name, **c.env.kwargs.to_dict())  # its kwargs make an instance (no JVM yet)
   assert env._jvm is None
+
+
+@pytest.mark.real_model
+def test_agent_scienceworld_prompt_width_fits_every_boil_variation():
+  """The first message of each of boil's 30 variations, rendered as the config renders it (SmolLM2's chat template)
+  and raw, fits `env.prompt_width`."""
+  import os
+  from jaxrl_llm import wiring
+  from jaxrl_llm.config import load_file
+  from jaxrl_llm.models import gguf as gg
+  from jaxrl_llm.tasks.encoder import Encoder
+  if not os.environ.get("JAXRL_LLM_CACHE") and not (gg.default_cache_dir() / "config.json").is_file():
+    pytest.skip("SmolLM2 is not imported: make smollm2")
+  c = load_file(ROOT / "configs" / "agent_scienceworld.py")
+  chat = wiring.encoder_from_config(c)
+  raw = Encoder(chat.tokenizer, "none", "")
+  widths = []
+  for which, n in (("train", len(BOIL_TRAIN)), ("dev", len(BOIL_DEV)), ("test", len(BOIL_TEST))):
+    env = envs.get(c.env.name, **{**c.env.kwargs.to_dict(), "variations": which})
+    for seed in range(n):
+      text = env.reset(seed)
+      widths.append((len(chat.prompt_ids(text)), len(raw.prompt_ids(text))))
+    env.close()
+  assert max(max(w) for w in widths) <= c.env.prompt_width, max(widths)
+  assert all(ch > r for ch, r in widths)  # the chat template adds its tokens: the chat encoder was used
