@@ -103,9 +103,13 @@ class Jvm:
     port, self.proc = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH,
                                      javaopts=[f"-Xmx{heap_mb}m"], return_proc=True)
     self.heap_mb = heap_mb
-    self.gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port),
-                               java_process=self.proc)
-    self.server = self.gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+    try:
+      self.gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port),
+                                 java_process=self.proc)
+      self.server = self.gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+    except BaseException:
+      self.proc.kill()  # started but not reachable: do not leave the process behind
+      raise
 
   def alive(self) -> bool:
     return self.proc.poll() is None
@@ -275,7 +279,8 @@ class ScienceWorld:
     jvm = getattr(self, "_jvm", None)
     if jvm is not None and not getattr(self, "_busy", False):
       self._jvm = None
-      release(jvm)
+      with contextlib.suppress(Exception):  # e.g. at interpreter exit (the JVMs end with the process anyway)
+        release(jvm)
 
   # --- the Env interface
 
