@@ -330,7 +330,7 @@ def _validate_reward(c: ml_collections.ConfigDict) -> None:
 # Fields a resumed run may change: they affect neither array shapes nor what a learner step computes.
 RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep", "checkpoint.config_change", "eval.every",
              "reward.timeout_s", "reward.executor", "reward.workers", "rollout.num_workers", "sft.save_to",
-             "task.data_dir")
+             "task.data_dir", "sft.demos", "sft.demo_player")  # the warm start's demos: it never runs on resume
 
 
 ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width",
