@@ -14,11 +14,11 @@ of boil's 14 training variations (`env.kwargs.variations="dev" | "test"` for the
 
 Sizes (SmolLM2 tokenizer): the first message is at most 309 tokens raw and 339 through the chat template over
 all 30 variations of boil (melt 294 / 324; find-living-thing 305 / 335 over its 300), so `prompt_width=384` (a
-longer first message is a clear ValueError of the runner; other tasks: measure). 30 turns of 24 tokens and short
+longer first message ends that episode "too_long", counted; other tasks: measure). 30 turns of 24 tokens and short
 answers fit `max_episode_tokens=2048`; long room descriptions end some episodes "truncated".
 
-Chat template: environment messages through a chat template are being added (`rollout.episodes.render_env_message`
-raises for now); until then run with `--config.task.chat_template=none` (raw prompts).
+Chat template: observations are appended as user messages through SmolLM2's template (the template's delta after
+the model's `<|im_end|>`; `--config.task.chat_template=none` gives raw prompts instead).
 
 Memory and time: each episode row holds its own ScienceWorld JVM while it plays (~0.3-0.45 GB with the 512 MB heap
 cap; the JVMs are pooled and reused across batches): 2 prompts x 8 rows = 16 JVMs, and up to 16 + reward.workers

@@ -134,3 +134,27 @@ def test_async_engine_keeps_every_policy_tokens_lag_within_eta(eta):
   assert max(lags) <= eta
   assert merge_stats(stats)["env_episodes"] == 16
   assert store.held_versions() == [store.latest_version]
+
+
+def test_runner_closes_environments_that_have_close():
+  """Environments holding a resource (a simulator process) get `close()` once the batch is formed, even when one
+  raises from it."""
+  from jaxrl_llm import envs
+  closed = []
+
+  class Closing:
+    def reset(self, seed):
+      return "go"
+
+    def step(self, action):
+      return "=", 1.0, True
+
+    def close(self):
+      closed.append(self)
+      if len(closed) == 1:
+        raise RuntimeError("close failed")
+
+  if "test_closing" not in envs.names():
+    envs.register("test_closing")(Closing)
+  r = run_episodes(make_gen(), PARAMS, [1, 2], 2, dataclasses.replace(ECHO, name="test_closing"), jax.random.key(0), 0)
+  assert len(closed) == 4 and len({id(e) for e in closed}) == 4 and r.stats["env_done"] == 4

@@ -24,7 +24,8 @@ the G episodes of a GRPO group start from one seed, hence one state. An action t
 read raises `InvalidAction`: the episode ends with return 0 and is counted ("invalid"), as an
 environment that raises anything else ("error"), returns something malformed ("error") or overruns its
 time limit ("timeout") is (`jaxrl_llm.rollout.episodes`). One instance plays one episode at a time (the
-runner makes one per row).
+runner makes one per row); an optional `close()` is called when the runner's batch is formed (release a
+simulator process or a server connection there).
 """
 
 from __future__ import annotations

@@ -174,22 +174,30 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   `on_mesh=False`: generate on the caller's default device, not over `gen.mesh` (rollout worker threads).
   `keep_turns`: stats["turn_outputs"] holds every turn's sampler output and live rows (tests).
   """
+  env_list: list = []
   try:
     return _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll,
-                         gen.mesh if on_mesh else None)
+                         gen.mesh if on_mesh else None, env_list)
   finally:
     if poll is not None:
       poll(None)
+    for env in env_list:  # environments holding resources (a simulator process, a server) release them now
+      if callable(getattr(env, "close", None)):
+        try:
+          env.close()
+        except Exception:  # pylint: disable=broad-except  # a failing close costs nothing more: the batch is formed
+          pass
 
 
-def _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll, mesh) -> Rollout:
+def _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll, mesh,
+                  env_list: list) -> Rollout:
   s, G = settings, group_size
   P, N = width or gen.width, s.max_episode_tokens
   B = len(seeds) * G
   tok = gen.encoder.tokenizer
   pad = gen.sampler_cfg.pad_id
   kwargs = dict(s.kwargs)
-  env_list = [envs.get(s.name, **kwargs) for _ in range(B)]
+  env_list.extend(envs.get(s.name, **kwargs) for _ in range(B))
   status: list[str | None] = [None] * B
   reward_B = np.zeros((B,), np.float32)
 
