@@ -73,6 +73,37 @@ def env_settings(c: ml_collections.ConfigDict) -> EnvSettings | None:
                      newest_each_turn=bool(e.get("newest_each_turn", True)), kv_cache=bool(e.get("kv_cache", True)))
 
 
+def check_env(c: ml_collections.ConfigDict, encoder: Encoder) -> None:
+  """Makes one instance of the run's environment and renders its tools through the run's prompt encoder, so that
+  an argument the environment refuses or a tool schema the chat template cannot render is a one-line config
+  error at setup, not a failure inside the first batch. Nothing is reset (no episode starts)."""
+  if not config_lib.env_on(c):
+    return
+  from jaxrl_llm import envs  # local: the registry imports the package-backed environment modules
+  e = c.env
+  try:
+    env = envs.get(e.name, **dict(e.get("kwargs", {})))
+  except (ValueError, TypeError, ImportError, RuntimeError) as err:
+    raise config_lib.ConfigError(f"config.env.kwargs={dict(e.get('kwargs', {}))!r}: environment {e.name!r} refuses "
+                                 f"them: {type(err).__name__}: {str(err)[:300]}") from None
+  try:
+    tools = getattr(env, "tools", None)
+    if tools:
+      try:
+        encoder.episode_prompt_ids("", tools=tools)
+      except ValueError as err:
+        raise config_lib.ConfigError(f"config.env.name={e.name!r}: its tool schemas cannot be rendered for the "
+                                     f"policy: {str(err)[:300]}") from None
+    try:
+      encoder.observation_ids([{"role": "tool" if tools else "user", "content": "x"}])
+    except ValueError as err:
+      raise config_lib.ConfigError(f"config.task.chat_template={c.task.chat_template!r}: observations of "
+                                   f"env.name={e.name!r} cannot be appended through it: {str(err)[:300]}") from None
+  finally:
+    if callable(getattr(env, "close", None)):
+      env.close()
+
+
 def uses_reference(c: ml_collections.ConfigDict) -> bool:
   """Whether the run keeps a frozen copy of the initial policy and scores `ref_logp_BN` in every step: for a
   KL-to-reference term (`loss.kl_coef` > 0) or a loss that reads it (S²D-OPD's anchor to the initial student)."""
@@ -228,6 +259,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   task_kwargs = config_lib.task_kwargs(c)
   task = get_task(c.task.name, **task_kwargs)
   encoder = encoder_from_config(c)
+  check_env(c, encoder)
   num_test = num_held_out(task, c.task.get("held_out", 0.0))  # rows held out of a data file, or generated prompts
   hf_cfg = checkpoint_config(c)
   context = hf_cfg.max_seq_len if hf_cfg is not None else None

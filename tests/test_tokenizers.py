@@ -266,3 +266,19 @@ def test_checkpoint_bad_input_names_the_field(ckpt, tmp_path):
                                              max_episode_tokens=120, timeout_s=5.0, prompt_width=16))
   with pytest.raises(ConfigError, match="config.env.max_episode_tokens=120: env.prompt_width 16 .* context of 128"):
     loop.setup(agent)
+  agent.env.max_episode_tokens = 64
+  agent.env.kwargs = ml_collections.ConfigDict({"max_turns": 0})
+  with pytest.raises(ConfigError, match=r"config.env.kwargs=\{'max_turns': 0\}: environment 'guess_number' refuses"):
+    loop.setup(agent)
+  raising = tiny_hf.make_checkpoint(tmp_path / "raising", template="{% if tools %}{{ raise_exception('no tools') }}"
+                                    "{% endif %}" + tiny_hf.CHATML)
+  tools = tiny(raising)
+  tools.env = ml_collections.ConfigDict(dict(agent.env.to_dict(), name="gsm8k_calculator", kwargs={}))
+  with pytest.raises(ConfigError, match="config.env.name='gsm8k_calculator': its tool schemas cannot be rendered"):
+    loop.setup(tools)
+  unclosed = tiny_hf.make_checkpoint(tmp_path / "unclosed", template="{% for m in messages %}{{ m['content'] + '\\n' }}"
+                                     "{% endfor %}")
+  closed_never = tiny(unclosed)
+  closed_never.env = ml_collections.ConfigDict(dict(agent.env.to_dict(), kwargs={}))
+  with pytest.raises(ConfigError, match="config.task.chat_template='auto': observations of env.name='guess_number'"):
+    loop.setup(closed_never)
