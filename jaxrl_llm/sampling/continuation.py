@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden, \
-    stack_cache
+from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, logits_from_hidden, stack_cache
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import decode_carry, emit_token
+from jaxrl_llm.sampling.sampler import decode_carry, emit_token, feed_previous_column
 
 Array = jax.Array
 
@@ -61,14 +60,8 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
 
   def feed(carry: dict) -> dict:
     """Feeds the previous column's token; keeps the logits after it for the rows where it is real."""
-    prev = carry["step"] - 1
-    token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
-    live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
-    logits_B1V, cache = forward_with_cache(decode_params, token_B1, carry["cache"], model_cfg,
-                                           positions_BT=(start_pos_B + prev)[:, None].astype(jnp.int32),
-                                           segment_ids_BT=live_B1)
-    last = jnp.where(live_B1 > 0, logits_B1V[:, 0], carry["last_logits_BV"])
-    return {**carry, "cache": cache, "last_logits_BV": last}
+    logits_BV, live_B, cache = feed_previous_column(decode_params, carry, start_pos_B, model_cfg)
+    return {**carry, "cache": cache, "last_logits_BV": jnp.where(live_B[:, None], logits_BV, carry["last_logits_BV"])}
 
   def decode(carry: dict) -> dict:
     carry = feed(carry)

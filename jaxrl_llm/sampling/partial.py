@@ -30,9 +30,9 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, stack_cache
+from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, stack_cache
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import emit_token, prefill_grouped, prefill_prompts
+from jaxrl_llm.sampling.sampler import emit_token, feed_previous_column, prefill_grouped, prefill_prompts
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
@@ -77,13 +77,8 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
   params, cache = decode_view(params, carry["cache"], model_cfg)  # the same decode math as `generate`
 
   def decode(carry: dict) -> dict:
-    prev = carry["step"] - 1
-    token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
-    live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
-    logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
-                                           positions_BT=(carry["prompt_len_B"] + prev)[:, None].astype(jnp.int32),
-                                           segment_ids_BT=live_B1)
-    return _emit({**carry, "cache": cache}, logits_B1V[:, 0], key, version, sampler_cfg)
+    logits_BV, _, cache = feed_previous_column(params, carry, carry["prompt_len_B"], model_cfg)
+    return _emit({**carry, "cache": cache}, logits_BV, key, version, sampler_cfg)
 
   def keep_going(carry: dict) -> Array:
     return (carry["step"] < jnp.minimum(stop, sampler_cfg.max_new_tokens)) & ~jnp.all(carry["done_B"])

@@ -132,6 +132,20 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   }
 
 
+def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cfg: ModelConfig
+                         ) -> tuple[Array, Array, dict]:
+  """Feeds completion column `carry["step"] - 1` through the carry's cache at positions `start_pos_B + column`
+  (rows already finished there as padding, segment 0). Returns (logits_BV after it, live_B: whether the column
+  is real, the cache)."""
+  prev = carry["step"] - 1
+  token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
+  live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
+  logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
+                                         positions_BT=(start_pos_B + prev)[:, None].astype(jnp.int32),
+                                         segment_ids_BT=live_B1)
+  return logits_B1V[:, 0], live_B1[:, 0] > 0, cache
+
+
 def decode_carry(cache: dict, B: int, N: int, sampler_cfg: SamplerConfig) -> dict:
   """The decode loop's state before its first column (`emit_token` writes the columns): the cache, no tokens,
   no row done, and the empty records of μ the sampler config asks for."""
@@ -196,13 +210,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
 
   def decode(carry: dict) -> dict:
     """Feeds the previous column's token through the cache, then samples the next column."""
-    prev = carry["step"] - 1
-    token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
-    live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
-    logits_B1V, cache = forward_with_cache(decode_params, token_B1, carry["cache"], model_cfg,
-                                           positions_BT=(prompt_len_B + prev)[:, None].astype(jnp.int32),
-                                           segment_ids_BT=live_B1)
-    return emit({**carry, "cache": cache}, logits_B1V[:, 0])
+    logits_BV, _, cache = feed_previous_column(decode_params, carry, prompt_len_B, model_cfg)
+    return emit({**carry, "cache": cache}, logits_BV)
 
   def keep_going(carry: dict) -> Array:
     return (carry["step"] < N) & ~jnp.all(carry["done_B"])
