@@ -238,6 +238,14 @@ def test_merge_processes_joins_rows_and_adds_counts():
   assert got.group_B.dtype == np.int32 and got.sequence_BT.shape == (6, 3)
   assert got.stats["reward_errors"] == 3 and got.stats["async_lag_hist"] == [3, 1] and got.stats["async_buffered"] == 2
   assert got.stats["request_ids"] == [0, 1, 2] and got.stats["time_learner_idle_s"] == 1.0
+  # async episodes: counters added, the turn mean recomputed over both processes' episodes, the span the larger
+  env = lambda p, n, turns, span: {**part(p, n).stats, "env_episodes": 2 * n, "env_turns": turns, "env_done": n,
+                                   "env_turns_mean": turns / (2 * n), "env_version_span_max": span,
+                                   "episode_status": {"done": n, "error": 0}}
+  got = merge_processes([part(0, 2).replace(stats=env(0, 2, 12, 1)), part(1, 1).replace(stats=env(1, 1, 2, 0))])
+  assert got.stats["env_episodes"] == 6 and got.stats["env_turns"] == 14 and got.stats["env_done"] == 3
+  assert got.stats["env_turns_mean"] == 14 / 6 and got.stats["env_version_span_max"] == 1
+  assert got.stats["episode_status"] == {"done": 3, "error": 0} and got.stats["reward_errors"] == 3
 
 
 def test_row_owners_are_the_lowest_process_holding_each_row():
