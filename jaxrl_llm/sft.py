@@ -101,25 +101,19 @@ def episode_record(encoder: Encoder, first: str, steps, max_turns: int,
       break
     resp += env_ids
     mask += [0] * len(env_ids)
-  return encoder.prompt_ids(first), resp, mask
+  return encoder.episode_prompt_ids(first), resp, mask
 
 
 def episode_batch(records, P: int, N: int, pad_id: int):
   """(sequence_BT, positions_BT, segment_ids_BT, mask_BN) of `episode_record`s in the record layout of
   `run_episodes`: prompts left-padded to P, responses compact and right-padded to N, positions counting
-  from the first real prompt token, segment 1 on every real token (policy and environment)."""
+  from the first real prompt token, segment 1 on every real token (`episodes.record_layout`)."""
   prompt_BP, plen_B = tok.pad_left([r[0] for r in records], P, pad_id)
   resp_BN, used_B = tok.pad_right([r[1] for r in records], N, pad_id)
   mask_BN, _ = tok.pad_right([r[2] for r in records], N, 0)
-  col_P = np.arange(P)
-  first_B = P - plen_B
-  seg_BP = col_P[None, :] >= first_B[:, None]
-  pos_BP = np.where(seg_BP, col_P[None, :] - first_B[:, None], 0)
-  pos_BN = plen_B[:, None] + np.arange(N)[None, :]
-  seg_BN = np.arange(N)[None, :] < used_B[:, None]
-  return (jnp.asarray(np.concatenate([prompt_BP, resp_BN], 1), jnp.int32),
-          jnp.asarray(np.concatenate([pos_BP, pos_BN], 1), jnp.int32),
-          jnp.asarray(np.concatenate([seg_BP, seg_BN], 1), jnp.int32), jnp.asarray(mask_BN, jnp.float32))
+  positions_BT, segment_ids_BT = episodes.record_layout(plen_B, used_B, P, N)
+  return (jnp.asarray(np.concatenate([prompt_BP, resp_BN], 1), jnp.int32), jnp.asarray(positions_BT),
+          jnp.asarray(segment_ids_BT), jnp.asarray(mask_BN, jnp.float32))
 
 
 def demo_seeds(seed: int, n: int) -> list[int]:

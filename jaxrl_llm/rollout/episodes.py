@@ -139,6 +139,19 @@ def episode_seeds(seed: int, step: int, n: int, call: int = 0) -> list[int]:
   return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
 
 
+def record_layout(plen_B: np.ndarray, used_B: np.ndarray, P: int, N: int) -> tuple[np.ndarray, np.ndarray]:
+  """(positions_BT, segment_ids_BT), int32 [B, P + N], of episodes packed as records: prompts of `plen_B` ids
+  left-padded to P, then compact responses of `used_B` ids right-padded to N; positions count from the first
+  real prompt token, segment 1 on every real token (policy and environment), 0 on padding."""
+  col_P = np.arange(P)
+  first_B = P - np.asarray(plen_B)
+  seg_BP = col_P[None, :] >= first_B[:, None]
+  pos_BP = np.where(seg_BP, col_P[None, :] - first_B[:, None], 0)
+  pos_BN = np.asarray(plen_B)[:, None] + np.arange(N)[None, :]
+  seg_BN = np.arange(N)[None, :] < np.asarray(used_B)[:, None]
+  return (np.concatenate([pos_BP, pos_BN], 1).astype(np.int32), np.concatenate([seg_BP, seg_BN], 1).astype(np.int32))
+
+
 def merge_stats(stats: Sequence[dict]) -> dict:
   """The episode counters of several `run_episodes` records as one batch's: counts added (`env_*`, `episode_status`,
   `reward_errors`), `env_turns_mean` recomputed over all episodes, `env_version_span_max` the largest."""
@@ -308,12 +321,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     if status[b] is None:
       status[b] = "max_turns"
 
-  col_P = np.arange(P)
-  first_B = P - plen_B
-  seg_BP = (col_P[None, :] >= first_B[:, None]).astype(np.int32)
-  pos_BP = np.where(seg_BP > 0, col_P[None, :] - first_B[:, None], 0).astype(np.int32)
-  pos_BN = (plen_B[:, None] + np.arange(N)[None, :]).astype(np.int32)
-  seg_BN = (np.arange(N)[None, :] < used_B[:, None]).astype(np.int32)
+  positions_BT, segment_ids_BT = record_layout(plen_B, used_B, P, N)
   counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
   policy_BN = mask_BN > 0
   span_B = np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30)
@@ -329,7 +337,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
   if keep_turns:
     stats["turn_outputs"] = turn_outputs
-  return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=np.concatenate([pos_BP, pos_BN], 1),
-                 segment_ids_BT=np.concatenate([seg_BP, seg_BN], 1), mask_BN=mask_BN, behavior_logp_BN=logp_BN,
+  return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=positions_BT,
+                 segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=logp_BN,
                  versions_BN=ver_BN, reward_B=reward_B,
                  group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, stats=stats)
