@@ -204,6 +204,38 @@ def test_import_is_idempotent_and_refuses_partial_folders(tiny, tmp_path):
   assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left behind
 
 
+_NO_TORCH = """
+import builtins, importlib.util, sys
+real_import, real_find = builtins.__import__, importlib.util.find_spec
+def _blocked(name):
+  return name == "torch" or name.startswith("torch.")
+def guarded_import(name, *a, **k):
+  if _blocked(name):
+    raise ImportError("torch is not installed (blocked by the test)")
+  return real_import(name, *a, **k)
+builtins.__import__ = guarded_import
+importlib.util.find_spec = lambda name, *a, **k: None if _blocked(name) else real_find(name, *a, **k)
+from jaxrl_llm.models import gguf
+gguf.import_gguf(sys.argv[1], sys.argv[2])
+assert "torch" not in sys.modules
+"""
+
+
+def test_import_needs_no_torch(tiny, tmp_path):
+  """`make demo` installs no torch: the import (tokenizer included) runs with torch unimportable and
+  writes the same tokenizer as transformers' torch-backed GGUF loader (the module fixture's folder)."""
+  import subprocess
+  import sys
+  _, src, folder = tiny["F32"]
+  out = tmp_path / "no-torch"
+  subprocess.run([sys.executable, "-c", _NO_TORCH, str(src), str(out)], check=True, timeout=300)
+  ref = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+  ref.save_pretrained(str(tmp_path / "ref"))
+  assert json.loads((out / "tokenizer.json").read_text()) == json.loads((tmp_path / "ref" / "tokenizer.json").read_text())
+  for name in ("chat_template.jinja", "generation_config.json", "config.json"):
+    assert (out / name).read_text() == (folder / name).read_text(), name
+
+
 def test_bad_inputs_are_named(tmp_path, monkeypatch):
   tensors = _hf_tensors(seed=0)
   with pytest.raises(FileNotFoundError, match="no GGUF file"):

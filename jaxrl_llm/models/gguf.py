@@ -7,8 +7,9 @@ so a folder that exists is complete; `prepare_gguf` reuses it.
 
 Libraries do the format work: the `gguf` package reads tensors and dequantises them
 (`gguf.quants.dequantize`); `transformers` builds the tokenizer from the file's metadata
-(`AutoTokenizer.from_pretrained(folder, gguf_file=...)`, which needs the `hf` extra: transformers
-and torch). Only the tensor names and one layout change are ours:
+(its GGUF tokenizer converter, fed from the `gguf` package's metadata reader, so no torch is needed;
+transformers 4.x falls back to `AutoTokenizer.from_pretrained(folder, gguf_file=...)`, which needs torch).
+Only the tensor names and one layout change are ours:
 
   llama.cpp's converter permutes the rows of q_proj / k_proj within each head, from the
   rotate-half RoPE layout of Hugging Face ([first halves of the pairs, second halves]) to the
@@ -211,14 +212,42 @@ def read_tensors(model: GGUFModel, reader) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- tokenizer
 
 
+def _tokenizer_from_metadata(gguf_path: pathlib.Path):
+  """transformers' own GGUF tokenizer conversion fed from the `gguf` package's metadata reader: no torch.
+
+  transformers' `AutoTokenizer.from_pretrained(..., gguf_file=)` reads the metadata with a reader that
+  imports torch; its converter (`convert_gguf_tokenizer`) and key mapping do not. Returns None where this
+  transformers has no such module (4.x), so the caller falls back to `AutoTokenizer`.
+  """
+  try:
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: PLC0415
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+  except ImportError:
+    return None
+  reader = _gguf().GGUFReader(str(gguf_path))
+  groups = {group: {name: _field(reader, f"tokenizer.{key}") for key, name in renames.items()
+                    if f"tokenizer.{key}" in reader.fields}
+            for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+  tokens, config = groups["tokenizer"], groups["tokenizer_config"]
+  for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                    ("pad_token", "padding_token_id")):
+    token_id = _field(reader, f"tokenizer.ggml.{key}")
+    config[name] = tokens["tokens"][token_id] if token_id is not None else None
+  backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokens)
+  return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
 def _write_tokenizer(gguf_path: pathlib.Path, out: pathlib.Path, hf_config: dict) -> None:
   """tokenizer.json + tokenizer_config.json (chat_template included) + chat_template.jinja, via transformers."""
-  try:
-    from transformers import AutoTokenizer  # noqa: PLC0415
-  except ImportError as e:
-    raise ImportError("building the tokenizer from a GGUF file needs transformers and torch: "
-                      "pip install -e '.[hf]'") from e
-  tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+  tok = _tokenizer_from_metadata(gguf_path)
+  if tok is None:
+    try:
+      from transformers import AutoTokenizer  # noqa: PLC0415
+    except ImportError as e:
+      raise ImportError("building the tokenizer from a GGUF file needs transformers (with torch before "
+                        "transformers 5): pip install -e '.[hf]'") from e
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
   tok.save_pretrained(str(out))
   config_file = out / "tokenizer_config.json"
   config = json.loads(config_file.read_text())
@@ -262,7 +291,7 @@ def import_gguf(gguf_path, out_dir, *, tokenizer: bool = True) -> pathlib.Path:
   Args:
     gguf_path: the .gguf file.
     out_dir: destination folder; written via a temporary sibling and an atomic rename.
-    tokenizer: also write the tokenizer files (needs transformers + torch).
+    tokenizer: also write the tokenizer files (transformers; torch only before transformers 5).
   Returns:
     `out_dir` as a Path.
   Raises:
