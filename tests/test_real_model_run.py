@@ -57,9 +57,9 @@ def test_cli_missing_checkpoint_is_one_line(tmp_path):
 
 
 def test_configs_are_valid_and_load_without_torch():
-  """Both real-model configs validate (OPD needs registered by importing the loop) and pull in no torch."""
+  """The real-model configs validate (OPD needs registered by importing the loop) and pull in no torch."""
   code = ("import sys; from jaxrl_llm import loop; from jaxrl_llm.config import load_file, validate\n"
-          "for name in ('smollm2_grpo', 'smollm2_opd'):\n"
+          "for name in ('smollm2_grpo', 'smollm2_opd', 'smollm2_demo'):\n"
           "  c = load_file(f'configs/{name}.py'); validate(c)\n"
           "  print(name, c.task.name, c.sft.steps, c.model.remat, c.model.init_from, c.get('distill', {}).get('teacher'))\n"
           "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
@@ -69,6 +69,7 @@ def test_configs_are_valid_and_load_without_torch():
   assert p.stdout.splitlines() == [
       "smollm2_grpo arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct None",
       "smollm2_opd arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct-first8 /cache/SmolLM2-135M-Instruct",
+      "smollm2_demo arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct None",
       "[]"]
 
 
