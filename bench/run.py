@@ -357,18 +357,9 @@ def _shape(m: dict) -> str:
   return f"L{m['n_layers']} d{m['d_model']} F{m['d_ff']} V{m['vocab_size']} H{m['n_heads']}/K{m['n_kv_heads']}"
 
 
-def format_tables(res: dict) -> str:
-  """The Markdown tables printed on stdout and embedded in bench/README.md."""
-  m, p = res["machine"], res["peak"]
-  out = [f"Command: `{res['command']}` · commit {m['commit']}{' (dirty)' if m['dirty'] else ''} · {m['date_utc']} · "
-         f"{m['cpu_count']} CPU cores, JAX {m['jax']} ({m['backend']}, {m['device_kind']}) · load average "
-         f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end · bench wall {res['wall_s']:.0f} s"
-         + (f" · huge pages {'on' if m['huge_pages'] else 'off'} (`jaxrl_llm/hugepages.py`)" if "huge_pages" in m else ""), ""]
-  out += ["**Machine references** (measured with JAX in this run)", "",
-          _table(["fp32 matmul peak", "bf16 matmul peak", "copy bandwidth (x + 1)"],
-                 [[f"{_g(p['matmul_fp32']['flops_per_s'], 'FLOP/s')} (n={p['matmul_fp32']['n']})",
-                   f"{_g(p['matmul_bf16']['flops_per_s'], 'FLOP/s')} (n={p['matmul_bf16']['n']})",
-                   _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
+def _toy_tables(res: dict) -> list[str]:
+  """Learner, sampler, toy GRPO-vs-Tunix and system tables (the full bench's sections)."""
+  out = []
   rows = []
   for name, r in sorted(res["learner"].items(), key=lambda kv: kv[1].get("matmul_params", 0)):
     if "step_s" not in r:
@@ -393,7 +384,6 @@ def format_tables(res: dict) -> str:
   rows = []
   by_size = lambda kv: (kv[1]["model"]["n_layers"], kv[1]["model"]["d_model"])
   toy = {k: v for k, v in res["grpo"].items() if "variant" not in v}
-  real = {k: v for k, v in res["grpo"].items() if "variant" in v}
   for name, r in sorted(toy.items(), key=by_size):
     o, t = r["ours"], r["tunix"]
     rows.append([name, _ms(o["total_s"]), _ms(t["total_s"]) if "total_s" in t else "–",
@@ -435,6 +425,24 @@ def format_tables(res: dict) -> str:
   else:
     rows.append(["sparse sync", sp.get("status", "?")])
   out += ["**Loop and system**", "", _table(["measure", "value"], rows)]
+  return out
+
+
+def format_tables(res: dict) -> str:
+  """The Markdown tables printed on stdout and embedded in bench/README.md."""
+  m, p = res["machine"], res["peak"]
+  out = [f"Command: `{res['command']}` · commit {m['commit']}{' (dirty)' if m['dirty'] else ''} · {m['date_utc']} · "
+         f"{m['cpu_count']} CPU cores, JAX {m['jax']} ({m['backend']}, {m['device_kind']}) · load average "
+         f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end · bench wall {res['wall_s']:.0f} s"
+         + (f" · huge pages {'on' if m['huge_pages'] else 'off'} (`jaxrl_llm/hugepages.py`)" if "huge_pages" in m else ""), ""]
+  out += ["**Machine references** (measured with JAX in this run)", "",
+          _table(["fp32 matmul peak", "bf16 matmul peak", "copy bandwidth (x + 1)"],
+                 [[f"{_g(p['matmul_fp32']['flops_per_s'], 'FLOP/s')} (n={p['matmul_fp32']['n']})",
+                   f"{_g(p['matmul_bf16']['flops_per_s'], 'FLOP/s')} (n={p['matmul_bf16']['n']})",
+                   _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
+  if "learner" in res:  # absent in a results file that `--only-real` started
+    out += _toy_tables(res)
+  real = {k: v for k, v in res["grpo"].items() if "variant" in v}
   for name, r in real.items():
     out += ["", format_real(name, r)]
   if res.get("real_skipped"):
@@ -646,10 +654,10 @@ def main(argv: list[str] | None = None) -> dict:
                 shared_prefill=args.shared_prefill, command=command, only_peers=only_peers,
                 log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
   if args.only_real:  # keep every other row of the existing results (the toy history stays comparable)
-    if not os.path.exists(args.out):
-      raise SystemExit(f"--only-real: {args.out} does not exist (run the full bench once first)")
-    with open(args.out) as f:
-      old = json.load(f)
+    old = {}
+    if os.path.exists(args.out):  # else a new file holds this run's machine references and R alone
+      with open(args.out) as f:
+        old = json.load(f)
     new = res["grpo"][real]
     if only_peers and real in old.get("grpo", {}):  # replace these peers' rows only, noting where they came from
       entry = old["grpo"][real]
@@ -658,9 +666,9 @@ def main(argv: list[str] | None = None) -> dict:
                                              "loadavg_end": new["loadavg_end"]}}
         for k in (f"{n}_over_ours", f"ours_with_{n}_s"):
           entry[k] = new[k]
-    else:
+    elif old:
       old.setdefault("grpo", {})[real] = new
-    res = old
+    res = old or res
   tables = format_tables(res)
   print(tables)
   with open(args.out, "w") as f:

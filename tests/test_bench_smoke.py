@@ -235,6 +235,10 @@ def test_real_workload_path_merges_into_results(tiny_ckpt, tmp_path, monkeypatch
   assert r["measured"]["command"].startswith("python -m bench.run") and len(r["loadavg_start"]) == 3
   assert "**Full GRPO step vs Tunix**" in stdout and "**R_small: targets**" in stdout
   assert stdout.strip() in readme.read_text()
+  # A results file that `--only-real` starts (no toy sections) formats: R alone, no KeyError.
+  alone = {k: saved[k] for k in ("command", "machine", "peak", "wall_s")} | {"grpo": {"R_small": r}}
+  tables = run.format_tables(alone)
+  assert "**R_small: targets**" in tables and "**Full GRPO step vs Tunix**" not in tables
 
 
 def test_shared_prefill_flag_sets_the_group_size(tiny_ckpt):

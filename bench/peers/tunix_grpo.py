@@ -209,13 +209,14 @@ def run_real(workload: str, model_dir: str, warmup: int, steps: int, rounds: int
   tok = transformers.AutoTokenizer.from_pretrained(model_dir)
   P = _real_prompt_width(tok, [task.make_example(np.random.default_rng(s))["prompt"] for s in range(64)])
   hf = json_lib.load(open(os.path.join(model_dir, "config.json")))
-  # BENCH_TUNIX_REMAT=none: the closest workload Tunix 0.1.7 runs (its RematConfig.DECODER fails in the
-  # train step with flax's TraceContextError "Cannot mutate Param from a different trace level").
-  forced = os.environ.get("BENCH_TUNIX_REMAT", "")
-  remat = (llama3.RematConfig.NONE if forced == "none" or r["remat"] != "full" else llama3.RematConfig.DECODER)
-  note = ("remat off (BENCH_TUNIX_REMAT=none): Tunix 0.1.7's RematConfig.DECODER fails with flax "
-          "TraceContextError; ours recomputes layers, so Tunix does 6N instead of our 8N FLOPs per token"
-          if forced == "none" and r["remat"] == "full" else "")
+  # Tunix 0.1.7's RematConfig.DECODER fails in the train step with flax's TraceContextError ("Cannot mutate
+  # Param from a different trace level"), so a workload that recomputes layers runs Tunix without recomputation
+  # (the closest workload it runs) unless BENCH_TUNIX_REMAT=decoder asks to try it.
+  forced = os.environ.get("BENCH_TUNIX_REMAT", "none")
+  remat = (llama3.RematConfig.DECODER if forced == "decoder" and r["remat"] == "full" else llama3.RematConfig.NONE)
+  note = ("remat off: Tunix 0.1.7's RematConfig.DECODER fails with flax TraceContextError "
+          "(BENCH_TUNIX_REMAT=decoder tries it); ours recomputes layers, so Tunix does 6N instead of our 8N "
+          "FLOPs per token" if remat == llama3.RematConfig.NONE and r["remat"] == "full" else "")
   cfg = llama3.ModelConfig(num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
                            embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
                            num_heads=hf["num_attention_heads"], head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
