@@ -183,7 +183,7 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: d
       "reward_mean": float(np.mean(reward_B)), "reward_std": float(np.std(reward_B)),
       "accuracy": float(np.mean(reward_B >= 1.0)), "completion_len": float(mask_BN.sum(1).mean()),
       "reward_errors": ro.stat("reward_errors"), **info, **m,
-      **{k_: v for k_, v in (ro.stats or {}).items() if k_.startswith(("time_", "async_", "replay_", "env_"))},
+      **{k_: v for k_, v in (ro.stats or {}).items() if k_.startswith(("time_", "async_", "replay_", "env_", "serve_"))},
       **store.sync_metrics(),  # weight_sync="sparse": payload ratio and changed fraction of the newest publish
   }
   if ro.stat("request_ids", None) is not None:  # async: which requests the batch holds
