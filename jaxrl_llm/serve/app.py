@@ -30,6 +30,9 @@ import time
 import uuid
 from typing import Any
 
+from fastapi import FastAPI, Request  # the `serve` extra (route annotations are resolved from module globals)
+from fastapi.responses import JSONResponse
+
 from jaxrl_llm.serve import chat
 from jaxrl_llm.serve.batcher import TOPK, Batcher, Completion
 from jaxrl_llm.serve.recorder import Call, EpisodeEnded, Recorder, UnknownEpisode
@@ -352,9 +355,6 @@ def report_reward(ep: Endpoint, episode_id: str, body: dict) -> dict:
 
 def make_app(ep: Endpoint):
   """The FastAPI app of `ep` (routes in the module docstring)."""
-  from fastapi import FastAPI, Request  # noqa: PLC0415  (the `serve` extra)
-  from fastapi.responses import JSONResponse  # noqa: PLC0415
-
   app = FastAPI(title="jaxrl_llm policy endpoint")
 
   @app.exception_handler(ApiError)
