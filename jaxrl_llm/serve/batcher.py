@@ -97,6 +97,7 @@ class Batcher:
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()
     self.sizes: list[int] = []  # requests per served sampler call
+    self._unserved = 0  # submitted, not yet handed to the sampler
     self.calls = 0
 
   def start(self) -> "Batcher":
@@ -127,13 +128,17 @@ class Batcher:
     self._open.set()
 
   def pending(self) -> int:
-    return self._queue.qsize()
+    """Requests submitted and not yet handed to the sampler (queued, or taken while held)."""
+    with self._lock:
+      return self._unserved
 
   def submit(self, prompt_ids: Sequence[int], max_tokens: int, top_logprobs: int = 0) -> concurrent.futures.Future:
     """Queues one request; the future's result is a `Completion` (or the sampler's exception)."""
     if self._stop.is_set():
       raise RuntimeError("the server is shutting down")
     fut: concurrent.futures.Future = concurrent.futures.Future()
+    with self._lock:
+      self._unserved += 1
     self._queue.put(_Request(list(map(int, prompt_ids)), int(max_tokens), int(top_logprobs), fut))
     return fut
 
@@ -149,6 +154,7 @@ class Batcher:
     first = self._queue.get()
     if first is None:
       return []
+    self._open.wait()  # held: the first request waits here with the rest queued behind it
     batch, deadline = [first], time.monotonic() + self.window_s
     while len(batch) < self.max_batch:
       try:
@@ -163,14 +169,16 @@ class Batcher:
 
   def _run(self) -> None:
     while not self._stop.is_set():
-      self._open.wait()
-      if self._stop.is_set():
-        break
       batch = self._take()
-      if batch:
+      if batch and not self._stop.is_set():
         self._serve(batch)
+      else:
+        for r in batch:
+          r.future.set_exception(RuntimeError("the server is shutting down"))
 
   def _serve(self, batch: list[_Request]) -> None:
+    with self._lock:
+      self._unserved -= len(batch)
     try:
       snap = self.acquire()
       try:

@@ -75,11 +75,12 @@ class Recorder:
         ep = self._episodes[episode_id] = Episode(episode_id)
       return ep
 
-  def get(self, episode_id: str) -> Episode:
-    """The open episode `episode_id` (opened here when `auto_open`); UnknownEpisode / EpisodeEnded otherwise."""
+  def get(self, episode_id: str, may_open: bool = True) -> Episode:
+    """The open episode `episode_id` (opened here when `auto_open` and `may_open`); UnknownEpisode / EpisodeEnded
+    otherwise."""
     with self._lock:
       ep = self._episodes.get(episode_id)
-      if ep is None and self.auto_open:
+      if ep is None and self.auto_open and may_open:
         ep = self._episodes[episode_id] = Episode(episode_id)
     if ep is None:
       raise UnknownEpisode(episode_id)
@@ -98,8 +99,8 @@ class Recorder:
       ep.calls.append(call)
 
   def reward(self, episode_id: str, reward: float) -> None:
-    """Ends the episode with `reward`."""
-    ep = self.get(episode_id)
+    """Ends the episode with `reward` (an episode never called is unknown, even with `auto_open`)."""
+    ep = self.get(episode_id, may_open=False)
     with self._lock:
       ep.reward = float(reward)
     ep.done.set()
