@@ -21,7 +21,9 @@ from jaxrl_llm import config as config_lib  # noqa: E402
 from jaxrl_llm import loop, wiring  # noqa: E402
 from jaxrl_llm.config import ConfigError, load_file  # noqa: E402
 from jaxrl_llm.models import init_params  # noqa: E402
+from jaxrl_llm.rollout.async_engine import worker_params  # noqa: E402
 from jaxrl_llm.rollout.param_store import ParamStore  # noqa: E402
+from jaxrl_llm.rollout.sources import harness as harness_source  # noqa: E402
 from jaxrl_llm.rollout.settings import ServeSettings  # noqa: E402
 from jaxrl_llm.sampling import SamplerConfig  # noqa: E402
 from jaxrl_llm.serve import example_harness  # noqa: E402
@@ -294,7 +296,9 @@ def test_eight_concurrent_episodes_share_a_batch():
   r = wiring.setup(c)
   store = ParamStore(keep_last=1)
   store.publish(init_params(r.sampler_model_cfg, jax.random.key(0)))
-  svc = Service.start(r.ctx.gen, store, r.ctx.settings.serve, auto_open=True)
+  s = r.ctx.settings.serve
+  sample_fn = harness_source.make_sample_fn(r.ctx.gen, s.max_context, s.max_tokens, s.max_batch)
+  svc = Service.start(r.ctx.gen, store, s, sample_fn=sample_fn, params_of=worker_params, auto_open=True)
   ids = [f"c{i}-g0-x" for i in range(8)]
   SERVED.clear()
   try:

@@ -7,8 +7,9 @@ with `sample_fn`, and answers each request with its completion ids (up to and in
 log-probs, the finish reason ("stop": a stop id was drawn; "length": the request's `max_tokens` ran out) and the
 version. Served batch sizes are counted (`stats`: `serve_batch_mean`, `serve_batch_max`, `serve_calls`).
 
-`make_sample_fn` is the sampler the run uses: `rollout.turn_sampler.Reprefill` (prompts left-padded to one width,
-`sampling.generate`), no decode loop of its own. Tests pass their own `sample_fn` or hold the thread (`hold`).
+The run's `sample_fn` is `rollout.sources.harness.make_sample_fn` (`rollout.turn_sampler.Reprefill`: prompts
+left-padded to one width, `sampling.generate`), no decode loop of its own. Tests pass their own `sample_fn` or hold
+the thread (`hold`). Nothing here imports `jaxrl_llm.rollout` (the harness source imports this package).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxrl_llm.keys import fold_in
-from jaxrl_llm.rollout import turn_sampler
 
 TOPK = 20  # OpenAI's largest `top_logprobs`: a batch that asks for any records μ's top 20
 
@@ -48,29 +48,6 @@ class _Request:
   max_tokens: int
   top_logprobs: int
   future: concurrent.futures.Future
-
-
-def _bucket(n: int, cap: int) -> int:
-  """Rows of a sampler call for n requests: the next power of two, at most `cap` (few compiled shapes)."""
-  return min(cap, 1 << max(0, n - 1).bit_length())
-
-
-def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int) -> SampleFn:
-  """The run's sampler for served calls: `turn_sampler.Reprefill` over prompts left-padded to `width`, at most
-  `max_tokens` new tokens, the run's temperature / top-k / top-p (μ is the training distribution). Rows are padded
-  (copies of the first) to a power-of-two bucket; μ's top-k ids are recorded only when a request asks for them."""
-  turns = turn_sampler.Reprefill(gen, width)
-  base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
-
-  def sample(params, version: int, contexts: Sequence[Sequence[int]], key, top_logprobs: int = 0) -> dict:
-    n = len(contexts)
-    rows = list(contexts) + [contexts[0]] * (_bucket(n, max(max_batch, n)) - n)
-    cfg = dataclasses.replace(base, behavior_topk=TOPK if top_logprobs else 0)
-    out = turns.turn(params, version, list(range(len(rows))), rows, key, cfg)
-    return {k: np.asarray(v)[:n] for k, v in out.items() if k in (
-        "tokens_BN", "lengths_B", "behavior_logp_BN", "behavior_topk_ids_BNk", "behavior_topk_logp_BNk")}
-
-  return sample
 
 
 class Batcher:

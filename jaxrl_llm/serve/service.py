@@ -1,18 +1,20 @@
 """The endpoint as one object a run starts and stops: batcher thread + recorder + uvicorn on 127.0.0.1.
 
-`Service.start(gen, store, settings)` samples with the run's `Generation` (its sampler model, settings and
-encoder) from the newest snapshot of the ParamStore `store` (`async_engine.worker_params`), so a call always
-sees the newest published version, pinned for that sampler call.
+`Service.start(gen, store, settings, sample_fn=, params_of=)` serves the run's `Generation` (its encoder, sampler
+settings and key root) with `sample_fn` (`rollout.sources.harness.make_sample_fn`) from the newest snapshot of the
+ParamStore `store` (`params_of(snapshot)`: `async_engine.worker_params`), so a call always sees the newest published
+version, pinned for that sampler call. Both are passed in: `jaxrl_llm.serve` imports nothing of `jaxrl_llm.rollout`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from typing import Callable
+
 from jaxrl_llm.keys import fold_in
-from jaxrl_llm.rollout.async_engine import worker_params
 from jaxrl_llm.serve.app import Endpoint, Limits, Server, make_app
-from jaxrl_llm.serve.batcher import Batcher, make_sample_fn
+from jaxrl_llm.serve.batcher import Batcher, SampleFn
 from jaxrl_llm.serve.recorder import Recorder
 
 SERVE_KEY = 0x5E7E  # the serve stream of the run's sampling keys
@@ -37,11 +39,11 @@ class Service:
     return self.endpoint.recorder
 
   @classmethod
-  def start(cls, gen, store, s, *, auto_open: bool = False, sample_fn=None) -> "Service":
-    """Serves `gen`'s policy from `store` with `s` (`rollout.settings.ServeSettings`); `sample_fn` replaces the
-    run's sampler (tests); `auto_open`: a call with a new episode id opens it (else the caller opens episodes)."""
-    sample_fn = sample_fn or make_sample_fn(gen, s.max_context, s.max_tokens, s.max_batch)
-    batcher = Batcher(sample_fn, store.acquire, store.release, worker_params, fold_in(gen.key_root, SERVE_KEY),
+  def start(cls, gen, store, s, *, sample_fn: SampleFn, params_of: Callable = lambda snap: snap.params,
+            auto_open: bool = False) -> "Service":
+    """Serves `gen`'s policy from `store` with `s` (`rollout.settings.ServeSettings`) and `sample_fn`;
+    `auto_open`: a call with a new episode id opens it (else the caller opens its episodes)."""
+    batcher = Batcher(sample_fn, store.acquire, store.release, params_of, fold_in(gen.key_root, SERVE_KEY),
                       stop_ids=gen.encoder.tokenizer.stop_ids, max_batch=s.max_batch, window_s=s.batch_window_s)
     cfg = gen.sampler_cfg
     limits = Limits(model_name=s.model_name, max_context=s.max_context, max_tokens=s.max_tokens,

@@ -24,6 +24,7 @@ checkpoint are not saved; a resumed run starts new requests after the cursor.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 import uuid
@@ -32,11 +33,36 @@ import numpy as np
 
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import async_engine as ae
+from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.rollout.buffer import collate, group_record, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
 
 FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long")
+
+
+def _bucket(n: int, cap: int) -> int:
+  """Rows of a sampler call for n requests: the next power of two, at most `cap` (few compiled shapes)."""
+  return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int = 20):
+  """The endpoint's sampler (`serve.batcher.SampleFn`): `turn_sampler.Reprefill` over prompts left-padded to
+  `width`, at most `max_tokens` new tokens, the run's temperature / top-k / top-p (μ is the training distribution).
+  Rows are padded (copies of the first) to a power-of-two bucket; μ's `topk` most likely ids are recorded only when
+  a request asks for top log-probs (the sampled tokens are the same either way)."""
+  turns = turn_sampler.Reprefill(gen, width)
+  base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
+
+  def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
+    n = len(contexts)
+    rows = list(contexts) + [contexts[0]] * (_bucket(n, max(max_batch, n)) - n)
+    cfg = dataclasses.replace(base, behavior_topk=topk if top_logprobs else 0)
+    out = turns.turn(params, version, list(range(len(rows))), rows, key, cfg)
+    return {k: np.asarray(v)[:n] for k, v in out.items() if k in (
+        "tokens_BN", "lengths_B", "behavior_logp_BN", "behavior_topk_ids_BNk", "behavior_topk_logp_BNk")}
+
+  return sample
 
 
 def load_harness(spec: str):
@@ -153,7 +179,9 @@ class Harness:
   def _start(self) -> None:
     from jaxrl_llm.serve.service import Service  # noqa: PLC0415  (the `serve` extra)
     st = self.ctx.settings
-    self.service = Service.start(self.ctx.gen, self.store, self.s)
+    from jaxrl_llm.serve.batcher import TOPK  # noqa: PLC0415
+    sample_fn = make_sample_fn(self.ctx.gen, self.s.max_context, self.s.max_tokens, self.s.max_batch, TOPK)
+    self.service = Service.start(self.ctx.gen, self.store, self.s, sample_fn=sample_fn, params_of=ae.worker_params)
     score_fn = self.ctx.score if st.old_logp == "recompute" and st.prox_in_worker else None
     fn = make_harness_rollout(self.ctx.gen, self.service, self.harness, self.s, group_size=st.group_size,
                               store=self.store, score_fn=score_fn)
