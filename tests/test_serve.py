@@ -315,6 +315,17 @@ def test_eight_concurrent_episodes_share_a_batch():
       t.join(HANG)
     episodes = [svc.recorder.pop(e) for e in ids]
     stats = svc.batcher.stats()
+    # top_logprobs as OpenAI: μ's most likely tokens, best first, the sampled token's log-prob among them or below
+    r = httpx.post(svc.base_url + "/v1/chat/completions", timeout=HANG, json={
+        "model": "jaxrl-policy", "messages": [{"role": "user", "content": "hi"}], "user": "top", "logprobs": True,
+        "top_logprobs": 3, "return_token_ids": True, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(r.json()["choices"][0]["token_ids"]) >= 1
+    for tok in content:
+      tops = [t["logprob"] for t in tok["top_logprobs"]]
+      assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tok["logprob"] <= tops[0] + 1e-6
+      assert tok["token"].startswith("token_id:")
   finally:
     svc.close()
   assert svc.batcher.sizes[0] == 8 and stats["serve_batch_max"] == 8 and stats["serve_calls"] == 16
@@ -344,6 +355,50 @@ def test_harness_run_trains_two_steps(tmp_path):
   assert sum(r["updates_applied"] for r in rows) >= 1
   lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   assert len(lines) == 2 and "serve_batch_max" in json.loads(lines[0])
+
+
+def test_failed_harness_costs_its_episode_only(chat_tok):
+  """`play` + `group_from_episodes`: a harness that raises, one still running at the timeout, one that never reports
+  a reward, and a good one; the failed rows keep no tokens and take the good episodes' mean reward."""
+  from jaxrl_llm.serve.recorder import Recorder
+  rec, release = Recorder(auto_open=False), threading.Event()
+  ids = ["ok", "raises", "hangs", "silent"]
+  for e in ids:
+    rec.open(e)
+
+  def harness(base_url, episode_id, seed):
+    del base_url
+    if episode_id == "raises":
+      raise ValueError("boom")
+    if episode_id == "hangs":
+      release.wait(HANG)
+      return
+    rec.record(episode_id, Call([5, 6], [7, 8], [-0.5, -0.25], version=seed))
+    if episode_id == "ok":
+      rec.reward(episode_id, 0.75)
+
+  status = harness_source.play(harness, "http://unused", ids, seed=3, timeout_s=2.0)
+  release.set()
+  assert status == [None, "errors", "timeouts", None]
+  group = harness_source.group_from_episodes([rec.pop(e) for e in ids], status, P=4, N=4, pad_id=0)
+  assert status == [None, "errors", "timeouts", "no_reward"]
+  np.testing.assert_array_equal(group.reward_B, [0.75] * 4)
+  np.testing.assert_array_equal(group.mask_BN, [[1, 1, 0, 0]] + [[0] * 4] * 3)
+  np.testing.assert_array_equal(group.sequence_BT[0], [0, 0, 5, 6, 7, 8, 0, 0])
+  np.testing.assert_array_equal(group.segment_ids_BT[1:], 0)
+  assert group.stats["serve_failed"] == 3 and group.stats["serve_errors"] == 1
+  assert group.stats["serve_timeouts"] == 1 and group.stats["serve_no_reward"] == 1
+  assert np.all(group.versions_BN == 3)
+
+
+def test_harness_source_state_is_the_request_cursor():
+  ctx = types.SimpleNamespace(settings=types.SimpleNamespace(serve=ServeSettings(harness=f"{__name__}:short_harness")))
+  src = harness_source.Harness(ctx, store=None)
+  assert src.state() == {"next_request_id": 0}
+  src.restore({"next_request_id": 7})
+  assert src.state() == {"next_request_id": 7}
+  with pytest.raises(ValueError, match="no callable"):
+    harness_source.load_harness(f"{__name__}:nope")
 
 
 @pytest.mark.parametrize("field,value", [("harness", "no_colon"), ("max_batch", 0), ("timeout_s", 0.0),
