@@ -187,6 +187,8 @@ def check_context(c: ml_collections.ConfigDict, width: int, context: int | None)
     field = "task.prompt_width" if c.task.prompt_width else "sampler.max_new_tokens"
     raise config_lib.ConfigError(f"config.{field}={c.task.prompt_width or N}: prompt width {width} + "
                                  f"sampler.max_new_tokens {N} reach past {where}")
+  if config_lib.serve_on(c) and c.serve.max_context > context:
+    raise config_lib.ConfigError(f"config.serve.max_context={c.serve.max_context}: reaches past {where}")
   if config_lib.env_on(c) and c.env.prompt_width + c.env.max_episode_tokens > context:
     raise config_lib.ConfigError(f"config.env.max_episode_tokens={c.env.max_episode_tokens}: env.prompt_width "
                                  f"{c.env.prompt_width} + the episode budget reach past {where}")

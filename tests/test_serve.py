@@ -158,7 +158,8 @@ def test_generate_route_with_verifiers_request_shape(chat_tok):
     ch = out["choices"][0]
     assert out["prompt_token_ids"] == prompt
     assert ch["token_ids"] == a + [end] and ch["finish_reason"] == "stop"  # cut after the first stop_token_id
-    assert [x["logprob"] for x in ch["logprobs"]["content"]] == pytest.approx([-0.1 * (i + 1) for i in range(len(a) + 1)])
+    want = [-0.1 * (i + 1) for i in range(len(a) + 1)]
+    assert [x["logprob"] for x in ch["logprobs"]["content"]] == pytest.approx(want)
     # /v1/completions with token ids extends the same episode
     p2 = prompt + ch["token_ids"] + tok.encode("ok")
     r2 = httpx.post(f"{svc.base_url}/v1/completions", json={"model": "jaxrl-policy", "prompt": p2, "logprobs": 0,
@@ -188,6 +189,7 @@ _CHAT = {"model": "jaxrl-policy", "messages": [{"role": "user", "content": "hi"}
     ("/v1/chat/completions", {**_CHAT, "temperature": 0.5}, {}, 400, "sampler temperature"),
     ("/v1/chat/completions", {**_CHAT, "temperature": "hot"}, {}, 400, "temperature"),
     ("/v1/chat/completions", {**_CHAT, "n": 2}, {}, 400, "one choice"),
+    ("/v1/chat/completions", {**_CHAT, "presence_penalty": 0.5}, {}, 400, "presence_penalty"),
     ("/v1/chat/completions", {**_CHAT, "stream": True}, {}, 400, "stream"),
     ("/v1/chat/completions", {**_CHAT, "max_tokens": 1000}, {}, 400, "serve.max_tokens"),
     ("/v1/chat/completions", {**_CHAT, "model": "gpt-4"}, {}, 404, "does not exist"),
@@ -380,7 +382,7 @@ def test_failed_harness_costs_its_episode_only(chat_tok):
   status = harness_source.play(harness, "http://unused", ids, seed=3, timeout_s=2.0)
   release.set()
   assert status == [None, "errors", "timeouts", None]
-  group = harness_source.group_from_episodes([rec.pop(e) for e in ids], status, P=4, N=4, pad_id=0)
+  group = harness_source.group_from_episodes([rec.pop(e) for e in ids], status, P=4, N=4, pad_id=0, version=2)
   assert status == [None, "errors", "timeouts", "no_reward"]
   np.testing.assert_array_equal(group.reward_B, [0.75] * 4)
   np.testing.assert_array_equal(group.mask_BN, [[1, 1, 0, 0]] + [[0] * 4] * 3)
@@ -388,7 +390,7 @@ def test_failed_harness_costs_its_episode_only(chat_tok):
   np.testing.assert_array_equal(group.segment_ids_BT[1:], 0)
   assert group.stats["serve_failed"] == 3 and group.stats["serve_errors"] == 1
   assert group.stats["serve_timeouts"] == 1 and group.stats["serve_no_reward"] == 1
-  assert np.all(group.versions_BN == 3)
+  np.testing.assert_array_equal(group.versions_BN, [[3] * 4] + [[2] * 4] * 3)  # the call's, else the admitted one
 
 
 def test_harness_source_state_is_the_request_cursor():

@@ -13,10 +13,10 @@ Routes (served on 127.0.0.1 only):
   POST /v1/episodes/{id}/reward      {"reward": float}: ends the episode
 
 Every completion call belongs to an episode: header `X-Episode-Id`, else the body's `user` field. μ must be the
-training distribution, so a temperature / top_p / top_k other than the run's sampler settings, streaming, stop
-strings and `n` > 1 are refused. Bad input gets an OpenAI-style error `{"error": {"message", "type", "param",
-"code"}}` (400 malformed or refused, 404 unknown model or episode, 409 an ended episode) before anything is queued
-for the sampler. The completion ids include the stop id the sampler drew (it is trained on).
+training distribution, so a temperature / top_p / top_k other than the run's sampler settings, penalties or a
+logit bias, streaming, stop strings and `n` > 1 are refused. Bad input gets an OpenAI-style error `{"error":
+{"message", "type", "param", "code"}}` (400 malformed or refused, 404 unknown model or episode, 409 an ended
+episode) before anything is queued for the sampler. The completion ids include the stop id the sampler drew (it is trained on).
 """
 
 from __future__ import annotations
@@ -121,6 +121,14 @@ def _sampling(ep: Endpoint, body: dict, where: str = "") -> int:
   k = _field(body, "top_k", int, None, where=where)
   if k is not None and not (k == lim.top_k or (k in (-1, 0) and lim.top_k == 0)):
     raise ApiError(400, f"top_k={k} is not served: the run samples with top_k={lim.top_k}", where + "top_k",
+                   "unsupported_value")
+  for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+    v = _number(body, name, where)
+    if v is not None and v != neutral:
+      raise ApiError(400, f"{name}={v} is not served: it would change μ, the training distribution (leave it at "
+                     f"{neutral})", where + name, "unsupported_value")
+  if body.get("logit_bias"):
+    raise ApiError(400, "logit_bias is not served: it would change μ, the training distribution", where + "logit_bias",
                    "unsupported_value")
   n = _field(body, "n", int, 1, where=where)
   if n != 1:

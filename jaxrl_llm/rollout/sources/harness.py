@@ -95,9 +95,10 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
   return list(status)
 
 
-def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int) -> Rollout:
+def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int, version: int) -> Rollout:
   """The G episodes of a request as one group of rows; failed ones (by `status`, a missing reward, or too long
-  for the row) keep no tokens and take the mean reward of the others. `status` is updated in place."""
+  for the row) keep no tokens, take the mean reward of the others and the admitted `version` (held by the store
+  while the group may be consumed). `status` is updated in place."""
   from jaxrl_llm.serve.recorder import TooLong, episode_row  # noqa: PLC0415  (keeps `sources` free of the extra)
   rows = []
   for i, ep in enumerate(episodes):
@@ -114,11 +115,8 @@ def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_
   fill = float(np.mean(ok)) if ok else 0.0
   empty = {"sequence_T": np.full(P + N, pad_id, np.int32), "positions_T": np.zeros(P + N, np.int32),
            "segment_ids_T": np.zeros(P + N, np.int32), "mask_N": np.zeros(N, np.float32),
-           "behavior_logp_N": np.zeros(N, np.float32), "versions_N": np.zeros(N, np.int32),
+           "behavior_logp_N": np.zeros(N, np.float32), "versions_N": np.full(N, version, np.int32),
            "env_mask_N": np.zeros(N, np.float32), "split": False}
-  versions = [int(r["versions_N"].min()) for r in rows if r is not None]
-  if versions:
-    empty["versions_N"][:] = min(versions)
   full = [r if r is not None else empty for r in rows]
   stack = lambda k: np.stack([r[k] for r in full])
   G = len(episodes)
@@ -146,7 +144,7 @@ def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=Non
       service.recorder.open(e)
     status = play(harness, service.base_url, ids, seed, s.timeout_s)
     episodes = [service.recorder.pop(e) for e in ids]
-    group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad)
+    group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad, snap.version)
     if score_fn is not None:
       group = group.replace(prox_logp_BN=ae.prox_at_versions(score_fn, store, snap, group))
     return group_record(group, request_id=request_id, example_id=seed, start_version=snap.version)
