@@ -234,6 +234,17 @@ def test_unknown_and_ended_episodes(chat_tok):
   assert sampler.calls == 1
 
 
+def test_a_failing_sampler_is_an_openai_error_and_the_server_goes_on(chat_tok):
+  svc, sampler = stub_service(chat_tok, script=[])  # the scripted sampler raises IndexError on its first call
+  try:
+    r = httpx.post(svc.base_url + "/v1/chat/completions", json=_CHAT, timeout=HANG)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "sampler_error", r.text
+    assert httpx.get(svc.base_url + "/v1/models", timeout=HANG).json()["data"][0]["id"] == "jaxrl-policy"
+  finally:
+    svc.close()
+  assert sampler.calls == 1
+
+
 # ---- the row layout (golden values by hand) ----
 
 def test_episode_row_extended_and_split():

@@ -226,8 +226,11 @@ async def _complete(ep: Endpoint, episode_id: str, prompt: list[int], max_tokens
     raise ApiError(404, f"unknown episode {episode_id!r}", "X-Episode-Id", "episode_not_found") from None
   except EpisodeEnded as e:
     raise ApiError(409, str(e), "X-Episode-Id", "episode_ended") from None
-  fut = ep.batcher.submit(prompt, max_tokens, top)
-  return await asyncio.wrap_future(fut)
+  try:
+    return await asyncio.wrap_future(ep.batcher.submit(prompt, max_tokens, top))
+  except Exception as e:  # pylint: disable=broad-except  # the sampler failed or the server is stopping
+    raise ApiError(500 if not isinstance(e, RuntimeError) else 503, f"the sampler failed: {type(e).__name__}: "
+                   f"{str(e)[:300]}", None, "sampler_error", "server_error") from None
 
 
 def _record(ep: Endpoint, episode_id: str, prompt: list[int], c: Completion, turn=None) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from typing import Sequence
 
 import numpy as np
@@ -44,7 +43,6 @@ class Episode:
   calls: list[Call] = dataclasses.field(default_factory=list)
   reward: float | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  opened: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class UnknownEpisode(KeyError):
