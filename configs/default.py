@@ -59,7 +59,7 @@ def get_config():
   c.sampler.mc_samples = 0  # J > 0: the token + J-1 i.i.d. draws from μ per position (opd_reverse_kl_mc)
 
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.mode = "sync"  # sync | fixed_lag | staged | async
+  c.rollout.mode = "sync"  # sync | fixed_lag | staged | async | harness
   c.rollout.lag = 0  # k for fixed_lag, stage length for staged, staleness bound η for async
   c.rollout.prompts_per_step = 16
   c.rollout.group_size = 8
@@ -79,6 +79,19 @@ def get_config():
   c.rollout.replay.stale_policy = "keep"  # groups with lag > max_lag: drop | keep | downweight
   c.rollout.replay.max_lag = -1  # over-stale threshold (-1 = no bound)
   c.rollout.replay.decay = 0.5  # downweight: advantages × decay ** (lag − max_lag)
+
+  # rollout.mode="harness" (jaxrl_llm.serve): an OpenAI-compatible endpoint on 127.0.0.1 serves the policy to an
+  # agent harness; every call is recorded per episode and finished episodes become the training batch.
+  c.serve = ml_collections.ConfigDict()
+  c.serve.harness = ""  # "module:function" called as fn(base_url, episode_id, seed); "" = off
+  c.serve.concurrency = 8  # harness threads running episodes at once
+  c.serve.max_batch = 8  # requests sampled together in one sampler call at most
+  c.serve.batch_window_s = 0.01  # the sampler thread waits this long for more requests before a batch
+  c.serve.timeout_s = 60.0  # an episode not rewarded within this costs that episode only
+  c.serve.max_context = 1024  # prompt + completion tokens of one call at most (the learner row's width)
+  c.serve.prompt_width = 768  # P of the learner row: the first call's prompt region (the rest is N)
+  c.serve.max_tokens = 16  # completion tokens of one call at most (the sampler's max_new_tokens in this mode)
+  c.serve.model_name = "jaxrl-policy"  # the model id /v1/models lists; any other name is a 404
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "ppo_clip"

@@ -121,6 +121,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         c.rollout.weight_sync, "sparse sync rebuilds the sampler copy in the learner's layout: use 'full' with a "
         "multi-device config.mesh or rollout.sampler_devices")
   _validate_replay(c)
+  _validate_serve(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
   if "config_change" in c.checkpoint:
@@ -389,6 +390,53 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
         f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")
   _need(not (c.get("distill") and c.distill.get("teacher")), "distill.teacher", c.get("distill", {}).get("teacher"),
         f"must be '' with env.name={e.name!r} (teachers score single completions)")
+
+
+SERVE_FIELDS = ("harness", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context", "prompt_width",
+                "max_tokens", "model_name")
+
+
+def serve_on(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run serves an agent harness (`rollout.mode="harness"`, `jaxrl_llm.serve`)."""
+  return c.rollout.mode == "harness"
+
+
+def _validate_serve(c: ml_collections.ConfigDict) -> None:
+  """`serve`: checked only when `rollout.mode="harness"`: a "module:function" harness, positive limits, a completion
+  budget that leaves room for a prompt, a learner row (prompt_width + the rest) of `max_context`, and no environment."""
+  if not serve_on(c):
+    return
+  s = c.get("serve")
+  _need(s is not None, "serve", s, 'rollout.mode="harness" needs a serve section (configs/default.py)')
+  for k in s.keys():
+    _need(k in SERVE_FIELDS, f"serve.{k}", s[k], f"unknown field; the serve section takes {SERVE_FIELDS}")
+  h = s.get("harness", "")
+  _need(isinstance(h, str) and h.count(":") == 1 and all(h.split(":")), "serve.harness", h,
+        'must be "module:function" (called as fn(base_url, episode_id, seed))')
+  for f in ("concurrency", "max_batch", "max_context", "prompt_width", "max_tokens"):
+    v = s.get(f)
+    _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"serve.{f}", v, "must be an int >= 1")
+  for f in ("timeout_s", "batch_window_s"):
+    v = s.get(f)
+    _need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 and
+          (v > 0 or f == "batch_window_s"), f"serve.{f}", v, "must be a finite number of seconds" +
+          (" >= 0" if f == "batch_window_s" else " > 0"))
+  _need(s.max_tokens < s.max_context, "serve.max_tokens", s.max_tokens,
+        f"must be < serve.max_context = {s.max_context} (leave room for a prompt)")
+  _need(s.prompt_width < s.max_context, "serve.prompt_width", s.prompt_width,
+        f"must be < serve.max_context = {s.max_context} (the rest of the row holds the completions)")
+  _need(isinstance(s.get("model_name"), str) and s.model_name, "serve.model_name", s.get("model_name"),
+        "must be a non-empty str")
+  _need(not env_on(c), "env.name", c.get("env", {}).get("name"), 'must be "" with rollout.mode="harness" (the harness '
+        "is the environment)")
+  n_proc = (c.get("dist") or {}).get("num_processes") or 1
+  _need(n_proc == 1, "dist.num_processes", n_proc, 'must be 1 with rollout.mode="harness" (one process serves)')
+
+
+def serve_length(c: ml_collections.ConfigDict) -> int:
+  """Longest context the sampler sees in harness mode (0 otherwise): a prompt padded to `serve.max_context` plus
+  `serve.max_tokens` sampled slots."""
+  return c.serve.max_context + c.serve.max_tokens if serve_on(c) else 0
 
 
 def _flatten(d, prefix: str = "") -> dict:

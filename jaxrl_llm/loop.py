@@ -173,6 +173,10 @@ def _skip_failure(c, m: dict, t: int) -> str | None:
           "sampler.temperature or check the loss inputs")
 
 
+# A batch's stats that become metrics: timings, and the counters of async, replay, episodes and the served endpoint.
+STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_")
+
+
 def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: dict) -> dict:
   """The metrics row of learner step `t` (without its wall time); evaluates when `eval.every` says so."""
   c = r.c
@@ -183,7 +187,7 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: d
       "reward_mean": float(np.mean(reward_B)), "reward_std": float(np.std(reward_B)),
       "accuracy": float(np.mean(reward_B >= 1.0)), "completion_len": float(mask_BN.sum(1).mean()),
       "reward_errors": ro.stat("reward_errors"), **info, **m,
-      **{k_: v for k_, v in (ro.stats or {}).items() if k_.startswith(("time_", "async_", "replay_", "env_"))},
+      **{k_: v for k_, v in (ro.stats or {}).items() if k_.startswith(STAT_PREFIXES)},
       **store.sync_metrics(),  # weight_sync="sparse": payload ratio and changed fraction of the newest publish
   }
   if ro.stat("request_ids", None) is not None:  # async: which requests the batch holds

@@ -61,8 +61,10 @@ def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok
                      layer_unroll=layer_unroll(c),
                      num_experts=m.num_experts, experts_per_token=m.experts_per_token,
                      capacity_factor=m.capacity_factor,
-                     # an episode (`env`) re-prefills its prompt bucket + token budget every turn
-                     max_seq_len=max(width + c.sampler.max_new_tokens, config_lib.env_length(c)))
+                     # an episode (`env`) re-prefills its prompt bucket + token budget every turn; a served
+                     # call (`serve`) pads its prompt to serve.max_context
+                     max_seq_len=max(width + c.sampler.max_new_tokens, config_lib.env_length(c),
+                                     config_lib.serve_length(c)))
 
 
 def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> int:

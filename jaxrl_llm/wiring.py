@@ -25,7 +25,7 @@ from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.ewma import ewma_init
 from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.param_store import ParamStore
-from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings, SourceContext
+from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings, ServeSettings, SourceContext
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.tasks import get_task, num_held_out
 from jaxrl_llm.tasks import encoder as encoder_lib
@@ -59,7 +59,17 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
   return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
                          lag=ro.lag, old_logp=ro.old_logp, num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
                          prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay,
-                         env=env_settings(c))
+                         env=env_settings(c), serve=serve_settings(c))
+
+
+def serve_settings(c: ml_collections.ConfigDict) -> ServeSettings | None:
+  """The typed `serve.*` settings (None unless `rollout.mode="harness"`)."""
+  if not config_lib.serve_on(c):
+    return None
+  s = c.serve
+  return ServeSettings(harness=s.harness, concurrency=s.concurrency, max_batch=s.max_batch,
+                       batch_window_s=float(s.batch_window_s), timeout_s=float(s.timeout_s), max_context=s.max_context,
+                       prompt_width=s.prompt_width, max_tokens=s.max_tokens, model_name=s.model_name)
 
 
 def env_settings(c: ml_collections.ConfigDict) -> EnvSettings | None:
@@ -177,6 +187,8 @@ def check_context(c: ml_collections.ConfigDict, width: int, context: int | None)
     field = "task.prompt_width" if c.task.prompt_width else "sampler.max_new_tokens"
     raise config_lib.ConfigError(f"config.{field}={c.task.prompt_width or N}: prompt width {width} + "
                                  f"sampler.max_new_tokens {N} reach past {where}")
+  if config_lib.serve_on(c) and c.serve.max_context > context:
+    raise config_lib.ConfigError(f"config.serve.max_context={c.serve.max_context}: reaches past {where}")
   if config_lib.env_on(c) and c.env.prompt_width + c.env.max_episode_tokens > context:
     raise config_lib.ConfigError(f"config.env.max_episode_tokens={c.env.max_episode_tokens}: env.prompt_width "
                                  f"{c.env.prompt_width} + the episode budget reach past {where}")

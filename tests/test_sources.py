@@ -34,7 +34,9 @@ def plain(state):
 
 
 def test_every_registered_source_has_a_round_trip_case():
-  assert set(sources.names()) - {"toy"} == set(CASES)
+  # harness: an outside program plays the episodes (timing-dependent); its state is the request cursor alone,
+  # tested in tests/test_serve.py
+  assert set(sources.names()) - {"toy", "harness"} == set(CASES)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -172,6 +174,7 @@ def test_old_logp_strategies_are_the_config_names_and_one_call_serves_every_mode
   np.testing.assert_array_equal(np.asarray(old_logp.compute("behavior", ctx, ro, seq)), ro.behavior_logp_BN)
   assert np.all(np.isfinite(recompute[ro.mask_BN > 0])) and (recompute[ro.mask_BN > 0] < 0).all()
   on_policy = {name: sources.get(name).on_policy for name in sources.names() if name != "toy"}
-  assert on_policy == {"sync": True, "fixed_lag": False, "staged": False, "replay": False, "async": False}
+  assert on_policy == {"sync": True, "fixed_lag": False, "staged": False, "replay": False, "async": False,
+                       "harness": False}
   assert old_logp.is_current("recompute", True, False) and not old_logp.is_current("recompute", False, False)
   assert not old_logp.is_current("step_start", True, True)  # ALP: a perturbed learner forward

@@ -26,6 +26,20 @@ class ReplaySettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeSettings:
+  """`serve.*`: the OpenAI-compatible endpoint of `rollout.mode="harness"` (`jaxrl_llm.serve`)."""
+  harness: str  # "module:function", called as fn(base_url, episode_id, seed)
+  concurrency: int = 8
+  max_batch: int = 8
+  batch_window_s: float = 0.01
+  timeout_s: float = 60.0
+  max_context: int = 1024
+  prompt_width: int = 768
+  max_tokens: int = 16
+  model_name: str = "jaxrl-policy"
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSettings:
   """What decides which version generates which batch, and how π_old is scored (`rollout.*`)."""
   mode: str  # the registered batch source of `rollout.mode`
@@ -40,6 +54,7 @@ class RolloutSettings:
   routing_replay: bool = False  # MoE R3: the batch carries the sampler's expert ids
   replay: Optional[ReplaySettings] = None  # experience replay (None = off)
   env: Optional[EnvSettings] = None  # multi-turn episodes in a text environment (None = single completions)
+  serve: Optional[ServeSettings] = None  # rollout.mode="harness": the served endpoint (None otherwise)
 
 
 @dataclasses.dataclass(frozen=True)

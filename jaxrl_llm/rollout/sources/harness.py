@@ -1,0 +1,226 @@
+"""`harness`: an agent harness plays episodes against the run's own OpenAI-compatible endpoint (`jaxrl_llm.serve`).
+
+The source starts the endpoint (uvicorn on 127.0.0.1, a free port; the batcher samples at the newest published
+version) and the async engine (`async_engine.AsyncRollout`: admission keeps every consumed lag ≤ η = `rollout.lag`,
+as in `async`). A request is one GRPO group: G episodes of one seed (`async_engine.episode_seed`), each the
+harness `serve.harness = "module:function"` called as `fn(base_url, episode_id, seed)` in its own thread; the
+`max(1, serve.concurrency // G)` worker threads run that many groups at once. An episode ends when the harness
+reports its reward (`POST /v1/episodes/{id}/reward`) and becomes one row (`serve.recorder.episode_row`: the
+prompt's first `serve.prompt_width` ids in the P columns, the rest of the `serve.max_context` after them; μ's
+log-probs and each token's version as served). π_old at each token's version as async episodes do
+(`async_engine.prox_at_versions` with `rollout.prox_in_worker`, else the learner's recompute).
+
+A harness that raises, overruns `serve.timeout_s`, never reports a reward, or whose episode does not fit the row
+costs its episode only: the row keeps no tokens (mask 0) and the group's mean reward (so it moves no advantage).
+
+Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`,
+`serve_no_reward`, `serve_too_long`), `serve_split` (episodes whose calls did not extend each other, packed one
+segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous batch),
+`serve_calls` (calls served since then), plus async's `async_*` counters.
+
+Checkpoint state is minimal: the request-id cursor (the seed counter) only. Episodes in flight or buffered at a
+checkpoint are not saved; a resumed run starts new requests after the cursor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import threading
+import uuid
+
+import numpy as np
+
+from jaxrl_llm.record import Rollout
+from jaxrl_llm.rollout import async_engine as ae
+from jaxrl_llm.rollout import turn_sampler
+from jaxrl_llm.rollout.buffer import collate, group_record, lag
+from jaxrl_llm.rollout.settings import RolloutSettings
+from jaxrl_llm.rollout.sources.base import register
+
+FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long")
+
+
+def _bucket(n: int, cap: int) -> int:
+  """Rows of a sampler call for n requests: the next power of two, at most `cap` (few compiled shapes)."""
+  return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int = 20):
+  """The endpoint's sampler (`serve.batcher.SampleFn`): `turn_sampler.Reprefill` over prompts left-padded to
+  `width`, at most `max_tokens` new tokens, the run's temperature / top-k / top-p (μ is the training distribution).
+  Rows are padded (copies of the first) to a power-of-two bucket; μ's `topk` most likely ids are recorded only when
+  a request asks for top log-probs (the sampled tokens are the same either way)."""
+  turns = turn_sampler.Reprefill(gen, width)
+  base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
+
+  def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
+    n = len(contexts)
+    rows = list(contexts) + [contexts[0]] * (_bucket(n, max(max_batch, n)) - n)
+    cfg = dataclasses.replace(base, behavior_topk=topk if top_logprobs else 0)
+    out = turns.turn(params, version, list(range(len(rows))), rows, key, cfg)
+    return {k: np.asarray(v)[:n] for k, v in out.items() if k in (
+        "tokens_BN", "lengths_B", "behavior_logp_BN", "behavior_topk_ids_BNk", "behavior_topk_logp_BNk")}
+
+  return sample
+
+
+def load_harness(spec: str):
+  """The callable of "module:function"."""
+  module, _, name = spec.partition(":")
+  fn = getattr(importlib.import_module(module), name, None)
+  if not callable(fn):
+    raise ValueError(f"serve.harness={spec!r}: {module} has no callable {name!r}")
+  return fn
+
+
+def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float) -> list[str | None]:
+  """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
+  "errors" (it raised) / "timeouts" (still running after `timeout_s`: left behind, its later calls get a 404)."""
+  status: list[str | None] = ["timeouts"] * len(episode_ids)
+
+  def one(i: int) -> None:
+    try:
+      harness(base_url, episode_ids[i], seed)
+      status[i] = None
+    except BaseException:  # pylint: disable=broad-except  # a failing harness costs its episode only
+      status[i] = "errors"
+
+  threads = [threading.Thread(target=one, args=(i,), name=f"harness-{e}", daemon=True)
+             for i, e in enumerate(episode_ids)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout_s)
+  return list(status)
+
+
+def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int, version: int) -> Rollout:
+  """The G episodes of a request as one group of rows; failed ones (by `status`, a missing reward, or too long
+  for the row) keep no tokens, take the mean reward of the others and the admitted `version` (held by the store
+  while the group may be consumed). `status` is updated in place."""
+  from jaxrl_llm.serve.recorder import TooLong, episode_row  # noqa: PLC0415  (keeps `sources` free of the extra)
+  rows = []
+  for i, ep in enumerate(episodes):
+    row = None
+    if status[i] is None and (ep is None or ep.reward is None or not ep.calls):
+      status[i] = "no_reward"
+    if status[i] is None:
+      try:
+        row = episode_row(ep.calls, P, N, pad_id)
+      except TooLong:
+        status[i] = "too_long"
+    rows.append(row)
+  ok = [ep.reward for ep, r in zip(episodes, rows) if r is not None]
+  fill = float(np.mean(ok)) if ok else 0.0
+  empty = {"sequence_T": np.full(P + N, pad_id, np.int32), "positions_T": np.zeros(P + N, np.int32),
+           "segment_ids_T": np.zeros(P + N, np.int32), "mask_N": np.zeros(N, np.float32),
+           "behavior_logp_N": np.zeros(N, np.float32), "versions_N": np.full(N, version, np.int32),
+           "env_mask_N": np.zeros(N, np.float32), "split": False}
+  full = [r if r is not None else empty for r in rows]
+  stack = lambda k: np.stack([r[k] for r in full])
+  G = len(episodes)
+  stats = {"serve_episodes": G, "serve_failed": sum(s is not None for s in status),
+           "serve_split": sum(bool(r["split"]) for r in rows if r is not None),
+           **{f"serve_{k}": sum(s == k for s in status) for k in FAIL_KINDS}}
+  return Rollout(sequence_BT=stack("sequence_T"), positions_BT=stack("positions_T"),
+                 segment_ids_BT=stack("segment_ids_T"), mask_BN=stack("mask_N"),
+                 behavior_logp_BN=stack("behavior_logp_N"), versions_BN=stack("versions_N"),
+                 reward_B=np.asarray([ep.reward if r is not None else fill for ep, r in zip(episodes, rows)],
+                                     np.float32),
+                 group_B=np.zeros(G, np.int32), env_mask_BN=stack("env_mask_N"), stats=stats)
+
+
+def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=None, score_fn=None) -> ae.RolloutFn:
+  """`rollout_fn(snapshot, request_id) -> Rollout` for `AsyncRollout`: G harness episodes of the request's seed
+  against `service` (a started `serve.service.Service`), as one group (`group_from_episodes`). The admitted
+  snapshot is the group's start version: every call is served at it or a newer one."""
+  pad = gen.encoder.tokenizer.pad_id
+
+  def rollout(snap, request_id: int) -> Rollout:
+    seed = ae.episode_seed(gen.seed, request_id)
+    ids = [f"r{request_id}-g{g}-{uuid.uuid4().hex[:8]}" for g in range(group_size)]
+    for e in ids:
+      service.recorder.open(e)
+    status = play(harness, service.base_url, ids, seed, s.timeout_s)
+    episodes = [service.recorder.pop(e) for e in ids]
+    group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad, snap.version)
+    if score_fn is not None:
+      group = group.replace(prox_logp_BN=ae.prox_at_versions(score_fn, store, snap, group))
+    return group_record(group, request_id=request_id, example_id=seed, start_version=snap.version)
+
+  return rollout
+
+
+@register("harness")
+class Harness:
+  """The harness source (module docstring)."""
+
+  on_policy = False
+  per_process_workers = False
+
+  @staticmethod
+  def retention(s: RolloutSettings) -> int:
+    return s.lag + 1
+
+  def __init__(self, ctx, store):
+    self.ctx, self.store = ctx, store
+    self.s = ctx.settings.serve
+    if self.s is None:
+      raise ValueError('rollout.mode="harness" needs the serve settings (config.serve)')
+    self.harness = load_harness(self.s.harness)
+    self.service = None
+    self.engine: ae.AsyncRollout | None = None
+    self.next_request_id = 0
+    self._sizes_seen = 0  # batcher calls already reported
+
+  def _start(self) -> None:
+    from jaxrl_llm.serve.service import Service  # noqa: PLC0415  (the `serve` extra)
+    st = self.ctx.settings
+    from jaxrl_llm.serve.batcher import TOPK  # noqa: PLC0415
+    sample_fn = make_sample_fn(self.ctx.gen, self.s.max_context, self.s.max_tokens, self.s.max_batch, TOPK)
+    self.service = Service.start(self.ctx.gen, self.store, self.s, sample_fn=sample_fn, params_of=ae.worker_params)
+    score_fn = self.ctx.score if st.old_logp == "recompute" and st.prox_in_worker else None
+    fn = make_harness_rollout(self.ctx.gen, self.service, self.harness, self.s, group_size=st.group_size,
+                              store=self.store, score_fn=score_fn)
+    self.engine = ae.AsyncRollout(self.store, fn, batch_groups=st.prompts_per_step, eta=st.lag,
+                                  num_workers=max(1, self.s.concurrency // st.group_size),
+                                  next_request_id=self.next_request_id).start()
+
+  def next_batch(self, step: int, version: int) -> Rollout:
+    del step
+    if self.engine is None:
+      self._start()
+    groups, st = self.engine.next_batch(version, timeout=max(600.0, 4 * self.s.timeout_s))
+    sizes = self.service.batcher.sizes[self._sizes_seen:]
+    self._sizes_seen += len(sizes)
+    counts = {k: sum(int(g.stat(k)) for g in groups) for k in
+              ("serve_episodes", "serve_failed", "serve_split", *(f"serve_{k}" for k in FAIL_KINDS))}
+    return collate(groups, version).with_stats(
+        **counts, serve_batch_mean=float(np.mean(sizes)) if sizes else 0.0,
+        serve_batch_max=int(max(sizes, default=0)), serve_calls=int(sum(sizes)),
+        time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
+        async_buffered=st["buffered"], async_running=st["running"],
+        async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.ctx.settings.lag + 1).tolist(),
+        request_ids=sorted({int(g.stat("request_id")) for g in groups}))
+
+  def state(self) -> dict:
+    """The request-id cursor only (module docstring): episodes in flight are not saved."""
+    cursor = self.engine.state()["next_request_id"] if self.engine is not None else self.next_request_id
+    return {"next_request_id": int(cursor)}
+
+  def restore(self, state: dict | None) -> None:
+    self.close()
+    self.next_request_id = int((state or {}).get("next_request_id", 0))
+
+  def close(self) -> None:
+    """Stops the endpoint first (a harness still playing then fails fast), then the worker threads."""
+    if self.service is not None:
+      self.service.close()
+      self.service = None
+    if self.engine is not None:
+      self.next_request_id = self.engine.state()["next_request_id"]
+      try:
+        self.engine.stop(timeout=max(60.0, 2 * self.s.timeout_s))
+      finally:
+        self.engine = None

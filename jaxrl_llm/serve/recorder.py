@@ -1,0 +1,168 @@
+"""The recorder: every served call under its episode id, and a finished episode as one learner row.
+
+An episode opens with its first call (or `open`, which the harness source calls before starting the harness) and
+ends when its reward is reported (`reward`). Each call keeps its prompt ids, completion ids, μ's log-probs and the
+version that sampled it, plus (chat calls) the `chat.Turn` a later call may extend.
+
+`episode_row` packs an episode into one row of width P + N (`record_layout`'s convention: the first prompt
+left-padded into the P columns, the rest compact after it, padding at the end):
+- "extended" (each call's prompt starts with the previous call's prompt + completion, the normal chat case): the
+  last call's prompt + completion, once; mask 1 exactly on the served completion tokens, 0 on everything the
+  harness wrote (`env_mask_BN` 1 there); each completion token carries its call's version, a harness token the
+  version of the call it answers;
+- "split" (the harness rewrote its history): each call is its own packed segment (segment ids 1, 2, ...,
+  positions restarting), so each completion is trained on exactly the context it was sampled with; every segment
+  shares the episode's reward.
+An episode longer than P + N tokens cannot be a row (`TooLong`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from jaxrl_llm.serve.chat import Turn
+
+
+@dataclasses.dataclass
+class Call:
+  """One served call of an episode."""
+  prompt_ids: list[int]
+  completion_ids: list[int]
+  logprobs: list[float]
+  version: int
+  turn: Turn | None = None  # chat calls: what a later call may extend
+
+
+@dataclasses.dataclass
+class Episode:
+  id: str
+  calls: list[Call] = dataclasses.field(default_factory=list)
+  reward: float | None = None
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class UnknownEpisode(KeyError):
+  """No open episode has this id."""
+
+
+class EpisodeEnded(ValueError):
+  """The episode's reward was already reported: no more calls or rewards."""
+
+
+class TooLong(ValueError):
+  """An episode's tokens do not fit the learner row."""
+
+
+class Recorder:
+  """Open episodes by id (thread-safe). `auto_open`: a call with a new id opens its episode (standalone serving);
+  the harness source opens its episodes itself and turns it off, so a stray id is an unknown episode."""
+
+  def __init__(self, auto_open: bool = True):
+    self.auto_open = auto_open
+    self._episodes: dict[str, Episode] = {}
+    self._lock = threading.Lock()
+
+  def open(self, episode_id: str) -> Episode:
+    with self._lock:
+      ep = self._episodes.get(episode_id)
+      if ep is None:
+        ep = self._episodes[episode_id] = Episode(episode_id)
+      return ep
+
+  def get(self, episode_id: str, may_open: bool = True) -> Episode:
+    """The open episode `episode_id` (opened here when `auto_open` and `may_open`); UnknownEpisode / EpisodeEnded
+    otherwise."""
+    with self._lock:
+      ep = self._episodes.get(episode_id)
+      if ep is None and self.auto_open and may_open:
+        ep = self._episodes[episode_id] = Episode(episode_id)
+    if ep is None:
+      raise UnknownEpisode(episode_id)
+    if ep.done.is_set():
+      raise EpisodeEnded(f"episode {episode_id!r} has ended (its reward was reported)")
+    return ep
+
+  def history(self, episode_id: str) -> list[Turn]:
+    ep = self.get(episode_id)
+    with self._lock:
+      return [c.turn for c in ep.calls if c.turn is not None]
+
+  def record(self, episode_id: str, call: Call) -> None:
+    ep = self.get(episode_id)
+    with self._lock:
+      ep.calls.append(call)
+
+  def reward(self, episode_id: str, reward: float) -> None:
+    """Ends the episode with `reward` (an episode never called is unknown, even with `auto_open`)."""
+    ep = self.get(episode_id, may_open=False)
+    with self._lock:
+      ep.reward = float(reward)
+    ep.done.set()
+
+  def pop(self, episode_id: str) -> Episode | None:
+    """Removes the episode (finished or not) and returns it; None when it is unknown."""
+    with self._lock:
+      return self._episodes.pop(episode_id, None)
+
+
+def extends(calls: Sequence[Call]) -> bool:
+  """Whether every call's prompt starts with the previous call's prompt + completion."""
+  for a, b in zip(calls, calls[1:]):
+    prev = a.prompt_ids + a.completion_ids
+    if b.prompt_ids[:len(prev)] != prev:
+      return False
+  return True
+
+
+def _segments(calls: Sequence[Call]) -> list[list[Call]]:
+  """One segment holding every call when they extend each other, else one segment per call."""
+  return [list(calls)] if extends(calls) else [[c] for c in calls]
+
+
+def episode_row(calls: Sequence[Call], P: int, N: int, pad_id: int) -> dict:
+  """The episode as one row (module docstring): numpy arrays `sequence_T`, `positions_T`, `segment_ids_T` [P + N]
+  and `mask_N`, `behavior_logp_N`, `versions_N`, `env_mask_N` [N], plus `split` (bool: packed per call).
+
+  Raises TooLong when the tokens do not fit, ValueError for an episode without calls."""
+  if not calls:
+    raise ValueError("an episode without calls has no row")
+  ids, pos, seg, pol, logp, ver = [], [], [], [], [], []
+  segments = _segments(calls)
+  for s, group in enumerate(segments, start=1):
+    last = group[-1]
+    toks = last.prompt_ids + last.completion_ids
+    pol_t, logp_t = np.zeros(len(toks), bool), np.zeros(len(toks), np.float32)
+    ver_t = np.full(len(toks), group[0].version, np.int32)
+    for c in group:  # the completion of every call sits right after its own prompt in the last call's ids
+      a, b = len(c.prompt_ids), len(c.prompt_ids) + len(c.completion_ids)
+      pol_t[a:b], logp_t[a:b] = True, c.logprobs
+      ver_t[a:] = c.version  # its tokens and the harness tokens answering it
+    ids += toks
+    pos += list(range(len(toks)))
+    seg += [s] * len(toks)
+    pol += pol_t.tolist()
+    logp += logp_t.tolist()
+    ver += ver_t.tolist()
+  k = min(len(calls[0].prompt_ids), P)  # the first prompt's first k ids fill the P columns (right-aligned)
+  if len(ids) - k > N:
+    raise TooLong(f"the episode has {len(ids)} tokens; its row holds {k} prompt + {N} more (serve.max_context)")
+  T = P + N
+  out = {"sequence_T": np.full(T, pad_id, np.int32), "positions_T": np.zeros(T, np.int32),
+         "segment_ids_T": np.zeros(T, np.int32), "mask_N": np.zeros(N, np.float32),
+         "behavior_logp_N": np.zeros(N, np.float32), "versions_N": np.full(N, ver[-1], np.int32),
+         "env_mask_N": np.zeros(N, np.float32), "split": len(segments) > 1}
+  cols = np.concatenate([np.arange(P - k, P), P + np.arange(len(ids) - k)]).astype(np.int64)
+  out["sequence_T"][cols] = ids
+  out["positions_T"][cols] = pos
+  out["segment_ids_T"][cols] = seg
+  r = cols[k:] - P  # response columns of tokens k.. (policy tokens are never in the prompt region)
+  assert not any(pol[:k]), "a completion token in the first prompt"
+  out["mask_N"][r] = np.asarray(pol[k:], np.float32)
+  out["behavior_logp_N"][r] = np.asarray(logp[k:], np.float32)
+  out["versions_N"][r] = ver[k:]
+  out["env_mask_N"][r] = 1.0 - np.asarray(pol[k:], np.float32)
+  return out

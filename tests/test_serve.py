@@ -1,0 +1,425 @@
+"""The OpenAI-compatible endpoint (`jaxrl_llm.serve`) and the harness source: the official `openai` client against a
+scripted sampler (tool calls, recorded ids = served ids), 8 concurrent episodes in one sampler batch with the tiny
+model, verifiers' token-in route, bad input that never reaches the sampler, the episode row layout, and a 2-step
+harness run through the loop."""
+
+import json
+import os
+import threading
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from jaxrl_llm import config as config_lib  # noqa: E402
+from jaxrl_llm import loop, wiring  # noqa: E402
+from jaxrl_llm.config import ConfigError, load_file  # noqa: E402
+from jaxrl_llm.models import init_params  # noqa: E402
+from jaxrl_llm.rollout.async_engine import worker_params  # noqa: E402
+from jaxrl_llm.rollout.param_store import ParamStore  # noqa: E402
+from jaxrl_llm.rollout.sources import harness as harness_source  # noqa: E402
+from jaxrl_llm.rollout.settings import ServeSettings  # noqa: E402
+from jaxrl_llm.sampling import SamplerConfig  # noqa: E402
+from jaxrl_llm.serve import example_harness  # noqa: E402
+from jaxrl_llm.serve.recorder import Call, episode_row, extends  # noqa: E402
+from jaxrl_llm.serve.service import Service  # noqa: E402
+from jaxrl_llm.tasks.encoder import Encoder  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANG = 120  # seconds: a hang guard only, never a timing assumption
+
+
+class ScriptedSampler:
+  """A `SampleFn` that answers each context with the next scripted completion (ids) and log-probs -0.1·(i+1);
+  counts its calls (bad input must never reach it)."""
+
+  def __init__(self, script):
+    self.script, self.calls, self.contexts = list(script), 0, []
+
+  def __call__(self, params, version, contexts, key, top_logprobs=0):
+    del params, version, key, top_logprobs
+    self.calls += 1
+    self.contexts += [list(c) for c in contexts]
+    outs = [self.script.pop(0) for _ in contexts]
+    M = max(len(o) for o in outs)
+    tokens = np.zeros((len(outs), M), np.int32)
+    logp = np.zeros((len(outs), M), np.float32)
+    for i, o in enumerate(outs):
+      tokens[i, :len(o)] = o
+      logp[i, :len(o)] = -0.1 * (np.arange(len(o)) + 1)
+    return {"tokens_BN": tokens, "lengths_B": np.asarray([len(o) for o in outs], np.int32), "behavior_logp_BN": logp}
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+  import tiny_hf
+  from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer
+  return load_checkpoint_tokenizer(tiny_hf.make_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def fake_gen(tokenizer, temperature=1.0):
+  return types.SimpleNamespace(encoder=Encoder(tokenizer, "auto"), key_root=jax.random.key(0),
+                               sampler_cfg=SamplerConfig(max_new_tokens=8, stop_ids=tokenizer.stop_ids,
+                                                         pad_id=tokenizer.pad_id, temperature=temperature))
+
+
+def stub_service(tokenizer, script=(), auto_open=True, **over):
+  store = ParamStore(keep_last=1)
+  store.publish({"w": jnp.zeros(2)})
+  s = ServeSettings(**{"harness": "x:y", "max_context": 1024, "prompt_width": 768, "max_tokens": 128, **over})
+  sampler = ScriptedSampler(script)
+  return Service.start(fake_gen(tokenizer), store, s, auto_open=auto_open, sample_fn=sampler), sampler
+
+
+# ---- the openai client: a tool-call turn and an answer turn ----
+
+def test_openai_client_tool_call_episode_records_the_served_ids(chat_tok):
+  tok = chat_tok
+  end = tok.end_of_turn_id
+  call_text = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+  script = [tok.encode(call_text) + [end], tok.encode("7") + [end]]
+  svc, sampler = stub_service(tok, script)
+  try:
+    client = openai.OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG)
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "what is 3+4? use add."}]
+    served = []
+    for turn in range(2):
+      r = client.chat.completions.create(model=model, messages=msgs, tools=[example_harness.ADD_TOOL], logprobs=True,
+                                         user="ep-1", extra_body={"return_token_ids": True})
+      ch = r.choices[0]
+      served.append((r.prompt_token_ids, ch.token_ids, [x.logprob for x in ch.logprobs.content]))
+      msgs.append(ch.message.model_dump(exclude_none=True))
+      if turn == 0:
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        tc = ch.message.tool_calls[0]
+        assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 3, "b": 4}
+        msgs.append({"role": "tool", "tool_call_id": tc.id, "content": example_harness._tool_result(tc)})
+      else:
+        assert ch.finish_reason == "stop" and ch.message.content == "7" and not ch.message.tool_calls
+    httpx.post(f"{svc.base_url}/v1/episodes/ep-1/reward", json={"reward": 1.0}, timeout=HANG).raise_for_status()
+    ep = svc.recorder.pop("ep-1")
+  finally:
+    svc.close()
+  assert ep.reward == 1.0 and len(ep.calls) == 2 and sampler.calls == 2
+  for call, (prompt, ids, logp) in zip(ep.calls, served):
+    assert call.prompt_ids == prompt and call.completion_ids == ids
+    np.testing.assert_allclose(call.logprobs, logp, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(logp, -0.1 * (np.arange(len(ids)) + 1), rtol=0, atol=1e-6)  # the sampler's μ
+  assert ep.calls[0].completion_ids == script[0] and ep.calls[1].completion_ids == script[1]
+  # turn 1: the chat template's first prompt; turn 2: turn 1's ids + served ids + the tool message's delta
+  first = tok.chat_ids([{"role": "system", "content": _tools_block()}, msgs[0]], add_generation_prompt=True)
+  assert ep.calls[0].prompt_ids == first
+  delta = tok.encode("\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n")
+  assert ep.calls[1].prompt_ids == first + script[0] + delta
+  assert sampler.contexts == [ep.calls[0].prompt_ids, ep.calls[1].prompt_ids]
+  # the episode's row: mask exactly on the served completion tokens, μ there, the rest the harness's (mask 0)
+  P, N = 640, 256
+  row = episode_row(ep.calls, P, N, tok.pad_id)
+  assert not row["split"]
+  resp = row["sequence_T"][P:]
+  n1, n2 = len(script[0]), len(script[1])
+  want_mask = np.zeros(N)
+  want_mask[:n1] = 1
+  want_mask[n1 + len(delta):n1 + len(delta) + n2] = 1
+  np.testing.assert_array_equal(row["mask_N"], want_mask)
+  np.testing.assert_array_equal(resp[row["mask_N"] > 0], script[0] + script[1])
+  np.testing.assert_allclose(row["behavior_logp_N"][row["mask_N"] > 0], served[0][2] + served[1][2], atol=1e-6)
+  np.testing.assert_array_equal(row["env_mask_N"][:n1 + len(delta) + n2], 1 - want_mask[:n1 + len(delta) + n2])
+  assert list(row["sequence_T"][P - len(first):P]) == first and row["segment_ids_T"][P - len(first) - 1] == 0
+
+
+def _tools_block():
+  from jaxrl_llm.tasks.encoder import hermes_tools_text
+  return hermes_tools_text([example_harness.ADD_TOOL])
+
+
+# ---- verifiers' token-in route and token-id completions ----
+
+def test_generate_route_with_verifiers_request_shape(chat_tok):
+  tok = chat_tok
+  end = tok.end_of_turn_id
+  a, b = tok.encode("12"), tok.encode("34")
+  svc, sampler = stub_service(tok, [a + [end] + b, b + [end]])
+  prompt = tok.chat_ids([{"role": "user", "content": "hi"}])
+  try:
+    body = {"model": "jaxrl-policy", "token_ids": prompt,
+            "sampling_params": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16, "logprobs": 1,
+                                "stop_token_ids": [end], "skip_special_tokens": False}}
+    r = httpx.post(f"{svc.base_url}/inference/v1/generate", json=body, headers={"X-Episode-Id": "v1"}, timeout=HANG)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ch = out["choices"][0]
+    assert out["prompt_token_ids"] == prompt
+    assert ch["token_ids"] == a + [end] and ch["finish_reason"] == "stop"  # cut after the first stop_token_id
+    want = [-0.1 * (i + 1) for i in range(len(a) + 1)]
+    assert [x["logprob"] for x in ch["logprobs"]["content"]] == pytest.approx(want)
+    # /v1/completions with token ids extends the same episode
+    p2 = prompt + ch["token_ids"] + tok.encode("ok")
+    r2 = httpx.post(f"{svc.base_url}/v1/completions", json={"model": "jaxrl-policy", "prompt": p2, "logprobs": 0,
+                                                              "return_token_ids": True, "user": "v1"}, timeout=HANG)
+    assert r2.status_code == 200, r2.text
+    c2 = r2.json()["choices"][0]
+    assert c2["token_ids"] == b + [end] and c2["text"] == "34" and c2["finish_reason"] == "stop"
+    assert c2["logprobs"]["token_logprobs"] == pytest.approx([-0.1 * (i + 1) for i in range(len(b) + 1)])
+    ep = svc.recorder.pop("v1")
+  finally:
+    svc.close()
+  assert [c.prompt_ids for c in ep.calls] == [prompt, p2] and extends(ep.calls)
+  assert ep.calls[0].completion_ids == a + [end] and ep.calls[1].completion_ids == b + [end]
+
+
+# ---- bad input: OpenAI-style errors, the sampler never called ----
+
+_CHAT = {"model": "jaxrl-policy", "messages": [{"role": "user", "content": "hi"}], "user": "e"}
+
+
+@pytest.mark.parametrize("path,body,headers,status,match", [
+    ("/v1/chat/completions", b"{not json", {}, 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", {}, 400, "JSON object"),
+    ("/v1/chat/completions", {"model": "jaxrl-policy", "user": "e"}, {}, 400, "messages"),
+    ("/v1/chat/completions", {**_CHAT, "messages": "hi"}, {}, 400, "messages"),
+    ("/v1/chat/completions", {**_CHAT, "messages": [{"role": "robot", "content": "x"}]}, {}, 400, "role"),
+    ("/v1/chat/completions", {**_CHAT, "temperature": 0.5}, {}, 400, "sampler temperature"),
+    ("/v1/chat/completions", {**_CHAT, "temperature": "hot"}, {}, 400, "temperature"),
+    ("/v1/chat/completions", {**_CHAT, "n": 2}, {}, 400, "one choice"),
+    ("/v1/chat/completions", {**_CHAT, "presence_penalty": 0.5}, {}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {**_CHAT, "stream": True}, {}, 400, "stream"),
+    ("/v1/chat/completions", {**_CHAT, "max_tokens": 1000}, {}, 400, "serve.max_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "model": "gpt-4"}, {}, 404, "does not exist"),
+    ("/v1/chat/completions", {k: v for k, v in _CHAT.items() if k != "user"}, {}, 400, "X-Episode-Id"),
+    ("/v1/chat/completions", {**_CHAT, "messages": [{"role": "user", "content": "word " * 1200}]}, {}, 400,
+     "serve.max_context"),
+    ("/v1/completions", {"model": "jaxrl-policy", "prompt": [1, 2, 10**6], "user": "e"}, {}, 400, "vocabulary"),
+    ("/v1/completions", {"model": "jaxrl-policy", "prompt": 5, "user": "e"}, {}, 400, "prompt"),
+    ("/inference/v1/generate", {"token_ids": "abc", "sampling_params": {}}, {"X-Episode-Id": "e"}, 400, "token_ids"),
+    ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {"temperature": 0.0}}, {"X-Episode-Id": "e"},
+     400, "temperature"),
+    ("/v1/episodes/nope/reward", {"reward": 1.0}, {}, 404, "unknown episode"),
+    ("/v1/episodes/nope/reward", {"reward": "high"}, {}, 400, "reward"),
+])
+def test_bad_input_is_refused_before_the_sampler(chat_tok, path, body, headers, status, match):
+  svc, sampler = stub_service(chat_tok, auto_open=True)
+  try:
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(svc.base_url + path, headers={"content-type": "application/json", **headers}, timeout=HANG, **kw)
+  finally:
+    svc.close()
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert set(err) == {"message", "type", "param", "code"} and match in err["message"], err
+  assert sampler.calls == 0
+
+
+def test_unknown_and_ended_episodes(chat_tok):
+  tok = chat_tok
+  svc, sampler = stub_service(tok, [tok.encode("1") + [tok.end_of_turn_id]], auto_open=False)
+  try:
+    post = lambda user: httpx.post(svc.base_url + "/v1/chat/completions", json={**_CHAT, "user": user}, timeout=HANG)
+    r = post("stray")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
+    svc.recorder.open("mine")
+    assert post("mine").status_code == 200
+    assert httpx.post(svc.base_url + "/v1/episodes/mine/reward", json={"reward": 0.5}, timeout=HANG).status_code == 200
+    r = post("mine")
+    assert r.status_code == 409 and "ended" in r.json()["error"]["message"]
+  finally:
+    svc.close()
+  assert sampler.calls == 1
+
+
+def test_a_failing_sampler_is_an_openai_error_and_the_server_goes_on(chat_tok):
+  svc, sampler = stub_service(chat_tok, script=[])  # the scripted sampler raises IndexError on its first call
+  try:
+    r = httpx.post(svc.base_url + "/v1/chat/completions", json=_CHAT, timeout=HANG)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "sampler_error", r.text
+    assert httpx.get(svc.base_url + "/v1/models", timeout=HANG).json()["data"][0]["id"] == "jaxrl-policy"
+  finally:
+    svc.close()
+  assert sampler.calls == 1
+
+
+# ---- the row layout (golden values by hand) ----
+
+def test_episode_row_extended_and_split():
+  c1 = Call([1, 2, 3], [10, 11], [-1.0, -2.0], version=4)
+  c2 = Call([1, 2, 3, 10, 11, 7], [12], [-3.0], version=5)
+  row = episode_row([c1, c2], P=4, N=6, pad_id=0)
+  assert not row["split"]
+  np.testing.assert_array_equal(row["sequence_T"], [0, 1, 2, 3, 10, 11, 7, 12, 0, 0])
+  np.testing.assert_array_equal(row["positions_T"], [0, 0, 1, 2, 3, 4, 5, 6, 0, 0])
+  np.testing.assert_array_equal(row["segment_ids_T"], [0, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(row["mask_N"], [1, 1, 0, 1, 0, 0])
+  np.testing.assert_array_equal(row["env_mask_N"], [0, 0, 1, 0, 0, 0])
+  np.testing.assert_array_equal(row["behavior_logp_N"], [-1, -2, 0, -3, 0, 0])
+  np.testing.assert_array_equal(row["versions_N"][:4], [4, 4, 4, 5])
+  # the harness rewrote its history: one packed segment per call, positions restarting
+  c3 = Call([1, 9], [12], [-3.0], version=5)
+  row = episode_row([c1, c3], P=4, N=6, pad_id=0)
+  assert row["split"]
+  np.testing.assert_array_equal(row["sequence_T"], [0, 1, 2, 3, 10, 11, 1, 9, 12, 0])
+  np.testing.assert_array_equal(row["positions_T"], [0, 0, 1, 2, 3, 4, 0, 1, 2, 0])
+  np.testing.assert_array_equal(row["segment_ids_T"], [0, 1, 1, 1, 1, 1, 2, 2, 2, 0])
+  np.testing.assert_array_equal(row["mask_N"], [1, 1, 0, 0, 1, 0])
+  with pytest.raises(ValueError, match="serve.max_context"):
+    episode_row([c1, c3], P=4, N=4, pad_id=0)
+
+
+# ---- the tiny model: 8 concurrent episodes, and the run ----
+
+def short_harness(base_url: str, episode_id: str, seed: int) -> None:
+  """Two turns with the `openai` client (short prompts for the char tokenizer); g3 episodes raise."""
+  if "-g3-" in episode_id:
+    raise RuntimeError("this harness fails")
+  client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG,
+                         default_headers={"X-Episode-Id": episode_id})
+  msgs = [{"role": "user", "content": f"add {seed % 10} and 2."}]
+  r = client.chat.completions.create(model="jaxrl-policy", messages=msgs, logprobs=True,
+                                     extra_body={"return_token_ids": True})
+  msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "so?"}]
+  r2 = client.chat.completions.create(model="jaxrl-policy", messages=msgs, logprobs=True,
+                                      extra_body={"return_token_ids": True})
+  SERVED.setdefault(episode_id, []).extend(
+      (x.prompt_token_ids, x.choices[0].token_ids, [t.logprob for t in x.choices[0].logprobs.content]) for x in (r, r2))
+  reward = float(any(ch in (r2.choices[0].message.content or "") for ch in "0123456789"))
+  httpx.post(f"{base_url}/v1/episodes/{episode_id}/reward", json={"reward": reward}, timeout=HANG).raise_for_status()
+
+
+SERVED: dict = {}
+
+
+def harness_config(**serve):
+  c = load_file(os.path.join(ROOT, "configs", "harness_tiny.py"))
+  c.log.tensorboard, c.log.progress, c.checkpoint.every = False, False, 0
+  c.serve.harness = f"{__name__}:short_harness"
+  c.serve.max_context, c.serve.prompt_width, c.serve.max_tokens = 48, 24, 6
+  for k, v in serve.items():
+    c.serve[k] = v
+  return c
+
+
+def test_eight_concurrent_episodes_share_a_batch():
+  c = harness_config()
+  r = wiring.setup(c)
+  store = ParamStore(keep_last=1)
+  store.publish(init_params(r.sampler_model_cfg, jax.random.key(0)))
+  s = r.ctx.settings.serve
+  sample_fn = harness_source.make_sample_fn(r.ctx.gen, s.max_context, s.max_tokens, s.max_batch)
+  svc = Service.start(r.ctx.gen, store, s, sample_fn=sample_fn, params_of=worker_params, auto_open=True)
+  ids = [f"c{i}-g0-x" for i in range(8)]
+  SERVED.clear()
+  try:
+    svc.batcher.hold()
+    threads = [threading.Thread(target=short_harness, args=(svc.base_url, e, i)) for i, e in enumerate(ids)]
+    for t in threads:
+      t.start()
+    t0 = time.monotonic()
+    while svc.batcher.pending() < 8:  # every episode's first call is queued: the first sampler call takes all 8
+      assert time.monotonic() - t0 < HANG, "the 8 first calls never arrived"
+      time.sleep(0.01)
+    svc.batcher.resume()
+    for t in threads:
+      t.join(HANG)
+    episodes = [svc.recorder.pop(e) for e in ids]
+    stats = svc.batcher.stats()
+    # top_logprobs as OpenAI: μ's most likely tokens, best first, the sampled token's log-prob among them or below
+    r = httpx.post(svc.base_url + "/v1/chat/completions", timeout=HANG, json={
+        "model": "jaxrl-policy", "messages": [{"role": "user", "content": "hi"}], "user": "top", "logprobs": True,
+        "top_logprobs": 3, "return_token_ids": True, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(r.json()["choices"][0]["token_ids"]) >= 1
+    for tok in content:
+      tops = [t["logprob"] for t in tok["top_logprobs"]]
+      assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tok["logprob"] <= tops[0] + 1e-6
+      assert tok["token"].startswith("token_id:")
+  finally:
+    svc.close()
+  assert svc.batcher.sizes[0] == 8 and stats["serve_batch_max"] == 8 and stats["serve_calls"] == 16
+  for e, ep in zip(ids, episodes):
+    assert ep.reward is not None and extends(ep.calls)
+    for call, (prompt, got, logp) in zip(ep.calls, SERVED[e]):
+      assert call.prompt_ids == prompt and call.completion_ids == got
+      np.testing.assert_allclose(call.logprobs, logp, atol=1e-6)
+    row = episode_row(ep.calls, 24, 24, 0)
+    served_ids = [t for _, got, _ in SERVED[e] for t in got]
+    np.testing.assert_array_equal(row["sequence_T"][24:][row["mask_N"] > 0], served_ids)
+
+
+def test_harness_run_trains_two_steps(tmp_path):
+  c = harness_config()
+  rows = loop.run(c, str(tmp_path / "run"))
+  assert [r["step"] for r in rows] == [0, 1]
+  need = {"step", "version", "lag_mean", "lag_max", "reward_mean", "loss", "serve_batch_mean", "serve_batch_max",
+          "serve_failed", "serve_episodes"}
+  for r in rows:
+    assert need <= set(r), need - set(r)
+    assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"])
+    assert r["lag_max"] <= c.rollout.lag
+    # one of the 4 episodes of each of the 2 groups raises: it costs that episode only
+    assert r["serve_episodes"] == 8 and r["serve_failed"] == r["serve_errors"] == 2
+    assert r["mismatch_abs_max"] < 1e-5  # π_old recomputed at each token's version equals the served μ
+  assert sum(r["updates_applied"] for r in rows) >= 1
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert len(lines) == 2 and "serve_batch_max" in json.loads(lines[0])
+
+
+def test_failed_harness_costs_its_episode_only(chat_tok):
+  """`play` + `group_from_episodes`: a harness that raises, one still running at the timeout, one that never reports
+  a reward, and a good one; the failed rows keep no tokens and take the good episodes' mean reward."""
+  from jaxrl_llm.serve.recorder import Recorder
+  rec, release = Recorder(auto_open=False), threading.Event()
+  ids = ["ok", "raises", "hangs", "silent"]
+  for e in ids:
+    rec.open(e)
+
+  def harness(base_url, episode_id, seed):
+    del base_url
+    if episode_id == "raises":
+      raise ValueError("boom")
+    if episode_id == "hangs":
+      release.wait(HANG)
+      return
+    rec.record(episode_id, Call([5, 6], [7, 8], [-0.5, -0.25], version=seed))
+    if episode_id == "ok":
+      rec.reward(episode_id, 0.75)
+
+  status = harness_source.play(harness, "http://unused", ids, seed=3, timeout_s=2.0)
+  release.set()
+  assert status == [None, "errors", "timeouts", None]
+  group = harness_source.group_from_episodes([rec.pop(e) for e in ids], status, P=4, N=4, pad_id=0, version=2)
+  assert status == [None, "errors", "timeouts", "no_reward"]
+  np.testing.assert_array_equal(group.reward_B, [0.75] * 4)
+  np.testing.assert_array_equal(group.mask_BN, [[1, 1, 0, 0]] + [[0] * 4] * 3)
+  np.testing.assert_array_equal(group.sequence_BT[0], [0, 0, 5, 6, 7, 8, 0, 0])
+  np.testing.assert_array_equal(group.segment_ids_BT[1:], 0)
+  assert group.stats["serve_failed"] == 3 and group.stats["serve_errors"] == 1
+  assert group.stats["serve_timeouts"] == 1 and group.stats["serve_no_reward"] == 1
+  np.testing.assert_array_equal(group.versions_BN, [[3] * 4] + [[2] * 4] * 3)  # the call's, else the admitted one
+
+
+def test_harness_source_state_is_the_request_cursor():
+  ctx = types.SimpleNamespace(settings=types.SimpleNamespace(serve=ServeSettings(harness=f"{__name__}:short_harness")))
+  src = harness_source.Harness(ctx, store=None)
+  assert src.state() == {"next_request_id": 0}
+  src.restore({"next_request_id": 7})
+  assert src.state() == {"next_request_id": 7}
+  with pytest.raises(ValueError, match="no callable"):
+    harness_source.load_harness(f"{__name__}:nope")
+
+
+@pytest.mark.parametrize("field,value", [("harness", "no_colon"), ("max_batch", 0), ("timeout_s", 0.0),
+                                         ("max_tokens", 48), ("prompt_width", 48)])
+def test_serve_validation_names_the_field(field, value):
+  c = harness_config()
+  c.serve[field] = value
+  with pytest.raises(ConfigError, match=f"config.serve.{field}="):
+    config_lib.validate(c)
