@@ -230,10 +230,12 @@ def _validate_sampler_records(c: ml_collections.ConfigDict) -> None:
                         f"{c.rollout.partial_chunk}) do not record it; use rollout.partial_chunk=0")
 
 
+KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config imports no sampler; a test pins it)
+
+
 def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
   """`sampler.kv_cache` / `kv_sinks` / `kv_window` (absent: "full", 4, 64): a compressed sampler KV cache runs in
   `generate` only (not partial rollouts, not episodes), and SMD's shadow forward needs the window's mask."""
-  from jaxrl_llm.sampling.config import KV_CACHES  # local: the sampler package imports models
   kind, sinks, window = c.sampler.get("kv_cache", "full"), c.sampler.get("kv_sinks", 4), c.sampler.get("kv_window", 64)
   _need(kind in KV_CACHES, "sampler.kv_cache", kind, f"must be one of {KV_CACHES}")
   _need(isinstance(sinks, int) and not isinstance(sinks, bool) and sinks >= 0, "sampler.kv_sinks", sinks,

@@ -136,6 +136,11 @@ def test_config_errors_name_the_field(over, field):
     config_lib.validate(c)
 
 
+def test_config_and_sampler_agree_on_kv_caches():
+  from jaxrl_llm.sampling import config as sampler_config
+  assert config_lib.KV_CACHES == sampler_config.KV_CACHES
+
+
 def test_config_window_with_other_losses_is_valid():
   c = _tiny()
   config_lib.validate(c)
