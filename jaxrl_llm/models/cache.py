@@ -22,6 +22,8 @@ Compressed caches (the sampler's `kv_cache`, a deliberate mismatch with the lear
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -97,8 +99,8 @@ def dequantize_kv(q_BSKd: Array, s_BSK: Array, dtype) -> Array:
 
 
 def cache_bytes(cache: dict, names=("k", "v", "k_scale", "v_scale")) -> int:
-  """Real bytes of the cache's key/value arrays (and int8 scales), all rows."""
-  return sum(int(cache[n].size) * cache[n].dtype.itemsize for n in names if n in cache)
+  """Bytes of the cache's key/value arrays (and int8 scales), all rows; also of `jax.eval_shape(init_cache, ...)`."""
+  return sum(math.prod(cache[n].shape) * jnp.dtype(cache[n].dtype).itemsize for n in names if n in cache)
 
 
 def ring_buffer_bytes(cfg: ModelConfig, sinks: int, window: int, slots: int) -> int:
