@@ -23,7 +23,8 @@ class Hparams:
 
 
 def smd(inputs, hp: Hparams):
-  """SMD (arXiv 2605.06850, spec B10): ℓ_t = PPO-clip(π_shadow / μ) + λ·KL(π_dense(·|s_t) ‖ sg π_shadow(·|s_t)).
+  """SMD (arXiv 2605.06850, spec B10; that it is the KV-compression paper of the seeds is the spec's [GUESS]):
+  ℓ_t = PPO-clip(π_shadow / μ) + λ·KL(π_dense(·|s_t) ‖ sg π_shadow(·|s_t)).
 
   π_shadow is the learner's forward under the sampler's KV visibility mask (`shadow_logp_BN`, `shadow_head`:
   `learner.completion_logprobs(kv_window_B2=...)`, built from the recorded sinks + window), π_dense the usual
