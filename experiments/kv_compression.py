@@ -13,7 +13,7 @@ Two parts, on the tiny policy after its SFT warm start (`configs/default.py`, 2-
    seeds; the training reward at the end (the compressed sampler's) and greedy held-out accuracy (also decoded
    with the compressed cache: the deployed policy).
 
-    python -m experiments.kv_compression           # CI-sized, minutes on 2 cores
+    python -m experiments.kv_compression           # CI-sized, ~15 minutes on 2 cores
     python -m experiments.kv_compression --full
 
 Writes experiments/results/kv_compression.json; `python -m experiments.report` renders it.
@@ -38,8 +38,8 @@ CACHES = {"full": {"sampler.kv_cache": "full"}, "int8": {"sampler.kv_cache": "in
           "window": {"sampler.kv_cache": "window", **WINDOW}}
 METHODS = {"none": {"loss.name": "ppo_clip"}, "tis": {"loss.name": "tis"}, "smd": {"loss.name": "smd"}}
 SETTINGS = {
-    "ci": {"steps": 60, "eval_every": 20, "seeds": 3, "prompts": 128, "group": 4},
-    "full": {"steps": 300, "eval_every": 25, "seeds": 5, "prompts": 256, "group": 8},
+    "ci": {"steps": 200, "eval_every": 25, "seeds": 5, "prompts": 128, "group": 4},
+    "full": {"steps": 400, "eval_every": 25, "seeds": 5, "prompts": 256, "group": 8},
 }
 
 
