@@ -92,7 +92,8 @@ def measure(base: str, warm: str, prompts: int, group: int, seed: int) -> dict:
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--methods", default="", help="comma-separated subset of methods")
-  p.add_argument("--prompts", type=int, default=None, help="held-out prompts of the mismatch table (default: setting's)")
+  p.add_argument("--prompts", type=int, default=None,
+                 help="held-out prompts of the mismatch table (default: setting's)")
   args = p.parse_args(argv)
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   ms = args.methods.split(",") if args.methods else list(METHODS)
@@ -114,7 +115,7 @@ def main(argv=None) -> str:
     results.append({**r, **out})
     s = out.get("summary", {})
     common.log(f"{i + 1}/{len(runs)} {r} reward {s.get('reward_mean_last')} acc {s.get('eval_accuracy_initial')} -> "
-               f"{s.get('eval_accuracy_late')} ({out.get('wall_s', 0):.0f}s){' ' + out['error'] if 'error' in out else ''}")
+               f"{s.get('eval_accuracy_late')} ({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
   return common.write_results("kv_compression", {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
       "base_overrides": BASE, "caches": CACHES, "methods": METHODS, "prompts": prompts,

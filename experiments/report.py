@@ -930,7 +930,8 @@ def kv_compression_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   ms = [m for m in doc.get("methods", {}) if any(r["method"] == m for r in ok)]
   lines += ["", f"Training with the window cache: {doc.get('steps')} learner steps, seeds {planned_seeds(doc)}; "
             "`none` = `ppo_clip` with π_old recomputed by the dense learner (blind to μ), `tis` = truncated IS on "
-            "π_old/μ, `smd` = PPO on the shadow forward (the sampler's mask) + 0.1·KL(dense ‖ sg shadow). Held-out "
+            "π_old/μ, `smd` = PPO on the shadow forward (the sampler's mask) + λ·KL(dense ‖ sg shadow) at the loss's "
+            "default λ. Held-out "
             "accuracy is greedy decoding with the same compressed cache.", "",
             "| method | reward (end) | held-out accuracy (late) | initial accuracy | mean abs(log π_old − log μ) |",
             "|---|---|---|---|---|"]

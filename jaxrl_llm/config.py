@@ -478,9 +478,9 @@ def sampler_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 
 register_needs("sampler", sampler_needs)
-register_needs("env", lambda c: ("turn",) if env_on(c) else ())
+register_needs("env", lambda c: ("turn",) if env_on(c) else ())  # episodes number their turns (`turn_BN`)
 # The sinks + window cache records what each token saw: the learner runs the shadow forward (`losses.smd`).
-register_needs("kv_cache", lambda c: ("shadow",) if c.sampler.get("kv_cache", "full") == "window" else ())  # episodes number their turns (`turn_BN`)
+register_needs("kv_cache", lambda c: ("shadow",) if c.sampler.get("kv_cache", "full") == "window" else ())
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

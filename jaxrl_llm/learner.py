@@ -92,7 +92,8 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   mask_BTT = None
   if kv_window_B2 is not None:
     kv_window_B2 = jnp.asarray(kv_window_B2, jnp.int32)
-    mask_BTT = window_attention_mask(positions_BT[:, :-1], segment_ids_BT[:, :-1], kv_window_B2[:, 0], kv_window_B2[:, 1])
+    mask_BTT = window_attention_mask(positions_BT[:, :-1], segment_ids_BT[:, :-1], kv_window_B2[:, 0],
+                                     kv_window_B2[:, 1])
   # query_start: prompt positions only feed keys/values; their outputs are never scored.
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,

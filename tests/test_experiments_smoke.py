@@ -660,7 +660,8 @@ def _kv_doc(smd_rewards, tis_rewards):
                                                           "eval_accuracy_initial": 0.05, "mismatch_abs_mean": 0.07}})
   return {"experiment": "kv_compression", "command": "python -m experiments.kv_compression", "commit": "abc",
           "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 60, "seeds": 3, "prompts": 8, "group": 2,
-          "caches": {"window": {"sampler.kv_sinks": 4, "sampler.kv_window": 3}}, "methods": {"none": {}, "tis": {}, "smd": {}},
+          "caches": {"window": {"sampler.kv_sinks": 4, "sampler.kv_window": 3}},
+          "methods": {"none": {}, "tis": {}, "smd": {}},
           "bands": {"icepop": [0.5, 5.0], "mis": [0.5, 2.0], "tis_cap": 2.0},
           "mismatch": {"full": row(0.0), "int8": row(0.001), "window": {**row(0.07), "ring_buffer_bytes_per_seq": 60,
                                                                          "kept_frac": 0.8}},

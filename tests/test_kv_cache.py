@@ -146,8 +146,8 @@ def test_ring_buffer_bytes():
   assert cache_lib.ring_buffer_bytes(CFG, 2, 300, 10) == 2 * 2 * 10 * 2 * 8 * 4  # never more than the slots
 
 
-@pytest.mark.parametrize("kw, field", [({"kv_cache": "fp4"}, "sampler.kv_cache"), ({"kv_window": 0}, "sampler.kv_window"),
-                                       ({"kv_sinks": -1}, "sampler.kv_sinks")])
+@pytest.mark.parametrize("kw, field", [({"kv_cache": "fp4"}, "sampler.kv_cache"),
+                                       ({"kv_window": 0}, "sampler.kv_window"), ({"kv_sinks": -1}, "sampler.kv_sinks")])
 def test_sampler_config_errors(kw, field):
   with pytest.raises(ValueError, match=field):
     SamplerConfig(max_new_tokens=2, **kw)
