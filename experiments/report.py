@@ -942,6 +942,12 @@ def kv_compression_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   errors = [r for r in doc.get("runs", []) if "error" in r]
   if errors:
     lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  dead = [r for r in ok if (r["summary"].get("reward_mean_last") or 0.0) < 1e-3
+          and (r["summary"].get("eval_accuracy_initial") or 0.0) > 0]
+  if dead:
+    lines += ["", "Runs whose reward collapsed to 0 (last fifth of the steps) from a start policy that scored: "
+              + ", ".join(f"{r['method']} seed {r['seed']} (accuracy {r['summary']['eval_accuracy_initial']:.3f} → "
+                          f"{(r['summary'].get(ACC) or 0.0):.3f})" for r in dead) + "."]
   if ms:
     fname = "kv_compression_reward.png"
     plot_bars(ms, {"reward (end)": [(cell([r for r in ok if r["method"] == m], "reward_mean_last") or {}).get("mean")
