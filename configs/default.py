@@ -57,6 +57,10 @@ def get_config():
   # Records of μ beyond the sampled token (jaxrl_llm.sampling.behavior), for the losses that read them:
   c.sampler.behavior_topk = 0  # k > 0: μ's top-k ids + log-probs per position (dppo_topk; s2d_opd's candidates)
   c.sampler.mc_samples = 0  # J > 0: the token + J-1 i.i.d. draws from μ per position (opd_reverse_kl_mc)
+  # KV-compressed rollouts (models/cache.py): the learner still scores the full context; `smd` corrects "window".
+  c.sampler.kv_cache = "full"  # "full" | "int8" (int8 keys/values, per-token-per-head scales) | "window"
+  c.sampler.kv_sinks = 4  # "window": first positions every token keeps (attention sinks; SMD reference: 4)
+  c.sampler.kv_window = 64  # "window": last positions each token sees, itself included
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.mode = "sync"  # sync | fixed_lag | staged | async | harness

@@ -900,6 +900,76 @@ def agent_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims + staleness_claims(ok, task, base, lags)
 
 
+def kv_compression_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """KV-compressed rollouts (issue 34, spec B10), `experiments/kv_compression.py`: the mismatch table of each
+  sampler KV cache against the dense learner (start policy, no training) and the window-cache training grid.
+  Reward is `reward_mean_last` (the training reward of the last fifth of the steps, sampled with the compressed
+  cache). "SMD beats uncorrected" is `exceeds` on that reward (MARGIN and 2 se); "TIS does not mitigate the
+  bias" holds when TIS's reward does not exceed uncorrected's (`exceeds` False; UNDECIDED kept)."""
+  lines = ["## KV-compressed rollouts (int8 / sinks + window sampler cache)", "", provenance(doc), ""]
+  bands = doc.get("bands", {})
+  table = doc.get("mismatch", {})
+  win = doc.get("caches", {}).get("window", {})
+  lines += [f"Start policy: the SFT warm start of `configs/{doc.get('base_config', 'default')}.py` on 2-digit "
+            f"addition; {doc.get('prompts')} held-out prompts × {doc.get('group')} samples per cache, every sampled "
+            "token rescored by the dense fp32 learner (Δ = log π_old − log μ). Window cache: "
+            f"{win.get('sampler.kv_sinks')} sinks + a window of {win.get('sampler.kv_window')} positions, implemented "
+            "as a mask over the full-size cache: its real bytes equal the full cache's; the ring-buffer column is what "
+            "a buffer of sinks + window slots would hold, computed from shapes (not allocated). Bands at the losses' "
+            f"defaults: IcePop {bands.get('icepop')}, MIS {bands.get('mis')}, TIS cap {bands.get('tis_cap')}.", "",
+            "| cache | bytes / sequence (cache arrays) | ring buffer bytes / sequence (computed) | keys kept | "
+            "mean abs Δ | max abs Δ | outside IcePop | outside MIS | above TIS cap |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  f = lambda v, d=4: "—" if v is None else f"{v:.{d}f}"
+  for name, r in table.items():
+    ring = r.get("ring_buffer_bytes_per_seq")
+    lines.append(f"| {name} | {r['bytes_per_seq']} | {'—' if ring is None else ring} | {f(r.get('kept_frac'), 3)} | "
+                 f"{f(r['abs_mean'], 5)} | {f(r['abs_max'])} | {f(r['icepop_out_frac'])} | {f(r['mis_out_frac'])} | "
+                 f"{f(r['tis_capped_frac'])} |")
+  ok = [r for r in doc.get("runs", []) if "summary" in r]
+  ms = [m for m in doc.get("methods", {}) if any(r["method"] == m for r in ok)]
+  lines += ["", f"Training with the window cache: {doc.get('steps')} learner steps, seeds {planned_seeds(doc)}; "
+            "`none` = `ppo_clip` with π_old recomputed by the dense learner (blind to μ), `tis` = truncated IS on "
+            "π_old/μ, `smd` = PPO on the shadow forward (the sampler's mask) + λ·KL(dense ‖ sg shadow) at the loss's "
+            "default λ. Held-out "
+            "accuracy is greedy decoding with the same compressed cache.", "",
+            "| method | reward (end) | held-out accuracy (late) | initial accuracy | mean abs(log π_old − log μ) |",
+            "|---|---|---|---|---|"]
+  for m in ms:
+    rs = [r for r in ok if r["method"] == m]
+    lines.append(f"| {m} | {fmt(cell(rs, 'reward_mean_last'))} | {fmt(cell(rs))} | "
+                 f"{fmt(cell(rs, 'eval_accuracy_initial'))} | {fmt(cell(rs, 'mismatch_abs_mean'), 5)} |")
+  errors = [r for r in doc.get("runs", []) if "error" in r]
+  if errors:
+    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  dead = [r for r in ok if (r["summary"].get("reward_mean_last") or 0.0) < 1e-3
+          and (r["summary"].get("eval_accuracy_initial") or 0.0) > 0]
+  if dead:
+    lines += ["", "Runs whose reward collapsed to 0 (last fifth of the steps) from a start policy that scored: "
+              + ", ".join(f"{r['method']} seed {r['seed']} (accuracy {r['summary']['eval_accuracy_initial']:.3f} → "
+                          f"{(r['summary'].get(ACC) or 0.0):.3f})" for r in dead) + "."]
+  if ms:
+    fname = "kv_compression_reward.png"
+    plot_bars(ms, {"reward (end)": [(cell([r for r in ok if r["method"] == m], "reward_mean_last") or {}).get("mean")
+                                    for m in ms]}, "training reward (last fifth)", "Window KV cache",
+              os.path.join(fig_dir, fname))
+    lines += ["", f"![kv compression]({rel}/{fname})"]
+  lines.append("")
+  claims = []
+  rew = {m: cell([r for r in ok if r["method"] == m], "reward_mean_last") for m in ms}
+  if "none" in rew and "smd" in rew:
+    v = exceeds(rew["smd"], rew["none"])
+    claims.append(claim("SMD trains better than uncorrected RL under a compressed (sinks + window) sampler KV cache",
+                        "SMD, arXiv 2605.06850 (spec B10)", v,
+                        f"end reward smd {fmt(rew['smd'])} vs none {fmt(rew['none'])}" + seeds_note(rew["smd"], rew["none"])))
+  if "none" in rew and "tis" in rew:
+    v = exceeds(rew["tis"], rew["none"])
+    claims.append(claim("IS (TIS) does not mitigate the KV-compression bias", "SMD, arXiv 2605.06850 (spec B10)",
+                        v if v in (None, UNDECIDED) else not v,
+                        f"end reward tis {fmt(rew['tis'])} vs none {fmt(rew['none'])}" + seeds_note(rew["tis"], rew["none"])))
+  return lines, claims
+
+
 def claim(text: str, source: str, verdict: bool | str | None, evidence: str) -> dict:
   return {"claim": text, "source": source, "verdict": verdict, "evidence": evidence}
 
@@ -914,7 +984,8 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "staleness_ablation": staleness_section, "mismatch_ablation": mismatch_section,
             "async_throughput": throughput_section,
             "async_throughput_smollm2": functools.partial(throughput_section, real=True), "async_staleness": async_section,
-            "replay_ablation": replay_section, "soak": soak_section, "agent_staleness": agent_section}
+            "replay_ablation": replay_section, "soak": soak_section, "agent_staleness": agent_section,
+            "kv_compression": kv_compression_section}
 
 
 # Other results documents a section reads beside its own (keyword argument -> experiment name).

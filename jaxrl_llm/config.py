@@ -97,6 +97,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(0 < c.sampler.top_p <= 1, "sampler.top_p", c.sampler.top_p, "must be in (0, 1]")
   _need(c.sampler.top_k >= 0, "sampler.top_k", c.sampler.top_k, "must be >= 0 (0 = off)")
   _validate_sampler_records(c)
+  _validate_kv_cache(c, spec)
   modes = rollout_modes()
   _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode, f"must be one of {modes}")
   _need(isinstance(c.rollout.lag, int) and c.rollout.lag >= 0, "rollout.lag", c.rollout.lag,
@@ -228,6 +229,28 @@ def _validate_sampler_records(c: ml_collections.ConfigDict) -> None:
     if v and c.rollout.partial_chunk:
       raise ConfigError(f"config.sampler.{f}={v}: partial rollouts (rollout.partial_chunk="
                         f"{c.rollout.partial_chunk}) do not record it; use rollout.partial_chunk=0")
+
+
+KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config imports no sampler; a test pins it)
+
+
+def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
+  """`sampler.kv_cache` / `kv_sinks` / `kv_window` (absent: "full", 4, 64): a compressed sampler KV cache runs in
+  `generate` only (not partial rollouts, not episodes), and SMD's shadow forward needs the window's mask."""
+  kind, sinks, window = c.sampler.get("kv_cache", "full"), c.sampler.get("kv_sinks", 4), c.sampler.get("kv_window", 64)
+  _need(kind in KV_CACHES, "sampler.kv_cache", kind, f"must be one of {KV_CACHES}")
+  _need(isinstance(sinks, int) and not isinstance(sinks, bool) and sinks >= 0, "sampler.kv_sinks", sinks,
+        "must be an int >= 0")
+  _need(isinstance(window, int) and not isinstance(window, bool) and window >= 1, "sampler.kv_window", window,
+        "must be an int >= 1 (a token always sees itself)")
+  if "shadow" in spec.needs:
+    _need(kind == "window", "sampler.kv_cache", kind,
+          f"loss {spec.name!r} trains the shadow policy, the forward under the sampler's KV visibility mask: only "
+          "'window' has one (an int8 cache changes values, not visibility; 'full' has no mismatch)")
+  if kind != "full":
+    _need(not c.rollout.partial_chunk, "sampler.kv_cache", kind,
+          f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode with the full cache only")
+    _need(not env_on(c), "sampler.kv_cache", kind, "episodes (env.name) keep a full KV cache across turns")
 
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
@@ -504,6 +527,8 @@ def sampler_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 register_needs("sampler", sampler_needs)
 register_needs("env", lambda c: ("turn",) if env_on(c) else ())  # episodes number their turns (`turn_BN`)
+# The sinks + window cache records what each token saw: the learner runs the shadow forward (`losses.smd`).
+register_needs("kv_cache", lambda c: ("shadow",) if c.sampler.get("kv_cache", "full") == "window" else ())
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

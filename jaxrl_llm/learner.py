@@ -41,6 +41,7 @@ from flax import struct
 from jaxrl_llm import losses
 from jaxrl_llm.losses import core
 from jaxrl_llm.models import ModelConfig, lm_head_weights, token_logprobs
+from jaxrl_llm.models.cache import window_attention_mask
 from jaxrl_llm.models.logprobs import token_logprobs_shared
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.types import LossInputs
@@ -74,7 +75,7 @@ Batch = Rollout
 
 def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
                         temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None,
-                        gather_ids_BNk=None, return_hidden: bool = False) -> dict:
+                        gather_ids_BNk=None, return_hidden: bool = False, kv_window_B2=None) -> dict:
   """Log-probs (and entropy) of the last `n_new` tokens of each sequence under `params`.
 
   Position j of the result scores completion token j given everything before it, exactly the
@@ -82,15 +83,22 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   expert ids for every input token; the result then also holds the scalar "router_aux_loss".
   `gather_ids_BNk` [B, n_new, k]: also return "gathered_logp_BTk", the tempered log-probs at those ids
   (chunked lm-head: no [B, n_new, V] array). `return_hidden`: also "hidden_BTD", the final hidden states of
-  the scored positions (the student's side of a `VocabHead`).
+  the scored positions (the student's side of a `VocabHead`). `kv_window_B2` [B, 2]: each row's (sinks, window)
+  of the sampler's sinks + window KV cache; the forward then sees only what the sampler saw (π_shadow,
+  `cache.window_attention_mask`).
   """
   routes = None if routes_BTLk is None else routes_BTLk[:, :-1]
   P = sequence_BT.shape[1] - n_new
+  mask_BTT = None
+  if kv_window_B2 is not None:
+    kv_window_B2 = jnp.asarray(kv_window_B2, jnp.int32)
+    mask_BTT = window_attention_mask(positions_BT[:, :-1], segment_ids_BT[:, :-1], kv_window_B2[:, 0],
+                                     kv_window_B2[:, 1])
   # query_start: prompt positions only feed keys/values; their outputs are never scored.
   out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, positions_BT=positions_BT[:, :-1],
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
                        perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTk=gather_ids_BNk,
-                       return_hidden=return_hidden)
+                       return_hidden=return_hidden, mask_BTT=mask_BTT)
   out.pop("routes_BTLk", None)
   return out
 
@@ -214,7 +222,10 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   # Full-distribution losses read the student as a VocabHead (hidden states + lm-head, logits formed
   # chunk by chunk in the loss); top-k losses only the student at the teacher's ids, which the chunked
   # lm-head gathers. Neither holds a [B, N, V] array.
-  student_dense = "student_logits" in spec.needs
+  # SMD (`losses.smd`): a second forward under the sampler's KV visibility mask (π_shadow), and the dense
+  # forward's VocabHead for the dense ↔ shadow KL.
+  shadow = "shadow" in spec.needs
+  student_dense = "student_logits" in spec.needs or shadow
   student_topk = "student_topk" in spec.needs
   # The rollout's own candidates: π_θ at μ's top-k ids (DPPO's top-k divergence) and at the Monte-Carlo
   # candidates (AsyncOPD), gathered by the same chunked lm-head in the same forward.
@@ -260,6 +271,15 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     if id_sets:  # one gather over the concatenated id sets, split back in order
       ends = np.cumsum([v.shape[-1] for v in id_sets.values()])
       inputs = inputs.replace(**dict(zip(id_sets, jnp.split(out["gathered_logp_BTk"], ends[:-1], axis=-1))))
+    if shadow:
+      if batch.kv_window_B2 is None:
+        raise ValueError(f"loss {loss_name!r} needs the sampler's KV window record kv_window_B2 "
+                         "(sampler.kv_cache='window')")
+      sh = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new, model_cfg,
+                               temperature, perturb=perturb, routes_BTLk=batch.routes_BTLk, return_hidden=True,
+                               kv_window_B2=batch.kv_window_B2)
+      inputs = inputs.replace(shadow_logp_BN=sh["logp_BT"], shadow_head=VocabHead(
+          hidden_BND=sh["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature))
     if behavior_topk:
       inputs = inputs.replace(behavior_topk_ids_BNk=batch.behavior_topk_ids_BNk,
                               behavior_topk_logp_BNk=batch.behavior_topk_logp_BNk)

@@ -55,6 +55,7 @@ class Rollout:
   mc_behavior_logp_BNJ: Optional[Array] = None  # float32 log μ of those candidates (`sampling.behavior`)
   turn_BN: Optional[Array] = None  # int32 turn index of each response token (multi-turn episodes)
   env_mask_BN: Optional[Array] = None  # float32 1 on tokens an environment inserted (multi-turn episodes)
+  kv_window_B2: Optional[Array] = None  # int32 (sinks, window) of a sinks + window sampler KV cache: what each token saw
   extra: Optional[dict] = None  # further loss inputs fixed at rollout time, by `LossInputs` field name (teachers)
   stats: Optional[dict] = struct.field(pytree_node=False, default=None)  # host bookkeeping (module docstring)
 

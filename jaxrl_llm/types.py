@@ -87,3 +87,6 @@ class LossInputs:
   mc_teacher_logp_BNJ: Optional[Array] = None  # log p (teacher) at mc_ids_BNJ.
   sup_drift_B: Optional[Array] = None  # f-OPD supervision drift D^sup per sequence (0 for a frozen teacher).
   eviction_mask_BN: Optional[Array] = None  # SDCC: 1 at eviction points (tokens whose compressed and live contexts differ).
+  # --- KV-compressed rollouts (losses/smd.py): π_shadow, the forward under the sampler's visibility mask. ---
+  shadow_logp_BN: Optional[Array] = None  # log π_shadow of the sampled token (differentiable).
+  shadow_head: Any = None  # VocabHead of π_shadow (never differentiated by the losses that read it).

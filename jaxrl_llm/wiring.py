@@ -204,7 +204,9 @@ def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
                        temperature=0.0 if greedy else s.temperature, top_k=0 if greedy else s.top_k,
                        top_p=1.0 if greedy else s.top_p, group_size=1 if greedy else c.rollout.group_size,
                        behavior_topk=0 if greedy else s.get("behavior_topk", 0),
-                       mc_samples=0 if greedy else s.get("mc_samples", 0))
+                       mc_samples=0 if greedy else s.get("mc_samples", 0),
+                       kv_cache=s.get("kv_cache", "full"), kv_sinks=s.get("kv_sinks", 4),
+                       kv_window=s.get("kv_window", 64))
 
 
 def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,

@@ -647,3 +647,51 @@ def test_two_step_agent_staleness_run_writes_results(tmp_path):
   assert r["summary"]["num_steps"] == 2 and r["summary"]["lag_max"] == 1
   assert r["summary"]["eval_accuracy_initial"] == r["episodes"]["eval_episode_success_initial"]
   assert doc["reference"]["optimal"] == 1.0 and 0.6 < doc["reference"]["consistent"] < 0.95
+
+
+def _kv_doc(smd_rewards, tis_rewards):
+  """A synthetic kv_compression document: the mismatch table and none / tis / smd over 3 seeds."""
+  row = lambda m: {"abs_mean": m, "abs_max": 10 * m, "icepop_out_frac": m, "mis_out_frac": m, "tis_capped_frac": m,
+                   "bytes_per_seq": 100}
+  runs = []
+  for seed in range(3):
+    for m, rew in (("none", 0.20), ("tis", tis_rewards[seed]), ("smd", smd_rewards[seed])):
+      runs.append({"method": m, "seed": seed, "summary": {"reward_mean_last": rew, "eval_accuracy_late": 0.1,
+                                                          "eval_accuracy_initial": 0.05, "mismatch_abs_mean": 0.07}})
+  return {"experiment": "kv_compression", "command": "python -m experiments.kv_compression", "commit": "abc",
+          "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 60, "seeds": 3, "prompts": 8, "group": 2,
+          "caches": {"window": {"sampler.kv_sinks": 4, "sampler.kv_window": 3}},
+          "methods": {"none": {}, "tis": {}, "smd": {}},
+          "bands": {"icepop": [0.5, 5.0], "mis": [0.5, 2.0], "tis_cap": 2.0},
+          "mismatch": {"full": row(0.0), "int8": row(0.001), "window": {**row(0.07), "ring_buffer_bytes_per_seq": 60,
+                                                                         "kept_frac": 0.8}},
+          "runs": runs}
+
+
+@pytest.mark.parametrize("smd, tis, v_smd, v_tis", [
+    ((0.40, 0.41, 0.39), (0.20, 0.21, 0.19), "reproduces", "reproduces"),
+    ((0.20, 0.21, 0.19), (0.40, 0.41, 0.39), "does not reproduce", "does not reproduce"),
+    ((0.10, 0.50, 0.30), (0.20, 0.20, 0.20), "undecided at this noise", "reproduces")])
+def test_kv_compression_section_verdicts_follow_the_numbers(tmp_path, smd, tis, v_smd, v_tis):
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "kv_compression.json").write_text(json.dumps(_kv_doc(smd, tis)))
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "SMD trains better") == v_smd
+  assert _verdict(text, "IS (TIS) does not mitigate") == v_tis
+  assert "| window | 100 | 60 | 0.800 | 0.07000 |" in text
+
+
+def test_two_step_kv_compression_run_writes_results(tmp_path):
+  from experiments import kv_compression
+  path = kv_compression.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--methods", "smd", "--prompts", "4",
+                              "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])
+  doc = json.load(open(path))
+  assert set(doc["mismatch"]) == {"full", "int8", "window"}
+  full, int8, win = (doc["mismatch"][k] for k in ("full", "int8", "window"))
+  assert full["abs_max"] < 1e-4 < int8["abs_max"]  # the full cache is the learner's context; int8 is not
+  assert int8["bytes_per_seq"] < full["bytes_per_seq"] == win["bytes_per_seq"] > win["ring_buffer_bytes_per_seq"]
+  (r,) = doc["runs"]
+  assert r["summary"]["num_steps"] == 2

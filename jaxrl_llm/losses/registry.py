@@ -42,6 +42,9 @@ NEED_FIELDS: dict[str, tuple[str, ...]] = {
     "mc": ("mc_ids_BNJ", "mc_logp_BNJ", "mc_behavior_logp_BNJ", "mc_teacher_logp_BNJ"),
     "sup_drift": ("sup_drift_B",),
     "eviction": ("eviction_mask_BN",),
+    # The learner's second forward under the sampler's KV visibility mask (sampler.kv_cache="window"), with
+    # the dense forward's VocabHead alongside (`losses.smd`).
+    "shadow": ("shadow_logp_BN", "shadow_head", "student_head"),
 }
 # Needs that another set of fields satisfies as well: full distributions as dense [B, N, V] logits or as
 # chunked `vocab_chunks.VocabHead`s (hidden states + lm-head; see `losses.dense`).
@@ -132,14 +135,15 @@ def check_needs(spec: LossSpec, inputs: LossInputs) -> None:
 # Shape contract of `LossInputs` (see `check_shapes`); the dimension key is in `jaxrl_llm.types`.
 # [B, N] fields over the response positions; the first three are always present.
 BN_FIELDS = ("logp_BN", "mask_BN", "adv_BN", "prox_logp_BN", "behavior_logp_BN", "ref_logp_BN", "entropy_BN",
-             "versions_BN", "turn_BN", "teacher_logp_BN", "tokens_BN", "eviction_mask_BN")
+             "versions_BN", "turn_BN", "teacher_logp_BN", "tokens_BN", "eviction_mask_BN",
+             "shadow_logp_BN")
 B_FIELDS = ("lag_B", "sup_drift_B")
 # [B, N, k] groups: top-k ids first, then the log-probs at those ids (the same k).
 BNK_GROUPS = (("behavior_topk_ids_BNk", "behavior_topk_logp_BNk", "topk_logp_BNk"),
               ("teacher_topk_ids_BNk", "teacher_topk_logp_BNk", "student_topk_logp_BNk", "teacher_ref_topk_logp_BNk"))
 BNJ_FIELDS = ("mc_ids_BNJ", "mc_logp_BNJ", "mc_behavior_logp_BNJ", "mc_teacher_logp_BNJ")
 BNV_FIELDS = ("student_logits_BNV", "teacher_logits_BNV")
-HEAD_FIELDS = ("student_head", "teacher_head")  # `vocab_chunks.VocabHead`: hidden_BND [B, N, D], w_DV [D, V]
+HEAD_FIELDS = ("student_head", "teacher_head", "shadow_head")  # `vocab_chunks.VocabHead`: hidden_BND [B, N, D], w_DV [D, V]
 
 
 def _assert(name: str, x, expected: str, assertion: Callable[..., None], *args) -> None:

@@ -10,9 +10,19 @@ The cache is a plain dict pytree:
 
 A query may attend to a slot when the slot is not later than the query's own slot and both carry the
 same segment id. This is exactly the rule of the full forward pass, so prefill + decode reproduces it.
+
+Compressed caches (the sampler's `kv_cache`, a deliberate mismatch with the learner's dense forward):
+  int8:   `k`, `v` hold int8 with per-token-per-head scales `k_scale`, `v_scale` [L, B, S, K] (float32):
+          a slot stores round(x / s) with s = max|x| / 127 over head_dim, and is read back as q·s.
+  window: attention sinks + a sliding window (StreamingLLM-style) over positions: a query at position p
+          sees a key at position p' of its segment when p' < sinks or p − p' < window
+          (`window_visible`). It is a mask over the full-size cache (nothing is evicted); a ring buffer of
+          sinks + window slots holds exactly the keys the mask lets through (`ring_buffer_bytes`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +32,23 @@ from jaxrl_llm.models.config import ModelConfig
 Array = jax.Array
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
-  """An empty cache with `max_len` slots per row, in the model's compute dtype."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str = "compute") -> dict:
+  """An empty cache with `max_len` slots per row: keys/values in the model's compute dtype, or
+  `kv_dtype="int8"` with float32 per-token-per-head scales (see the module docstring)."""
   kv_shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  if kv_dtype not in ("compute", "int8"):
+    raise ValueError(f"init_cache: kv_dtype must be 'compute' or 'int8', got {kv_dtype!r}")
+  dtype = jnp.int8 if kv_dtype == "int8" else cfg.compute_dtype
   cache = {
-      "k": jnp.zeros(kv_shape, cfg.compute_dtype),
-      "v": jnp.zeros(kv_shape, cfg.compute_dtype),
+      "k": jnp.zeros(kv_shape, dtype),
+      "v": jnp.zeros(kv_shape, dtype),
       "positions_BS": jnp.zeros((batch, max_len), jnp.int32),
       "segment_ids_BS": jnp.zeros((batch, max_len), jnp.int32),
       "index": jnp.zeros((), jnp.int32),
   }
+  if kv_dtype == "int8":
+    cache["k_scale"] = jnp.ones(kv_shape[:-1], jnp.float32)
+    cache["v_scale"] = jnp.ones(kv_shape[:-1], jnp.float32)
   if cfg.num_experts > 0:
     k = cfg.experts_per_token
     cache["routes_LBSk"] = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (cfg.n_layers, batch, max_len, k))
@@ -49,6 +66,48 @@ def attention_mask(segment_ids_q_BT: Array, segment_ids_k_BS: Array, q_offset: A
   causal_TS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
   same_BTS = segment_ids_q_BT[:, :, None] == segment_ids_k_BS[:, None, :]
   return causal_TS[None] & same_BTS
+
+
+def window_visible(pos_q: Array, pos_k: Array, sinks, window) -> Array:
+  """Whether a query at RoPE position `pos_q` keeps a key at `pos_k` in a sinks + sliding-window cache:
+  one of the first `sinks` positions, or among the last `window` positions up to and including its own
+  (pos_q − pos_k < window). Broadcasts; `sinks` / `window` may be traced ints (the learner's per-row record).
+  Causality and segments are `attention_mask`'s part."""
+  return (pos_k < sinks) | (pos_q - pos_k < window)
+
+
+def window_attention_mask(positions_BT: Array, segment_ids_BT: Array, sinks_B: Array, window_B: Array) -> Array:
+  """Boolean [B, T, T]: the full forward's causal segment mask restricted to what a sinks + window cache
+  (per row: `sinks_B`, `window_B`) let each query see, so a forward with it reproduces the sampler's
+  compressed attention (the SMD shadow policy). Each token still meets itself (window >= 1)."""
+  keep_BTT = window_visible(positions_BT[:, :, None], positions_BT[:, None, :], sinks_B[:, None, None],
+                            window_B[:, None, None])
+  return attention_mask(segment_ids_BT, segment_ids_BT) & keep_BTT
+
+
+def quantize_kv(x_BTKd: Array) -> tuple[Array, Array]:
+  """(int8 values, float32 scales [B, T, K]): symmetric per token and head over head_dim, s = max|x| / 127."""
+  x32 = x_BTKd.astype(jnp.float32)
+  s_BTK = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+  s_BTK = jnp.where(s_BTK > 0, s_BTK, 1.0)
+  return jnp.clip(jnp.round(x32 / s_BTK[..., None]), -127, 127).astype(jnp.int8), s_BTK
+
+
+def dequantize_kv(q_BSKd: Array, s_BSK: Array, dtype) -> Array:
+  """int8 keys/values back to `dtype`: q·s."""
+  return (q_BSKd.astype(jnp.float32) * s_BSK[..., None]).astype(dtype)
+
+
+def cache_bytes(cache: dict, names=("k", "v", "k_scale", "v_scale")) -> int:
+  """Bytes of the cache's key/value arrays (and int8 scales), all rows; also of `jax.eval_shape(init_cache, ...)`."""
+  return sum(math.prod(cache[n].shape) * jnp.dtype(cache[n].dtype).itemsize for n in names if n in cache)
+
+
+def ring_buffer_bytes(cfg: ModelConfig, sinks: int, window: int, slots: int) -> int:
+  """Bytes per sequence a ring buffer of sinks + window slots (at most `slots`) would hold for keys and
+  values in the compute dtype: computed from shapes, not allocated (the window cache is a mask here)."""
+  kept = min(sinks + window, slots)
+  return 2 * cfg.n_layers * kept * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 def write_metadata(cache: dict, positions_BT: Array, segment_ids_BT: Array) -> dict:
@@ -70,7 +129,7 @@ def write_metadata(cache: dict, positions_BT: Array, segment_ids_BT: Array) -> d
 
 
 # Batch axis of every per-row cache entry ("index" is shared by all rows).
-_ROW_AXIS = {"k": 1, "v": 1, "positions_BS": 0, "segment_ids_BS": 0, "routes_LBSk": 1}
+_ROW_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "positions_BS": 0, "segment_ids_BS": 0, "routes_LBSk": 1}
 
 
 def repeat_rows(cache: dict, group_size: int) -> dict:

@@ -57,7 +57,8 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
                    temperature: float = 1.0, chunk_size: int = 256, with_entropy: bool = False,
                    topk: int = 0, perturb: tuple[Array, Array] | None = None,
                    routes_BTLk: Array | None = None, query_start: int = 0, gather_ids_BTk: Array | None = None,
-                   max_chunk_elements: int = MAX_CHUNK_ELEMENTS, return_hidden: bool = False) -> dict:
+                   max_chunk_elements: int = MAX_CHUNK_ELEMENTS, return_hidden: bool = False,
+                   mask_BTT: Array | None = None) -> dict:
   """Log-probs of `targets_BT` given `tokens_BT` (the caller shifts: targets = next tokens).
 
   The distribution is softmax(logits / temperature): use the sampler's temperature so the learner
@@ -78,6 +79,8 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     max_chunk_elements: cap on B * C * V per chunk (see `chunk_positions`).
     return_hidden: also return "hidden_BTD", the final hidden states of the scored positions (compute
       dtype, differentiable), e.g. for a `vocab_chunks.VocabHead` of full-distribution losses.
+    mask_BTT: optional explicit attention mask (`hidden_with_routing`), e.g. a compressed KV cache's
+      visibility (`cache.window_attention_mask`: the SMD shadow forward).
 
   Returns:
     dict with float32 "logp_BT", and optionally "entropy_BT", "topk_logp_BTk", "topk_ids_BTk",
@@ -89,7 +92,7 @@ def token_logprobs(params: dict, tokens_BT: Array, targets_BT: Array, cfg: Model
     raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
   h_BTD, routing = hidden_with_routing(params, tokens_BT, cfg, positions_BT=positions_BT,
                                       segment_ids_BT=segment_ids_BT, perturb=perturb, routes_BTLk=routes_BTLk,
-                                      query_start=query_start)
+                                      query_start=query_start, mask_BTT=mask_BTT)
   out = {**head_logprobs(h_BTD, targets_BT[:, query_start:], lm_head_weights(params, cfg), temperature=temperature,
                         chunk_size=chunk_size, with_entropy=with_entropy, topk=topk, gather_ids_BTk=gather_ids_BTk,
                         max_chunk_elements=max_chunk_elements), **routing}

@@ -386,54 +386,79 @@ def stack_cache(cache: dict) -> dict:
 def decode_view(params: dict, cache: dict, cfg: ModelConfig) -> tuple[dict, dict]:
   """(params, cache) for a decode loop: unstacked (`unstack_layers`, `unstack_cache`) when the model
   is fully unrolled (`cfg.layer_unroll >= n_layers`), else unchanged (a rolled layer scan keeps one
-  compiled layer body for deep models). `stack_cache` turns the cache back after the loop."""
-  if cfg.layer_unroll < cfg.n_layers:
+  compiled layer body for deep models; an int8 cache also stays stacked). `stack_cache` turns the cache back
+  after the loop."""
+  if cfg.layer_unroll < cfg.n_layers or "k_scale" in cache:  # int8 caches decode through the layer scan
     return params, cache
   return unstack_layers(params, cfg), unstack_cache(cache)
 
 
 def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
-                      positions_BT: Array, segment_ids_BT: Array | None = None) -> tuple[Array, dict]:
+                      positions_BT: Array, segment_ids_BT: Array | None = None,
+                      kv_window: tuple[int, int] | None = None) -> tuple[Array, dict]:
   """Appends T tokens at the cache's write index; returns their final-normed hidden states.
 
   The new tokens attend to every earlier slot of their segment and causally within the chunk
   (see `jaxrl_llm.models.cache`). Prefill is a call with the whole prompt, decode one with T=1.
   `params` and `cache` may be stacked (a layer scan) or unstacked (`unstack_layers` and
   `unstack_cache`, a Python loop over layers, for decode loops); the math is the same.
+  Compressed caches (the sampler's `kv_cache`): an int8 cache (`init_cache(kv_dtype="int8")`, stacked
+  only) stores the new keys/values quantised and attends to the dequantised slots; `kv_window=(sinks,
+  window)` (static) further restricts every query to the sinks and its sliding window
+  (`cache.window_visible`), prefill included, so the learner's shadow forward with
+  `cache.window_attention_mask` sees exactly the same keys.
   """
   _, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
   index = cache["index"]
   cache = cache_lib.write_metadata(cache, positions_BT, segment_ids_BT)
   mask_BTS = cache_lib.attention_mask(segment_ids_BT, cache["segment_ids_BS"], q_offset=index)
+  if kv_window is not None:
+    sinks, window = kv_window
+    mask_BTS = mask_BTS & cache_lib.window_visible(positions_BT[:, :, None], cache["positions_BS"][:, None, :],
+                                                   sinks, window)
 
   unstacked = isinstance(p["layers"], tuple)
+  quantized = "k_scale" in cache
+  if unstacked and quantized:
+    raise ValueError("hidden_with_cache: an int8 cache runs stacked (decode_view keeps it so)")
   kv_layout = "decode" if unstacked else "BSKd"
+  write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), index, axis=axis)
 
   def layer(h_BTD, xs):
-    p_l, k, v = xs
+    p_l, k, v, scales = xs
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
     if unstacked:  # keys [B, K, S, hd], values [B, K, hd, S]
-      k = jax.lax.dynamic_update_slice_in_dim(k, jnp.transpose(k_BTKd, (0, 2, 1, 3)).astype(k.dtype), index, axis=2)
-      v = jax.lax.dynamic_update_slice_in_dim(v, jnp.transpose(v_BTKd, (0, 2, 3, 1)).astype(v.dtype), index, axis=3)
+      k = write(k, jnp.transpose(k_BTKd, (0, 2, 1, 3)), 2)
+      v = write(v, jnp.transpose(v_BTKd, (0, 2, 3, 1)), 3)
+      k_read, v_read = k, v
+    elif quantized:  # int8 slots [B, S, K, hd] with scales [B, S, K], read back dequantised
+      (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
+      k, v = write(k, kq_BTKd, 1), write(v, vq_BTKd, 1)
+      scales = (write(scales[0], ks_BTK, 1), write(scales[1], vs_BTK, 1))
+      k_read = cache_lib.dequantize_kv(k, scales[0], cfg.compute_dtype)
+      v_read = cache_lib.dequantize_kv(v, scales[1], cfg.compute_dtype)
     else:
-      k = jax.lax.dynamic_update_slice_in_dim(k, k_BTKd.astype(k.dtype), index, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(v, v_BTKd.astype(v.dtype), index, axis=1)
-    h_BTD, routing = _finish_layer(h_BTD, attention(q_BTHd, k, v, mask_BTS, kv_layout), p_l, cfg,
+      k, v = write(k, k_BTKd, 1), write(v, v_BTKd, 1)
+      k_read, v_read = k, v
+    h_BTD, routing = _finish_layer(h_BTD, attention(q_BTHd, k_read, v_read, mask_BTS, kv_layout), p_l, cfg,
                                    real_BT=segment_ids_BT > 0)
-    return h_BTD, (k, v, routing.get("ids_BTk"))
+    return h_BTD, (k, v, scales, routing.get("ids_BTk"))
 
   h_BTD = _embed(p, tokens_BT)
   if unstacked:
     outs = []
-    for xs in zip(p["layers"], cache["k"], cache["v"]):
-      h_BTD, out = layer(h_BTD, xs)
+    for p_l, k, v in zip(p["layers"], cache["k"], cache["v"]):
+      h_BTD, out = layer(h_BTD, (p_l, k, v, None))
       outs.append(out)
-    k, v, ids = (tuple(o[i] for o in outs) for i in range(3))
+    k, v, _, ids = (tuple(o[i] for o in outs) for i in range(4))
     ids_LBTk = None if ids[0] is None else jnp.stack(ids)
   else:
-    h_BTD, (k, v, ids_LBTk) = jax.lax.scan(layer, h_BTD, (p["layers"], cache["k"], cache["v"]),
-                                           unroll=cfg.layer_unroll)
+    scales = (cache["k_scale"], cache["v_scale"]) if quantized else None
+    h_BTD, (k, v, scales, ids_LBTk) = jax.lax.scan(layer, h_BTD, (p["layers"], cache["k"], cache["v"], scales),
+                                                   unroll=cfg.layer_unroll)
+    if quantized:
+      cache = {**cache, "k_scale": scales[0], "v_scale": scales[1]}
   cache = {**cache, "k": k, "v": v}
   if ids_LBTk is not None:  # MoE: record the routes of the new tokens (R3)
     cache["routes_LBSk"] = jax.lax.dynamic_update_slice_in_dim(cache["routes_LBSk"], ids_LBTk, index, axis=2)
@@ -441,8 +466,9 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
 
 def forward_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
-                       positions_BT: Array, segment_ids_BT: Array | None = None) -> tuple[Array, dict]:
+                       positions_BT: Array, segment_ids_BT: Array | None = None,
+                       kv_window: tuple[int, int] | None = None) -> tuple[Array, dict]:
   """Like `hidden_with_cache` but returns float32 logits [B, T, V] and the updated cache."""
   h_BTD, cache = hidden_with_cache(params, tokens_BT, cache, cfg, positions_BT=positions_BT,
-                                   segment_ids_BT=segment_ids_BT)
+                                   segment_ids_BT=segment_ids_BT, kv_window=kv_window)
   return logits_from_hidden(params, h_BTD, cfg), cache

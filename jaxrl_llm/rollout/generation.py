@@ -73,6 +73,8 @@ class Generation:
     routes = out.get("routes_BTLk") if self.keep_routes else None
     # μ's top-k and Monte-Carlo candidates, when the sampler records them (`sampling.behavior`)
     recorded = {k: out[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if out.get(k) is not None}
+    if out.get("kv_window_B2") is not None:  # a sinks + window KV cache: what each token could see (SMD)
+      recorded["kv_window_B2"] = out["kv_window_B2"]
     return Rollout(sequence_BT=out["sequence_BT"], positions_BT=out["positions_BT"],
                    segment_ids_BT=out["segment_ids_BT"], mask_BN=out["mask_BN"],
                    behavior_logp_BN=out["behavior_logp_BN"], versions_BN=np.asarray(versions_BN, np.int32),

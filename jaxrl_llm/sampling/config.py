@@ -2,6 +2,8 @@
 
 import dataclasses
 
+KV_CACHES = ("full", "int8", "window")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
@@ -29,6 +31,11 @@ class SamplerConfig:
       `mc_ids_BNJ`, `mc_behavior_logp_BNJ`. 0 = off. Needs temperature > 0.
     With both 0 `generate` compiles and returns exactly what it does without them; either on leaves
     the sampled tokens unchanged (the candidates draw from their own key stream).
+    kv_cache: the decode KV cache: "full" (compute dtype), "int8" (keys/values stored int8 with
+      per-token-per-head scales) or "window" (attention sinks + sliding window; `models.cache`). A
+      compressed cache makes μ differ from the learner's full-context π (the KV-compression mismatch).
+    kv_sinks, kv_window: the "window" cache's sink positions and sliding-window length (its own token
+      included); ignored otherwise.
   """
 
   max_new_tokens: int
@@ -40,6 +47,9 @@ class SamplerConfig:
   group_size: int = 1
   behavior_topk: int = 0
   mc_samples: int = 0
+  kv_cache: str = "full"
+  kv_sinks: int = 4
+  kv_window: int = 64
 
   def __post_init__(self):
     try:
@@ -64,6 +74,23 @@ class SamplerConfig:
     if self.mc_samples and self.temperature == 0:
       raise ValueError(f"sampler.mc_samples={self.mc_samples} needs temperature > 0: greedy decoding has no "
                        "distribution to draw candidates from")
+
+    if self.kv_cache not in KV_CACHES:
+      raise ValueError(f"sampler.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+    if not isinstance(self.kv_sinks, int) or self.kv_sinks < 0:
+      raise ValueError(f"sampler.kv_sinks must be an int >= 0, got {self.kv_sinks!r}")
+    if not isinstance(self.kv_window, int) or self.kv_window < 1:
+      raise ValueError(f"sampler.kv_window must be an int >= 1 (a token always sees itself), got {self.kv_window!r}")
+
+  @property
+  def kv_dtype(self) -> str:
+    """`models.cache.init_cache`'s kv_dtype: "int8" for the int8 cache, else "compute"."""
+    return "int8" if self.kv_cache == "int8" else "compute"
+
+  @property
+  def kv_window_arg(self) -> tuple[int, int] | None:
+    """(sinks, window) of the "window" cache, None for the others (`models.hidden_with_cache`'s kv_window)."""
+    return (self.kv_sinks, self.kv_window) if self.kv_cache == "window" else None
 
   @property
   def truncated(self) -> bool:

@@ -55,6 +55,8 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
   the whole turn. Returns ({tokens_BN, mask_BN, behavior_logp_BN, lengths_B}, cache, last_logits_BV: the
   logits after each row's last sampled token, for a next `extend` that appends nothing to that row).
   """
+  if sampler_cfg.kv_cache != "full":  # episodes keep a full cache across turns
+    raise ValueError(f"decode_turn supports sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
   B, N = first_logits_BV.shape[0], sampler_cfg.max_new_tokens
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
 

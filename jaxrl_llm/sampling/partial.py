@@ -49,6 +49,8 @@ def _emit(carry: dict, logits_BV: Array, key: Array, version: Array, sampler_cfg
 def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, version: Array,
             model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
   """Fills the cache with the prompts and samples completion column 0; returns the decode carry."""
+  if sampler_cfg.kv_cache != "full":  # the chunked decode and its re-prefill use the full cache only
+    raise ValueError(f"partial rollouts support sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
   B = prompt_tokens_BP.shape[0]
   N = sampler_cfg.max_new_tokens
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(

@@ -4,6 +4,9 @@ Shapes are static (one compilation per (B, P, N) bucket and pair of configs); th
 `lax.while_loop` that also stops once every row has emitted a stop id (`SamplerConfig.stop_ids`).
 With `SamplerConfig.group_size` G > 1 the prompt of each group of G rows is prefilled once and its
 KV cache copied to the G rows (`prefill_grouped`); decoding then reads one cache per row.
+`SamplerConfig.kv_cache` compresses the cache ("int8" keys/values, or a "window" of attention sinks +
+sliding window): μ is then the compressed cache's policy while the learner scores the full context, the
+mismatch SMD (`losses.smd`) corrects (`jaxrl_llm.models.cache`).
 """
 
 from __future__ import annotations
@@ -39,17 +42,20 @@ def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
 
 
 def _prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
-                  model_cfg: ModelConfig, slots: int) -> tuple[dict, Array]:
-  """(cache of `slots` slots holding the left-padded prompts, logits_BV after the last column)."""
-  cache = init_cache(model_cfg, prompt_BP.shape[0], slots)
+                  model_cfg: ModelConfig, slots: int, kv_dtype: str = "compute",
+                  kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
+  """(cache of `slots` slots holding the left-padded prompts, logits_BV after the last column); `kv_dtype` and
+  `kv_window`: a compressed cache (`SamplerConfig.kv_dtype`, `SamplerConfig.kv_window_arg`)."""
+  cache = init_cache(model_cfg, prompt_BP.shape[0], slots, kv_dtype)
   h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
-                                   segment_ids_BT=segment_ids_BP)
+                                   segment_ids_BT=segment_ids_BP, kv_window=kv_window)
   # Left padding puts every row's last real prompt token in the last column.
   return cache, logits_from_hidden(params, h_BPD[:, -1:], model_cfg)[:, 0]
 
 
 def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
-                    model_cfg: ModelConfig, slots: int, group_size: int = 1) -> tuple[dict, Array]:
+                    model_cfg: ModelConfig, slots: int, group_size: int = 1, kv_dtype: str = "compute",
+                    kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
   """`_prefill_rows` computed once per prompt group: (cache, logits_BV of the first completion token).
 
   With G = group_size > 1 and rows g·G .. g·G+G-1 holding one prompt (tokens, positions and segments
@@ -57,24 +63,27 @@ def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment
   copied to the G rows of their group (`cache.repeat_rows`). The check runs on device (`lax.cond`):
   a batch whose groups differ is prefilled row by row, so the result never depends on the layout.
   """
-  full = lambda: _prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots)
+  full = lambda: _prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, kv_dtype, kv_window)
   G, B = group_size, prompt_BP.shape[0]
   if G == 1:
     return full()
   if B % G:
     raise ValueError(f"sampler.group_size={G} must divide the batch of {B} prompt rows")
 
-  shared = lambda: prefill_per_group(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, G)
+  shared = lambda: prefill_per_group(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, G, kv_dtype,
+                                     kv_window)
   grouped = groups_equal(prompt_BP, G) & groups_equal(positions_BP, G) & groups_equal(segment_ids_BP, G)
   return jax.lax.cond(grouped, shared, full)
 
 
 def prefill_per_group(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
-                      model_cfg: ModelConfig, slots: int, group_size: int) -> tuple[dict, Array]:
+                      model_cfg: ModelConfig, slots: int, group_size: int, kv_dtype: str = "compute",
+                      kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
   """The shared branch of `prefill_grouped`, unchecked: runs rows 0, G, 2G, ... and copies each one's
   cache and logits to the G rows of its group (what the other rows hold is never read)."""
   G = group_size
-  cache, logits_bV = _prefill_rows(params, prompt_BP[::G], positions_BP[::G], segment_ids_BP[::G], model_cfg, slots)
+  cache, logits_bV = _prefill_rows(params, prompt_BP[::G], positions_BP[::G], segment_ids_BP[::G], model_cfg, slots,
+                                   kv_dtype, kv_window)
   return repeat_rows(cache, G), jnp.repeat(logits_bV, G, axis=0)
 
 
@@ -90,7 +99,8 @@ def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, 
   positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
   prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
   cache, first_logits_BV = prefill_grouped(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg,
-                                           P + sampler_cfg.max_new_tokens, sampler_cfg.group_size)
+                                           P + sampler_cfg.max_new_tokens, sampler_cfg.group_size,
+                                           sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
   return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
 
 
@@ -132,17 +142,17 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   }
 
 
-def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cfg: ModelConfig
-                         ) -> tuple[Array, Array, dict]:
+def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cfg: ModelConfig,
+                         kv_window: tuple[int, int] | None = None) -> tuple[Array, Array, dict]:
   """Feeds completion column `carry["step"] - 1` through the carry's cache at positions `start_pos_B + column`
   (rows already finished there as padding, segment 0). Returns (logits_BV after it, live_B: whether the column
-  is real, the cache)."""
+  is real, the cache). `kv_window`: the sinks + window cache's (sinks, window), None for a full one."""
   prev = carry["step"] - 1
   token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
   live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
   logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
                                          positions_BT=(start_pos_B + prev)[:, None].astype(jnp.int32),
-                                         segment_ids_BT=live_B1)
+                                         segment_ids_BT=live_B1, kv_window=kv_window)
   return logits_B1V[:, 0], live_B1[:, 0] > 0, cache
 
 
@@ -197,6 +207,9 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     (float32) [B, N, k]; `sampler_cfg.mc_samples` J > 0 adds mc_ids_BNJ (int32) and mc_behavior_logp_BNJ
     (float32) [B, N, J] (`sampling.behavior`; finished columns hold pad_id / 0). The tokens are the same
     with or without them.
+    `sampler_cfg.kv_cache`: "int8" / "window" decode from a compressed cache (behavior_logp_BN is then that
+    cache's policy); "window" adds kv_window_B2 (int32 [B, 2], each row's (sinks, window)): what every token
+    could see, from which the learner builds the shadow mask (`cache.window_attention_mask`).
   """
   B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
@@ -210,7 +223,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
 
   def decode(carry: dict) -> dict:
     """Feeds the previous column's token through the cache, then samples the next column."""
-    logits_BV, _, cache = feed_previous_column(decode_params, carry, prompt_len_B, model_cfg)
+    logits_BV, _, cache = feed_previous_column(decode_params, carry, prompt_len_B, model_cfg, sampler_cfg.kv_window_arg)
     return emit({**carry, "cache": cache}, logits_BV)
 
   def keep_going(carry: dict) -> Array:
@@ -224,6 +237,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
   routes = {"routes_BTLk": jnp.moveaxis(carry["cache"]["routes_LBSk"], 0, 2)} if model_cfg.is_moe else {}
   records = {k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}
+  if sampler_cfg.kv_window_arg is not None:
+    records["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (B, 2))
   return {
       **routes,
       **records,

@@ -54,6 +54,16 @@ def _add_opd_fields(f, needs, rng, mask, pad, on_policy, extreme, B, N, k, V=11,
     f["sup_drift_B"] = np.zeros(B, np.float32) if on_policy else rng.uniform(0, 0.5, B).astype(np.float32)
   if "eviction" in needs:
     f["eviction_mask_BN"] = (rng.random((B, N)) < 0.5).astype(np.float32)
+  if "shadow" in needs:  # SMD: the shadow forward's log-probs (μ itself on-policy) and both forwards' heads
+    from jaxrl_llm.vocab_chunks import VocabHead
+    mu = f["behavior_logp_BN"]
+    f["shadow_logp_BN"] = mu.copy() if on_policy else pad(np.where(mask > 0, mu, -1.0) + rng.normal(
+        0, 30 if extreme else 0.3, (B, N)).astype(np.float32))
+    D = 6
+    hid = lambda: jnp.asarray(np.where(mask[..., None] > 0, rng.normal(0, 10 if extreme else 1, (B, N, D)), np.nan),
+                              jnp.float32)
+    w = jnp.asarray(rng.normal(0, 1, (D, V)), jnp.float32)
+    f["student_head"], f["shadow_head"] = VocabHead(hidden_BND=hid(), w_DV=w), VocabHead(hidden_BND=hid(), w_DV=w)
 
 
 def make_inputs(name, mask=MASK, *, seed=0, on_policy=False, extreme=False, pad_inf=True, hp=None):
@@ -270,6 +280,9 @@ ON_POLICY_COEF = {
     **{n: (lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BN)))
        for n in ("opd_reverse_kl", "opd_reverse_kl_full", "opd_forward_kl", "opd_topk_kl", "gkd_jsd",
                  "opd_reverse_kl_mc", "s2d_opd", "f_opd")},
+    # SMD's policy gradient flows into the shadow forward (`shadow_logp_BN`), its KL into the dense head; the dense
+    # `logp_BN` only feeds a metric (tests/test_smd.py checks both gradients).
+    "smd": lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BN)),
 }
 
 
