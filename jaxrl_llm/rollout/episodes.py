@@ -64,6 +64,7 @@ import numpy as np
 from jaxrl_llm import envs
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
+from jaxrl_llm.rollout import evict as evict_lib
 from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.tasks.encoder import Encoder, check_messages
 from jaxrl_llm.tasks.reward import safe_reward_batch
@@ -85,6 +86,9 @@ class EnvSettings:
   prompt_width: int = 16  # P: the initial message's bucket (left-padded)
   newest_each_turn: bool = True  # async: each turn after the first generates from the newest snapshot
   kv_cache: bool = True  # keep each episode's KV cache across turns (one device; `rollout.turn_sampler`)
+  evict: str = "none"  # context compression before a turn (`rollout.evict`): "none" | "drop_oldest"
+  context_budget: int = 0  # live-context tokens above which a turn first evicts (with `evict`)
+  keep_last_turns: int = 1  # turns an eviction always keeps
 
 
 def render_env_message(encoder: Encoder, message: str | Sequence[dict], turn_ended: bool = True) -> list[int]:
@@ -249,6 +253,16 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   turn_outputs = []
   info_sums: dict[str, float] = {}
   stop_set = set(tok.stop_ids)
+  evicting = s.evict != "none"
+  seg_starts: list[list[int]] = [[] for _ in range(B)]  # response columns where segments 2, 3, ... begin
+  pending: list[tuple] = []  # SDCC: (row, uncompressed context, first column of the next turn, turn)
+  n_evicted = n_copied = 0
+
+  def live_context(b: int) -> tuple[list[int], list[int]]:
+    """(ids, turn ids) of episode b's live context: its current segment (with the first message in segment 1)."""
+    a = seg_starts[b][-1] if seg_starts[b] else 0
+    head = [] if seg_starts[b] else prompts[b]
+    return head + resp_BN[b, a:used_B[b]].tolist(), [-1] * len(head) + turn_BN[b, a:used_B[b]].tolist()
 
   for t in range(s.max_turns):
     if not live.any():
@@ -256,10 +270,28 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     newer = poll(version) if poll is not None and t > 0 else None
     if newer is not None:  # async: this turn generates from the newest published parameters
       version, params = newer
+    for b in (np.flatnonzero(live) if evicting and t > 0 else ()):
+      ctx, turn_L = live_context(b)
+      keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
+      if keep is None:
+        continue
+      u, new = int(used_B[b]), [i for i, k in zip(ctx, keep) if k]
+      if u + len(new) >= N:  # no room for the compressed copy and one more policy token
+        status[b], live[b] = "truncated", False
+        continue
+      resp_BN[b, u:u + len(new)] = new  # the new segment opens with the compressed context (mask 0)
+      turn_BN[b, u:u + len(new)] = np.asarray(turn_L)[keep]
+      ver_BN[b, u:] = version
+      seg_starts[b].append(u)
+      used_B[b] += len(new)
+      pending.append((b, ctx, u + len(new), t))
+      turns.forget(b)
+      n_evicted += 1
+      n_copied += len(new)
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
-    contexts = [prompts[b] + resp_BN[b, :used_B[b]].tolist() for b in rows_b]
+    contexts = [live_context(b)[0] for b in rows_b]
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
     cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
     got = turns.turn(params, version, rows_b.tolist(), contexts, fold_in(key, t), cfg_t)
@@ -322,6 +354,10 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       status[b] = "max_turns"
 
   positions_BT, segment_ids_BT = record_layout(plen_B, used_B, P, N)
+  extra = None
+  if evicting:
+    positions_BT, segment_ids_BT = evict_lib.segment_layout(positions_BT, segment_ids_BT, seg_starts, used_B, P)
+    extra, sdcc_skipped = evict_lib.teacher_layout(pending, resp_BN, mask_BN, turn_BN, 2 * (P + N), pad)
   counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
   policy_BN = mask_BN > 0
   span_B = np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30)
@@ -334,10 +370,14 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
            "env_too_long": counts["too_long"],
            "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
            "episode_statuses": tuple(status)}
+  if evicting:
+    stats.update(env_evictions=n_evicted, env_copied_tokens=n_copied, env_sdcc_skipped=sdcc_skipped,
+                 evict_segment_starts=tuple(tuple(x) for x in seg_starts))
   stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
   if keep_turns:
     stats["turn_outputs"] = turn_outputs
   return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=positions_BT,
                  segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=logp_BN,
                  versions_BN=ver_BN, reward_B=reward_B,
-                 group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, stats=stats)
+                 group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, extra=extra,
+                 stats=stats)
