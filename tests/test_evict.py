@@ -267,3 +267,32 @@ def test_sdcc_teacher_is_the_policy_on_the_uncompressed_context(evicted):
       np.testing.assert_allclose(logits_BNV[b, cols], want, rtol=1e-4, atol=1e-4)
       checked += 1
   assert checked == r.stats["env_evictions"] - r.stats["env_sdcc_skipped"]
+
+
+def _sdcc_config():
+  import os  # noqa: PLC0415
+  from jaxrl_llm.config import load_file  # noqa: PLC0415
+  return load_file(os.path.join(os.path.dirname(__file__), "..", "configs", "sdcc_tiny.py"))
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("evict", "forget_all", "env.evict"), ("context_budget", 0, "env.context_budget"),
+    ("keep_last_turns", 0, "env.keep_last_turns"), ("context_budget", 2.5, "env.context_budget"),
+])
+def test_eviction_config_validation_names_the_field(field, value, named):
+  from jaxrl_llm import config as config_lib  # noqa: PLC0415
+  c = _sdcc_config()
+  c.env = config_lib.ml_collections.ConfigDict({**c.env.to_dict(), field: value})
+  with pytest.raises(config_lib.ConfigError, match=f"config.{named}="):
+    config_lib.validate(c)
+
+
+def test_sdcc_needs_eviction():
+  """sdcc runs only where episodes evict: without `env.evict` its eviction mask and teacher are missing."""
+  from jaxrl_llm import config as config_lib  # noqa: PLC0415
+  c = _sdcc_config()
+  config_lib.validate(c)
+  assert {"eviction", "teacher_logits"} <= config_lib.available_needs(c)
+  c.env.evict = "none"
+  with pytest.raises(config_lib.ConfigError, match="eviction"):
+    config_lib.validate(c)

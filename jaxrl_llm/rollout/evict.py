@@ -129,6 +129,7 @@ def sdcc_extras(params, extra: dict, cfg: ModelConfig, temperature: float, with_
   if with_teacher:
     seq, pos, seg, src = (jnp.asarray(extra[k]) for k in TEACHER_KEYS)
     h = jax.lax.stop_gradient(_teacher_hidden(params, seq, pos, seg, src, cfg))
-    out["teacher_head"] = VocabHead(hidden_BND=h, w_DV=jax.lax.stop_gradient(lm_head_weights(params, cfg)),
-                                    temperature=temperature)
+    # a copy: the learner step donates `params`, so the batch must not hold one of its buffers
+    w_DV = jnp.array(lm_head_weights(params, cfg), copy=True)
+    out["teacher_head"] = VocabHead(hidden_BND=h, w_DV=w_DV, temperature=temperature)
   return out
