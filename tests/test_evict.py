@@ -296,3 +296,30 @@ def test_sdcc_needs_eviction():
   c.env.evict = "none"
   with pytest.raises(config_lib.ConfigError, match="eviction"):
     config_lib.validate(c)
+
+
+def test_shared_prompt_4d_mask_layout_equals_the_segment_row(evicted):
+  """The packed-4D-mask alternative (first message written once, `evict.shared_prompt_layout`) scores every policy
+  token as the segment row does, with fewer columns; and the grouped scorer (shared GRPO prompt) agrees too."""
+  from jaxrl_llm.learner import make_score_fn  # noqa: PLC0415
+  from jaxrl_llm.models.transformer import logits_from_hidden, hidden  # noqa: PLC0415
+  r, _ = evicted
+  plen_B = (r.segment_ids_BT[:, :P] > 0).sum(1)
+  lay = evict.shared_prompt_layout(r.sequence_BT, r.positions_BT, r.segment_ids_BT, plen_B, P)
+  assert lay["tokens_BS"].shape[1] < r.sequence_BT.shape[1] - 2
+  h = hidden(PARAMS, jnp.asarray(lay["tokens_BS"]), CFG, positions_BT=jnp.asarray(lay["positions_BS"]),
+             mask_BTT=jnp.asarray(lay["mask_BSS"]))
+  logp_BSV = jax.nn.log_softmax(logits_from_hidden(PARAMS, h, CFG).astype(jnp.float32), -1)
+  want = np.asarray(_packed_logp(PARAMS, r))
+  checked = 0
+  for b in range(r.mask_BN.shape[0]):
+    for i in range(1, lay["src_BS"].shape[1]):
+      col = lay["src_BS"][b, i]
+      if col >= P and r.mask_BN[b, col - P] > 0:
+        got = float(logp_BSV[b, i - 1, lay["tokens_BS"][b, i]])
+        np.testing.assert_allclose(got, want[b, col - P], atol=1e-4)
+        checked += 1
+  assert checked == int(r.mask_BN.sum())
+  score = make_score_fn(CFG, 1.0, group_size=2)
+  grouped = score(PARAMS, *(jnp.asarray(a) for a in (r.sequence_BT, r.positions_BT, r.segment_ids_BT, r.mask_BN)))
+  np.testing.assert_allclose(np.asarray(grouped), np.where(r.mask_BN > 0, want, 0), atol=1e-4)

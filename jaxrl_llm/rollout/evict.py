@@ -73,6 +73,42 @@ def segment_layout(positions_BT: np.ndarray, segment_ids_BT: np.ndarray, starts:
   return pos, seg
 
 
+def shared_prompt_layout(sequence_BT: np.ndarray, positions_BT: np.ndarray, segment_ids_BT: np.ndarray,
+                         plen_B: np.ndarray, P: int) -> dict:
+  """The packed-4D-mask alternative to the segment row (MemoryWalker's packed replay, spec A7): the first message
+  is written once and shared by every segment, so each segment's leading copy of it is removed.
+
+  Returns the compacted `tokens_BS`, `positions_BS` (each token keeps its record position: a copy had the
+  prompt's length, so positions are unchanged), the `mask_BSS` (query i sees key j ≤ i of its own segment or of
+  the first message; a padded query sees itself) for `models.transformer.hidden(mask_BTT=)`, and `src_BS`, the
+  record column of each kept token (-1 on padding). S = the longest compacted row. Exact only where every segment
+  opens with a copy of the first message (`drop_oldest`, which always keeps it).
+  """
+  B, T = sequence_BT.shape
+  keep_rows = []
+  for b in range(B):
+    seg = segment_ids_BT[b]
+    first = np.r_[True, seg[1:] != seg[:-1]] & (seg > 1)
+    drop = np.zeros(T, bool)
+    for c in np.flatnonzero(first):
+      drop[c:c + int(plen_B[b])] = True
+    keep_rows.append(np.flatnonzero((seg > 0) & ~drop))
+  S = max(len(k) for k in keep_rows)
+  src = np.full((B, S), -1, np.int32)
+  for b, k in enumerate(keep_rows):
+    src[b, :len(k)] = k
+  safe = np.maximum(src, 0)
+  take = lambda x: np.where(src >= 0, np.take_along_axis(x, safe, 1), 0).astype(np.int32)
+  seg_BS, col_BS = take(segment_ids_BT), np.where(src >= 0, src, T)
+  real = src >= 0
+  prompt = real & (col_BS < P)
+  idx = np.arange(S)
+  mask = (idx[None, None, :] <= idx[None, :, None]) & real[:, None, :] & real[:, :, None] & (
+      (seg_BS[:, :, None] == seg_BS[:, None, :]) | prompt[:, None, :])
+  mask |= np.eye(S, dtype=bool)[None]
+  return {"tokens_BS": take(sequence_BT), "positions_BS": take(positions_BT), "mask_BSS": mask, "src_BS": src}
+
+
 def teacher_layout(pending: Sequence[tuple], resp_BN: np.ndarray, mask_BN: np.ndarray, turn_BN: np.ndarray,
                    width: int, pad_id: int) -> tuple[dict, int]:
   """SDCC's teacher rows and the eviction mask (module docstring); (extra dict, evictions left out).
