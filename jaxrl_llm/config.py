@@ -335,7 +335,7 @@ RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep"
 
 ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width",
               "newest_each_turn", "kv_cache", "evict", "context_budget", "keep_last_turns")
-EVICT_POLICIES = ("none", "drop_oldest")  # `env.evict` (`rollout.evict`)
+EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evict`)
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:

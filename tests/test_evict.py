@@ -2,6 +2,8 @@
 case with a scripted sampler), exactness of the packed row against separate per-context forwards (value and
 gradient), zero gradient on copied context, no eviction = today's rows, and SDCC's teacher rows."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,53 @@ def test_scripted_episode_records_the_golden_layout(monkeypatch):
   assert r.stats["env_sdcc_skipped"] == 0
 
 
+@envs.register("test_evict_log")
+class Logged(Ok):
+  """`Ok` that records every action it is given (class-level, for the test)."""
+  actions: list = []
+
+  def step(self, action):
+    Logged.actions.append(action)
+    return super().step(action)
+
+
+def test_scripted_summary_eviction_golden_layout(monkeypatch):
+  """"summary", budget 7: after turn 1 the context p·aa·ok·bb (8) plus "ok" is too long, so the observation comes
+  with the instruction and turn 2 ("cc") is the summary (no environment step); the context becomes p·cc·ok and
+  turn 3 acts. At turn 3's observation only the last turn is left, so nothing more is summarized."""
+  Scripted.seen, Logged.actions = [], []
+  monkeypatch.setattr(turn_sampler, "CachedTurns", Scripted)
+  p = CHAR_ENCODER.episode_prompt_ids("g")
+  enc = lambda text: CHAR_ENCODER.tokenizer.encode(text)
+  ok, ask = enc("ok"), enc("ok") + enc("summarize:")
+  aa, bb, cc, dd, ee = (enc(ch * 2) for ch in "abcde")
+  s = EnvSettings(name="test_evict_log", max_turns=5, turn_tokens=2, max_episode_tokens=40, evict="summary",
+                  context_budget=7)
+  r = run_episodes(make_gen(), PARAMS, [0], 1, s, jax.random.key(0), version=0, width=P)
+  seg1 = aa + ok + bb + ask + cc
+  seg2 = p + cc + ok + dd + ok + ee
+  row = seg1 + seg2
+  n = len(row)
+  assert n == 20 + 12
+  np.testing.assert_array_equal(r.sequence_BT[0, P:P + n], row)
+  want_mask = [1, 1, 0, 0, 1, 1] + [0] * 12 + [1, 1] + [0] * 6 + [1, 1, 0, 0, 1, 1]
+  np.testing.assert_array_equal(r.mask_BN[0, :n], want_mask)
+  want_env = [0, 0, 1, 1, 0, 0] + [1] * 12 + [0, 0] + [0] * 6 + [0, 0, 1, 1, 0, 0]
+  np.testing.assert_array_equal(r.env_mask_BN[0, :n], want_env)
+  want_turn = [0] * 4 + [1] * 14 + [2] * 2 + [-1, -1, 2, 2, 2, 2] + [3] * 4 + [4] * 2
+  np.testing.assert_array_equal(r.turn_BN[0, :n], want_turn)
+  np.testing.assert_array_equal(r.segment_ids_BT[0, P:P + n], [1] * 20 + [2] * 12)
+  np.testing.assert_array_equal(r.positions_BT[0, 2:P + n], list(range(22)) + list(range(12)))
+  assert [c for _, _, c in Scripted.seen] == [p, p + aa + ok, p + aa + ok + bb + ask, p + cc + ok, p + cc + ok + dd + ok]
+  assert Logged.actions == ["aa", "bb", "dd", "ee"]  # the summary never reaches the environment
+  assert r.stats["env_evictions"] == 1 and r.stats["env_copied_tokens"] == 6 and r.stats["env_turns"] == 5
+  e = r.extra
+  np.testing.assert_array_equal(np.flatnonzero(e["eviction_mask_BN"][0]), [26, 27])
+  teacher = p + aa + ok + bb + ok + dd  # the uncompressed context (no instruction), then the distilled turn
+  np.testing.assert_array_equal(e["sdcc_teacher_seq_BU"][0, :len(teacher)], teacher)
+  np.testing.assert_array_equal(e["sdcc_teacher_src_BN"][0, [26, 27]], [9, 10])
+
+
 SETTINGS = EnvSettings(name="test_evict_ok", max_turns=5, turn_tokens=3, max_episode_tokens=48, evict="drop_oldest",
                        context_budget=9, keep_last_turns=1, kv_cache=False)
 
@@ -147,16 +196,17 @@ class Recording(turn_sampler.Reprefill):
     return out
 
 
-@pytest.fixture(scope="module")
-def evicted():
+@pytest.fixture(scope="module", params=["drop_oldest", "summary"])
+def evicted(request):
   Recording.log = []
   mp = pytest.MonkeyPatch()
   mp.setattr(turn_sampler, "Reprefill", Recording)
+  settings = dataclasses.replace(SETTINGS, evict=request.param)
   try:
-    r = run_episodes(make_gen(), PARAMS, [1, 2], 2, SETTINGS, jax.random.key(7), version=0, width=P)
+    r = run_episodes(make_gen(), PARAMS, [1, 2], 2, settings, jax.random.key(7), version=0, width=P)
   finally:
     mp.undo()
-  return r, list(Recording.log)
+  return r, list(Recording.log), request.param
 
 
 def _packed_logp(params, r):
@@ -172,11 +222,12 @@ def _per_context_logp(params, ctx, toks):
 
 
 def test_evicted_episode_layout_invariants(evicted):
-  r, log = evicted
+  r, log, policy = evicted
   assert r.stats["env_evictions"] >= 2, r.stats
   assert (r.segment_ids_BT.max(1) >= 2).any()
   for t, b, ctx, toks in log:
-    assert len(ctx) <= SETTINGS.context_budget  # every context the policy saw was within the budget
+    if policy == "drop_oldest":
+      assert len(ctx) <= SETTINGS.context_budget  # every context the policy saw was within the budget
     cols = np.flatnonzero((r.turn_BN[b] == t) & (r.mask_BN[b] > 0))
     np.testing.assert_array_equal(r.sequence_BT[b, P + cols], toks)  # the policy's tokens, exactly
     # the tokens before them in their segment are exactly the context they were sampled with
@@ -189,22 +240,31 @@ def test_evicted_episode_layout_invariants(evicted):
 def test_packed_row_equals_per_context_forwards_in_value_and_gradient(evicted):
   """Σ w·log π over policy tokens: the packed row (one forward, segments) against one forward per sampled context
   (the sampler's own contexts, recorded), in value and in gradient w.r.t. every parameter; and μ = π (fp32)."""
-  r, log = evicted
+  r, log, policy = evicted
   w_BN = jnp.asarray(np.random.default_rng(0).normal(size=r.mask_BN.shape), jnp.float32)
   mask = jnp.asarray(r.mask_BN)
 
   def packed(params):
     return jnp.sum(w_BN * mask * _packed_logp(params, r))
 
-  def separate(params):
-    tot = 0.0
-    for t, b, ctx, toks in log:
-      cols = np.flatnonzero((r.turn_BN[b] == t) & (r.mask_BN[b] > 0))
-      tot = tot + jnp.sum(w_BN[b, cols] * _per_context_logp(params, ctx, toks))
-    return tot
+  # The reference: every sampled context followed by its turn's tokens as its own row (right-padded: causal
+  # attention never reaches the padding), a plain forward and log-softmax, weighted like the packed tokens.
+  L = max(len(ctx) + len(toks) for _, _, ctx, toks in log)
+  ids_ML = np.zeros((len(log), L), np.int32)
+  w_ML = np.zeros((len(log), L - 1), np.float32)
+  for i, (t, b, ctx, toks) in enumerate(log):
+    ids_ML[i, :len(ctx) + len(toks)] = ctx + toks
+    cols = np.flatnonzero((r.turn_BN[b] == t) & (r.mask_BN[b] > 0))
+    w_ML[i, len(ctx) - 1:len(ctx) - 1 + len(toks)] = np.asarray(w_BN)[b, cols]
 
-  v1, g1 = jax.value_and_grad(packed)(PARAMS)
-  v2, g2 = jax.value_and_grad(separate)(PARAMS)
+  def separate(params):
+    logp_MLV = jax.nn.log_softmax(forward(params, jnp.asarray(ids_ML), CFG)[:, :-1].astype(jnp.float32), -1)
+    logp_ML = jnp.take_along_axis(logp_MLV, jnp.asarray(ids_ML)[:, 1:, None], -1)[..., 0]
+    return jnp.sum(jnp.asarray(w_ML) * logp_ML)
+
+  v1, g1 = jax.jit(jax.value_and_grad(packed))(PARAMS)
+  v2, g2 = jax.jit(jax.value_and_grad(separate))(PARAMS)
+  assert int((w_ML != 0).sum()) == int(r.mask_BN.sum())  # every policy token is in exactly one reference row
   np.testing.assert_allclose(v1, v2, rtol=1e-5, atol=1e-4)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
   m = r.mask_BN > 0
@@ -213,7 +273,7 @@ def test_packed_row_equals_per_context_forwards_in_value_and_gradient(evicted):
 
 def test_copied_context_gets_zero_gradient(evicted):
   """d(ppo_clip loss)/d logp is exactly 0 on the copied contexts (and on every mask-0 column)."""
-  r, _ = evicted
+  r, _, _ = evicted
   copies = (r.segment_ids_BT[:, P:] > 1) & (r.mask_BN == 0) & (r.env_mask_BN == 0)
   assert copies.sum() > 4
   spec = losses.get("ppo_clip")
@@ -246,7 +306,9 @@ def test_no_eviction_is_todays_record():
 def test_sdcc_teacher_is_the_policy_on_the_uncompressed_context(evicted):
   """The teacher head's logits at each distilled token equal a plain forward over (context before the eviction +
   the turn's tokens); its tokens are the first turn of each new segment."""
-  r, log = evicted
+  r, log, policy = evicted
+  if policy != "drop_oldest":
+    pytest.skip("the uncompressed context is rebuilt here the drop_oldest way (summary: the scripted golden case)")
   ex = evict.sdcc_extras(PARAMS, r.extra, CFG, 1.0, with_teacher=True)
   e_BN = np.asarray(ex["eviction_mask_BN"])
   assert e_BN.sum() > 0
@@ -303,7 +365,7 @@ def test_shared_prompt_4d_mask_layout_equals_the_segment_row(evicted):
   token as the segment row does, with fewer columns; and the grouped scorer (shared GRPO prompt) agrees too."""
   from jaxrl_llm.learner import make_score_fn  # noqa: PLC0415
   from jaxrl_llm.models.transformer import logits_from_hidden, hidden  # noqa: PLC0415
-  r, _ = evicted
+  r, _, _ = evicted
   plen_B = (r.segment_ids_BT[:, :P] > 0).sum(1)
   lay = evict.shared_prompt_layout(r.sequence_BT, r.positions_BT, r.segment_ids_BT, plen_B, P)
   assert lay["tokens_BS"].shape[1] < r.sequence_BT.shape[1] - 2

@@ -86,9 +86,10 @@ class EnvSettings:
   prompt_width: int = 16  # P: the initial message's bucket (left-padded)
   newest_each_turn: bool = True  # async: each turn after the first generates from the newest snapshot
   kv_cache: bool = True  # keep each episode's KV cache across turns (one device; `rollout.turn_sampler`)
-  evict: str = "none"  # context compression before a turn (`rollout.evict`): "none" | "drop_oldest"
+  evict: str = "none"  # context compression before a turn (`rollout.evict`): "none" | "drop_oldest" | "summary"
   context_budget: int = 0  # live-context tokens above which a turn first evicts (with `evict`)
-  keep_last_turns: int = 1  # turns an eviction always keeps
+  keep_last_turns: int = 1  # turns a "drop_oldest" eviction always keeps
+  summary_instruction: str = "summarize:"  # "summary": the user message appended to ask the policy for a summary
 
 
 def render_env_message(encoder: Encoder, message: str | Sequence[dict], turn_ended: bool = True) -> list[int]:
@@ -264,30 +265,37 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     head = [] if seg_starts[b] else prompts[b]
     return head + resp_BN[b, a:used_B[b]].tolist(), [-1] * len(head) + turn_BN[b, a:used_B[b]].tolist()
 
+  def open_segment(b: int, new: list[int], new_turns: list[int], uncompressed: list[int], t_next: int) -> None:
+    """Episode b's context becomes `new` (an eviction): a new segment opens with it (mask 0); SDCC will distill
+    turn `t_next` from the `uncompressed` context. No room for it and one more policy token: "truncated"."""
+    nonlocal n_evicted, n_copied
+    u = int(used_B[b])
+    if u + len(new) >= N:
+      status[b], live[b] = "truncated", False
+      return
+    resp_BN[b, u:u + len(new)] = new
+    turn_BN[b, u:u + len(new)] = new_turns
+    ver_BN[b, u:] = version
+    seg_starts[b].append(u)
+    used_B[b] += len(new)
+    pending.append((b, uncompressed, u + len(new), t_next))
+    turns.forget(b)
+    n_evicted += 1
+    n_copied += len(new)
+
+  summarizing: dict[int, tuple] = {}  # "summary": row -> (its last observation, uncompressed context ids)
+
   for t in range(s.max_turns):
     if not live.any():
       break
     newer = poll(version) if poll is not None and t > 0 else None
     if newer is not None:  # async: this turn generates from the newest published parameters
       version, params = newer
-    for b in (np.flatnonzero(live) if evicting and t > 0 else ()):
+    for b in (np.flatnonzero(live) if s.evict == "drop_oldest" and t > 0 else ()):
       ctx, turn_L = live_context(b)
       keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
-      if keep is None:
-        continue
-      u, new = int(used_B[b]), [i for i, k in zip(ctx, keep) if k]
-      if u + len(new) >= N:  # no room for the compressed copy and one more policy token
-        status[b], live[b] = "truncated", False
-        continue
-      resp_BN[b, u:u + len(new)] = new  # the new segment opens with the compressed context (mask 0)
-      turn_BN[b, u:u + len(new)] = np.asarray(turn_L)[keep]
-      ver_BN[b, u:] = version
-      seg_starts[b].append(u)
-      used_B[b] += len(new)
-      pending.append((b, ctx, u + len(new), t))
-      turns.forget(b)
-      n_evicted += 1
-      n_copied += len(new)
+      if keep is not None:
+        open_segment(b, [i for i, k in zip(ctx, keep) if k], np.asarray(turn_L)[keep].tolist(), ctx, t)
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
@@ -317,6 +325,13 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       if k < n_b:  # the budget cut the turn
         status[b], live[b] = "truncated", False
         continue
+      if b in summarizing:  # this turn was the summary: it replaces every earlier turn; the last observation follows
+        obs, uncompressed = summarizing.pop(b)
+        summary = out["tokens_BN"][b, :k].tolist()
+        again = render_env_message(gen.encoder, obs, turn_ended=bool(summary) and summary[-1] in stop_set)
+        open_segment(b, prompts[b] + summary + again, [-1] * len(prompts[b]) + [t] * (k + len(again)), uncompressed,
+                     t + 1)
+        continue
       calls.append((env_list[b].step, completion_text(tok, out["tokens_BN"][b, :k])))
       rows.append(b)
     results = env_calls(calls, s.timeout_s, s.workers)
@@ -342,6 +357,13 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       # the policy's turn ended when its last token (this turn's) is a stop id; else the turn was cut
       ended = u > 0 and turn_BN[b, u - 1] == t and mask_BN[b, u - 1] > 0 and int(resp_BN[b, u - 1]) in stop_set
       ids = render_env_message(gen.encoder, obs, turn_ended=bool(ended))
+      if (s.evict == "summary" and t + 2 < s.max_turns
+          and len(live_context(b)[0]) + len(ids) > s.context_budget):  # the next turn summarizes, then one acts
+        uncompressed = live_context(b)[0] + ids
+        obs = check_messages(obs, ("user", "tool"))
+        ids = render_env_message(gen.encoder, obs + [{"role": "user", "content": s.summary_instruction}],
+                                 turn_ended=bool(ended))
+        summarizing[b] = (obs, uncompressed)
       if u + len(ids) >= N:  # no room for the observation and at least one more policy token
         status[b], live[b] = "truncated", False
         continue

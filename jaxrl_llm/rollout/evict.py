@@ -6,6 +6,11 @@ with) is longer than `env.context_budget` tokens is compressed:
 - "drop_oldest": the oldest complete turns after the first message (policy tokens and the observation that
   answered them) are removed until the context fits, keeping at least `env.keep_last_turns` turns; nothing
   happens when only those are left.
+- "summary": when appending an observation would take the context past the budget, the observation goes with a
+  fixed instruction (`EnvSettings.summary_instruction`, one more user message) and the next turn is the policy's
+  summary (policy tokens, trained like any others, never sent to the environment; it counts as a turn). The
+  context then becomes the first message, the summary and the last observation again (re-rendered after the
+  summary), and the following turn acts. There must be a turn left to act (none starts in the last two turns).
 
 The record keeps one row per episode (GRPO groups and sequence-mean aggregation unchanged) and is exact with
 respect to what the policy saw (MemoryWalker's LogitTree, spec A7, with its K+1 forwards packed in one row):
@@ -17,7 +22,8 @@ is scored by the learner, π_old recompute and the reference under exactly the c
 keep their original turn ids (-1 on the copied first message) and carry the version of the turn they open.
 
 SDCC (`losses.sdcc`, MemoryWalker): for the policy tokens of the first turn after each eviction, the teacher is
-the same policy on the uncompressed context (the live context just before the eviction). `teacher_layout` packs
+the same policy on the uncompressed context (the live context just before the eviction; for "summary", the context
+before the instruction with the last observation appended plainly). `teacher_layout` packs
 those teacher contexts (each followed by the turn's tokens) into one extra row per episode; `sdcc_extras` runs
 the learner's parameters over it (stop-gradient) and returns the `teacher_head` and `eviction_mask_BN` the loss
 reads. The student is the learner's ordinary forward over the compressed segment.
@@ -35,7 +41,7 @@ from jaxrl_llm.models import ModelConfig, lm_head_weights
 from jaxrl_llm.models.transformer import hidden
 from jaxrl_llm.vocab_chunks import VocabHead
 
-EVICT_POLICIES = ("none", "drop_oldest")
+EVICT_POLICIES = ("none", "drop_oldest", "summary")
 # Keys of `Rollout.extra` written by episodes with eviction (all lead with B; `sdcc_extras` consumes the layout).
 TEACHER_KEYS = ("sdcc_teacher_seq_BU", "sdcc_teacher_pos_BU", "sdcc_teacher_seg_BU", "sdcc_teacher_src_BN")
 
