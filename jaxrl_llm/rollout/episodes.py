@@ -43,6 +43,13 @@ summed over the batch's steps (e.g. `env_tool_calls`; a key that would shadow on
 dropped); `merge_stats` adds the counters of several records. A reset or step result of the wrong shape (an
 observation that is neither a str nor a list of message dicts, an `info` that is no dict) is an "error".
 
+Context compression (`env.evict`, `rollout.evict`): before a turn an episode whose live context exceeds
+`context_budget` tokens is compressed ("drop_oldest": its oldest turns go; "summary": the policy writes a summary
+that replaces them). The row then holds one segment per live context (positions from 0, a mask-0 copy of the
+compressed context, then the tokens generated under it), so every token is still scored under exactly the context
+it was sampled with; `extra` holds SDCC's eviction mask and teacher rows; the stats add `env_evictions`,
+`env_copied_tokens`, `env_sdcc_skipped` and `evict_segment_starts`. Without eviction the record is as above.
+
 Versions: the synchronous sources play a whole batch with one pinned snapshot. Async episodes
 (`async_engine.make_episode_rollout`) pass a `poll` that offers the newest published parameters before each
 turn after the first, so an episode may span versions; `versions_BN` records each token's, and π_old
