@@ -133,6 +133,19 @@ def test_scripted_episode_records_the_golden_layout(monkeypatch):
   assert r.stats["env_sdcc_skipped"] == 0
 
 
+def test_an_eviction_without_room_truncates(monkeypatch):
+  """Budget N = 12: before turn 2 the compressed copy (6 ids) does not fit after the 8 used columns, so the episode
+  ends "truncated" with segment 1 only (and a batch whose every episode ends so stops playing)."""
+  Scripted.seen = []
+  monkeypatch.setattr(turn_sampler, "CachedTurns", Scripted)
+  s = EnvSettings(name="test_evict_ok", max_turns=4, turn_tokens=2, max_episode_tokens=12, evict="drop_oldest",
+                  context_budget=7)
+  r = run_episodes(make_gen(), PARAMS, [0], 1, s, jax.random.key(0), version=0, width=P)
+  assert r.stats["episode_statuses"] == ("truncated",) and r.stats["env_evictions"] == 0
+  assert len(Scripted.seen) == 2 and r.segment_ids_BT.max() == 1 and r.mask_BN.sum() == 4
+  assert not r.extra["eviction_mask_BN"].any()
+
+
 @envs.register("test_evict_log")
 class Logged(Ok):
   """`Ok` that records every action it is given (class-level, for the test)."""
@@ -385,3 +398,23 @@ def test_shared_prompt_4d_mask_layout_equals_the_segment_row(evicted):
   score = make_score_fn(CFG, 1.0, group_size=2)
   grouped = score(PARAMS, *(jnp.asarray(a) for a in (r.sequence_BT, r.positions_BT, r.segment_ids_BT, r.mask_BN)))
   np.testing.assert_allclose(np.asarray(grouped), np.where(r.mask_BN > 0, want, 0), atol=1e-4)
+
+
+def test_eviction_extra_survives_plain_data_and_sdcc_trains_async(tmp_path):
+  """The eviction layout is rollout data: `record.to_plain` keeps it (checkpoints, async gathering) and `from_plain`
+  restores it; teacher outputs (device arrays) are still refused. configs/sdcc_tiny.py trains 2 async steps."""
+  from jaxrl_llm import loop, record  # noqa: PLC0415
+  s = dataclasses.replace(SETTINGS, max_turns=3)
+  r = run_episodes(make_gen(), PARAMS, [5], 2, s, jax.random.key(2), version=0, width=P)
+  back = record.from_plain(record.to_plain(r))
+  assert set(back.extra) == set(r.extra)
+  for k, v in r.extra.items():
+    np.testing.assert_array_equal(back.extra[k], v)
+  with pytest.raises(ValueError, match="not checkpointed"):
+    record.to_plain(r.replace(extra={**r.extra, "teacher_logp_BN": jnp.zeros(r.mask_BN.shape)}))
+  c = _sdcc_config()
+  c.num_steps, c.rollout.mode, c.rollout.lag, c.rollout.num_workers = 2, "async", 1, 2
+  c.log.tensorboard = False
+  rows = loop.run(c, str(tmp_path / "async"))
+  assert [x["step"] for x in rows] == [0, 1] and all(np.isfinite(x["loss"]) for x in rows)
+  assert sum(x["env_evictions"] for x in rows) > 0 and all("sdcc_kl" in x for x in rows)

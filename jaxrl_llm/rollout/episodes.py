@@ -303,6 +303,8 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
       if keep is not None:
         open_segment(b, [i for i, k in zip(ctx, keep) if k], np.asarray(turn_L)[keep].tolist(), ctx, t)
+    if not live.any():  # every eviction lacked room ("truncated")
+      break
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
