@@ -10,6 +10,10 @@ message, a copy of the last turn, then new turns) is scored by value_and_grad of
 random model. Prints one JSON object: columns of each layout, the max |Δ log π| over loss tokens (both are exact:
 ~1e-6), and the best wall seconds of each (compile excluded). Both use a dense [T, T] attention mask here, so the
 saving is the removed columns (K·first-message tokens per row), nothing more.
+
+Measured once (2026-12-03, the 2-core CPU shared with other jobs; defaults: 8 episodes, first message 128, turns of
+48 (24 policy), 3 turns per segment, 3 evictions, d_model 256, 4 layers, vocab 4096): segment row 1,232 columns,
+36.5 s; packed 4D mask 848 columns, 25.8 s (0.71x); Σ log π over the 2,304 loss tokens equal (|Δ| = 0.0).
 """
 
 from __future__ import annotations

@@ -284,6 +284,18 @@ def test_packed_row_equals_per_context_forwards_in_value_and_gradient(evicted):
   np.testing.assert_allclose(np.asarray(_packed_logp(PARAMS, r))[m], r.behavior_logp_BN[m], atol=1e-4)
 
 
+def test_kept_kv_cache_reprefills_after_an_eviction():
+  """With `env.kv_cache` an evicted episode's cache is stale (its context was rewritten): the turn after an eviction
+  re-prefills, and μ still equals the learner's log-probs on the segment rows."""
+  s = dataclasses.replace(SETTINGS, kv_cache=True, max_turns=4)
+  r = run_episodes(make_gen(), PARAMS, [1], 2, s, jax.random.key(7), version=0, width=P)
+  assert r.stats["env_evictions"] > 0
+  evict_turns = {int(r.turn_BN[b, c]) for b, c in zip(*np.nonzero(r.extra["eviction_mask_BN"]))}
+  assert r.stats["env_prefills"] == 1 + len(evict_turns)  # the first turn, then each turn that follows evictions
+  m = r.mask_BN > 0
+  np.testing.assert_allclose(np.asarray(_packed_logp(PARAMS, r))[m], r.behavior_logp_BN[m], atol=1e-4)
+
+
 def test_copied_context_gets_zero_gradient(evicted):
   """d(ppo_clip loss)/d logp is exactly 0 on the copied contexts (and on every mask-0 column)."""
   r, _, _ = evicted
