@@ -29,8 +29,8 @@ advantage form; `loss.hparams.online_advantage=True` is AsyncOPD's recompute fix
 opd_reverse_kl_full, gkd_jsd (dense over the tiny vocabulary), opd_topk_kl (top-k cache), f_opd
 (supervision drift 0 for a frozen teacher). With more switched on: opd_reverse_kl_mc
 (sampler.mc_samples > 0: configs/opd_mc_tiny.py), s2d_opd (sampler.behavior_topk > 0 and
-distill.ref_teacher: configs/opd_s2d_tiny.py). Not runnable (its inputs are not produced; the config is
-rejected at start-up): sdcc (needs eviction masks).
+distill.ref_teacher: configs/opd_s2d_tiny.py). sdcc runs on episodes with context eviction
+(configs/sdcc_tiny.py), not with this teacher.
 """
 
 import pathlib

@@ -12,7 +12,7 @@ import ml_collections
 
 from jaxrl_llm import advantages, losses
 from jaxrl_llm.record import Rollout
-from jaxrl_llm.rollout import collect, old_logp
+from jaxrl_llm.rollout import collect, evict, old_logp
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.wiring import source_class
 
@@ -48,6 +48,10 @@ def make_batch(run, store: ParamStore, state, extra, ro: Rollout) -> tuple[Rollo
     mask = mask * keep_B[:, None]
     info["dapo_filtered_frac"] = float(1.0 - keep_B.mean())
   teacher = run.batch_extras(ro, seq, mask) if run.batch_extras is not None else None
+  if ro.extra and "eviction_mask_BN" in ro.extra:  # episodes with eviction: SDCC's teacher is the current policy
+    with_teacher = "teacher_logits" in losses.get(c.loss.name).needs
+    teacher = {**(teacher or {}), **evict.sdcc_extras(state.params, ro.extra, run.model_cfg, c.sampler.temperature,
+                                                      with_teacher)}
   # Distillation options (`jaxrl_llm.distill.extras`) may also give, under "_batch", the loss mask to train on
   # (ADWIN's prefix), the advantages (Open-MOPD's routed teacher reward) and host metrics for the row.
   over = teacher.pop("_batch", {}) if teacher else {}

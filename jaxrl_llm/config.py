@@ -358,13 +358,19 @@ RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep"
 
 
 ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width",
-              "newest_each_turn", "kv_cache")
+              "newest_each_turn", "kv_cache", "evict", "context_budget", "keep_last_turns")
+EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evict`)
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run plays multi-turn episodes: an `env` section with a non-empty `env.name`."""
   e = c.get("env")
   return bool(e is not None and e.get("name", ""))
+
+
+def evicting(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run's episodes compress their context (`env.evict` other than "none")."""
+  return env_on(c) and c.env.get("evict", "none") != "none"
 
 
 def env_length(c: ml_collections.ConfigDict) -> int:
@@ -403,6 +409,11 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
         "must be a finite number of seconds > 0")
   for f in ("newest_each_turn", "kv_cache"):
     _need(isinstance(e.get(f, True), bool), f"env.{f}", e.get(f), "must be a bool")
+  _need(e.get("evict", "none") in EVICT_POLICIES, "env.evict", e.get("evict"), f"must be one of {EVICT_POLICIES}")
+  for f, lo in (("context_budget", 1 if evicting(c) else 0), ("keep_last_turns", 1)):
+    v = e.get(f, lo)
+    _need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"env.{f}", v,
+          f"must be an int >= {lo}" + (f" with env.evict={e.evict!r}" if f == "context_budget" and lo else ""))
   _need(not c.rollout.get("partial_chunk", 0), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
         f"must be 0 with env.name={e.name!r} (async episodes switch versions between turns: env.newest_each_turn)")
   for f in ("behavior_topk", "mc_samples"):
@@ -529,6 +540,9 @@ register_needs("sampler", sampler_needs)
 register_needs("env", lambda c: ("turn",) if env_on(c) else ())  # episodes number their turns (`turn_BN`)
 # The sinks + window cache records what each token saw: the learner runs the shadow forward (`losses.smd`).
 register_needs("kv_cache", lambda c: ("shadow",) if c.sampler.get("kv_cache", "full") == "window" else ())
+# Episodes with eviction: the eviction mask and SDCC's teacher (the policy on the uncompressed context); the student's
+# logits are the learner's own forward (`rollout.evict`).
+register_needs("evict", lambda c: ("eviction", "teacher_logits", "student_logits") if evicting(c) else ())
 
 
 def available_needs(c: ml_collections.ConfigDict) -> set[str]:

@@ -21,10 +21,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 GENERAL = ("tiny.py", "opd_tiny.py")  # tried first, in this order
 
 # Losses whose inputs no run produces yet, and what will produce them.
-PENDING = {
-    "sdcc": "needs context-eviction events (`eviction_mask_BN`, MemoryWalker's compressed contexts): the "
-            "long-horizon / context-compression work (issue 34)",
-}
+PENDING: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=None)

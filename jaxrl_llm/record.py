@@ -101,10 +101,13 @@ def concat(records: list[Rollout], stats: dict | None = None) -> Rollout:
 
 
 def to_plain(r: Rollout) -> dict:
-  """The record as plain data (field name -> numpy array, plus `stats`), for a checkpoint."""
-  if r.extra:
+  """The record as plain data (field name -> numpy array, plus `stats`), for a checkpoint. Host arrays in
+  `extra` (rollout data, e.g. episodes' eviction layout, `rollout.evict`) are kept as "extra.<name>"; teacher
+  outputs (device arrays, `VocabHead`s) are not: they are recomputed."""
+  if r.extra and not all(isinstance(v, np.ndarray) for v in r.extra.values()):
     raise ValueError("a record with teacher outputs (extra) is not checkpointed: they are recomputed")
-  return {**{k: np.asarray(v) for k, v in r.arrays().items()}, **({"stats": dict(r.stats)} if r.stats else {})}
+  return {**{k: np.asarray(v) for k, v in r.arrays().items()},
+          **{f"extra.{k}": v for k, v in (r.extra or {}).items()}, **({"stats": dict(r.stats)} if r.stats else {})}
 
 
 # Array names of checkpoints written before the record: async groups (`_G*`) and their extra fields.
@@ -116,9 +119,11 @@ _LEGACY = {"sequence_GT": "sequence_BT", "positions_GT": "positions_BT", "segmen
 def from_plain(d: dict) -> Rollout:
   """Inverse of `to_plain` (also reads the field names of checkpoints written before the record)."""
   names = {f.name for f in dataclasses.fields(Rollout)} - {"extra", "stats"}
-  kw = {}
+  kw, extra = {}, {}
   for k, v in d.items():
     k = _LEGACY.get(k, k)
     if k in names and v is not None:
       kw[k] = np.asarray(v)
-  return Rollout(**kw, stats=dict(d["stats"]) if d.get("stats") else None)
+    elif k.startswith("extra.") and v is not None:
+      extra[k[len("extra."):]] = np.asarray(v)
+  return Rollout(**kw, extra=extra or None, stats=dict(d["stats"]) if d.get("stats") else None)

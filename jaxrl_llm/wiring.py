@@ -80,7 +80,9 @@ def env_settings(c: ml_collections.ConfigDict) -> EnvSettings | None:
   return EnvSettings(name=e.name, kwargs=tuple(sorted(dict(e.get("kwargs", {})).items())), max_turns=e.max_turns,
                      turn_tokens=e.turn_tokens, max_episode_tokens=e.max_episode_tokens, timeout_s=float(e.timeout_s),
                      prompt_width=e.prompt_width, workers=c.reward.workers if c.get("reward") else 8,
-                     newest_each_turn=bool(e.get("newest_each_turn", True)), kv_cache=bool(e.get("kv_cache", True)))
+                     newest_each_turn=bool(e.get("newest_each_turn", True)), kv_cache=bool(e.get("kv_cache", True)),
+                     evict=e.get("evict", "none"), context_budget=e.get("context_budget", 0),
+                     keep_last_turns=e.get("keep_last_turns", 1))
 
 
 def check_env(c: ml_collections.ConfigDict, encoder: Encoder) -> None:

@@ -195,3 +195,38 @@ def test_smollm2_tool_agent_two_steps(smollm2, tmp_path):
   assert sum(r["env_tool_calls"] + r["env_tool_malformed"] for r in rows) > 0, rows  # it tried to call the tool
   assert all(r["mismatch_abs_max"] < 1e-4 for r in rows), rows
   shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+
+
+class CountOn:
+  """Never done: asks for the next number every turn; 0.5 when the answer holds a digit (rewards vary in a group)."""
+
+  def reset(self, seed):
+    return f"Count with me, one number per reply. I start: {seed % 5}."
+
+  def step(self, action):
+    return "Next number?", 0.5 * any(ch.isdigit() for ch in action), False
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_long_horizon_with_eviction_and_sdcc(smollm2, tmp_path):
+  """A 3-turn episode on the real model whose context is compressed before its last turn
+  (`env.evict="drop_oldest"`, a budget only the first message and one turn fit), trained 2 steps with `sdcc`: the
+  evictions happen and are recorded, the learner's π_old equals μ on the packed segment rows (sync, same
+  parameters), and the self-distillation term is computed at the turns after each eviction."""
+  from jaxrl_llm import envs
+  if "test_count_on" not in envs.names():
+    envs.register("test_count_on")(CountOn)
+  c = _config("smollm2_agent.py", **{
+      "model.init_from": str(smollm2), "num_steps": 2, "rollout.prompts_per_step": 1, "rollout.group_size": 2,
+      "env.max_turns": 3, "env.turn_tokens": 6, "env.max_episode_tokens": 128, "env.prompt_width": 64,
+      "model.remat": False, "log.progress": False, "loss.name": "sdcc"})
+  c.env.name, c.env.kwargs = "test_count_on", config_lib.ml_collections.ConfigDict()
+  c.env.evict, c.env.context_budget, c.env.keep_last_turns = "drop_oldest", 1, 1
+  rows = loop.run(c, str(tmp_path))
+  assert [r["step"] for r in rows] == [0, 1] and all(math.isfinite(r["loss"]) for r in rows), rows
+  assert all(r["env_evictions"] == 2 for r in rows), rows  # turn 2 of both episodes
+  assert all(r["eviction_frac"] > 0 and math.isfinite(r["sdcc_kl"]) for r in rows), rows
+  assert all(r["mismatch_abs_max"] < 1e-3 for r in rows), rows
+  shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)

@@ -43,6 +43,13 @@ summed over the batch's steps (e.g. `env_tool_calls`; a key that would shadow on
 dropped); `merge_stats` adds the counters of several records. A reset or step result of the wrong shape (an
 observation that is neither a str nor a list of message dicts, an `info` that is no dict) is an "error".
 
+Context compression (`env.evict`, `rollout.evict`): before a turn an episode whose live context exceeds
+`context_budget` tokens is compressed ("drop_oldest": its oldest turns go; "summary": the policy writes a summary
+that replaces them). The row then holds one segment per live context (positions from 0, a mask-0 copy of the
+compressed context, then the tokens generated under it), so every token is still scored under exactly the context
+it was sampled with; `extra` holds SDCC's eviction mask and teacher rows; the stats add `env_evictions`,
+`env_copied_tokens`, `env_sdcc_skipped` and `evict_segment_starts`. Without eviction the record is as above.
+
 Versions: the synchronous sources play a whole batch with one pinned snapshot. Async episodes
 (`async_engine.make_episode_rollout`) pass a `poll` that offers the newest published parameters before each
 turn after the first, so an episode may span versions; `versions_BN` records each token's, and π_old
@@ -64,6 +71,7 @@ import numpy as np
 from jaxrl_llm import envs
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
+from jaxrl_llm.rollout import evict as evict_lib
 from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.tasks.encoder import Encoder, check_messages
 from jaxrl_llm.tasks.reward import safe_reward_batch
@@ -85,6 +93,10 @@ class EnvSettings:
   prompt_width: int = 16  # P: the initial message's bucket (left-padded)
   newest_each_turn: bool = True  # async: each turn after the first generates from the newest snapshot
   kv_cache: bool = True  # keep each episode's KV cache across turns (one device; `rollout.turn_sampler`)
+  evict: str = "none"  # context compression before a turn (`rollout.evict`): "none" | "drop_oldest" | "summary"
+  context_budget: int = 0  # live-context tokens above which a turn first evicts (with `evict`)
+  keep_last_turns: int = 1  # turns a "drop_oldest" eviction always keeps
+  summary_instruction: str = "summarize:"  # "summary": the user message appended to ask the policy for a summary
 
 
 def render_env_message(encoder: Encoder, message: str | Sequence[dict], turn_ended: bool = True) -> list[int]:
@@ -249,6 +261,36 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   turn_outputs = []
   info_sums: dict[str, float] = {}
   stop_set = set(tok.stop_ids)
+  evicting = s.evict != "none"
+  seg_starts: list[list[int]] = [[] for _ in range(B)]  # response columns where segments 2, 3, ... begin
+  pending: list[tuple] = []  # SDCC: (row, uncompressed context, first column of the next turn, turn)
+  n_evicted = n_copied = 0
+
+  def live_context(b: int) -> tuple[list[int], list[int]]:
+    """(ids, turn ids) of episode b's live context: its current segment (with the first message in segment 1)."""
+    a = seg_starts[b][-1] if seg_starts[b] else 0
+    head = [] if seg_starts[b] else prompts[b]
+    return head + resp_BN[b, a:used_B[b]].tolist(), [-1] * len(head) + turn_BN[b, a:used_B[b]].tolist()
+
+  def open_segment(b: int, new: list[int], new_turns: list[int], uncompressed: list[int], t_next: int) -> None:
+    """Episode b's context becomes `new` (an eviction): a new segment opens with it (mask 0); SDCC will distill
+    turn `t_next` from the `uncompressed` context. No room for it and one more policy token: "truncated"."""
+    nonlocal n_evicted, n_copied
+    u = int(used_B[b])
+    if u + len(new) >= N:
+      status[b], live[b] = "truncated", False
+      return
+    resp_BN[b, u:u + len(new)] = new
+    turn_BN[b, u:u + len(new)] = new_turns
+    ver_BN[b, u:] = version
+    seg_starts[b].append(u)
+    used_B[b] += len(new)
+    pending.append((b, uncompressed, u + len(new), t_next))
+    turns.forget(b)
+    n_evicted += 1
+    n_copied += len(new)
+
+  summarizing: dict[int, tuple] = {}  # "summary": row -> (its last observation, uncompressed context ids)
 
   for t in range(s.max_turns):
     if not live.any():
@@ -256,10 +298,17 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     newer = poll(version) if poll is not None and t > 0 else None
     if newer is not None:  # async: this turn generates from the newest published parameters
       version, params = newer
+    for b in (np.flatnonzero(live) if s.evict == "drop_oldest" and t > 0 else ()):
+      ctx, turn_L = live_context(b)
+      keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
+      if keep is not None:
+        open_segment(b, [i for i, k in zip(ctx, keep) if k], np.asarray(turn_L)[keep].tolist(), ctx, t)
+    if not live.any():  # every eviction lacked room ("truncated")
+      break
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
     idx = np.flatnonzero(live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
-    contexts = [prompts[b] + resp_BN[b, :used_B[b]].tolist() for b in rows_b]
+    contexts = [live_context(b)[0] for b in rows_b]
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
     cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
     got = turns.turn(params, version, rows_b.tolist(), contexts, fold_in(key, t), cfg_t)
@@ -284,6 +333,13 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       turns_B[b] = t + 1
       if k < n_b:  # the budget cut the turn
         status[b], live[b] = "truncated", False
+        continue
+      if b in summarizing:  # this turn was the summary: it replaces every earlier turn; the last observation follows
+        obs, uncompressed = summarizing.pop(b)
+        summary = out["tokens_BN"][b, :k].tolist()
+        again = render_env_message(gen.encoder, obs, turn_ended=bool(summary) and summary[-1] in stop_set)
+        open_segment(b, prompts[b] + summary + again, [-1] * len(prompts[b]) + [t] * (k + len(again)), uncompressed,
+                     t + 1)
         continue
       calls.append((env_list[b].step, completion_text(tok, out["tokens_BN"][b, :k])))
       rows.append(b)
@@ -310,6 +366,13 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       # the policy's turn ended when its last token (this turn's) is a stop id; else the turn was cut
       ended = u > 0 and turn_BN[b, u - 1] == t and mask_BN[b, u - 1] > 0 and int(resp_BN[b, u - 1]) in stop_set
       ids = render_env_message(gen.encoder, obs, turn_ended=bool(ended))
+      if (s.evict == "summary" and t + 2 < s.max_turns
+          and len(live_context(b)[0]) + len(ids) > s.context_budget):  # the next turn summarizes, then one acts
+        uncompressed = live_context(b)[0] + ids
+        obs = check_messages(obs, ("user", "tool"))
+        ids = render_env_message(gen.encoder, obs + [{"role": "user", "content": s.summary_instruction}],
+                                 turn_ended=bool(ended))
+        summarizing[b] = (obs, uncompressed)
       if u + len(ids) >= N:  # no room for the observation and at least one more policy token
         status[b], live[b] = "truncated", False
         continue
@@ -322,6 +385,10 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
       status[b] = "max_turns"
 
   positions_BT, segment_ids_BT = record_layout(plen_B, used_B, P, N)
+  extra = None
+  if evicting:
+    positions_BT, segment_ids_BT = evict_lib.segment_layout(positions_BT, segment_ids_BT, seg_starts, used_B, P)
+    extra, sdcc_skipped = evict_lib.teacher_layout(pending, resp_BN, mask_BN, turn_BN, 2 * (P + N), pad)
   counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
   policy_BN = mask_BN > 0
   span_B = np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30)
@@ -334,10 +401,14 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
            "env_too_long": counts["too_long"],
            "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
            "episode_statuses": tuple(status)}
+  if evicting:
+    stats.update(env_evictions=n_evicted, env_copied_tokens=n_copied, env_sdcc_skipped=sdcc_skipped,
+                 evict_segment_starts=tuple(tuple(x) for x in seg_starts))
   stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
   if keep_turns:
     stats["turn_outputs"] = turn_outputs
   return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=positions_BT,
                  segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=logp_BN,
                  versions_BN=ver_BN, reward_B=reward_B,
-                 group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, stats=stats)
+                 group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, extra=extra,
+                 stats=stats)

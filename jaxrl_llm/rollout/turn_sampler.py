@@ -14,6 +14,7 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
   episodes: the cache of the old parameters would make μ differ from the new version's log-probs), and when
   the cache's slots run out (the shared write index leaves unused slots behind rows that append less).
   The log-probs equal a re-prefill's up to float rounding (tested), so tokens agree but for near-ties.
+  `forget(row)`: that episode's context was rewritten (an eviction, `rollout.evict`); the next turn re-prefills.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Reprefill:
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
     got, _ = multiprocess.generate_on_mesh(generate, params, ctx_bW, len_b, key, self.gen.model_cfg, cfg, self.mesh)
     return got
+
+  def forget(self, row: int) -> None:
+    """Episode `row`'s context changed other than by appending (an eviction): nothing is kept, nothing to do."""
 
 
 class CachedTurns:
@@ -97,6 +101,11 @@ class CachedTurns:
         self.row_of[b] = i
         self.cached_len[b] = len(contexts[i]) + int(out["lengths_B"][i])
     return out
+
+  def forget(self, row: int) -> None:
+    """Episode `row`'s context changed other than by appending (an eviction): its cache is stale, so the next
+    turn re-prefills (every row: the cache is one batch)."""
+    self.cached_len.pop(row, None)
 
   def _prefill(self, params, contexts, group_size: int) -> tuple[dict, Any]:
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
