@@ -17,7 +17,7 @@ from ml_collections import config_flags
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import loop, run_state
 from jaxrl_llm.rollout import sources
-from jaxrl_llm.models import save_hf
+from jaxrl_llm.models import lora, save_hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "the run's config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir (holds checkpoints/)")
@@ -38,7 +38,7 @@ def export(c, workdir: str, out: str) -> int:
   if restored is None:
     raise SystemExit(f"error: {workdir}: no valid checkpoint to export")
   step, state = restored[0], restored[1]
-  save_hf(out, r.model_cfg, state.params)
+  save_hf(out, r.model_cfg, lora.effective(state.params))  # LoRA: the merged weights
   r.encoder.tokenizer.save(out)
   return step
 

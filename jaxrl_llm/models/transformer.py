@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import cache as cache_lib
+from jaxrl_llm.models import lora as lora_lib
 from jaxrl_llm.models import moe as moe_lib
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import attention, project, rms_norm, rope, swiglu
@@ -213,7 +214,8 @@ def _embed(params: dict, tokens_BT: Array) -> Array:
 
 
 def _cast(params: dict, cfg: ModelConfig) -> dict:
-  return jax.tree.map(lambda x: x.astype(cfg.compute_dtype), params)
+  """The params in compute dtype; a policy with LoRA adapters is merged first (`models.lora`)."""
+  return jax.tree.map(lambda x: x.astype(cfg.compute_dtype), lora_lib.effective(params))
 
 
 def _defaults(tokens_BT: Array, positions_BT, segment_ids_BT) -> tuple[Array, Array]:
