@@ -276,3 +276,46 @@ def test_qlora_base_is_the_int8_round_trip_of_the_initial_weights():
   np.testing.assert_array_equal(np.asarray(policy["embed"]), np.asarray(base["embed"]))  # embeddings stay
   assert lora.has_adapters(policy) and not lora.has_adapters(wiring.lora_policy(lora_cfg(model__lora__rank=0), CFG,
                                                                                  base, jax.random.key(1)))
+
+
+@pytest.mark.slow
+def test_peft_export_round_trips_through_peft_and_transformers(tmp_path, sft_base):
+  """A LoRA run's adapter exported as a PEFT folder, loaded by `peft` over the base with `transformers`, gives our
+  policy's logits; the merged export gives them too."""
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  import transformers
+  from experiments import export_policy
+  from jaxrl_llm import run_state, wiring
+  from jaxrl_llm.rollout import sources
+  c = lora_cfg(model__init_from=sft_base, num_steps=2, eval__every=0)
+  loop.run(c, str(tmp_path / "run"))
+  assert export_policy.export(c, str(tmp_path / "run"), str(tmp_path / "peft"), "peft") == 2
+  export_policy.export(c, str(tmp_path / "run"), str(tmp_path / "merged"))
+  files = sorted(os.listdir(tmp_path / "peft"))
+  assert "adapter_config.json" in files and "adapter_model.safetensors" in files
+  from safetensors.numpy import load_file
+  names = set(load_file(str(tmp_path / "peft" / "adapter_model.safetensors")))
+  assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in names
+  assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in names
+
+  r = wiring.setup(c)  # our policy, restored from the same checkpoint
+  ckpt = run_state.open_checkpointer(c, str(tmp_path / "run"))
+  try:
+    state = run_state.restore(ckpt, r, loop.new_store(r), sources.retention(r.ctx.settings),
+                              json.loads(c.to_json_best_effort()))[1]
+  finally:
+    ckpt.close()
+  assert float(max(jnp.abs(ab["lora_B"]).max() for ab in state.params["lora"].weights.values())) > 0
+  ids = np.array(jax.random.randint(jax.random.key(0), (2, 9), 1, r.model_cfg.vocab_size))  # writable, for torch
+  ours = np.asarray(forward(state.params, jnp.asarray(ids), r.model_cfg))
+  base_pt = transformers.AutoModelForCausalLM.from_pretrained(sft_base, torch_dtype=torch.float32)
+  with torch.no_grad():
+    plain = base_pt(torch.as_tensor(ids)).logits.numpy()
+    model = peft.PeftModel.from_pretrained(base_pt, str(tmp_path / "peft"))
+    theirs = model(torch.as_tensor(ids)).logits.numpy()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), torch_dtype=torch.float32)
+    theirs_merged = merged(torch.as_tensor(ids)).logits.numpy()
+  assert np.abs(plain - ours).max() > 1e-4  # the adapter changes the logits
+  np.testing.assert_allclose(theirs, ours, atol=2e-4)
+  np.testing.assert_allclose(theirs_merged, ours, atol=2e-4)
