@@ -14,7 +14,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import learner, loop
 from jaxrl_llm.config import load_file
 from jaxrl_llm.metrics import read_jsonl
-from jaxrl_llm.models import ModelConfig, forward, init_params, lora
+from jaxrl_llm.models import ModelConfig, forward, forward_with_cache, init_cache, init_params, lora
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
 
@@ -75,6 +75,13 @@ def test_merge_is_the_peft_update_and_equals_unmerged_application():
     np.testing.assert_array_equal(np.asarray(merged[k]), np.asarray(base[k]))
   np.testing.assert_allclose(np.asarray(forward(policy, tokens(), CFG)), np.asarray(forward(merged, tokens(), CFG)),
                              atol=1e-6)
+  # every forward path takes the policy with its adapters: scored with a shared prompt (GRPO groups), cached
+  seq = jnp.concatenate([jnp.repeat(tokens(T=4)[:1], 4, 0), jax.random.randint(jax.random.key(8), (4, 3), 0, 16)], 1)
+  pos, seg, mask = jnp.broadcast_to(jnp.arange(7), (4, 7)), jnp.ones((4, 7), jnp.int32), jnp.ones((4, 3))
+  grouped = learner.make_score_fn(CFG, 1.0, group_size=2)
+  np.testing.assert_allclose(grouped(policy, seq, pos, seg, mask), grouped(merged, seq, pos, seg, mask), atol=1e-5)
+  cached = lambda p: forward_with_cache(p, seq, init_cache(CFG, 4, 8), CFG, positions_BT=pos)[0]
+  np.testing.assert_allclose(cached(policy), cached(merged), atol=1e-5)
 
 
 def test_gradient_is_the_lora_chain_rule_of_the_weight_gradient():

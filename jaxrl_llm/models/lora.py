@@ -11,12 +11,12 @@ stacked on L like the base, fp32, and the effective weight is W + scale · (B A)
 i.e. the Hugging Face weight W_hf + scale · B A exactly as PEFT merges it.
 
 A policy with adapters is the base pytree plus one entry, `params["lora"]`: an `Adapters` node holding the
-A/B arrays (its leaves) and the scale (static). Every forward merges first (`effective`, called by the
-transformer's cast), so the sampler, scorers and evaluation take such a pytree as they take a plain one,
-and the gradient of the loss w.r.t. A and B is the LoRA gradient (dL/dB = scale · G Aᵀ, dL/dA = scale · Bᵀ G
-with G = dL/dW_hf) while the base gets none: the learner differentiates `params["lora"]` only.
-The merge costs one full-size temporary per target weight per forward; the sampler avoids it by taking
-merged weights per publish (`rollout.param_store`).
+A/B arrays (its leaves) and the scale (static). Every forward takes such a pytree as it takes a plain one
+(the sampler, scorers and evaluation need nothing else): the layer scan carries the adapters along and merges
+each layer's weights in its body (`scan_view`, `merge_layer`), so one layer's merged weight exists at a time;
+a decode loop merges once before it (`effective`). The gradient of the loss w.r.t. A and B is the LoRA gradient
+(dL/dB = scale · G Aᵀ, dL/dA = scale · Bᵀ G with G = dL/dW_hf) while the base gets none: the learner
+differentiates `params["lora"]` only. The sampler takes merged weights per publish (`rollout.param_store`).
 
 Names: targets are given by their PEFT / Hugging Face module names (`TARGETS`).
 """
@@ -102,6 +102,32 @@ def merge(base: dict, adapters: Adapters) -> dict:
   for w, ab in adapters.weights.items():
     layers[w] = (layers[w].astype(jnp.float32) + delta(layers[w], ab, adapters.scale)).astype(layers[w].dtype)
   return {**base, "layers": layers}
+
+
+def scan_view(params: dict, dtype) -> dict:
+  """A policy with adapters as a layer scan reads it: every leaf in compute `dtype` except the target weights,
+  and the adapters riding along as `layers["lora"]` (sliced per layer by the scan, merged by `merge_layer`).
+
+  Why: merging per layer inside the scan body keeps one layer's merged weight (and, in the backward pass, its
+  gradient) alive at a time instead of a second copy of every target weight of the model.
+  """
+  base, adapters = split(params)
+  layers = {k: v if k in adapters.weights else v.astype(dtype) for k, v in base["layers"].items()}
+  rest = jax.tree.map(lambda x: x.astype(dtype), {k: v for k, v in base.items() if k != "layers"})
+  return {**rest, "layers": {**layers, "lora": adapters}}
+
+
+def merge_layer(p_l: dict, dtype) -> dict:
+  """One layer's weights (a slice of `scan_view`'s layers) with its adapters merged, in compute `dtype`; a layer
+  without adapters is returned as is. Same values as `merge` followed by the cast."""
+  adapters = p_l.get("lora") if isinstance(p_l, dict) else None
+  if adapters is None:
+    return p_l
+  out = {k: v for k, v in p_l.items() if k != "lora"}
+  for w, ab in adapters.weights.items():
+    d_io = adapters.scale * jnp.einsum("ri,or->io", ab["lora_A"], ab["lora_B"], preferred_element_type=jnp.float32)
+    out[w] = (out[w].astype(jnp.float32) + d_io.reshape(out[w].shape)).astype(dtype)
+  return out
 
 
 def attach(base: dict, adapters: Adapters) -> dict:
