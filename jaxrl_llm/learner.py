@@ -26,6 +26,10 @@ in every mode. With n = E = 1 a version is one optimiser update, as before. Insi
 sees `current_version` = the version at the start of the step. A non-finite update is skipped on its
 own (the others still apply); `update_skipped` = 1 only when every update of the step was skipped,
 `updates_applied` counts the applied ones and `skipped_consecutive` counts consecutive skipped updates.
+
+LoRA (`TrainState.params` a policy with adapters, `models.lora`): the trainable pytree is the adapters
+(`lora.trainable`), so gradients, grad clipping, weight decay and the optimiser's moments cover them only; the
+frozen base joins them inside the loss (`lora.with_trainable`) as a constant and leaves the step bitwise unchanged.
 """
 
 from __future__ import annotations
