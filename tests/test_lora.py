@@ -141,11 +141,16 @@ def test_publish_gives_the_sampler_the_adapters_just_trained():
   _, policy = adapted(b_std=0.05)
   tx = learner.make_optimizer(5e-2, grad_clip=0.0)
   store = ParamStore(keep_last=2, keep_learner_copy=True, weight_sync="sparse")
+  dense = ParamStore(keep_last=1)  # full sync of the same adapters
   state = learner.init_state(copy(policy), tx)
   store.publish(state.params)
+  dense.publish(state.params)
   step = learner.make_train_step(CFG, tx, "ppo_clip", agg_mode="token-mean")
   state, _ = step(state, batch_for(policy), jax.random.key(0))
   v = store.publish(state.params)
+  dense.publish(state.params)
+  for a, b in zip(jax.tree.leaves(store.acquire(v).params), jax.tree.leaves(dense.acquire().params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the sparse adapter delta rebuilds the same weights
   snap = store.acquire(v)
   assert not lora.has_adapters(snap.params)  # the sampler runs merged weights
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=0, temperature=1.0)
@@ -160,7 +165,8 @@ def test_publish_gives_the_sampler_the_adapters_just_trained():
   # the payload is the adapters' change, measured against the full model
   full = sum(x.size * 4 for x in jax.tree.leaves(snap.params))
   ratio = store.sync_metrics()["sync_payload_ratio"]
-  assert 0 < ratio <= lora.nbytes(state.params["lora"]) * 2 / full < 1
+  assert 0 < ratio <= lora.nbytes(state.params["lora"]) / full < 1
+  assert 0 < dense.sync_metrics()["sync_payload_ratio"] == lora.nbytes(state.params["lora"]) / full
 
 
 def lora_cfg(**over):
