@@ -9,7 +9,9 @@ teacher of an on-policy distillation run: `--config.distill.teacher=DIR`).
 
 A LoRA run (`model.lora.rank` > 0) exports its merged weights by default (`--lora=merged`, the same HF folder), or
 its adapter alone as a PEFT folder (`--lora=peft`: adapter_config.json + adapter_model.safetensors, loaded with
-`peft.PeftModel.from_pretrained` over the base `model.init_from`) with the tokenizer.
+`peft.PeftModel.from_pretrained` over the base `model.init_from`) with the tokenizer. QLoRA adapters
+(`model.lora.base_quantize="int8"`) were trained over the int8 round trip of that base: the merged export holds
+exactly the run's policy, the PEFT folder over the full-precision base a close neighbour of it.
 """
 
 from __future__ import annotations
