@@ -190,7 +190,8 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: d
   if ro.stat("request_ids", None) is not None:  # async: which requests the batch holds
     row["request_ids"] = ro.stat("request_ids")
   if c.eval.every > 0 and ((t + 1) % c.eval.every == 0 or t + 1 == c.num_steps):
-    row.update(evaluate_run(r, lora.effective(state.params)))  # LoRA: merged once, not per decode step  # eval_accuracy (+ eval_episode_* with an env: episode_eval)
+    # eval_accuracy (+ eval_episode_* with an env: episode_eval); LoRA: merged once, not per decode step
+    row.update(evaluate_run(r, lora.effective(state.params)))
   return row
 
 

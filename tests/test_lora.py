@@ -85,7 +85,7 @@ def test_merge_is_the_peft_update_and_equals_unmerged_application():
 
 
 def test_gradient_is_the_lora_chain_rule_of_the_weight_gradient():
-  """dL/dB = scale · G Aᵀ and dL/dA = scale · Bᵀ G, with G the base model's gradient w.r.t. the merged HF weight."""
+  """dL/dB = scale · G Aᵀ and dL/dA = scale · Bᵀ G, G the base model's gradient w.r.t. the merged HF weight."""
   base, policy = adapted(targets=("q_proj", "down_proj"), b_std=0.1)
   cot = jax.random.normal(jax.random.key(4), (2, 7, CFG.vocab_size))
   loss = lambda params: jnp.sum(forward(params, tokens(), CFG) * cot)
