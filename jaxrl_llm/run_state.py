@@ -199,13 +199,13 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
   else:
     params, sft_loss = sft_warm_start(SftSchedule.from_config(c), model_cfg, params, r.train_examples, r.P, r.encoder)
   meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
-  params = lora_policy(c, model_cfg, params, r.k_init)  # LoRA: the frozen base + fresh adapters
-  if lora.has_adapters(params):
-    meta["lora_base"] = lora_base_id(c)
   if c.sft.save_to and multiprocess.is_writer():
     from jaxrl_llm.models import save_hf
     save_hf(c.sft.save_to, model_cfg, params)
     r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
+  params = lora_policy(c, model_cfg, params, r.k_init)  # LoRA: the frozen base + fresh adapters
+  if lora.has_adapters(params):
+    meta["lora_base"] = lora_base_id(c)
   state, extra = fresh_state(r, params)
   store.publish(state.params)
   initial = evaluate_run(r, lora.effective(state.params)) if c.eval.every > 0 else {}
