@@ -243,8 +243,6 @@ def _validate_lora(c: ml_collections.ConfigDict, n_mesh: int) -> None:
     return
   why = "LoRA adapts a fixed base (warm-start it first: sft.save_to, then model.init_from)"
   _need(c.sft.steps == 0, "sft.steps", c.sft.steps, f"must be 0 with model.lora.rank > 0: {why}")
-  _need(c.loss.kl_coef == 0, "loss.kl_coef", c.loss.kl_coef, "must be 0 with model.lora.rank > 0 (no reference "
-        "copy is kept for LoRA runs yet)")
   _need(c.rollout.old_logp != "ewma", "rollout.old_logp", c.rollout.old_logp,
         "'ewma' is not supported with model.lora.rank > 0")
   _need(n_mesh == 1 and not c.rollout.get("sampler_devices", 0), "mesh", dict(c.mesh),

@@ -14,6 +14,9 @@ import os
 import time
 import warnings
 
+import jax
+import jax.numpy as jnp
+
 from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import distributed, metrics as metrics_lib, multiprocess
@@ -34,12 +37,12 @@ def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: d
   try:
     pick = lambda i: snaps[min(i, len(snaps) - 1)]
     if lora.has_adapters(state.params):  # LoRA: adapters only; the base is the run's `lora_base_id`
-      tree = {"train": state.replace(params=state.params["lora"].weights),
+      tree = {"train": state.replace(params=state.params["lora"].weights), "ref": None,  # ref: the base
               "snap": [pick(i).adapters.weights for i in range(slots)], "snap_learner": [None] * slots}
     else:
-      tree = {"train": state, "snap": [pick(i).params for i in range(slots)],
+      tree = {"train": state, "snap": [pick(i).params for i in range(slots)], "ref": extra["ref"],
               "snap_learner": [pick(i).learner_params for i in range(slots)]}
-    tree.update({"ref": extra["ref"], "ewma": extra["ewma"], "host": host_arrays or None})
+    tree.update({"ewma": extra["ewma"], "host": host_arrays or None})
   finally:
     for s in snaps:
       store.release(s)
@@ -81,7 +84,8 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
   state, extra = fresh_state(run, params)
   if lora.has_adapters(params):  # LoRA: the checkpoint holds adapters (`full_state`)
     weights = params["lora"].weights
-    base = {"train": state.replace(params=weights), "snap": [weights] * slots, "snap_learner": [None] * slots, **extra}
+    base = {"train": state.replace(params=weights), "snap": [weights] * slots, "snap_learner": [None] * slots,
+            **extra, "ref": None}
   else:
     base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
             "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
@@ -127,6 +131,8 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
     policy = _lora_rebase(run, meta, step, ckpt.directory, params["lora"].scale)
     tree["snap"] = [policy(w) for w in tree["snap"]]
     train = train.replace(params=policy(train.params))
+    if extra["ref"] is not None:  # the reference is the frozen base (a copy: the learner's base buffers are donated)
+      tree["ref"] = jax.tree.map(lambda x: jnp.array(x, copy=True), lora.split(train.params)[0])
   for i, v in enumerate(meta["snapshot_versions"]):
     learner_copy = tree["snap_learner"][i]
     store.restore(v, tree["snap"][i], learner_copy)

@@ -325,8 +325,7 @@ def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:
 
 
 def check_lora(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> None:
-  """`model.lora.*` against the model actually built (a checkpoint's shapes), and the losses that read a
-  reference copy, which LoRA runs do not keep: ConfigError naming the field."""
+  """`model.lora.*` against the model actually built (a checkpoint's shapes): ConfigError naming the field."""
   lc = lora_config(c)
   if lc is None:
     return
@@ -334,9 +333,6 @@ def check_lora(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> None:
   if bad is not None:
     name, value, why = bad
     raise config_lib.ConfigError(f"config.model.lora.{name}={value!r}: {why}")
-  if uses_reference(c):
-    raise config_lib.ConfigError(f"config.loss.name={c.loss.name!r}: reads a reference policy, which LoRA runs "
-                                 "(model.lora.rank > 0) do not keep yet")
 
 
 def lora_policy(c: ml_collections.ConfigDict, model_cfg: ModelConfig, base, key):
@@ -420,13 +416,19 @@ def new_store(run: Run) -> ParamStore:
                     view=multiprocess.local_view if replicas else None)
 
 
+def reference_of(params):
+  """The reference policy of a run starting from `params`: the params; for LoRA the frozen base alone, which is
+  exactly the initial policy (B = 0) and is never checkpointed (`run_state` rebuilds it from the base)."""
+  return lora.split(params)[0] if lora.has_adapters(params) else params
+
+
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal)."""
   c = run.c
   spec = losses.get(c.loss.name)
   loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
   copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)
-  extra = {"ref": copy(params) if uses_reference(c) else None,
+  extra = {"ref": copy(reference_of(params)) if uses_reference(c) else None,
            "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None}
   hook = jax.tree.map(lambda x: jnp.array(x, copy=True), run.hook_params) if run.hook_params is not None else None
   if run.mesh is None:

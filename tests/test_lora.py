@@ -214,8 +214,8 @@ def test_rank_is_checked_against_a_checkpoints_shapes(tmp_path):
 def test_lora_refuses_what_it_does_not_support():
   with pytest.raises(config_lib.ConfigError, match=r"^config\.sft\.steps=150: must be 0 with model\.lora\.rank"):
     config_lib.validate(lora_cfg(sft__steps=150))
-  with pytest.raises(config_lib.ConfigError, match=r"^config\.loss\.kl_coef=0\.1"):
-    config_lib.validate(lora_cfg(loss__kl_coef=0.1))
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.rollout\.old_logp='ewma'"):
+    config_lib.validate(lora_cfg(rollout__old_logp="ewma"))
   config_lib.validate(lora_cfg(model__lora__rank=0, sft__steps=150))  # LoRA off: the full fine-tuning config
 
 
@@ -237,14 +237,17 @@ def resume_cfg(base, **over):
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted_in_fixed_lag(tmp_path, sft_base):
-  ref = loop.run(resume_cfg(sft_base), str(tmp_path / "ref"))
+  """With a KL term to the reference (the frozen base, rebuilt on resume rather than checkpointed)."""
+  resume_cfg_kl = lambda **over: resume_cfg(sft_base, loss__kl_coef=0.05, **over)
+  ref = loop.run(resume_cfg_kl(), str(tmp_path / "ref"))
   strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
   assert all(r["grad_norm"] > 0 for r in ref) and any(r["reward_mean"] > 0 for r in ref)
   assert all(r["mismatch_abs_max"] < 1e-5 for r in ref)  # the sampler always ran the published adapters
   assert all(0 < r["sync_payload_ratio"] < 0.5 for r in ref)
+  assert ref[0]["kl_ref"] == 0 and ref[-1]["kl_ref"] > 0  # the reference is the initial policy (B = 0)
   d = str(tmp_path / "cut")
-  loop.run(resume_cfg(sft_base, num_steps=3), d)
-  loop.run(resume_cfg(sft_base), d)
+  loop.run(resume_cfg_kl(num_steps=3), d)
+  loop.run(resume_cfg_kl(), d)
   assert json.load(open(os.path.join(d, "run_info.json")))["resumed_from_step"] == 3
   assert strip(read_jsonl(os.path.join(d, "metrics.jsonl"))) == strip(ref)
   # the checkpoint holds the adapters, their optimiser state and the base's checksum, not the base
