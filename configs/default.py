@@ -46,6 +46,14 @@ def get_config():
   c.model.remat = False  # rematerialise each layer in the backward pass
   c.model.layer_unroll = 0  # layers per scan iteration; 0 = unroll all (fast on CPU), 1 = rolled (short compiles)
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
+  # LoRA (jaxrl_llm.models.lora): train low-rank adapters only, the base frozen (and not checkpointed: the run
+  # re-reads it from model.init_from, checked by checksum, or re-draws it from the seed). Needs sft.steps = 0.
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0  # r; 0 = off (full fine-tuning)
+  c.model.lora.alpha = 16.0  # adapter scale alpha / r
+  c.model.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # PEFT module names
+  c.model.lora.dropout = 0.0  # only 0 (adapters are merged into the weights of every forward)
+  c.model.lora.base_quantize = "none"  # "int8": QLoRA, the frozen base through the int8 weight-only round trip
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.max_new_tokens = 6

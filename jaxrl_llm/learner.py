@@ -26,6 +26,10 @@ in every mode. With n = E = 1 a version is one optimiser update, as before. Insi
 sees `current_version` = the version at the start of the step. A non-finite update is skipped on its
 own (the others still apply); `update_skipped` = 1 only when every update of the step was skipped,
 `updates_applied` counts the applied ones and `skipped_consecutive` counts consecutive skipped updates.
+
+LoRA (`TrainState.params` a policy with adapters, `models.lora`): the trainable pytree is the adapters
+(`lora.trainable`), so gradients, grad clipping, weight decay and the optimiser's moments cover them only; the
+frozen base joins them inside the loss (`lora.with_trainable`) as a constant and leaves the step bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from flax import struct
 from jaxrl_llm import losses
 from jaxrl_llm.losses import core
 from jaxrl_llm.models import ModelConfig, lm_head_weights, token_logprobs
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.cache import window_attention_mask
 from jaxrl_llm.models.logprobs import token_logprobs_shared
 from jaxrl_llm.record import Rollout
@@ -132,7 +137,8 @@ def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: fl
 
 def init_state(params, tx: optax.GradientTransformation, loss_state=None, hook_params=None) -> TrainState:
   z = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the step donates each of them
-  opt_state = tx.init(params if hook_params is None else (params, hook_params))
+  trainable = lora.trainable(params)  # LoRA: the optimiser holds the adapters' moments only
+  opt_state = tx.init(trainable if hook_params is None else (trainable, hook_params))
   return TrainState(params=params, opt_state=opt_state, step=z(), version=z(), loss_state=loss_state,
                     skipped=z(), hook_params=hook_params)
 
@@ -242,6 +248,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   def loss_parts(trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
     """(objective numerator, (numerator, denominator, aux)); the gradient is ∇objective / denominator."""
     params, hook = trainable if perturbed else (trainable, None)
+    params = lora.with_trainable(state.params, params)  # LoRA: the frozen base joins the adapters here
     batch = _put_shared(batch, heads)
     n_new = batch.mask_BN.shape[1]
     # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
@@ -343,12 +350,14 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     """One optimiser update on `batch`: (state with new params / opt / loss state / skips, finite, loss,
     aux, grads). `step` and `version` are left to the caller (they count learner steps). `heads`: the
     batch-wide arrays `_take_shared` took out of `batch`."""
-    trainable = (state.params, state.hook_params) if perturbed else state.params
+    own = lora.trainable(state.params)  # the adapters of a LoRA policy (the base is a constant), else all params
+    trainable = (own, state.hook_params) if perturbed else own
     loss, aux, grads = accumulate(trainable, state, batch, key, heads)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     updates, opt_state = tx.update(grads, state.opt_state, trainable)
     new_trainable = optax.apply_updates(trainable, updates)
     params, hook_params = new_trainable if perturbed else (new_trainable, None)
+    params = lora.with_trainable(state.params, params)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_loss_state = aux.pop("state", state.loss_state)
     new_state = state.replace(

@@ -35,6 +35,7 @@ from jaxrl_llm.batch import make_batch, prox_is_current, prox_logp  # noqa: F401
 from jaxrl_llm.episode_eval import evaluate_run
 from jaxrl_llm.errors import RunError  # noqa: F401 (re-exported)
 from jaxrl_llm.keys import fold_in
+from jaxrl_llm.models import lora
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.ewma import ewma_update
@@ -193,7 +194,8 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: d
   if ro.stat("request_ids", None) is not None:  # async: which requests the batch holds
     row["request_ids"] = ro.stat("request_ids")
   if c.eval.every > 0 and ((t + 1) % c.eval.every == 0 or t + 1 == c.num_steps):
-    row.update(evaluate_run(r, state.params))  # eval_accuracy (+ eval_episode_* with an env: episode_eval)
+    # eval_accuracy (+ eval_episode_* with an env: episode_eval); LoRA: merged once, not per decode step
+    row.update(evaluate_run(r, lora.effective(state.params)))
   return row
 
 

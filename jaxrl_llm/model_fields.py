@@ -46,3 +46,53 @@ def check(fields: Mapping[str, Any]) -> tuple[str, Any, str] | None:
   if "capacity_factor" in f and not f["capacity_factor"] >= 0:
     return "capacity_factor", f["capacity_factor"], "must be >= 0 (0 = dropless)"
   return None
+
+
+# LoRA (`model.lora.*`, `jaxrl_llm.models.lora`): the rules of its fields, on the architecture's fields.
+LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
+                "up_proj": "w_up", "down_proj": "w_down"}  # PEFT / Hugging Face module name -> our weight
+LORA_BASE_QUANTIZE = ("none", "int8")
+
+
+def parse_lora_targets(targets) -> tuple[str, ...]:
+  """"q_proj, v_proj" (or a sequence) -> ("q_proj", "v_proj"), order kept, duplicates dropped."""
+  items = targets.split(",") if isinstance(targets, str) else list(targets)
+  return tuple(dict.fromkeys(t.strip() for t in items if t.strip()))
+
+
+def lora_dims(f: Mapping[str, Any], weight: str) -> tuple[int, int]:
+  """(in, out) features of one layer's `weight` viewed as a matrix, from the architecture fields `f`."""
+  D, H, K, hd, F = f["d_model"], f["n_heads"], f["n_kv_heads"], f["head_dim"], f["d_ff"]
+  return {"wq": (D, H * hd), "wk": (D, K * hd), "wv": (D, K * hd), "wo": (H * hd, D), "w_gate": (D, F),
+          "w_up": (D, F), "w_down": (F, D)}[weight]
+
+
+def check_lora(f: Mapping[str, Any] | None, rank, alpha, targets, dropout=0.0,
+               base_quantize="none") -> tuple[str, Any, str] | None:
+  """The first bad LoRA field as (name under model.lora, value, why), None when all hold. `f`: the architecture
+  fields (d_model, n_heads, n_kv_heads, head_dim, d_ff, num_experts), None to skip the rules needing them."""
+  if not (_int(rank) and rank >= 0):
+    return "rank", rank, "must be an int >= 0 (0 = LoRA off)"
+  if rank == 0:
+    return None
+  if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and alpha > 0):
+    return "alpha", alpha, "must be > 0 (the adapter scale is alpha / rank)"
+  names = parse_lora_targets(targets) if isinstance(targets, (str, tuple, list)) else ()
+  if not names:
+    return "targets", targets, f"must name at least one module of {', '.join(LORA_TARGETS)}"
+  unknown = [t for t in names if t not in LORA_TARGETS]
+  if unknown:
+    return "targets", targets, f"unknown module {unknown[0]!r}; valid: {', '.join(LORA_TARGETS)}"
+  if dropout != 0:
+    return "dropout", dropout, "must be 0: the adapters are merged into the weights of every forward, which " \
+                               "leaves no separate adapter input to drop"
+  if base_quantize not in LORA_BASE_QUANTIZE:
+    return "base_quantize", base_quantize, f"must be one of {LORA_BASE_QUANTIZE}"
+  if f is not None:
+    if f.get("num_experts"):
+      return "rank", rank, "LoRA adapts dense models only (model.num_experts must be 0)"
+    for t in names:
+      n_in, n_out = lora_dims(f, LORA_TARGETS[t])
+      if rank > min(n_in, n_out):
+        return "rank", rank, f"is larger than {t}'s smaller dimension ({n_in} in x {n_out} out)"
+  return None

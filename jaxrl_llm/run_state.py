@@ -14,17 +14,20 @@ import os
 import time
 import warnings
 
+import jax
+import jax.numpy as jnp
+
 from jaxrl_llm import checkpoint as checkpoint_lib
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import distributed, metrics as metrics_lib, multiprocess
 from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm.errors import RunError
-from jaxrl_llm.models import init_params
+from jaxrl_llm.models import init_params, lora
 from jaxrl_llm.policy_init import initial_policy
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.episode_eval import evaluate_run
 from jaxrl_llm.sft import SftSchedule, demo_records, sft_on_demos, sft_warm_start
-from jaxrl_llm.wiring import Run, env_settings, fresh_state
+from jaxrl_llm.wiring import Run, env_settings, fresh_state, lora_base, lora_base_id, lora_policy
 
 def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: dict) -> tuple[dict, list[int]]:
   """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies +
@@ -33,9 +36,13 @@ def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: d
   snaps = [store.acquire(v) for v in held]
   try:
     pick = lambda i: snaps[min(i, len(snaps) - 1)]
-    tree = {"train": state, "snap": [pick(i).params for i in range(slots)],
-            "snap_learner": [pick(i).learner_params for i in range(slots)], "ref": extra["ref"], "ewma": extra["ewma"],
-            "host": host_arrays or None}
+    if lora.has_adapters(state.params):  # LoRA: adapters only; the base is the run's `lora_base_id`
+      tree = {"train": state.replace(params=state.params["lora"].weights), "ref": None,  # ref: the base
+              "snap": [pick(i).adapters.weights for i in range(slots)], "snap_learner": [None] * slots}
+    else:
+      tree = {"train": state, "snap": [pick(i).params for i in range(slots)], "ref": extra["ref"],
+              "snap_learner": [pick(i).learner_params for i in range(slots)]}
+    tree.update({"ewma": extra["ewma"], "host": host_arrays or None})
   finally:
     for s in snaps:
       store.release(s)
@@ -73,10 +80,15 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
   """
   if not ckpt.all_steps():
     return None
-  params = init_params(run.model_cfg, run.k_init)
+  params = lora_policy(run.c, run.model_cfg, init_params(run.model_cfg, run.k_init), run.k_init)
   state, extra = fresh_state(run, params)
-  base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
-          "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
+  if lora.has_adapters(params):  # LoRA: the checkpoint holds adapters (`full_state`)
+    weights = params["lora"].weights
+    base = {"train": state.replace(params=weights), "snap": [weights] * slots, "snap_learner": [None] * slots,
+            **extra, "ref": None}
+  else:
+    base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
+            "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
   policy = run.c.checkpoint.get("config_change", "error")
 
   def template(meta):
@@ -114,10 +126,29 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
       raise checkpoint_lib.MetaError("host state is not a JSON object")
   except checkpoint_lib.MetaError as e:
     raise RunError(f"checkpoint step {step} in {ckpt.directory}: unusable host state ({e})") from None
+  train = tree["train"]
+  if lora.has_adapters(params):
+    policy = _lora_rebase(run, meta, step, ckpt.directory, params["lora"].scale)
+    tree["snap"] = [policy(w) for w in tree["snap"]]
+    train = train.replace(params=policy(train.params))
+    if extra["ref"] is not None:  # the reference is the frozen base (a copy: the learner's base buffers are donated)
+      tree["ref"] = jax.tree.map(lambda x: jnp.array(x, copy=True), lora.split(train.params)[0])
   for i, v in enumerate(meta["snapshot_versions"]):
     learner_copy = tree["snap_learner"][i]
     store.restore(v, tree["snap"][i], learner_copy)
-  return step, tree["train"], {"ref": tree["ref"], "ewma": tree["ewma"]}, meta, host
+  return step, train, {"ref": tree["ref"], "ewma": tree["ewma"]}, meta, host
+
+
+def _lora_rebase(run: Run, meta: dict, step: int, directory: str, scale: float):
+  """`weights -> policy`: restored adapter weights attached to the run's frozen base, read again (init_from) or
+  drawn again (seed) after checking it is the one the checkpoint's adapters were trained on."""
+  want = lora_base_id(run.c)
+  if meta.get("lora_base") != want:
+    raise RunError(f"checkpoint step {step} in {directory}: its LoRA adapters were trained on the base "
+                   f"{meta.get('lora_base')}, but this run's base is {want} (model.init_from changed?)")
+  _, base = initial_policy(run.c, run.model_cfg, run.k_init, run.encoder.tokenizer.vocab_size)
+  base = lora_base(run.c, base)
+  return lambda weights: lora.attach(base, lora.Adapters(weights, scale))
 
 
 def resume_error(e: ConfigChanged, directory: str) -> RunError:
@@ -178,9 +209,12 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
     from jaxrl_llm.models import save_hf
     save_hf(c.sft.save_to, model_cfg, params)
     r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
+  params = lora_policy(c, model_cfg, params, r.k_init)  # LoRA: the frozen base + fresh adapters
+  if lora.has_adapters(params):
+    meta["lora_base"] = lora_base_id(c)
   state, extra = fresh_state(r, params)
   store.publish(state.params)
-  initial = evaluate_run(r, state.params) if c.eval.every > 0 else {}
+  initial = evaluate_run(r, lora.effective(state.params)) if c.eval.every > 0 else {}
   meta["eval_accuracy_initial"] = initial.get("eval_accuracy")
   meta.update({f"{k}_initial": v for k, v in initial.items() if k.startswith("eval_episode_")})  # with an env
   return 0, state, extra, meta, {}

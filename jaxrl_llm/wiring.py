@@ -19,6 +19,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import learner, losses, multiprocess
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
 from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models import lora
 from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, model_config, tokenizer_for_checkpoint
 from jaxrl_llm.rollout import collect, sources
 from jaxrl_llm.rollout.episodes import EnvSettings
@@ -293,6 +294,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   model_cfg = model_config(c, P, encoder.tokenizer.vocab_size)
   if hf_cfg is not None:  # the checkpoint's architecture wins over the config's model fields
     model_cfg = checkpoint_model_config(c, model_cfg, hf_cfg, encoder.tokenizer.vocab_size)
+  check_lora(c, model_cfg)
   hp_over = dict(c.loss.hparams)
   tx = learner.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.b1, c.optim.b2, c.optim.grad_clip,
                               c.optim.warmup_steps)
@@ -327,6 +329,61 @@ def setup(c: ml_collections.ConfigDict) -> Run:
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,
              ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped, **mesh_kw)
+
+
+def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:
+  """The run's LoRA settings (`model.lora.*`), None when LoRA is off (rank 0 or no section)."""
+  if not config_lib.lora_on(c):
+    return None
+  lo = c.model.lora
+  return lora.LoraConfig(rank=lo.rank, alpha=float(lo.alpha), targets=lora.parse_targets(lo.targets),
+                         base_quantize=lo.get("base_quantize", "none"))
+
+
+def check_lora(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> None:
+  """`model.lora.*` against the model actually built (a checkpoint's shapes): ConfigError naming the field."""
+  lc = lora_config(c)
+  if lc is None:
+    return
+  bad = lora.check(model_cfg, lc.rank, lc.alpha, lc.targets, 0.0, lc.base_quantize)
+  if bad is not None:
+    name, value, why = bad
+    raise config_lib.ConfigError(f"config.model.lora.{name}={value!r}: {why}")
+
+
+def lora_policy(c: ml_collections.ConfigDict, model_cfg: ModelConfig, base, key):
+  """The initial policy of a LoRA run: the frozen base (through the int8 round trip for QLoRA,
+  `model.lora.base_quantize="int8"`) with fresh adapters drawn from `key`; `base` unchanged when LoRA is off."""
+  lc = lora_config(c)
+  if lc is None:
+    return base
+  return lora.attach(lora_base(c, base), lora.init_adapters(model_cfg, lc, jax.random.fold_in(key, 1)))
+
+
+def lora_base(c: ml_collections.ConfigDict, base):
+  """The frozen base of a LoRA run from the initial weights: as is, or through the int8 weight-only round trip of
+  the sampler's quantisation path (`sampling.quantize`) for QLoRA (`model.lora.base_quantize="int8"`)."""
+  if c.model.lora.get("base_quantize", "none") != "int8":
+    return base
+  from jaxrl_llm.sampling.quantize import int8_weight_only
+  return int8_weight_only(base)
+
+
+def lora_base_id(c: ml_collections.ConfigDict) -> dict | None:
+  """What a LoRA run's frozen base is, recorded in its checkpoints instead of the base itself: the sha256 of
+  `model.init_from`'s weight files, or the seed a random-init base is drawn from. None when LoRA is off."""
+  if not config_lib.lora_on(c):
+    return None
+  if not c.model.init_from:
+    return {"seed": c.seed}
+  import hashlib
+  h = hashlib.sha256()
+  for name in sorted(os.listdir(c.model.init_from)):
+    if name.endswith(".safetensors"):
+      with open(os.path.join(c.model.init_from, name), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+          h.update(chunk)
+  return {"init_from_sha256": h.hexdigest()}
 
 
 def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
@@ -375,13 +432,19 @@ def new_store(run: Run) -> ParamStore:
                     view=multiprocess.local_view if replicas else None)
 
 
+def reference_of(params):
+  """The reference policy of a run starting from `params`: the params; for LoRA the frozen base alone, which is
+  exactly the initial policy (B = 0) and is never checkpointed (`run_state` rebuilds it from the base)."""
+  return lora.split(params)[0] if lora.has_adapters(params) else params
+
+
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal)."""
   c = run.c
   spec = losses.get(c.loss.name)
   loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
   copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)
-  extra = {"ref": copy(params) if uses_reference(c) else None,
+  extra = {"ref": copy(reference_of(params)) if uses_reference(c) else None,
            "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None}
   hook = jax.tree.map(lambda x: jnp.array(x, copy=True), run.hook_params) if run.hook_params is not None else None
   if run.mesh is None:

@@ -350,3 +350,41 @@ def save_hf(path, cfg: ModelConfig, params: dict, family: str | None = None) -> 
   path.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
   (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- LoRA adapters (PEFT)
+
+PEFT_PREFIX = "base_model.model."  # PeftModel's path to the wrapped causal LM
+
+
+def peft_name(weight: str, layer: int, part: str) -> str:
+  """PEFT's tensor name of one layer's adapter half `part` ("lora_A" | "lora_B") of our `weight` (e.g. "wq" ->
+  base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight)."""
+  module = _LAYER_NAMES[weight][0].format(i=layer).removesuffix(".weight")
+  return f"{PEFT_PREFIX}{module}.{part}.weight"
+
+
+def save_peft(path, adapters, base_model: str = "") -> None:
+  """Writes LoRA adapters (`models.lora.Adapters`) as a PEFT folder: adapter_config.json + adapter_model.safetensors.
+
+  Our lora_A [L, r, in] / lora_B [L, out, r] are PEFT's per-layer (r, in) / (out, r) with rows in the order of the
+  Hugging Face weight `save_hf` writes, so `peft.PeftModel.from_pretrained(<base>, path)` computes the same
+  W_hf + (alpha / r) · B A. `base_model` is recorded as base_model_name_or_path (the run's `model.init_from`).
+  """
+  from jaxrl_llm.models import lora
+  host = jax.device_get(adapters.weights)
+  tensors, ranks = {}, set()
+  for w, ab in host.items():
+    ranks.add(ab["lora_A"].shape[1])
+    for part in ("lora_A", "lora_B"):
+      tensors.update({peft_name(w, i, part): np.ascontiguousarray(ab[part][i]) for i in range(ab[part].shape[0])})
+  (r,) = ranks
+  by_weight = {v: k for k, v in lora.TARGETS.items()}
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": int(r),
+            "lora_alpha": float(adapters.scale * r), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "inference_mode": True,
+            "target_modules": sorted(by_weight[w] for w in host)}
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+  (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

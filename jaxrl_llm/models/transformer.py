@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import cache as cache_lib
+from jaxrl_llm.models import lora as lora_lib
 from jaxrl_llm.models import moe as moe_lib
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import attention, project, rms_norm, rope, swiglu
@@ -213,6 +214,10 @@ def _embed(params: dict, tokens_BT: Array) -> Array:
 
 
 def _cast(params: dict, cfg: ModelConfig) -> dict:
+  """The params in compute dtype; a policy with LoRA adapters carries them along the layer scan, where each layer
+  body merges its own (`lora.scan_view`, `lora.merge_layer`)."""
+  if lora_lib.has_adapters(params):
+    return lora_lib.scan_view(params, cfg.compute_dtype)
   return jax.tree.map(lambda x: x.astype(cfg.compute_dtype), params)
 
 
@@ -263,6 +268,7 @@ def hidden_with_routing(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pos
   def layer(h_BTD, xs, q0=0):
     """One layer; with q0 > 0 only positions >= q0 get outputs (keys/values still cover all)."""
     p_l, l, forced_ids_BTk = xs
+    p_l = lora_lib.merge_layer(p_l, cfg.compute_dtype)
     if perturb is not None:
       log_sigma_L, key = perturb
       noise_BTD = jax.random.normal(jax.random.fold_in(key, l), h_BTD.shape, jnp.float32)
@@ -315,6 +321,7 @@ def hidden_shared_prefix(params: dict, tokens_BT: Array, cfg: ModelConfig, *, pr
 
   def layer(h, p_l):
     h_bPD, h_BND = h
+    p_l = lora_lib.merge_layer(p_l, cfg.compute_dtype)
     q_bPHd, k_bPKd, v_bPKd = _qkv(rms_norm(h_bPD, p_l["attn_norm"], cfg.rms_eps), p_l, pos_bP, cfg)
     q_BNHd, k_BNKd, v_BNKd = _qkv(rms_norm(h_BND, p_l["attn_norm"], cfg.rms_eps), p_l, pos_BN, cfg)
     k_BSKd = jnp.concatenate([jnp.repeat(k_bPKd, G, axis=0), k_BNKd], axis=1)
@@ -359,7 +366,7 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
   loop XLA:CPU copied those slices again at every step; built once before the loop, every step
   reads the weights in place. `hidden_with_cache` accepts either layout; the math is the same.
   """
-  p = _cast(params, cfg)
+  p = _cast(lora_lib.effective(params), cfg)  # LoRA: merged once, before the loop
   layers = tuple(jax.tree.map(lambda x, l=l: x[l], p["layers"]) for l in range(cfg.n_layers))
   return {**p, "layers": layers}
 
@@ -427,6 +434,7 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
   def layer(h_BTD, xs):
     p_l, k, v, scales = xs
+    p_l = lora_lib.merge_layer(p_l, cfg.compute_dtype)
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
     if unstacked:  # keys [B, K, S, hd], values [B, K, hd, S]
       k = write(k, jnp.transpose(k_BTKd, (0, 2, 1, 3)), 2)

@@ -20,6 +20,13 @@ weights, since one changed weight moves a whole channel's int8 scale. Needs the 
 publishing (or restoring) thread, before the snapshot is visible, and kept as `Snapshot.worker_params`:
 a rollout worker thread then runs the arrays it is handed and never builds arrays from the global
 snapshot itself, concurrently with the learner's publishes, reshards and collectives.
+
+LoRA (a policy pytree with adapters, `models.lora`): the store holds adapter versions. The first publish
+copies the frozen base once; every publish copies the adapters (`Snapshot.adapters`, learner dtype) and sends
+them to the sampler (dense, or as a sparse delta of the adapters under `weight_sync="sparse"`), which merges
+them into its base copy: `Snapshot.params` are merged weights, so generation never merges per token. The
+learner copy (`keep_learner_copy`) is the base + that version's adapters (merged in the scoring forward).
+`sync_payload_ratio` is then the adapter payload over the full model's bytes in the sampler dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.config import WEIGHT_SYNC
+from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import sparse_sync
 
 
@@ -39,6 +47,7 @@ class Snapshot(NamedTuple):
   params: Any  # sampler layout/dtype copy; never aliased with learner buffers
   learner_params: Any  # learner-dtype copy for exact old-log-prob recompute (None when not kept)
   worker_params: Any = None  # `params` as a rollout worker runs them (the store's view of them; `params` without one)
+  adapters: Any = None  # LoRA: this version's adapters (learner dtype); `params` are the merged weights
 
 
 def copy_tree(params, dtype=None):
@@ -72,6 +81,8 @@ class ParamStore:
     self._publish_lock = threading.Lock()  # one publish / restore at a time (the sync link's state); outer lock
     self._link = sparse_sync.SyncLink(sampler_dtype) if weight_sync == "sparse" else None
     self._view = view  # sampler copy -> the arrays a worker thread runs (made on the publishing thread)
+    self._lora_base = None  # LoRA: the frozen base, copied at the first publish (learner dtype)
+    self._lora_sync = None  # LoRA: (payload bytes, full model bytes) of the newest publish
 
   def _worker_copy(self, params):
     return params if self._view is None else self._view(params)
@@ -93,7 +104,11 @@ class ParamStore:
     return self._sampler_transform(params) if self._sampler_transform is not None else params
 
   def restore(self, version: int, params, learner_params=None) -> None:
-    """Puts back a checkpointed snapshot as is (no cast), e.g. on resume; versions must increase."""
+    """Puts back a checkpointed snapshot as is (no cast), e.g. on resume; versions must increase. A LoRA
+    policy pytree (`params` with adapters, `learner_params` ignored) is merged again as by `publish`."""
+    if lora.has_adapters(params):
+      self.publish(params, version)
+      return
     with self._publish_lock:
       worker = self._worker_copy(params)
       with self._lock:
@@ -117,23 +132,46 @@ class ParamStore:
   def publish(self, params, version: int | None = None) -> int:
     """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it."""
     with self._publish_lock:  # the copies are made outside `_lock`: workers keep acquiring meanwhile
-      sampler = self.sampler_copy(params) if self._link is None else self._transform(self._link.sync(params))
-      learner = copy_tree(params) if self._keep_learner else None
+      adapters = None
+      if lora.has_adapters(params):
+        sampler, learner, adapters = self._lora_copies(params)
+      else:
+        sampler = self.sampler_copy(params) if self._link is None else self._transform(self._link.sync(params))
+        learner = copy_tree(params) if self._keep_learner else None
       worker = self._worker_copy(sampler)
       with self._lock:
         v = self._next_version if version is None else version
         if v < self._next_version:
           raise ValueError(f"version {v} already published (next is {self._next_version})")
-        self._snaps[v] = Snapshot(v, sampler, learner, worker)
+        self._snaps[v] = Snapshot(v, sampler, learner, worker, adapters)
         self._refs.setdefault(v, 0)
         self._next_version = v + 1
         self._gc()
     return v
 
+  def _lora_copies(self, params):
+    """(sampler copy, learner copy, adapters) of a LoRA policy: the base is copied once (its buffers are the
+    learner's, which its step donates), the adapters every time; the sampler merges what it received."""
+    base, adapters = lora.split(params)
+    if self._lora_base is None:
+      self._lora_base = copy_tree(base)
+    adapters = copy_tree(adapters)
+    sent = sparse_sync.cast(adapters, self._sampler_dtype) if self._link is None else self._link.sync(adapters)
+    merged = lora.merge(self._lora_base, sent)
+    self._lora_sync = (lora.nbytes(sent) if self._link is None else self._link.last.payload_bytes,
+                       sum(x.size for x in jax.tree.leaves(merged)) * jnp.dtype(self._sampler_dtype or
+                                                                             jnp.float32).itemsize)
+    learner = lora.attach(self._lora_base, adapters) if self._keep_learner else None
+    return self.sampler_copy(merged), learner, adapters
+
   def sync_metrics(self) -> dict:
     """Sparse sync: `sync_payload_ratio` (payload / dense bytes) and `sync_changed_frac` of the newest
     publish; {} under full sync."""
     last = None if self._link is None else self._link.last
+    if self._lora_sync is not None:  # LoRA: the adapters sent over the full model's bytes
+      payload, full = self._lora_sync
+      return {"sync_payload_ratio": payload / max(full, 1),
+              **({} if last is None else {"sync_changed_frac": last.changed_frac})}
     return {} if last is None else {"sync_payload_ratio": last.ratio, "sync_changed_frac": last.changed_frac}
 
   def sync_totals(self) -> dict:
