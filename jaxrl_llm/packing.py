@@ -147,10 +147,11 @@ def source_index(p: Packing, T: int, n_new: int) -> tuple[Array, Array]:
 
 
 def packed_logprobs(params, p: Packing, T: int, n_new: int, cfg: ModelConfig, temperature: float,
-                    with_entropy: bool = False, gather_ids_BNk=None, return_hidden: bool = False) -> dict:
+                    with_entropy: bool = False, gather_ids_BNk=None, return_hidden: bool = False, topk: int = 0) -> dict:
   """`learner.completion_logprobs` of the padded batch (T columns, last `n_new` scored), computed on the packed
   rows and returned in the padded [B, n_new] layout ("logp_BT", optionally "entropy_BT", "gathered_logp_BTk",
-  "hidden_BTD"). Positions no sequence token is scored at (padding) hold 0. Differentiable."""
+  "hidden_BTD", and with `topk` > 0 "topk_logp_BTk", "topk_ids_BTk", "topk_residual_logp_BT" as in
+  `models.token_logprobs`). Positions no sequence token is scored at (padding) hold 0. Differentiable."""
   R_tot, W = p.tokens_RW.shape
   idx_BN, valid_BN = source_index(p, T, n_new)
   gather_RWk = None
@@ -162,13 +163,14 @@ def packed_logprobs(params, p: Packing, T: int, n_new: int, cfg: ModelConfig, te
     gather_RWk = flat.reshape(R_tot, W - 1, k)
   out = token_logprobs(params, p.tokens_RW[:, :-1], p.tokens_RW[:, 1:], cfg, positions_BT=p.positions_RW[:, :-1],
                        segment_ids_BT=p.segment_ids_RW[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       gather_ids_BTk=gather_RWk, return_hidden=return_hidden)
+                       gather_ids_BTk=gather_RWk, return_hidden=return_hidden, topk=topk)
 
   def back(x):  # [R_tot, W-1, ...] -> [B, n_new, ...], 0 where nothing is scored
     got = x.reshape(R_tot * (W - 1), *x.shape[2:])[idx_BN]
     return jnp.where(valid_BN.reshape(*valid_BN.shape, *(1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
-  return {k: back(v) for k, v in out.items() if k in ("logp_BT", "entropy_BT", "gathered_logp_BTk", "hidden_BTD")}
+  return {k: back(v) for k, v in out.items() if k in ("logp_BT", "entropy_BT", "gathered_logp_BTk", "hidden_BTD",
+                                                     "topk_logp_BTk", "topk_ids_BTk", "topk_residual_logp_BT")}
 
 
 def pad_frac(segment_ids: np.ndarray) -> float:

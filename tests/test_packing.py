@@ -248,3 +248,45 @@ def test_loop_pack_batch_attaches_one_packing_per_micro_batch():
   pk = packed.pack
   assert pk.tokens_RW.shape[0] == 4 * pk.rows
   assert frac == pytest.approx(1 - (seg > 0).sum() / pk.tokens_RW.size) and frac < 1 - (seg > 0).mean()
+
+
+def test_teacher_scores_packed_equal_padded():
+  """The distillation teacher's scores (log-probs, top-k ids / log-probs / residual, gathered candidates, hidden
+  states of its VocabHead) on packed rows equal the padded scorer's on every loss token."""
+  from jaxrl_llm.distill import teacher
+  params = init_params(CFG, jax.random.key(9))
+  batch = with_pack(make_batch(params), P + N + 4)
+  ids = jax.random.randint(jax.random.key(2), (*batch.mask_BN.shape, 2), 0, CFG.vocab_size)
+  score = teacher.make_teacher_scorer(CFG, 0.8, topk=3, head=True)
+  args = (params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN, ids)
+  want, got = score(*args), score(*args, pack=batch.pack)
+  m = np.asarray(batch.mask_BN) > 0
+  for k in ("teacher_logp_BN", "teacher_topk_ids_BNk", "teacher_topk_logp_BNk", "teacher_topk_residual_logp_BN",
+            "gathered_logp_BNk"):
+    np.testing.assert_allclose(np.asarray(got[k])[m], np.asarray(want[k])[m], atol=2e-5, rtol=1e-5, err_msg=k)
+  np.testing.assert_allclose(np.asarray(got["teacher_head"].hidden_BND)[m],
+                             np.asarray(want["teacher_head"].hidden_BND)[m], atol=2e-5, rtol=1e-5)
+
+
+def test_opd_batch_extras_packed_equal_padded(tmp_path):
+  """The OPD loop's teacher extras (top-k KL fields) with `optim.pack_width` on equal those with it off."""
+  from jaxrl_llm.distill import opd
+  from jaxrl_llm.rollout import old_logp
+  from jaxrl_llm.rollout.sources.common import sync_rollout
+  from test_loop import fresh_run
+  from test_opd_run import opd_tiny
+  c = opd_tiny(tmp_path, rollout__mode="fixed_lag", rollout__lag=1, loss__name="opd_topk_kl")
+  r, state, extra, store = fresh_run(c)
+  ro = sync_rollout(r.ctx, store, [0], 0, 0)[0]
+  seq, mask = old_logp.rollout_seq(ro), jnp.asarray(ro.mask_BN)
+  want = r.batch_extras(ro, seq, mask)
+  c.optim.pack_width = ro.sequence_BT.shape[1] + 3
+  packed = opd.make_batch_extras(c, task=r.task, width=r.P, train_examples=r.train_examples, student_cfg=r.model_cfg,
+                                 encoder=r.encoder)
+  got = packed(ro, seq, mask)
+  assert sorted(got) == sorted(want) and "teacher_topk_logp_BNk" in got
+  m = np.asarray(mask) > 0
+  assert m.any()
+  for k in want:
+    if k != "sup_drift_B":
+      np.testing.assert_allclose(np.asarray(got[k])[m], np.asarray(want[k])[m], atol=2e-5, rtol=1e-5, err_msg=k)
