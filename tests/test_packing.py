@@ -231,6 +231,18 @@ def test_unsupported_combinations_refused(field, value, match):
     validate(c)
 
 
+@pytest.mark.parametrize("name,match", [("sdcc_tiny", "evict"), ("kv_window_smd_tiny", "shadow"), ("moe_tiny", "MoE")])
+def test_shipped_configs_refuse_packing_they_cannot_use(name, match):
+  """Episodes with eviction, SMD's shadow forward and MoE: valid configs that become errors with packing on."""
+  import os
+  from jaxrl_llm.config import ConfigError, load_file, validate
+  c = load_file(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{name}.py"))
+  validate(c)
+  c.optim.pack_width = 64
+  with pytest.raises(ConfigError, match=f"optim.pack_width.*{match}"):
+    validate(c)
+
+
 def test_loop_pack_batch_attaches_one_packing_per_micro_batch():
   """`loop.pack_batch`: off, the batch is untouched and the padded pad fraction is reported; on, the packing has
   grad_accum · minibatches chunks and the packed rows' pad fraction."""
