@@ -133,6 +133,9 @@ def get_config():
   c.optim.minibatches = 1
   c.optim.epochs = 1
   c.optim.max_skips = 10  # consecutive non-finite updates before the run stops
+  # Packed learner (`jaxrl_llm.packing`): rows of this many tokens, each holding several sequences' real tokens, so
+  # no learner FLOP goes to padding; must hold the longest prompt + completion. 0 = off (padded [B, P+N] rows).
+  c.optim.pack_width = 0
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 250  # a short warm start: the policy begins with non-zero (but low) accuracy

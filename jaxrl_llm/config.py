@@ -178,12 +178,34 @@ def validate(c: ml_collections.ConfigDict) -> None:
             "(set sft.steps=0 to skip the warm start)")
   _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
         "must be an int >= 1")
+  _validate_packing(c, spec, n_mesh + n_sampler)
   _validate_reward(c)
   _validate_env(c)
   missing = losses.missing_needs(spec, available_needs(c))
   if missing:
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
                       f"(available: {sorted(available_needs(c))})")
+
+
+def _validate_packing(c: ml_collections.ConfigDict, spec, n_devices: int) -> None:
+  """`optim.pack_width`: 0 (off) or a row width; the combinations `jaxrl_llm.packing` does not support are refused."""
+  w = c.optim.get("pack_width", 0)
+  _need(isinstance(w, int) and not isinstance(w, bool) and (w == 0 or w >= 2), "optim.pack_width", w,
+        "must be 0 (off) or an int >= 2 (tokens per packed row)")
+  if not w:
+    return
+  why = None
+  if c.model.get("num_experts", 0):
+    why = "MoE models route per row (routing replay, load-balancing loss) and are not packed"
+  elif "perturb" in spec.needs:
+    why = f"loss {c.loss.name!r} draws its perturbation per row (ALP) and is not packed"
+  elif "shadow" in spec.needs:
+    why = f"loss {c.loss.name!r} runs a shadow forward under the sampler's KV window, which is not packed"
+  elif evicting(c):
+    why = f"env.evict={c.env.evict!r}: evicted episodes already hold several segments per row"
+  elif n_devices > 1:
+    why = "packing runs on one device (config.mesh and rollout.sampler_devices must be 1 / 0)"
+  _need(why is None, "optim.pack_width", w, why or "")
 
 
 def validate_dist(c: ml_collections.ConfigDict) -> None:

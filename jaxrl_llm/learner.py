@@ -42,7 +42,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from jaxrl_llm import losses
+from jaxrl_llm import losses, packing
 from jaxrl_llm.losses import core
 from jaxrl_llm.models import ModelConfig, lm_head_weights, token_logprobs
 from jaxrl_llm.models import lora
@@ -180,11 +180,12 @@ def _put_shared(batch: Batch, heads: dict) -> Batch:
 
 
 def _split_micro(batch: Batch, m: int, field: str = "optim.grad_accum") -> Batch:
-  """[B, ...] -> [m, B/m, ...] on every field (all Batch fields lead with B)."""
+  """[B, ...] -> [m, B/m, ...] on every field (all Batch fields lead with B; a `packing.Packing`'s rows lead
+  with chunks · R, packed chunk by chunk, so they cut along the same boundaries)."""
   B = batch.mask_BN.shape[0]
   if B % m:
     raise ValueError(f"{field}={m} must divide the batch size B={B}")
-  return jax.tree.map(lambda x: x.reshape(m, B // m, *x.shape[1:]), batch)
+  return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
 def _combine_micro(aux_M: dict) -> dict:
@@ -220,6 +221,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   at every id set the loss reads, concatenated along the last axis and split after: the teacher's top-k
   (`student_topk` → `student_topk_logp_BNk`), μ's recorded top-k (`behavior_topk` → `topk_logp_BNk`) and
   the Monte-Carlo candidates (`mc` → `mc_logp_BNJ`).
+  A batch with `pack` (`packing.Packing`, `optim.pack_width`): the forward runs on the packed rows and its
+  outputs are gathered back to [B, N], so the loss sees the same inputs (`packing` module docstring).
   """
   spec = losses.get(loss_name)
   hp = losses.make_hparams(spec, loss_hparams)
@@ -259,10 +262,14 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                "mc_logp_BNJ": batch.mc_ids_BNJ if mc else None}
     id_sets = {k: v for k, v in id_sets.items() if v is not None}
     gather_ids = jnp.concatenate([jnp.asarray(v, jnp.int32) for v in id_sets.values()], -1) if id_sets else None
-    out = grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                                      model_cfg, temperature, group_size, with_entropy, perturb=perturb,
-                                      routes_BTLk=batch.routes_BTLk, gather_ids_BNk=gather_ids,
-                                      return_hidden=student_dense)
+    if batch.pack is not None:  # packed rows (`optim.pack_width`), outputs in the padded [B, N] layout
+      out = packing.packed_logprobs(params, batch.pack, batch.sequence_BT.shape[1], n_new, model_cfg, temperature,
+                                    with_entropy, gather_ids_BNk=gather_ids, return_hidden=student_dense)
+    else:
+      out = grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
+                                        model_cfg, temperature, group_size, with_entropy, perturb=perturb,
+                                        routes_BTLk=batch.routes_BTLk, gather_ids_BNk=gather_ids,
+                                        return_hidden=student_dense)
     prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
     inputs = LossInputs(
         logp_BN=out["logp_BT"], mask_BN=batch.mask_BN, adv_BN=batch.adv_BN,
@@ -391,8 +398,12 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   def multi_update_step(state: TrainState, batch: Batch, key: Array, heads: dict):
     """`epochs` passes of `minibatches` updates, π_old fixed at the step start (module docstring)."""
     if batch.prox_logp_BN is None:  # π_old = the parameters at the step start, scored once
-      out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
-                                batch.mask_BN.shape[1], model_cfg, temperature, routes_BTLk=batch.routes_BTLk)
+      if batch.pack is not None:
+        out = packing.packed_logprobs(state.params, batch.pack, batch.sequence_BT.shape[1], batch.mask_BN.shape[1],
+                                      model_cfg, temperature)
+      else:
+        out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
+                                  batch.mask_BN.shape[1], model_cfg, temperature, routes_BTLk=batch.routes_BTLk)
       batch = batch.replace(prox_logp_BN=jax.lax.stop_gradient(jnp.where(batch.mask_BN > 0, out["logp_BT"], 0.0)))
     mbs = _split_micro(batch, minibatches, "optim.minibatches")
 
@@ -423,10 +434,14 @@ def make_score_fn(model_cfg: ModelConfig, temperature: float, group_size: int = 
 
   `group_size` G > 1 (GRPO: rows g·G .. g·G+G-1 complete one prompt): a dense model runs each group's
   prompt once and scores its G completions against those keys/values (`models.token_logprobs_shared`;
-  checked on device, a batch whose groups differ is scored row by row). Same values up to rounding."""
+  checked on device, a batch whose groups differ is scored row by row). Same values up to rounding.
+  `pack` (a `packing.Packing` of the batch): score its packed rows instead; same values up to rounding."""
 
   @jax.jit
-  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
+  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None, pack=None):
+    if pack is not None:  # `packing.Packing` of these rows: score the packed rows (`optim.pack_width`)
+      out = packing.packed_logprobs(params, pack, sequence_BT.shape[1], mask_BN.shape[1], model_cfg, temperature)
+      return jnp.where(mask_BN > 0, out["logp_BT"], 0.0)
     out = grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN.shape[1], model_cfg,
                                       temperature, group_size, routes_BTLk=routes_BTLk)
     return jnp.where(mask_BN > 0, out["logp_BT"], 0.0)
@@ -447,7 +462,7 @@ def fuse_reference(train_step: Callable, score: Callable, in_shardings=None, out
 
   def step(state: TrainState, batch: Batch, key: Array, ref_params):
     ref_logp_BN = score(ref_params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, batch.mask_BN,
-                        batch.routes_BTLk)
+                        batch.routes_BTLk, pack=batch.pack)
     return train_step(state, batch.replace(ref_logp_BN=ref_logp_BN), key)
 
   return jax.jit(step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))

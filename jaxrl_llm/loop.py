@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import metrics as metrics_lib, multiprocess, preemption, run_state
+from jaxrl_llm import metrics as metrics_lib, multiprocess, packing, preemption, run_state
 from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm.batch import make_batch, prox_is_current, prox_logp  # noqa: F401 (re-exported)
 from jaxrl_llm.episode_eval import evaluate_run
@@ -144,10 +144,22 @@ def _open_source(r: Run, store: ParamStore, name: str, state, where: str):
   return source
 
 
+def pack_batch(c, batch: Rollout, ro: Rollout) -> tuple[Rollout, float]:
+  """(the learner's batch, its fraction of padding token slots): packed into rows of `optim.pack_width` when on
+  (`jaxrl_llm.packing`; one packing per micro-batch of every minibatch), else the padded batch as it is."""
+  width = c.optim.get("pack_width", 0)
+  if not width:
+    return batch, packing.pad_frac(ro.segment_ids_BT)
+  chunks = c.optim.grad_accum * c.optim.get("minibatches", 1)
+  pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks)
+  return batch.replace(pack=jax.tree.map(jax.numpy.asarray, pk)), packing.pad_frac(pk.segment_ids_RW)
+
+
 def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   """batch → train → publish: learner step `t` on rollout `ro`; publishes the new version (and updates the
   EWMA copy) unless the update was skipped as non-finite. Returns (state, step metrics, batch info)."""
   batch, info = make_batch(r, store, state, extra, ro)
+  batch, info["learner_pad_frac"] = pack_batch(r.c, batch, ro)
   if r.mesh is not None:  # the step's explicit in_shardings: lay the batch out along `batch`
     batch = jax.device_put(batch, r.batch_sharding)
   t_train = time.perf_counter()

@@ -56,6 +56,7 @@ class Rollout:
   turn_BN: Optional[Array] = None  # int32 turn index of each response token (multi-turn episodes)
   env_mask_BN: Optional[Array] = None  # float32 1 on tokens an environment inserted (multi-turn episodes)
   kv_window_B2: Optional[Array] = None  # int32 (sinks, window) of a sinks + window sampler KV cache: what each token saw
+  pack: Optional[Any] = None  # `packing.Packing` of the learner's batch (`optim.pack_width`); never on the host record
   extra: Optional[dict] = None  # further loss inputs fixed at rollout time, by `LossInputs` field name (teachers)
   stats: Optional[dict] = struct.field(pytree_node=False, default=None)  # host bookkeeping (module docstring)
 
@@ -66,7 +67,7 @@ class Rollout:
   def arrays(self) -> dict:
     """The non-None array fields by name (`extra` and `stats` excluded)."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in ("extra", "stats") and getattr(self, f.name) is not None}
+            if f.name not in ("extra", "stats", "pack") and getattr(self, f.name) is not None}
 
   def stat(self, name: str, default=0):
     return (self.stats or {}).get(name, default)
@@ -89,7 +90,7 @@ def rows(r: Rollout, start: int, stop: int) -> Rollout:
 
 def concat(records: list[Rollout], stats: dict | None = None) -> Rollout:
   """The rows of `records` in order. An optional field is kept only when every record has it."""
-  fields = [f.name for f in dataclasses.fields(Rollout) if f.name not in ("extra", "stats")]
+  fields = [f.name for f in dataclasses.fields(Rollout) if f.name not in ("extra", "stats", "pack")]
   out = {}
   for name in fields:
     vals = [getattr(r, name) for r in records]

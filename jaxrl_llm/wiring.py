@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import learner, losses, multiprocess
+from jaxrl_llm import learner, losses, multiprocess, packing
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models import lora
@@ -317,6 +317,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
     if shard_kw:
       shard_kw["in_shardings"] = (*shard_kw["in_shardings"], mesh_kw["state_shardings"].params)
     train_step = learner.fuse_reference(train_step, score, **shard_kw)
+  if c.optim.get("pack_width", 0):  # π_old recompute (loop, sources, async workers) scores packed rows too
+    score = packing.packing_scorer(score, c.optim.pack_width)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
     batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,

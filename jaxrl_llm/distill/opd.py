@@ -39,10 +39,13 @@ at start-up): eviction (SDCC).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from jaxrl_llm import config as config_lib
+from jaxrl_llm import packing
 from jaxrl_llm.distill import extras as extras_lib
 from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
@@ -136,10 +139,15 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   cand = make_candidate_scores(c, width=width, train_examples=train_examples, vocab_size=student_cfg.vocab_size,
                                encoder=encoder)
 
+  pack_width = c.optim.get("pack_width", 0)
+
   def extras(ro, seq, mask_BN) -> dict:
     # The sequences (and, for candidate losses, the ids the sampler recorded) carry everything; a frozen
     # teacher does not depend on the rollout's version.
-    out = score(params, *seq, mask_BN, *(() if cand is None else (cand.ids(ro),)))
+    pk = None  # `optim.pack_width`: the teacher scores the packed rows too
+    if pack_width:
+      pk = jax.tree.map(jnp.asarray, packing.pack(*(np.asarray(x) for x in seq), pack_width))
+    out = score(params, *seq, mask_BN, *(() if cand is None else (cand.ids(ro),)), pack=pk)
     out["sup_drift_B"] = jnp.zeros((mask_BN.shape[0],), jnp.float32)
     got = {f: out[f] for f in fields}
     return got if cand is None else {**got, **cand.fields(ro, seq, mask_BN, out["gathered_logp_BNk"])}

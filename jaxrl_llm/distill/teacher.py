@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxrl_llm import policy_init, sft
+from jaxrl_llm import packing, policy_init, sft
 from jaxrl_llm.config import task_kwargs
 from jaxrl_llm.models import ModelConfig, forward, init_params, lm_head_weights, token_logprobs
 from jaxrl_llm.models.logprobs import query_hidden, token_logprobs_shared
@@ -204,7 +204,7 @@ def teacher_logits(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: A
 
 def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
                       mask_BN: Array, *, temperature: float, topk: int, head: bool = False,
-                      group_size: int = 1, gather_ids_BNk: Array | None = None) -> dict:
+                      group_size: int = 1, gather_ids_BNk: Array | None = None, pack=None) -> dict:
   """Teacher scores of sampled completions, all at `temperature` (pure; jit it via `make_teacher_scorer`).
 
   Returns [B, N(, ·)] arrays, zeroed / id 0 where `mask_BN` is 0 (losses mask them anyway):
@@ -222,14 +222,18 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
   No [B, N, V] array anywhere: the lm-head runs in chunks (`models.token_logprobs`), as a real
   vocabulary (V ~ 50k) needs. `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt):
   the prompt runs once per group (`models.logprobs.query_hidden`, checked on device); the values agree
-  up to rounding.
+  up to rounding. `pack` (a `packing.Packing` of the rows, `optim.pack_width`): the forward runs on the packed
+  rows instead (outputs gathered back to [B, N]; same values up to rounding).
   """
   n_new = mask_BN.shape[1]
   live_BN = mask_BN > 0
   P = sequence_BT.shape[1] - n_new
   kw = dict(positions_BT=positions_BT[:, :-1], segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature,
             topk=topk, query_start=P - 1, return_hidden=head, gather_ids_BTk=gather_ids_BNk)
-  if group_size > 1:
+  if pack is not None:
+    out = packing.packed_logprobs(params, pack, sequence_BT.shape[1], n_new, cfg, temperature, return_hidden=head,
+                                  topk=topk, gather_ids_BNk=gather_ids_BNk)
+  elif group_size > 1:
     out = token_logprobs_shared(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, group_size=group_size, **kw)
   else:
     out = token_logprobs(params, sequence_BT[:, :-1], sequence_BT[:, 1:], cfg, **kw)
@@ -249,7 +253,7 @@ def score_completions(params, cfg: ModelConfig, sequence_BT: Array, positions_BT
 
 
 def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, head: bool = False, group_size: int = 1):
-  """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, gather_ids_BNk=None) -> dict` of
+  """Jitted `(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, gather_ids_BNk=None, pack=None) -> dict` of
   `score_completions` (`head`: also the teacher's `VocabHead` for full-distribution losses; `group_size`:
   prompts run once per group of that many rows sharing them; `gather_ids_BNk`: also the teacher at those
   ids, in the same forward; `topk` 0: no top-k cache, e.g. a reference teacher read only at given ids)."""
@@ -257,9 +261,9 @@ def make_teacher_scorer(cfg: ModelConfig, temperature: float, topk: int, head: b
     raise ValueError(f"config.distill.topk={topk}: must be in [1, vocab_size={cfg.vocab_size}]")
 
   @jax.jit
-  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, gather_ids_BNk=None):
+  def score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, gather_ids_BNk=None, pack=None):
     return score_completions(params, cfg, sequence_BT, positions_BT, segment_ids_BT, mask_BN,
                              temperature=temperature, topk=topk, head=head, group_size=group_size,
-                             gather_ids_BNk=gather_ids_BNk)
+                             gather_ids_BNk=gather_ids_BNk, pack=pack)
 
   return score

@@ -1,0 +1,193 @@
+"""The packed learner: the real tokens of several sequences share one row, so no FLOP is spent on padding.
+
+A learner batch is B rows of T = P + N columns (left-padded prompt, response, then padding after EOS). With
+`optim.pack_width = W > 0` the host packs each row's real span (its columns from the first to the last real
+token, `segment_ids_BT > 0`) into rows of width W, first-fit-decreasing by length. Inside a packed row the k-th
+sequence gets segment id k, so attention never crosses sequences (`models.transformer`: equal ids attend
+causally, 0 = padding); positions are copied from the padded batch, so each sequence sees exactly the context
+and RoPE phases it had there. The forward scores every packed position once (`packed_logprobs`) and gathers
+the per-token outputs back into the padded [B, N] layout on device, so losses, advantages (group structure
+untouched: rows keep their order and index) and metrics read the same `LossInputs` as the padded path.
+
+Static shapes: the number of packed rows R is rounded up to a multiple of ceil(Bc / 8) (Bc rows per chunk), so
+a run compiles at most 8 shapes per step function. Micro-batches and minibatches (`optim.grad_accum`,
+`optim.minibatches`) cut the batch into contiguous chunks along B; each chunk is packed on its own into R rows
+(`Packing.rows`), so the learner's reshape into chunks cuts the packed arrays along the same boundaries.
+
+Not supported (refused by `config.validate` with a ConfigError naming `optim.pack_width`): MoE (per-row routing
+and its load-balancing loss), ALP's per-row noise, the SMD shadow forward, episodes with eviction (a row already
+holds several segments) and multi-device meshes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxrl_llm.models import ModelConfig, token_logprobs
+
+Array = jax.Array
+BUCKETS = 8  # distinct packed row counts per chunk size: bounds the recompilations
+
+
+@struct.dataclass
+class Packing:
+  """B sequences packed into `chunks · rows` rows of width W, and where each sequence went.
+
+  Per-sequence fields lead with B so the learner's micro-batch reshape cuts them with the padded fields."""
+  tokens_RW: Array  # int32 token ids of the packed rows (0 on padding)
+  positions_RW: Array  # int32 positions, copied from the padded batch
+  segment_ids_RW: Array  # int32 1..k per packed row, 0 on padding
+  row_B: Array  # int32 packed row of each sequence, counted within its chunk
+  start_B: Array  # int32 column where the sequence's span starts in that row
+  first_B: Array  # int32 padded column of the span's first token
+  len_B: Array  # int32 span length (0: an empty row, placed nowhere)
+  rows: int = struct.field(pytree_node=False, default=1)  # packed rows per chunk
+
+
+def _spans(segment_ids_BT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(first column, length) of each row's real span; a row with several segment ids is refused."""
+  real_BT = segment_ids_BT > 0
+  if np.any((segment_ids_BT > 0) & (segment_ids_BT != np.max(segment_ids_BT, axis=1, keepdims=True))):
+    raise ValueError("config.optim.pack_width: a row holds several segments (episodes with eviction); "
+                     "packing needs one sequence per padded row")
+  any_B = real_BT.any(1)
+  T = real_BT.shape[1]
+  first_B = np.where(any_B, real_BT.argmax(1), 0)
+  last_B = np.where(any_B, T - 1 - real_BT[:, ::-1].argmax(1), -1)
+  return first_B.astype(np.int32), (last_B - first_B + 1).clip(0).astype(np.int32)
+
+
+def first_fit_decreasing(len_B: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """(row_B, start_B, rows used): sequences of lengths `len_B` placed into rows of `width`, longest first,
+  each into the first row with room (ties by index, so the packing is deterministic)."""
+  order = sorted(range(len(len_B)), key=lambda b: (-int(len_B[b]), b))
+  fill: list[int] = []
+  row_B = np.zeros(len(len_B), np.int32)
+  start_B = np.zeros(len(len_B), np.int32)
+  for b in order:
+    n = int(len_B[b])
+    if n == 0:
+      continue
+    if n > width:
+      raise ValueError(f"config.optim.pack_width={width}: a sequence has {n} real tokens; the width must hold "
+                       "the longest prompt + completion")
+    r = next((i for i, f in enumerate(fill) if f + n <= width), len(fill))
+    if r == len(fill):
+      fill.append(0)
+    row_B[b], start_B[b] = r, fill[r]
+    fill[r] += n
+  return row_B, start_B, len(fill)
+
+
+def bucket_rows(n: int, chunk_rows: int) -> int:
+  """`n` rounded up to a multiple of ceil(chunk_rows / BUCKETS), at least 1 and at most chunk_rows."""
+  step = max(1, math.ceil(chunk_rows / BUCKETS))
+  return max(1, min(chunk_rows, math.ceil(max(n, 1) / step) * step))
+
+
+def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1) -> Packing:
+  """Host-side packing of a padded batch (numpy in, numpy out): see the module docstring."""
+  seq, pos, seg = (np.asarray(x) for x in (sequence_BT, positions_BT, segment_ids_BT))
+  B = seq.shape[0]
+  if B % chunks:
+    raise ValueError(f"config.optim.pack_width: {chunks} chunks must divide the batch of {B} rows")
+  Bc = B // chunks
+  first_B, len_B = _spans(seg)
+  placed = [first_fit_decreasing(len_B[c * Bc:(c + 1) * Bc], width) for c in range(chunks)]
+  R = bucket_rows(max(p[2] for p in placed), Bc)
+  row_B = np.concatenate([p[0] for p in placed])
+  start_B = np.concatenate([p[1] for p in placed])
+  tokens, positions, segments = (np.zeros((chunks * R, width), np.int32) for _ in range(3))
+  counts = np.zeros(chunks * R, np.int32)
+  for b in range(B):
+    n = int(len_B[b])
+    if n == 0:
+      continue
+    r, s, f = (b // Bc) * R + int(row_B[b]), int(start_B[b]), int(first_B[b])
+    counts[r] += 1
+    tokens[r, s:s + n] = seq[b, f:f + n]
+    positions[r, s:s + n] = pos[b, f:f + n]
+    segments[r, s:s + n] = np.where(seg[b, f:f + n] > 0, counts[r], 0)  # padding inside a span stays padding
+  return Packing(tokens_RW=tokens, positions_RW=positions, segment_ids_RW=segments, row_B=row_B, start_B=start_B,
+                 first_B=first_B, len_B=len_B, rows=R)
+
+
+def unpack(p: Packing, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(sequence_BT, positions_BT, real_BT) rebuilt from a packing at padded width T (host; the inverse of `pack`
+  on real tokens: padding columns come back as 0 / False)."""
+  B = len(p.len_B)
+  chunks = p.tokens_RW.shape[0] // p.rows
+  seq, pos, real = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32), np.zeros((B, T), bool)
+  for b in range(B):
+    n, f, s = int(p.len_B[b]), int(p.first_B[b]), int(p.start_B[b])
+    r = (b // (B // chunks)) * p.rows + int(p.row_B[b])
+    seq[b, f:f + n], pos[b, f:f + n] = p.tokens_RW[r, s:s + n], p.positions_RW[r, s:s + n]
+    real[b, f:f + n] = p.segment_ids_RW[r, s:s + n] > 0
+  return seq, pos, real
+
+
+def source_index(p: Packing, T: int, n_new: int) -> tuple[Array, Array]:
+  """(idx_BN, valid_BN) on device: completion position j of sequence b (the padded column T - n_new + j) is
+  scored by the packed output at flat index idx into [R_total · (W - 1)] (logits at the previous column);
+  valid where both columns lie in the sequence's span."""
+  B = p.len_B.shape[0]
+  R_tot, W = p.tokens_RW.shape
+  Bc = B // (R_tot // p.rows)
+  col_BN = (T - n_new) + jnp.arange(n_new)[None, :]  # padded column of the scored token
+  rel_BN = col_BN - 1 - p.first_B[:, None]  # its context's last column, relative to the span
+  valid_BN = (rel_BN >= 0) & (rel_BN + 1 < p.len_B[:, None])
+  row_B = (jnp.arange(B) // Bc) * p.rows + p.row_B
+  idx_BN = row_B[:, None] * (W - 1) + p.start_B[:, None] + rel_BN
+  return jnp.where(valid_BN, idx_BN, 0).astype(jnp.int32), valid_BN
+
+
+def packed_logprobs(params, p: Packing, T: int, n_new: int, cfg: ModelConfig, temperature: float,
+                    with_entropy: bool = False, gather_ids_BNk=None, return_hidden: bool = False, topk: int = 0) -> dict:
+  """`learner.completion_logprobs` of the padded batch (T columns, last `n_new` scored), computed on the packed
+  rows and returned in the padded [B, n_new] layout ("logp_BT", optionally "entropy_BT", "gathered_logp_BTk",
+  "hidden_BTD", and with `topk` > 0 "topk_logp_BTk", "topk_ids_BTk", "topk_residual_logp_BT" as in
+  `models.token_logprobs`). Positions no sequence token is scored at (padding) hold 0. Differentiable."""
+  R_tot, W = p.tokens_RW.shape
+  idx_BN, valid_BN = source_index(p, T, n_new)
+  gather_RWk = None
+  if gather_ids_BNk is not None:  # the id sets to gather, moved to the packed positions that score them
+    k = gather_ids_BNk.shape[-1]
+    dest = jnp.where(valid_BN, idx_BN, R_tot * (W - 1)).reshape(-1)
+    flat = jnp.full((R_tot * (W - 1), k), -1, jnp.int32).at[dest].set(
+        jnp.asarray(gather_ids_BNk, jnp.int32).reshape(-1, k), mode="drop")
+    gather_RWk = flat.reshape(R_tot, W - 1, k)
+  out = token_logprobs(params, p.tokens_RW[:, :-1], p.tokens_RW[:, 1:], cfg, positions_BT=p.positions_RW[:, :-1],
+                       segment_ids_BT=p.segment_ids_RW[:, :-1], temperature=temperature, with_entropy=with_entropy,
+                       gather_ids_BTk=gather_RWk, return_hidden=return_hidden, topk=topk)
+
+  def back(x):  # [R_tot, W-1, ...] -> [B, n_new, ...], 0 where nothing is scored
+    got = x.reshape(R_tot * (W - 1), *x.shape[2:])[idx_BN]
+    return jnp.where(valid_BN.reshape(*valid_BN.shape, *(1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
+
+  return {k: back(v) for k, v in out.items() if k in ("logp_BT", "entropy_BT", "gathered_logp_BTk", "hidden_BTD",
+                                                     "topk_logp_BTk", "topk_ids_BTk", "topk_residual_logp_BT")}
+
+
+def pad_frac(segment_ids: np.ndarray) -> float:
+  """Fraction of token slots that are padding (segment id 0): the padded batch's or the packed rows'."""
+  seg = np.asarray(segment_ids)
+  return float(1.0 - (seg > 0).sum() / max(seg.size, 1))
+
+
+def packing_scorer(score, width: int):
+  """A `learner.make_score_fn` scorer with the plain signature `(params, sequence_BT, positions_BT, segment_ids_BT,
+  mask_BN, routes_BTLk=None)` that packs on the host and scores the packed rows (π_old recompute, at generation
+  and in async workers)."""
+
+  def packed_score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
+    del routes_BTLk  # MoE is refused with packing
+    pk = jax.tree.map(jnp.asarray, pack(sequence_BT, positions_BT, segment_ids_BT, width))
+    return score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, pack=pk)
+
+  packed_score._cache_size = score._cache_size  # the loop reports the scorer's compiles
+  return packed_score
