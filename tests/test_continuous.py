@@ -11,6 +11,7 @@ import pytest
 
 from jaxrl_llm import loop
 from jaxrl_llm.config import ConfigError, load_file, validate
+from jaxrl_llm.metrics import read_jsonl
 from jaxrl_llm.models import ModelConfig, init_params, token_logprobs
 from jaxrl_llm.sampling import SamplerConfig, continuous, generate
 
@@ -115,6 +116,7 @@ def test_unsupported_settings_raise():
 def tiny(**over):
   c = load_file(os.path.join(ROOT, "configs", "tiny.py"))
   c.log.tensorboard = False
+  c.sft.steps, c.eval.every = 20, 100  # short: these tests check layouts and resumes, not learning
   for k, v in over.items():
     sec, key = k.split("__")
     c[sec][key] = v
@@ -136,11 +138,28 @@ def test_config_refuses_slots_in_async_and_with_records():
 
 def test_sync_loop_with_slots_trains_with_the_same_record_layout(tmp_path):
   """Two sync steps with continuous batching: finite losses, and the metrics rows carry the static run's fields."""
-  static = tiny()
-  static.num_steps = 2
-  slots = tiny(rollout__slots=4, rollout__slot_chunk=3)
-  slots.num_steps = 2
+  static, slots = tiny(), tiny(rollout__slots=4, rollout__slot_chunk=3)
+  for c in (static, slots):
+    c.num_steps, c.loss.entropy_coef = 2, 0.01  # a gradient even when every reward of a group is equal
   a = loop.run(static, str(tmp_path / "static"))
   b = loop.run(slots, str(tmp_path / "slots"))
   assert [sorted(r) for r in b] == [sorted(r) for r in a]
-  assert all(np.isfinite(r["loss"]) for r in b)
+  assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in b)
+
+
+@pytest.mark.slow  # three short runs: ~40 s on one core
+def test_fixed_lag_with_slots_resumes_exactly(tmp_path):
+  """fixed_lag (k = 1) with slots: a run stopped after 2 steps and continued to 3 equals the uninterrupted one."""
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=1, rollout__slots=3, rollout__slot_chunk=2, optim__lr=1e-2,
+           optim__warmup_steps=0)
+  c.loss.entropy_coef = 0.01
+  c.num_steps = 3
+  whole = loop.run(c, str(tmp_path / "whole"))
+  c.num_steps = 2
+  loop.run(c, str(tmp_path / "split"))
+  c.num_steps = 3
+  loop.run(c, str(tmp_path / "split"))
+  # A run's last step also evaluates: the split run's step 1 row carries eval fields the whole run's lacks.
+  strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "eval_"))} for r in rows]
+  assert all(r["grad_norm"] > 0 for r in whole)
+  assert strip(read_jsonl(str(tmp_path / "split" / "metrics.jsonl"))) == strip(whole)
