@@ -224,11 +224,13 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   prompt_RP, len_R = np.asarray(prompt_tokens_RP, np.int32), np.asarray(prompt_len_R, np.int32)
   R, P = prompt_RP.shape
   N = sampler_cfg.max_new_tokens
-  state = init_state(model_cfg, sampler_cfg, slots, P, chunk, keys_R)
-  queue, owner_S, base_S = deque(range(R)), np.full((slots,), -1), np.zeros((slots,), np.int64)
   out = {"tokens_BN": np.full((R, N), sampler_cfg.pad_id, np.int32), "mask_BN": np.zeros((R, N), np.float32),
          "behavior_logp_BN": np.zeros((R, N), np.float32), "versions_BN": np.zeros((R, N), np.int32),
          "finished_B": np.zeros((R,), bool)}
+  if R == 0:
+    return _assemble(out, prompt_RP, len_R, sampler_cfg, 0, 0)
+  state = init_state(model_cfg, sampler_cfg, slots, P, chunk, keys_R)
+  queue, owner_S, base_S = deque(range(R)), np.full((slots,), -1), np.zeros((slots,), np.int64)
   index, slot_steps, live_steps = P, 0, 0
   while True:
     free = np.flatnonzero(owner_S < 0)
