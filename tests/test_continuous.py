@@ -66,6 +66,17 @@ def test_per_request_equals_static_path_with_the_same_keys(slots, chunk, sc):
   assert out["live_steps"] <= out["slot_steps"] and out["slot_steps"] % slots == 0
 
 
+def test_generate_with_one_key_per_row_draws_each_row_alone():
+  """`generate` given one key per row: each row's tokens and μ equal a batch of that row alone with its key."""
+  out = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC))
+  for r in (0, 4, 7):
+    one = jax.device_get(generate(OLD, PROMPTS[r:r + 1], PROMPT_LEN[r:r + 1], KEYS[r:r + 1], CFG, SC))
+    np.testing.assert_array_equal(one["tokens_BN"][0], out["tokens_BN"][r])
+    np.testing.assert_allclose(one["behavior_logp_BN"][0], out["behavior_logp_BN"][r], atol=2e-5)
+  with pytest.raises(ValueError, match="one sampling key"):
+    generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, behavior_topk=2))
+
+
 def test_tokens_depend_on_the_request_key_only():
   """A request keeps its tokens when its neighbours change (other prompts, other keys, other order)."""
   out = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=3, chunk=2)
