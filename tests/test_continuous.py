@@ -174,3 +174,16 @@ def test_fixed_lag_with_slots_resumes_exactly(tmp_path):
   strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "eval_"))} for r in rows]
   assert all(r["grad_norm"] > 0 for r in whole)
   assert strip(read_jsonl(str(tmp_path / "split" / "metrics.jsonl"))) == strip(whole)
+
+
+def test_a_group_shares_its_prefill_and_keeps_its_tokens():
+  """Requests with one prompt (a GRPO group, admitted together) are prefilled once: the same tokens and μ as
+  `generate` prefilling every row, and the distinct-prompt map the engine uses."""
+  G = 3
+  prompts, lens = np.repeat(PROMPTS[:3], G, 0), np.repeat(PROMPT_LEN[:3], G)
+  firsts, src = continuous._distinct_prompts(prompts[:4], lens[:4])
+  assert firsts == [0, 3] and src.tolist() == [0, 0, 0, 1]
+  ref = jax.device_get(generate(OLD, prompts, lens, KEYS, CFG, SC))
+  out = continuous.generate_slots(OLD, prompts, lens, KEYS, CFG, SC, slots=4, chunk=3)
+  np.testing.assert_array_equal(out["tokens_BN"], ref["tokens_BN"])
+  np.testing.assert_allclose(out["behavior_logp_BN"], ref["behavior_logp_BN"], atol=2e-5)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_cache
 from jaxrl_llm.sampling.config import SamplerConfig
@@ -138,15 +138,17 @@ def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConf
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"), donate_argnames=("state",))
-def prefill_slots(params: dict, state: dict, rows_k: Array, prompt_kP: Array, len_k: Array, keys_k: Array,
-                  version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
-  """Admits k requests into slots `rows_k` (a row index >= S pads the bucket and is dropped): prefills their
-  left-padded prompts as a batch of k, writes the keys/values into slots [index - P, index) of those rows (the
-  rest of the row cleared to segment 0), and samples their column 0 with `version`."""
-  P = prompt_kP.shape[1]
-  positions_kP, segment_ids_kP = prompt_layout(len_k, P)
-  prompt_kP = jnp.where(segment_ids_kP > 0, prompt_kP, sampler_cfg.pad_id).astype(jnp.int32)
-  small, logits_kV = _prefill_rows(params, prompt_kP, positions_kP, segment_ids_kP, model_cfg, P)
+def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt_uP: Array, len_u: Array,
+                  keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """Admits k requests into slots `rows_k` (a row index >= S pads the bucket and is dropped): prefills the u
+  distinct left-padded prompts once each (request i holds prompt `src_k[i]`: the G rows of a GRPO group admitted
+  together share one prefill), writes the keys/values into slots [index - P, index) of those rows (the rest of
+  the row cleared to segment 0), and samples their column 0 with `version`."""
+  P = prompt_uP.shape[1]
+  positions_uP, segment_ids_uP = prompt_layout(len_u, P)
+  prompt_uP = jnp.where(segment_ids_uP > 0, prompt_uP, sampler_cfg.pad_id).astype(jnp.int32)
+  small, logits_uV = _prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P)
+  small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
   cache, at = state["cache"], state["cache"]["index"] - P
   new_cache = {"index": cache["index"]}
   for name, x in cache.items():
@@ -200,6 +202,20 @@ def shift_cache(cache: dict, d: Array) -> dict:
   return out
 
 
+def _distinct_prompts(prompt_kP: np.ndarray, len_k: np.ndarray) -> tuple[list[int], np.ndarray]:
+  """(the first request of each distinct prompt, each request's distinct-prompt number); a prompt is its real
+  tokens (the pads of a left-padded row do not count)."""
+  number, firsts, src = {}, [], []
+  P = prompt_kP.shape[1]
+  for i, n in enumerate(len_k):
+    key = prompt_kP[i, P - int(n):].tobytes()
+    if key not in number:
+      number[key] = len(firsts)
+      firsts.append(i)
+    src.append(number[key])
+  return firsts, np.asarray(src)
+
+
 def _bucket(k: int, slots: int) -> int:
   """Prefill batch for k admissions: the next power of two, at most the slot count (few compilations)."""
   return min(slots, 1 << (k - 1).bit_length())
@@ -240,8 +256,12 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
       reqs = [queue.popleft() for _ in range(take)]
       rows = np.concatenate([free[:take], np.full((kb - take,), slots)]).astype(np.int32)
       pick = np.asarray(reqs + [reqs[0]] * (kb - take))
-      state = prefill_slots(params, state, rows, prompt_RP[pick], len_R[pick], keys_R[pick], version, model_cfg,
-                            sampler_cfg)
+      uniq, src = _distinct_prompts(prompt_RP[reqs], len_R[reqs])
+      ub = _bucket(len(uniq), slots)
+      u_pick = np.asarray([reqs[i] for i in uniq] + [reqs[0]] * (ub - len(uniq)))
+      src = np.concatenate([src, np.zeros((kb - take,), np.int64)]).astype(np.int32)
+      state = prefill_slots(params, state, rows, src, prompt_RP[u_pick], len_R[u_pick], keys_R[pick], version,
+                            model_cfg, sampler_cfg)
       owner_S[free[:take]], base_S[free[:take]] = reqs, index - P
     live_before = np.asarray(state["live_S"])
     if not live_before.any() and not (owner_S >= 0).any():
