@@ -8,8 +8,8 @@ as stop ids: every step stops a row with probability ≈ stop_ids / V, so comple
 V / stop_ids, capped at N): the long tail of agent episodes and reasoning traces. Both paths decode the same R
 requests with the same per-request keys (identical tokens, checked), B = S rows at a time: static batches of S
 requests each decode until their longest row stops; continuous batching refills a slot as soon as its request
-stops. Prints one JSON object: wall seconds (best of --repeats after a warm-up run that compiles), generated tokens per second,
-and the share of decode slot-steps spent on rows that had already stopped (or on empty slots).
+stops. Prints one JSON object: wall seconds (best of --repeats after a warm-up run that compiles), generated
+tokens per second, and the share of decode slot-steps spent on rows that had already stopped (or on empty slots).
 
 Measured once (2026-12-03, CPU: 2 cores shared with 4 other jobs, load ~9, so times are noisy; defaults: 128
 requests, 16 slots, N = 128, stop probability 1/32 per step, mean length 34.8, 4,458 tokens, tokens identical):

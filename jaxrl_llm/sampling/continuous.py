@@ -52,8 +52,8 @@ def check_supported(sampler_cfg: SamplerConfig) -> None:
   if sampler_cfg.kv_cache != "full":
     raise ValueError(f"continuous batching decodes with sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
   if sampler_cfg.records:
-    raise ValueError("continuous batching does not record μ's top-k or Monte-Carlo candidates "
-                     f"(sampler.behavior_topk={sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples})")
+    raise ValueError("continuous batching does not record μ's top-k or Monte-Carlo candidates (sampler.behavior_topk="
+                     f"{sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples})")
 
 
 def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
@@ -252,39 +252,20 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
     free = np.flatnonzero(owner_S < 0)
     take = min(len(free), len(queue))
     if take:
-      kb = _bucket(take, slots)
       reqs = [queue.popleft() for _ in range(take)]
-      rows = np.concatenate([free[:take], np.full((kb - take,), slots)]).astype(np.int32)
-      pick = np.asarray(reqs + [reqs[0]] * (kb - take))
-      uniq, src = _distinct_prompts(prompt_RP[reqs], len_R[reqs])
-      ub = _bucket(len(uniq), slots)
-      u_pick = np.asarray([reqs[i] for i in uniq] + [reqs[0]] * (ub - len(uniq)))
-      src = np.concatenate([src, np.zeros((kb - take,), np.int64)]).astype(np.int32)
-      state = prefill_slots(params, state, rows, src, prompt_RP[u_pick], len_R[u_pick], keys_R[pick], version,
-                            model_cfg, sampler_cfg)
+      state = _admit(params, state, free[:take], reqs, prompt_RP, len_R, keys_R, version, model_cfg, sampler_cfg)
       owner_S[free[:take]], base_S[free[:take]] = reqs, index - P
-    live_before = np.asarray(state["live_S"])
-    if not live_before.any() and not (owner_S >= 0).any():
+    if not (owner_S >= 0).any():
       break
-    if live_before.any():
+    if np.asarray(state["live_S"]).any():
       step_before = int(np.asarray(state["step_S"]).sum())
       state, steps = decode_chunk(params, state, version, model_cfg, sampler_cfg, chunk)
-      steps = int(steps)
-      index += steps
-      slot_steps += slots * steps
+      index, slot_steps = index + int(steps), slot_steps + slots * int(steps)
       live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
-    live_S = np.asarray(state["live_S"])
-    done = np.flatnonzero((owner_S >= 0) & ~live_S)
-    if len(done):
-      host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S")})
-      r = owner_S[done]
-      out["tokens_BN"][r], out["behavior_logp_BN"][r] = host["tokens_SN"][done], host["logp_SN"][done]
-      out["mask_BN"][r], out["versions_BN"][r] = host["mask_SN"][done], host["versions_SN"][done]
-      out["finished_B"][r] = host["stopped_S"][done]
-      owner_S[done] = -1
+    _harvest(state, owner_S, out)
     held = owner_S >= 0
     d = min([index - P] + ([int(base_S[held].min())] if held.any() else []))
-    if d > 0:
+    if d > 0:  # no live request reads slots [0, d) any more
       state["cache"] = shift_cache(state["cache"], jnp.asarray(d, jnp.int32))
       index -= d
       base_S[held] -= d
@@ -292,6 +273,36 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
     if newer is not None:
       version, params = newer
   return _assemble(out, prompt_RP, len_R, sampler_cfg, slot_steps, live_steps)
+
+
+def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list[int], prompt_RP: np.ndarray, len_R: np.ndarray,
+           keys_R: Array, version: int, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """`prefill_slots` of requests `reqs` into free slots `rows`, padded to power-of-two buckets (of requests and
+  of distinct prompts) so that a run compiles it a few times only."""
+  S, take = state["live_S"].shape[0], len(reqs)
+  kb = _bucket(take, S)
+  uniq, src = _distinct_prompts(prompt_RP[reqs], len_R[reqs])
+  ub = _bucket(len(uniq), S)
+  u_pick = np.asarray([reqs[i] for i in uniq] + [reqs[0]] * (ub - len(uniq)))
+  rows_k = np.concatenate([rows, np.full((kb - take,), S)]).astype(np.int32)  # row S: a dropped pad
+  src_k = np.concatenate([src, np.zeros((kb - take,), np.int64)]).astype(np.int32)
+  pick = np.asarray(reqs + [reqs[0]] * (kb - take))
+  return prefill_slots(params, state, rows_k, src_k, prompt_RP[u_pick], len_R[u_pick], keys_R[pick], version,
+                       model_cfg, sampler_cfg)
+
+
+def _harvest(state: dict, owner_S: np.ndarray, out: dict) -> None:
+  """Copies the columns of every held slot whose request finished into its request's rows of `out` and frees the
+  slot (`owner_S` -1)."""
+  done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]))
+  if not len(done):
+    return
+  host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S")})
+  r = owner_S[done]
+  out["tokens_BN"][r], out["behavior_logp_BN"][r] = host["tokens_SN"][done], host["logp_SN"][done]
+  out["mask_BN"][r], out["versions_BN"][r] = host["mask_SN"][done], host["versions_SN"][done]
+  out["finished_B"][r] = host["stopped_S"][done]
+  owner_S[done] = -1
 
 
 def _assemble(out: dict, prompt_RP: np.ndarray, len_R: np.ndarray, sampler_cfg: SamplerConfig, slot_steps: int,
