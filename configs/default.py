@@ -81,6 +81,8 @@ def get_config():
   c.rollout.num_workers = 1  # rollout worker threads (async)
   c.rollout.sampler_devices = 0  # devices of the sampler's own, per process (its last ones; the mesh gets the rest); 0 = shared
   c.rollout.partial_chunk = 0  # async partial rollouts: decode steps between version checks (0 = off)
+  c.rollout.slots = 0  # continuous batching (sync sources): decode slots refilled as requests finish (0 = off)
+  c.rollout.slot_chunk = 8  # continuous batching: decode steps between slot refills and version checks
   c.rollout.prox_in_worker = False  # async + recompute: workers score π_old at generation (else the learner does)
   c.rollout.weight_sync = "full"  # publish: "full" dense copy | "sparse" SparseRL-Sync delta (bit-identical copy)
   c.rollout.replay = ml_collections.ConfigDict()  # experience replay of groups (sync / fixed_lag modes)

@@ -122,6 +122,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(c.rollout.weight_sync != "sparse" or (n_mesh == 1 and not n_sampler), "rollout.weight_sync",
         c.rollout.weight_sync, "sparse sync rebuilds the sampler copy in the learner's layout: use 'full' with a "
         "multi-device config.mesh or rollout.sampler_devices")
+  _validate_slots(c, n_mesh, n_sampler)
   _validate_replay(c)
   _validate_serve(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
@@ -413,6 +414,29 @@ RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep"
 ENV_FIELDS = ("name", "kwargs", "max_turns", "turn_tokens", "max_episode_tokens", "timeout_s", "prompt_width",
               "newest_each_turn", "kv_cache", "evict", "context_budget", "keep_last_turns")
 EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evict`)
+
+
+def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -> None:
+  """`rollout.slots` / `rollout.slot_chunk`: continuous batching (`sampling.continuous`) of single completions in
+  the sources that generate whole steps with one snapshot, on one device, with the full KV cache."""
+  slots, chunk = c.rollout.get("slots", 0), c.rollout.get("slot_chunk", 8)
+  _need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "rollout.slots", slots,
+        "must be an int >= 0 (0 = off)")
+  _need(isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1, "rollout.slot_chunk", chunk,
+        "must be an int >= 1")
+  if not slots:
+    return
+  _need(c.rollout.mode in ("sync", "fixed_lag", "staged"), "rollout.slots", slots,
+        f"continuous batching runs in the sync, fixed_lag and staged sources, not rollout.mode={c.rollout.mode!r}")
+  _need(not env_on(c), "rollout.slots", slots, "continuous batching generates single completions, not episodes")
+  _need(c.sampler.get("kv_cache", "full") == "full", "rollout.slots", slots,
+        f"continuous batching decodes with sampler.kv_cache='full', not {c.sampler.get('kv_cache')!r}")
+  for f in ("behavior_topk", "mc_samples"):
+    _need(not c.sampler.get(f, 0), "rollout.slots", slots, f"continuous batching does not record sampler.{f}")
+  _need(not (c.model.get("num_experts", 0) and c.model.get("routing_replay", False)), "rollout.slots", slots,
+        "continuous batching does not keep an MoE sampler's routes: turn model.routing_replay off")
+  _need(n_mesh == 1 and not n_sampler, "rollout.slots", slots,
+        "continuous batching runs on one device: no multi-device config.mesh or rollout.sampler_devices")
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:

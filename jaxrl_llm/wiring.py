@@ -326,7 +326,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   sampler_model_cfg, samp_cfg = dataclasses.replace(model_cfg, dtype=c.sampler.dtype), sampler_config(c, tokenizer=encoder.tokenizer)
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
-                   keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("mesh"))
+                   keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("mesh"),
+                   slots=c.rollout.get("slots", 0), slot_chunk=c.rollout.get("slot_chunk", 8))
   return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,

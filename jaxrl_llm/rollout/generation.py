@@ -10,17 +10,27 @@ generate their own way (partial rollouts switch parameters mid-sequence) and cal
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import collect
-from jaxrl_llm.sampling import behavior, generate
+from jaxrl_llm.sampling import behavior, continuous, generate
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import RewardPolicy
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def request_keys(key, n: int):
+  """One sampling key per request: request r draws its column t with `fold_in(fold_in(key, r), t)`, so its tokens
+  do not depend on where it is decoded (continuous batching, `sampling.continuous`)."""
+  return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +39,8 @@ class Generation:
 
   `train_examples`: the prompts' examples; `width`: the prompt bucket P; `model_cfg`: the sampler's model
   config (its dtype); `key_root`: the root of every sampling key; `keep_routes`: an MoE sampler's expert
-  ids travel with the record (routing replay, R3); `mesh`: None (one device) or the sampler's mesh.
+  ids travel with the record (routing replay, R3); `mesh`: None (one device) or the sampler's mesh;
+  `slots` > 0: `sample` decodes with continuous batching (`sampling.continuous`, `slot_chunk` steps per chunk).
   """
   task: Any
   train_examples: Any
@@ -42,6 +53,8 @@ class Generation:
   reward: RewardPolicy = RewardPolicy()
   keep_routes: bool = False
   mesh: Any = None
+  slots: int = 0
+  slot_chunk: int = 8
 
   def step_prompts(self, steps: list[int], n: int, group_size: int, call: int = 0) -> collect.Prompts:
     """The prompts of learner steps `steps` (n each, a pure function of (seed, step, call)), each
@@ -57,7 +70,14 @@ class Generation:
     return fold_in(key, call) if call else key
 
   def sample(self, params, prompts: collect.Prompts, key) -> tuple[dict, np.ndarray | None]:
-    """(sampler output as host arrays, row owners or None): `sampling.generate` on the mesh, if any."""
+    """(sampler output as host arrays, row owners or None): `sampling.generate` on the mesh, if any; with
+    `slots` > 0 the slot engine (one device), request r drawing with `fold_in(key, r)` (`request_keys`)."""
+    if self.slots:
+      if self.mesh is not None:
+        raise ValueError("continuous batching (rollout.slots) runs on one device, not on a sampler mesh")
+      out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
+                                      self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
+      return {k: v for k, v in out.items() if k not in ("slot_steps", "live_steps")}, None
     return multiprocess.generate_on_mesh(generate, params, prompts.tokens_BP, prompts.len_B, key,  # numpy: no eager put
                                          self.model_cfg, self.sampler_cfg, self.mesh)
 

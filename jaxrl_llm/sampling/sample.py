@@ -48,6 +48,21 @@ def predraw_noise(key: Array, steps: int, shape: tuple[int, int]) -> Array:
   return jax.vmap(lambda n: step_noise(key, n, shape))(jnp.arange(steps))
 
 
+def is_row_keys(key: Array) -> bool:
+  """Whether `key` holds one key per row (raw uint32 [B, 2] or typed [B]) rather than one key for the batch."""
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  return key.ndim == (1 if typed else 2)
+
+
+def row_noise(keys_B: Array, steps_B: Array, width: int) -> Array:
+  """[B, width] Gumbel noise: row b is `gumbel(fold_in(keys_B[b], steps_B[b]), (width,))`.
+
+  Why: with one key per request, token t of a request depends only on (its key, t), not on the batch it
+  shares or the row it sits in; continuous batching (`sampling.continuous`) relies on it to refill rows.
+  """
+  return jax.vmap(lambda k, t: jax.random.gumbel(jax.random.fold_in(k, t), (width,), jnp.float32))(keys_B, steps_B)
+
+
 def _logp_at(logits_BV: Array, ids_B: Array) -> Array:
   return jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), ids_B[:, None], axis=-1)[:, 0]
 

@@ -23,7 +23,8 @@ from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidde
                                           stack_cache)
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sample import PREDRAW_MAX_ELEMENTS, noise_shape, predraw_noise, sample_token
+from jaxrl_llm.sampling.sample import (PREDRAW_MAX_ELEMENTS, is_row_keys, noise_shape, predraw_noise, row_noise,
+                                       sample_token)
 
 Array = jax.Array
 
@@ -120,15 +121,20 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   into the carry's arrays of those names (`behavior.init_records`).
 
   `noise_NBK`: that key's Gumbel noise for every column, drawn before the loop (`predraw_noise`);
-  None draws it here. The tokens are the same either way.
+  None draws it here. The tokens are the same either way. `key` may hold one key per row (`sample.is_row_keys`):
+  row b's column n then draws with `fold_in(key[b], n)` (`sample.row_noise`); μ's records need one key.
   """
   step = carry["step"]
   gumbel_BK = None if noise_NBK is None else jax.lax.dynamic_index_in_dim(noise_NBK, step, keepdims=False)
-  token_B, logp_B = sample_token(logits_BV, jax.random.fold_in(key, step), sampler_cfg, gumbel_BK)
+  if gumbel_BK is None and is_row_keys(key):  # one key per row: row b's column n draws with fold_in(key_b, n)
+    shape = noise_shape(key.shape[0], logits_BV.shape[-1], sampler_cfg)
+    gumbel_BK = None if shape is None else row_noise(key, jnp.full((key.shape[0],), step, jnp.int32), shape[1])
+  step_key = None if is_row_keys(key) else jax.random.fold_in(key, step)  # per-row keys: the noise is drawn above
+  token_B, logp_B = sample_token(logits_BV, step_key, sampler_cfg, gumbel_BK)
   live_B = ~carry["done_B"]
   recs = {}
   if sampler_cfg.records:  # μ's top-k / Monte-Carlo candidates (`behavior`), only when asked
-    recs = behavior.record(logits_BV, token_B, logp_B, jax.random.fold_in(key, step), sampler_cfg)
+    recs = behavior.record(logits_BV, token_B, logp_B, step_key, sampler_cfg)
     recs = behavior.write_column(carry, recs, step, live_B, sampler_cfg.pad_id)
   token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
   return {
@@ -184,6 +190,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     rounding; a batch whose groups differ falls back to prefilling every row.
   - Step n draws with key `fold_in(key, n)`: no key is reused across steps. When the noise of all N
     steps is small (`sample.PREDRAW_MAX_ELEMENTS`) it is drawn before the decode loop, same bits.
+    `key` of one key per row ([B, 2] raw / [B] typed): row b's step n draws its own noise with
+    `fold_in(key[b], n)`, so a row's tokens do not depend on its neighbours (`sampling.continuous`).
   - A completion ends with its first stop id (EOS, end-of-turn, ...: `sampler_cfg.stop_ids`), which is
     included in the mask; later columns hold pad_id with mask 0 and behaviour logp 0.
   - `behavior_logp` follows `sampling.sample.sample_token` (temperature applied; renormalised
@@ -218,7 +226,13 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
 
   shape = noise_shape(B, first_logits_BV.shape[-1], sampler_cfg)
   predraw = shape is not None and N * math.prod(shape) <= PREDRAW_MAX_ELEMENTS
-  noise_NBK = predraw_noise(key, N, shape) if predraw else None
+  if is_row_keys(key):
+    if sampler_cfg.records:
+      raise ValueError("generate: μ's top-k / Monte-Carlo records need one sampling key, not one per row")
+    draw = lambda n: row_noise(key, jnp.full((B,), n, jnp.int32), shape[1])
+    noise_NBK = jax.vmap(draw)(jnp.arange(N)) if predraw else None
+  else:
+    noise_NBK = predraw_noise(key, N, shape) if predraw else None
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg, noise_NBK)
 
   def decode(carry: dict) -> dict:

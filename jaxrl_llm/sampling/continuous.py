@@ -1,0 +1,328 @@
+"""Continuous batching: S decode slots over one KV cache; a finished slot is refilled with the next queued request.
+
+The static sampler (`sampler.generate`) decodes a whole batch until its longest row finishes, so with long-tailed
+completion lengths most row-steps decode rows that already stopped. Here a host loop runs jitted pieces:
+  - `decode_chunk`: up to C decode steps over all S slots (free and finished slots masked, segment 0);
+  - between chunks the finished requests leave (tokens, μ log-probs, per-token versions), the cache is shifted
+    left past slots no live request reads (`shift_cache`), and queued requests are prefilled into the free
+    slots (`prefill_slots`: a small batch of prompts written into those rows, their old slots cleared).
+
+Cache layout: the write index is shared by all rows (`models.cache`), so a request admitted when it stands at i
+holds its left-padded prompt in slots [i - P, i) and its completion column n in slot i + n: the same relative
+layout as `generate`'s (prompt at [0, P), column n at P + n), so attention sees the same keys at the same RoPE
+positions. Slots before a request's prompt hold segment 0 (cleared on admission), which its tokens never attend.
+The shift keeps the index within P + N + C slots however long the engine runs.
+
+Keys: every request carries its own key and draws column n with `fold_in(request_key, n)` (`sample.row_noise`),
+so its tokens depend neither on its slot nor on its neighbours; `generate` given the same keys, one per row,
+samples the same tokens (log-probs equal up to float rounding: the attention sums run over other slot widths).
+
+Versions: `poll(version)` is asked at every chunk boundary for newer (version, params); the next chunk and the
+prefills after it use them (an in-flight update stalls the slots for at most one chunk). The cache keeps the
+keys/values the old parameters wrote (PipelineRL), and each token records the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models.cache import init_cache, take_rows
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_cache
+from jaxrl_llm.sampling.config import SamplerConfig
+from jaxrl_llm.sampling.sample import noise_shape, row_noise, sample_token
+from jaxrl_llm.sampling.sampler import _prefill_rows, is_stop, prompt_layout
+
+Array = jax.Array
+# poll(current_version) -> (newer_version, params) or None
+Poll = Callable[[Any], Any]
+
+# Slot (sequence) axis of every per-row cache entry; "index" is shared by all rows.
+_SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "segment_ids_BS": 1, "routes_LBSk": 2}
+
+
+def check_supported(sampler_cfg: SamplerConfig) -> None:
+  """Raises ValueError for the sampler settings the slot engine does not implement."""
+  if sampler_cfg.kv_cache != "full":
+    raise ValueError(f"continuous batching decodes with sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
+  if sampler_cfg.records:
+    raise ValueError("continuous batching does not record μ's top-k or Monte-Carlo candidates (sampler.behavior_topk="
+                     f"{sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples})")
+
+
+def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
+  """(token_S, logp_S): each row's column `step_S` drawn with `fold_in(keys_S[row], step_S[row])`."""
+  shape = noise_shape(*logits_SV.shape, sampler_cfg)
+  gumbel_SK = None if shape is None else row_noise(keys_S, step_S, shape[1])
+  return sample_token(logits_SV, None, sampler_cfg, gumbel_SK)
+
+
+def _write_column(buf_SN: Array, value_S: Array, col_S: Array, live_S: Array) -> Array:
+  """`buf_SN` with row s's column `col_S[s]` set to `value_S[s]` where `live_S[s]`."""
+  hit_SN = live_S[:, None] & (jnp.arange(buf_SN.shape[1])[None, :] == col_S[:, None])
+  return jnp.where(hit_SN, value_S[:, None].astype(buf_SN.dtype), buf_SN)
+
+
+def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, width: int, chunk: int,
+               key_like: Array) -> dict:
+  """The engine's device state with every slot free: a cache of P + N + C slots whose write index stands at P
+  (room for the first prompts), and per slot its next column `step_S`, prompt length `start_S` (completion
+  column n sits at RoPE position start + n), key, live / stopped flags, logits of its next column and its
+  output columns (tokens, μ log-probs, mask, versions)."""
+  N = sampler_cfg.max_new_tokens
+  cache = init_cache(model_cfg, slots, width + N + chunk)
+  cache["index"] = jnp.asarray(width, jnp.int32)
+  return {
+      "cache": cache,
+      "step_S": jnp.zeros((slots,), jnp.int32),
+      "start_S": jnp.zeros((slots,), jnp.int32),
+      "keys_S": jnp.broadcast_to(key_like[:1], (slots,) + key_like.shape[1:]),
+      "live_S": jnp.zeros((slots,), bool),
+      "stopped_S": jnp.zeros((slots,), bool),
+      "logits_SV": jnp.zeros((slots, model_cfg.vocab_size), jnp.float32),
+      "tokens_SN": jnp.full((slots, N), sampler_cfg.pad_id, jnp.int32),
+      "logp_SN": jnp.zeros((slots, N), jnp.float32),
+      "mask_SN": jnp.zeros((slots, N), jnp.float32),
+      "versions_SN": jnp.zeros((slots, N), jnp.int32),
+  }
+
+
+def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig) -> dict:
+  """Samples every live slot's next column from `logits_SV`, writes it, and retires rows that emitted a stop id
+  or filled their N columns."""
+  live_S, step_S = state["live_S"], state["step_S"]
+  token_S, logp_S = _draw(state["logits_SV"], state["keys_S"], step_S, sampler_cfg)
+  token_S = jnp.where(live_S, token_S, sampler_cfg.pad_id).astype(jnp.int32)
+  stop_S = live_S & is_stop(token_S, sampler_cfg.stop_ids)
+  return {
+      **state,
+      "tokens_SN": _write_column(state["tokens_SN"], token_S, step_S, live_S),
+      "logp_SN": _write_column(state["logp_SN"], logp_S, step_S, live_S),
+      "mask_SN": _write_column(state["mask_SN"], jnp.ones_like(logp_S), step_S, live_S),
+      "versions_SN": _write_column(state["versions_SN"], jnp.broadcast_to(version, step_S.shape), step_S, live_S),
+      "stopped_S": state["stopped_S"] | stop_S,
+      "live_S": live_S & ~stop_S & (step_S + 1 < sampler_cfg.max_new_tokens),
+      "step_S": step_S + live_S.astype(jnp.int32),
+  }
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk"), donate_argnames=("state",))
+def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
+                 chunk: int) -> tuple[dict, Array]:
+  """Up to `chunk` decode steps over all slots (fewer once no slot is live): each feeds every live slot's last
+  sampled token at its position, then samples its next column. Returns (state, steps run)."""
+  version = jnp.asarray(version, jnp.int32)
+  decode_params, cache = decode_view(params, state["cache"], model_cfg)
+
+  def step(carry: tuple[dict, Array]) -> tuple[dict, Array]:
+    st, i = carry
+    live_S, prev_S = st["live_S"], jnp.maximum(st["step_S"] - 1, 0)
+    token_S1 = jnp.take_along_axis(st["tokens_SN"], prev_S[:, None], axis=1)
+    logits_S1V, cache = forward_with_cache(decode_params, token_S1, st["cache"], model_cfg,
+                                           positions_BT=(st["start_S"] + prev_S)[:, None],
+                                           segment_ids_BT=live_S[:, None].astype(jnp.int32))
+    st = {**st, "cache": cache, "logits_SV": jnp.where(live_S[:, None], logits_S1V[:, 0], st["logits_SV"])}
+    return _emit(st, version, sampler_cfg), i + 1
+
+  def keep_going(carry: tuple[dict, Array]) -> Array:
+    return (carry[1] < chunk) & jnp.any(carry[0]["live_S"])
+
+  state, steps = jax.lax.while_loop(keep_going, step, ({**state, "cache": cache}, jnp.zeros((), jnp.int32)))
+  return {**state, "cache": stack_cache(state["cache"])}, steps
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"), donate_argnames=("state",))
+def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt_uP: Array, len_u: Array,
+                  keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """Admits k requests into slots `rows_k` (a row index >= S pads the bucket and is dropped): prefills the u
+  distinct left-padded prompts once each (request i holds prompt `src_k[i]`: the G rows of a GRPO group admitted
+  together share one prefill), writes the keys/values into slots [index - P, index) of those rows (the rest of
+  the row cleared to segment 0), and samples their column 0 with `version`."""
+  P = prompt_uP.shape[1]
+  positions_uP, segment_ids_uP = prompt_layout(len_u, P)
+  prompt_uP = jnp.where(segment_ids_uP > 0, prompt_uP, sampler_cfg.pad_id).astype(jnp.int32)
+  small, logits_uV = _prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P)
+  small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
+  cache, at = state["cache"], state["cache"]["index"] - P
+  new_cache = {"index": cache["index"]}
+  for name, x in cache.items():
+    if name == "index":
+      continue
+    ax = _SLOT_AXIS[name]
+    row_ax = ax - 1
+    fresh = jnp.zeros(small[name].shape[:ax] + (x.shape[ax],) + small[name].shape[ax + 1:], x.dtype)
+    fresh = jax.lax.dynamic_update_slice_in_dim(fresh, small[name].astype(x.dtype), at, axis=ax)
+    idx = (slice(None),) * row_ax + (rows_k,)
+    new_cache[name] = x.at[idx].set(fresh, mode="drop")
+  N = sampler_cfg.max_new_tokens
+  put = lambda buf, val: buf.at[rows_k].set(val, mode="drop")
+  k = rows_k.shape[0]
+  admitted = {
+      **state,
+      "cache": new_cache,
+      "step_S": put(state["step_S"], jnp.zeros((k,), jnp.int32)),
+      "start_S": put(state["start_S"], len_k.astype(jnp.int32)),
+      "keys_S": put(state["keys_S"], keys_k),
+      "live_S": put(state["live_S"], jnp.ones((k,), bool)),
+      "stopped_S": put(state["stopped_S"], jnp.zeros((k,), bool)),
+      "logits_SV": put(state["logits_SV"], logits_kV),
+      "tokens_SN": put(state["tokens_SN"], jnp.full((k, N), sampler_cfg.pad_id, jnp.int32)),
+      "logp_SN": put(state["logp_SN"], jnp.zeros((k, N), jnp.float32)),
+      "mask_SN": put(state["mask_SN"], jnp.zeros((k, N), jnp.float32)),
+      "versions_SN": put(state["versions_SN"], jnp.zeros((k, N), jnp.int32)),
+  }
+  # Column 0 of the admitted rows only: the other live rows sample theirs in the next chunk.
+  only_S = jnp.zeros_like(state["live_S"]).at[rows_k].set(True, mode="drop")
+  emitted = _emit({**admitted, "live_S": only_S}, jnp.asarray(version, jnp.int32), sampler_cfg)
+  keep = lambda a, b: jnp.where(only_S.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  out = {name: keep(emitted[name], admitted[name]) for name in
+         ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S")}
+  return {**admitted, **out, "live_S": jnp.where(only_S, emitted["live_S"], admitted["live_S"])}
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def shift_cache(cache: dict, d: Array) -> dict:
+  """The cache with every row's slots moved d to the left (slots [0, d) dropped, cleared slots enter at the
+  right) and the write index moved back by d: frees room once no live request reads slots [0, d)."""
+  out = {"index": cache["index"] - d}
+  for name, x in cache.items():
+    if name == "index":
+      continue
+    ax, W = _SLOT_AXIS[name], x.shape[_SLOT_AXIS[name]]
+    rolled = jnp.roll(x, -d, axis=ax)
+    if name == "segment_ids_BS":  # the wrapped-in slots are empty
+      rolled = jnp.where(jnp.arange(W)[None, :] < W - d, rolled, 0)
+    out[name] = rolled
+  return out
+
+
+def _distinct_prompts(prompt_kP: np.ndarray, len_k: np.ndarray) -> tuple[list[int], np.ndarray]:
+  """(the first request of each distinct prompt, each request's distinct-prompt number); a prompt is its real
+  tokens (the pads of a left-padded row do not count)."""
+  number, firsts, src = {}, [], []
+  P = prompt_kP.shape[1]
+  for i, n in enumerate(len_k):
+    key = prompt_kP[i, P - int(n):].tobytes()
+    if key not in number:
+      number[key] = len(firsts)
+      firsts.append(i)
+    src.append(number[key])
+  return firsts, np.asarray(src)
+
+
+def _bucket(k: int, slots: int) -> int:
+  """Prefill batch for k admissions: the next power of two, at most the slot count (few compilations)."""
+  return min(slots, 1 << (k - 1).bit_length())
+
+
+def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, model_cfg: ModelConfig,
+                   sampler_cfg: SamplerConfig, *, slots: int, chunk: int, version: int = 0,
+                   poll: Poll | None = None) -> dict:
+  """Samples up to N = `sampler_cfg.max_new_tokens` tokens after each of R left-padded prompts with S = `slots`
+  decode slots, refilling a slot with the next queued request (in request order) once its request finished.
+
+  `keys_R`: one key per request (column n draws with `fold_in(keys_R[r], n)`); `chunk`: decode steps between
+  boundaries (finished rows leave, free slots refill, `poll(version)` may hand newer (version, params)).
+  Returns host arrays in request order with `generate`'s keys (tokens_BN, mask_BN, behavior_logp_BN, lengths_B,
+  finished_B, sequence_BT, positions_BT, segment_ids_BT, completion_mask_BT) plus versions_BN (the version that
+  sampled each token), and the counters slot_steps (S × decode steps run) and live_steps (the slot-steps that
+  decoded an unfinished request; 1 - live/slot is the share wasted on free or finished slots).
+  """
+  check_supported(sampler_cfg)
+  if slots < 1 or chunk < 1:
+    raise ValueError(f"generate_slots: slots={slots} and chunk={chunk} must be >= 1")
+  prompt_RP, len_R = np.asarray(prompt_tokens_RP, np.int32), np.asarray(prompt_len_R, np.int32)
+  R, P = prompt_RP.shape
+  N = sampler_cfg.max_new_tokens
+  out = {"tokens_BN": np.full((R, N), sampler_cfg.pad_id, np.int32), "mask_BN": np.zeros((R, N), np.float32),
+         "behavior_logp_BN": np.zeros((R, N), np.float32), "versions_BN": np.zeros((R, N), np.int32),
+         "finished_B": np.zeros((R,), bool)}
+  if R == 0:
+    return _assemble(out, prompt_RP, len_R, sampler_cfg, 0, 0)
+  state = init_state(model_cfg, sampler_cfg, slots, P, chunk, keys_R)
+  queue, owner_S, base_S = deque(range(R)), np.full((slots,), -1), np.zeros((slots,), np.int64)
+  index, slot_steps, live_steps = P, 0, 0
+  while True:
+    free = np.flatnonzero(owner_S < 0)
+    take = min(len(free), len(queue))
+    if take:
+      reqs = [queue.popleft() for _ in range(take)]
+      state = _admit(params, state, free[:take], reqs, prompt_RP, len_R, keys_R, version, model_cfg, sampler_cfg)
+      owner_S[free[:take]], base_S[free[:take]] = reqs, index - P
+    if not (owner_S >= 0).any():
+      break
+    if np.asarray(state["live_S"]).any():
+      step_before = int(np.asarray(state["step_S"]).sum())
+      state, steps = decode_chunk(params, state, version, model_cfg, sampler_cfg, chunk)
+      index, slot_steps = index + int(steps), slot_steps + slots * int(steps)
+      live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
+    _harvest(state, owner_S, out)
+    held = owner_S >= 0
+    d = min([index - P] + ([int(base_S[held].min())] if held.any() else []))
+    if d > 0:  # no live request reads slots [0, d) any more
+      state["cache"] = shift_cache(state["cache"], jnp.asarray(d, jnp.int32))
+      index -= d
+      base_S[held] -= d
+    newer = poll(version) if poll is not None else None
+    if newer is not None:
+      version, params = newer
+  return _assemble(out, prompt_RP, len_R, sampler_cfg, slot_steps, live_steps)
+
+
+def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list[int], prompt_RP: np.ndarray, len_R: np.ndarray,
+           keys_R: Array, version: int, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """`prefill_slots` of requests `reqs` into free slots `rows`, padded to power-of-two buckets (of requests and
+  of distinct prompts) so that a run compiles it a few times only."""
+  S, take = state["live_S"].shape[0], len(reqs)
+  kb = _bucket(take, S)
+  uniq, src = _distinct_prompts(prompt_RP[reqs], len_R[reqs])
+  ub = _bucket(len(uniq), S)
+  u_pick = np.asarray([reqs[i] for i in uniq] + [reqs[0]] * (ub - len(uniq)))
+  rows_k = np.concatenate([rows, np.full((kb - take,), S)]).astype(np.int32)  # row S: a dropped pad
+  src_k = np.concatenate([src, np.zeros((kb - take,), np.int64)]).astype(np.int32)
+  pick = np.asarray(reqs + [reqs[0]] * (kb - take))
+  return prefill_slots(params, state, rows_k, src_k, prompt_RP[u_pick], len_R[u_pick], keys_R[pick], version,
+                       model_cfg, sampler_cfg)
+
+
+def _harvest(state: dict, owner_S: np.ndarray, out: dict) -> None:
+  """Copies the columns of every held slot whose request finished into its request's rows of `out` and frees the
+  slot (`owner_S` -1)."""
+  done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]))
+  if not len(done):
+    return
+  host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S")})
+  r = owner_S[done]
+  out["tokens_BN"][r], out["behavior_logp_BN"][r] = host["tokens_SN"][done], host["logp_SN"][done]
+  out["mask_BN"][r], out["versions_BN"][r] = host["mask_SN"][done], host["versions_SN"][done]
+  out["finished_B"][r] = host["stopped_S"][done]
+  owner_S[done] = -1
+
+
+def _assemble(out: dict, prompt_RP: np.ndarray, len_R: np.ndarray, sampler_cfg: SamplerConfig, slot_steps: int,
+              live_steps: int) -> dict:
+  """The per-request columns completed with `generate`'s sequence layout (host arrays) and the counters."""
+  R, P = prompt_RP.shape
+  N = out["mask_BN"].shape[1]
+  first_R = P - len_R
+  col_P = np.arange(P)
+  real_RP = col_P[None, :] >= first_R[:, None]
+  positions_RP = np.where(real_RP, col_P[None, :] - first_R[:, None], 0).astype(np.int32)
+  prompt_RP = np.where(real_RP, prompt_RP, sampler_cfg.pad_id).astype(np.int32)
+  mask_RN = out["mask_BN"]
+  return {
+      **out,
+      "lengths_B": mask_RN.sum(axis=1).astype(np.int32),
+      "sequence_BT": np.concatenate([prompt_RP, out["tokens_BN"]], axis=1),
+      "positions_BT": np.concatenate([positions_RP, (len_R[:, None] + np.arange(N)[None, :]).astype(np.int32)], 1),
+      "segment_ids_BT": np.concatenate([real_RP.astype(np.int32), mask_RN.astype(np.int32)], axis=1),
+      "completion_mask_BT": np.concatenate([np.zeros((R, P), np.float32), mask_RN], axis=1),
+      "slot_steps": slot_steps,
+      "live_steps": live_steps,
+  }

@@ -1,0 +1,189 @@
+"""Continuous batching (`sampling.continuous`): per request the same tokens and μ as `generate` with the same
+per-request keys, whatever the slot count; a publish between chunks; a loop run with `rollout.slots` on."""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import loop
+from jaxrl_llm.config import ConfigError, load_file, validate
+from jaxrl_llm.metrics import read_jsonl
+from jaxrl_llm.models import ModelConfig, init_params, token_logprobs
+from jaxrl_llm.sampling import SamplerConfig, continuous, generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+R, P, N = 9, 5, 12
+# Several stop ids of a 32-token vocabulary: completions end early for some requests, run to N for others.
+SC = SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=1.0)
+PROMPTS = np.asarray(jax.random.randint(jax.random.key(1), (R, P), 4, 32))
+PROMPT_LEN = np.array([5, 2, 3, 1, 4, 5, 2, 3, 5])
+KEYS = jax.random.split(jax.random.key(3), R)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def random_params(seed):
+  """Weights scaled up from init so next-token distributions are far from uniform."""
+  scale = lambda path, x: x if "norm" in jax.tree_util.keystr(path) else 3.0 * x
+  return jax.tree_util.tree_map_with_path(scale, init_params(CFG, jax.random.key(seed)))
+
+
+OLD = random_params(0)
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _score(params, seq_BT, positions_BT, segment_ids_BT, temperature):
+  return token_logprobs(params, seq_BT[:, :-1], seq_BT[:, 1:], CFG, positions_BT=positions_BT[:, :-1],
+                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature)["logp_BT"][:, P - 1:]
+
+
+def learner_logp(params, out, sc):
+  """Learner scores of the completion tokens given their prefix (recipe of the `generate` docstring)."""
+  return np.asarray(_score(params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], sc.temperature))
+
+
+@pytest.mark.parametrize("slots,chunk,sc", [(3, 2, SC), (4, 5, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3),
+                                                                             temperature=0.7, top_k=8))])
+def test_per_request_equals_static_path_with_the_same_keys(slots, chunk, sc):
+  ref = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, sc))
+  lengths = ref["lengths_B"]
+  assert lengths.min() <= 3 and lengths.max() == N and len(set(lengths.tolist())) >= 4, lengths  # a long tail
+  out = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, sc, slots=slots, chunk=chunk)
+  for name in ("tokens_BN", "mask_BN", "lengths_B", "finished_B", "sequence_BT", "positions_BT", "segment_ids_BT",
+               "completion_mask_BT"):
+    np.testing.assert_array_equal(out[name], ref[name], err_msg=name)
+  np.testing.assert_allclose(out["behavior_logp_BN"], ref["behavior_logp_BN"], atol=2e-5)
+  if not sc.truncated:  # μ is the full tempered distribution's: the learner's scores
+    np.testing.assert_allclose(out["behavior_logp_BN"] * out["mask_BN"], learner_logp(OLD, out, sc) * out["mask_BN"],
+                               atol=2e-5)
+  assert np.all(out["versions_BN"] == 0)
+  # Every sampled column after column 0 (drawn at prefill) took one live slot-step; the rest were wasted.
+  assert out["live_steps"] == int(lengths.sum()) - R
+  assert out["live_steps"] <= out["slot_steps"] and out["slot_steps"] % slots == 0
+
+
+def test_generate_with_one_key_per_row_draws_each_row_alone():
+  """`generate` given one key per row: each row's tokens and μ equal a batch of that row alone with its key."""
+  out = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC))
+  for r in (0, 4, 7):
+    one = jax.device_get(generate(OLD, PROMPTS[r:r + 1], PROMPT_LEN[r:r + 1], KEYS[r:r + 1], CFG, SC))
+    np.testing.assert_array_equal(one["tokens_BN"][0], out["tokens_BN"][r])
+    np.testing.assert_allclose(one["behavior_logp_BN"][0], out["behavior_logp_BN"][r], atol=2e-5)
+  with pytest.raises(ValueError, match="one sampling key"):
+    generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, behavior_topk=2))
+
+
+def test_tokens_depend_on_the_request_key_only():
+  """A request keeps its tokens when its neighbours change (other prompts, other keys, other order)."""
+  out = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=3, chunk=2)
+  order = np.array([4, 0, 8, 2])
+  sub = continuous.generate_slots(OLD, PROMPTS[order], PROMPT_LEN[order], KEYS[order], CFG, SC, slots=3, chunk=2)
+  np.testing.assert_array_equal(sub["tokens_BN"], out["tokens_BN"][order])
+  other = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, jax.random.split(jax.random.key(4), R), CFG, SC,
+                                    slots=3, chunk=2)
+  assert not np.array_equal(other["tokens_BN"], out["tokens_BN"])
+
+
+def test_publish_between_chunks_switches_version_and_scoring():
+  """A newer version handed at the first boundary: the first chunk's tokens keep version 0 and μ of OLD, every
+  later token carries version 1 and μ of NEW. NEW differs from OLD in the final norm only, which no cached key or
+  value depends on, so the learner's full forward under NEW scores exactly what the engine sampled from."""
+  new = {**OLD, "final_norm": OLD["final_norm"] * 1.7}
+  calls = []
+
+  def poll(version):
+    calls.append(version)
+    return (1, new) if len(calls) == 1 else None
+
+  chunk, slots = 3, 3
+  out = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=slots, chunk=chunk, poll=poll)
+  mask, versions = out["mask_BN"] > 0, out["versions_BN"]
+  assert calls[:2] == [0, 1]
+  # The first `slots` requests: column 0 (prefill) and `chunk` decode steps with OLD, the rest with NEW.
+  for r in range(slots):
+    n = int(mask[r].sum())
+    np.testing.assert_array_equal(versions[r][:n], (np.arange(n) > chunk).astype(np.int32))
+  assert np.all(versions[slots:][mask[slots:]] == 1)
+  assert (versions[mask] == 0).any() and (versions[mask] == 1).any()
+  logp_old, logp_new = learner_logp(OLD, out, SC), learner_logp(new, out, SC)
+  mu = out["behavior_logp_BN"]
+  np.testing.assert_allclose(mu[mask & (versions == 0)], logp_old[mask & (versions == 0)], atol=2e-5)
+  np.testing.assert_allclose(mu[mask & (versions == 1)], logp_new[mask & (versions == 1)], atol=2e-5)
+  assert np.abs(logp_old - logp_new)[mask & (versions == 1)].max() > 1e-3  # the two versions do differ there
+
+
+def test_unsupported_settings_raise():
+  with pytest.raises(ValueError, match="kv_cache"):
+    continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, kv_cache="int8"),
+                              slots=2, chunk=2)
+  with pytest.raises(ValueError, match="slots"):
+    continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=0, chunk=2)
+
+
+def tiny(**over):
+  c = load_file(os.path.join(ROOT, "configs", "tiny.py"))
+  c.log.tensorboard = False
+  c.sft.steps, c.eval.every = 20, 100  # short: these tests check layouts and resumes, not learning
+  for k, v in over.items():
+    sec, key = k.split("__")
+    c[sec][key] = v
+  return c
+
+
+@pytest.mark.parametrize("field,value,match", [("slots", -1, "rollout.slots"), ("slot_chunk", 0, "rollout.slot_chunk")])
+def test_config_refuses_bad_slot_fields(field, value, match):
+  with pytest.raises(ConfigError, match=match):
+    validate(tiny(**{f"rollout__{field}": value}))
+
+
+def test_config_refuses_slots_in_async_and_with_records():
+  with pytest.raises(ConfigError, match="rollout.slots"):
+    validate(tiny(rollout__slots=4, rollout__mode="async"))
+  with pytest.raises(ConfigError, match="rollout.slots"):
+    validate(tiny(rollout__slots=4, sampler__behavior_topk=4))
+
+
+def test_sync_loop_with_slots_trains_with_the_same_record_layout(tmp_path):
+  """Two sync steps with continuous batching: finite losses, and the metrics rows carry the static run's fields."""
+  static, slots = tiny(), tiny(rollout__slots=4, rollout__slot_chunk=3)
+  for c in (static, slots):
+    c.num_steps, c.loss.entropy_coef = 2, 0.01  # a gradient even when every reward of a group is equal
+  a = loop.run(static, str(tmp_path / "static"))
+  b = loop.run(slots, str(tmp_path / "slots"))
+  assert [sorted(r) for r in b] == [sorted(r) for r in a]
+  assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in b)
+
+
+@pytest.mark.slow  # three short runs: ~40 s on one core
+def test_fixed_lag_with_slots_resumes_exactly(tmp_path):
+  """fixed_lag (k = 1) with slots: a run stopped after 2 steps and continued to 3 equals the uninterrupted one."""
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=1, rollout__slots=3, rollout__slot_chunk=2, optim__lr=1e-2,
+           optim__warmup_steps=0)
+  c.loss.entropy_coef = 0.01
+  c.num_steps = 3
+  whole = loop.run(c, str(tmp_path / "whole"))
+  c.num_steps = 2
+  loop.run(c, str(tmp_path / "split"))
+  c.num_steps = 3
+  loop.run(c, str(tmp_path / "split"))
+  # A run's last step also evaluates: the split run's step 1 row carries eval fields the whole run's lacks.
+  strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "eval_"))} for r in rows]
+  assert all(r["grad_norm"] > 0 for r in whole)
+  assert strip(read_jsonl(str(tmp_path / "split" / "metrics.jsonl"))) == strip(whole)
+
+
+def test_a_group_shares_its_prefill_and_keeps_its_tokens():
+  """Requests with one prompt (a GRPO group, admitted together) are prefilled once: the same tokens and μ as
+  `generate` prefilling every row, and the distinct-prompt map the engine uses."""
+  G = 3
+  prompts, lens = np.repeat(PROMPTS[:3], G, 0), np.repeat(PROMPT_LEN[:3], G)
+  firsts, src = continuous._distinct_prompts(prompts[:4], lens[:4])
+  assert firsts == [0, 3] and src.tolist() == [0, 0, 0, 1]
+  ref = jax.device_get(generate(OLD, prompts, lens, KEYS, CFG, SC))
+  out = continuous.generate_slots(OLD, prompts, lens, KEYS, CFG, SC, slots=4, chunk=3)
+  np.testing.assert_array_equal(out["tokens_BN"], ref["tokens_BN"])
+  np.testing.assert_allclose(out["behavior_logp_BN"], ref["behavior_logp_BN"], atol=2e-5)
