@@ -184,3 +184,41 @@ def test_rejections():
 def test_auto_gamma_shrinks_with_the_batch():
   gammas = [spec.auto_gamma(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
   assert gammas == sorted(gammas, reverse=True) and gammas[0] >= 2 and gammas[-1] == 0
+
+
+def test_sampler_config_fields_and_generate_dispatch():
+  """`SamplerConfig.spec_gamma` routes `sampling.generate` through speculative decoding ("auto": γ by batch size),
+  with the same greedy tokens and the spec_* metrics; bad values name the field."""
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
+  lens = jnp.array([4, 2], jnp.int32)
+  plain = generate(PARAMS, prompts, lens, jax.random.key(0), CFG, SamplerConfig(max_new_tokens=7, temperature=0.0))
+  for gamma in (2, "auto"):
+    cfg = SamplerConfig(max_new_tokens=7, temperature=0.0, spec_gamma=gamma, spec_draft_layers=1)
+    out = generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg)
+    np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(plain["tokens_BN"]))
+    assert 0.0 <= float(out["spec_accept_rate"]) <= 1.0 and float(out["spec_tokens_per_call"]) >= 1.0
+  assert "spec_calls" not in plain
+  for bad, needle in [(dict(spec_gamma=-1), "spec_gamma"), (dict(spec_gamma="big"), "spec_gamma"),
+                      (dict(spec_gamma=2), "spec_draft_layers"),
+                      (dict(spec_gamma=2, spec_draft_layers=1, mc_samples=2), "spec_gamma"),
+                      (dict(spec_gamma=2, spec_draft_layers=1, kv_cache="int8"), "spec_gamma")]:
+    with pytest.raises(ValueError, match=needle):
+      SamplerConfig(max_new_tokens=4, **bad)
+
+
+def test_run_config_validation_names_the_field():
+  import os
+  from jaxrl_llm import config as config_lib, wiring
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for over, needle in [({"spec_gamma": 2}, "config.sampler.spec_draft_layers=0"),
+                       ({"spec_gamma": -2, "spec_draft_layers": 1}, "config.sampler.spec_gamma=-2"),
+                       ({"spec_gamma": 2, "spec_draft_layers": 1, "behavior_topk": 2}, "config.sampler.spec_gamma=2")]:
+    c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
+    c.sampler.update(over)
+    with pytest.raises(config_lib.ConfigError) as e:
+      config_lib.validate(c)
+    assert needle in str(e.value)
+  c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
+  c.sampler.update({"spec_gamma": -1, "spec_draft_layers": 1})  # -1: "auto"
+  config_lib.validate(c)
+  assert wiring.sampler_config(c).spec_gamma == "auto" and wiring.sampler_config(c, greedy=True).spec_gamma == 0
