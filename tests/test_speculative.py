@@ -56,13 +56,14 @@ def exact_marginals(params, cfg, temperature, top_k):
   return p0, joint01.sum(0), np.einsum("ab,abc->c", joint01, p2_given)
 
 
-@functools.partial(jax.jit, static_argnames=("draft_cfg", "sampler_cfg", "gamma", "n_keys", "rows"))
-def sample_many(params, draft_params, draft_cfg, sampler_cfg, gamma, n_keys, rows):
+@functools.partial(jax.jit, static_argnames=("draft_cfg", "sampler_cfg", "gamma", "n_keys", "rows", "layout"))
+def sample_many(params, draft_params, draft_cfg, sampler_cfg, gamma, n_keys, rows, layout):
   """Columns 0..2 of n_keys × rows speculative samples of PROMPT_P (rows of one batch share a call, so the
   common-minimum path runs), and the mean acceptance rate."""
   prompts = jnp.tile(PROMPT_P, (rows, 1))
   lens = jnp.full((rows,), P, jnp.int32)
-  run = lambda k: spec.generate_speculative(params, draft_params, prompts, lens, k, CFG, draft_cfg, sampler_cfg, gamma)
+  run = lambda k: spec.generate_speculative(params, draft_params, prompts, lens, k, CFG, draft_cfg, sampler_cfg, gamma,
+                                            layout)
   out = jax.vmap(run)(jax.random.split(jax.random.key(11), n_keys))
   return out["tokens_BN"][..., :3].reshape(-1, 3), jnp.mean(out["spec_accept_rate"])
 
@@ -71,8 +72,9 @@ def tv(counts, probs):
   return 0.5 * np.abs(counts / counts.sum() - probs).sum()
 
 
-@pytest.mark.parametrize("drafter,temperature,top_k", [("random", 1.0, 0), ("layer1", 0.7, 4)])
-def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, top_k):
+@pytest.mark.parametrize("drafter,temperature,top_k,layout", [("random", 1.0, 0, "min"), ("layer1", 0.7, 4, "min"),
+                                                              ("random", 0.7, 4, "rows"), ("layer1", 1.0, 0, "rows")])
+def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, top_k, layout):
   """Counts of columns 0-2 over 2400 samples match the exact policy marginals (TV < 0.06; sampling noise here is
   ~0.03), while the drafter alone is far from them (so the check could fail)."""
   if drafter == "random":
@@ -80,7 +82,7 @@ def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, to
   else:
     d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
   cfg = SamplerConfig(max_new_tokens=3, temperature=temperature, top_k=top_k)
-  toks, accept = sample_many(PARAMS, d_params, d_cfg, cfg, 3, 600, 4)
+  toks, accept = sample_many(PARAMS, d_params, d_cfg, cfg, 3, 600, 4, layout)
   toks = np.asarray(toks)
   policy = exact_marginals(PARAMS, CFG, temperature, top_k)
   draft = exact_marginals(d_params, d_cfg, temperature, top_k)
@@ -92,7 +94,8 @@ def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, to
   assert 0.0 < float(accept) < 0.9
 
 
-def test_mu_equals_the_learners_scoring():
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_mu_equals_the_learners_scoring(layout):
   """behavior_logp_BN = `learner.completion_logprobs` on the returned sequence (temperature 0.8), rows of different
   prompt lengths and stops; under top-k, μ is the renormalised truncated log-prob of the learner's logits."""
   prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8], [0, 4, 4, 1]], jnp.int32)
@@ -100,7 +103,7 @@ def test_mu_equals_the_learners_scoring():
   d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
   for top_k in (0, 5):
     cfg = SamplerConfig(max_new_tokens=8, temperature=0.8, top_k=top_k, stop_ids=(3,))
-    out = spec.generate_speculative(PARAMS, d_params, prompts, lens, jax.random.key(4), CFG, d_cfg, cfg, 3)
+    out = spec.generate_speculative(PARAMS, d_params, prompts, lens, jax.random.key(4), CFG, d_cfg, cfg, 3, layout)
     mask = np.asarray(out["mask_BN"])
     if top_k == 0:
       score = jax.jit(completion_logprobs, static_argnums=(4, 5, 6))
@@ -117,12 +120,12 @@ def test_mu_equals_the_learners_scoring():
     assert np.all(np.asarray(out["behavior_logp_BN"])[mask == 0] == 0)
 
 
-@pytest.mark.parametrize("gamma,draft_layers", [(1, 1), (3, 2), (4, 3)])
-def test_greedy_equals_plain_generate(gamma, draft_layers):
+@pytest.mark.parametrize("gamma,draft_layers,layout", [(1, 1, "min"), (3, 2, "min"), (4, 3, "min"), (3, 1, "rows")])
+def test_greedy_equals_plain_generate(gamma, draft_layers, layout):
   prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
   lens = jnp.array([4, 2], jnp.int32)
   cfg = SamplerConfig(max_new_tokens=10, temperature=0.0)
-  out = spec.generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg, draft_layers, gamma)
+  out = spec.generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg, draft_layers, gamma, layout)
   ref = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, cfg)
   np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))
   np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(ref["behavior_logp_BN"]), atol=2e-5)
@@ -130,7 +133,8 @@ def test_greedy_equals_plain_generate(gamma, draft_layers):
     np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(ref[name]), err_msg=name)
 
 
-def test_stop_ids_end_rows_and_lengths_count_them():
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_stop_ids_end_rows_and_lengths_count_them(layout):
   """A row ends at its first stop id (included in the mask, pads after); lengths and finished_B follow; the
   caller-visible layout is `generate`'s."""
   prompts = jnp.tile(PROMPT_P, (6, 1))
@@ -138,7 +142,7 @@ def test_stop_ids_end_rows_and_lengths_count_them():
   p0 = exact_marginals(PARAMS, CFG, 1.0, 0)[1]
   stops = tuple(int(i) for i in np.argsort(p0)[-2:])  # likely tokens, so most rows stop early
   cfg = SamplerConfig(max_new_tokens=12, stop_ids=stops, pad_id=11)
-  out = spec.generate(PARAMS, prompts, lens, jax.random.key(5), CFG, cfg, 1, 3)
+  out = spec.generate(PARAMS, prompts, lens, jax.random.key(5), CFG, cfg, 1, 3, layout)
   toks, mask = np.asarray(out["tokens_BN"]), np.asarray(out["mask_BN"])
   ended = 0
   for b in range(6):
@@ -166,7 +170,11 @@ def test_acceptance_metrics():
                                   dataclasses.replace(CFG, n_layers=1), cfg, 3)
   assert 0.0 <= float(bad["spec_accept_rate"]) < float(same["spec_accept_rate"])
   assert 1.0 <= float(bad["spec_tokens_per_call"]) < 4.0
-  assert int(bad["spec_calls"]) * float(bad["spec_tokens_per_call"]) == pytest.approx(12.0)
+  assert int(bad["spec_calls"]) * float(bad["spec_tokens_per_call"]) == pytest.approx(12.0)  # common minimum
+  rows = spec.generate_speculative(PARAMS, BAD_PARAMS, prompts, lens, jax.random.key(6), CFG,
+                                   dataclasses.replace(CFG, n_layers=1), cfg, 3, "rows")
+  assert 1.0 <= float(rows["spec_tokens_per_call"]) < 4.0  # per row: each keeps what it accepted
+  assert int(rows["spec_calls"]) <= 12
 
 
 def test_rejections():

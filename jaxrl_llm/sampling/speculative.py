@@ -137,17 +137,20 @@ def _draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: A
   return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1), cache
 
 
-def _write_block(carry: dict, block_BG: Array, mu_BG: Array, m: Array, sampler_cfg: SamplerConfig) -> dict:
-  """Writes the first `m` columns of each row's emitted block at column `carry["step"]` (later columns pad, to be
-  overwritten by the next block): a row is live at a column until the column after its first stop id."""
-  step, G = carry["step"], block_BG.shape[1]
+def _write_block(carry: dict, block_BG: Array, mu_BG: Array, emit_B: Array, active_B: Array,
+                 sampler_cfg: SamplerConfig) -> dict:
+  """Writes the first `emit_B` tokens of each active row's block at its columns `col_B ...` and advances `col_B`
+  by `emit_B`; a row is live at a column until the column after its first stop id. Later columns of the block
+  get pad (nothing real lies past a row's `col_B`), and writes past the buffer are dropped."""
+  B, G = block_BG.shape
   stop_BG = is_stop(block_BG, sampler_cfg.stop_ids)
   stopped_before_BG = jnp.cumsum(stop_BG, axis=1) - stop_BG > 0
-  live_BG = ~carry["done_B"][:, None] & ~stopped_before_BG & (jnp.arange(G)[None, :] < m)
-  put = lambda buf, x_BG: jax.lax.dynamic_update_slice_in_dim(buf, x_BG.astype(buf.dtype), step, axis=1)
+  live_BG = active_B[:, None] & ~stopped_before_BG & (jnp.arange(G)[None, :] < emit_B[:, None])
+  rows_B1, cols_BG = jnp.arange(B)[:, None], carry["col_B"][:, None] + jnp.arange(G)[None, :]
+  put = lambda buf, x_BG: buf.at[rows_B1, cols_BG].set(x_BG.astype(buf.dtype), mode="drop")
   return {
       **carry,
-      "step": step + m,
+      "col_B": carry["col_B"] + emit_B,
       "tokens_BN": put(carry["tokens_BN"], jnp.where(live_BG, block_BG, sampler_cfg.pad_id)),
       "logp_BN": put(carry["logp_BN"], jnp.where(live_BG, mu_BG, 0.0)),
       "mask_BN": put(carry["mask_BN"], live_BG.astype(jnp.float32)),
@@ -155,22 +158,38 @@ def _write_block(carry: dict, block_BG: Array, mu_BG: Array, m: Array, sampler_c
   }
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "draft_cfg", "sampler_cfg", "gamma"))
+def _mark_holes(cache: dict, start: Array, keep_BG: Array) -> dict:
+  """Segment 0 (invisible to every later query) on the verified slots `start ...` a row did not keep."""
+  seg_BS = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids_BS"], keep_BG.astype(jnp.int32), start, axis=1)
+  return {**cache, "segment_ids_BS": seg_BS}
+
+
+LAYOUTS = ("min", "rows")
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "draft_cfg", "sampler_cfg", "gamma", "layout"))
 def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
                          model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig,
-                         gamma: int) -> dict:
+                         gamma: int, layout: str = "min") -> dict:
   """`sampler.generate`'s contract (same conventions and output fields) with speculative decoding: the drafter
   (`draft_params`, `draft_cfg`, same vocabulary) proposes `gamma` tokens per policy call (module docstring).
 
   The tokens follow the policy's sampling distribution exactly (not the same bits as `generate` for a key:
   the draws differ); greedy (temperature 0) emits `generate`'s tokens up to rounding between a T = 1 and a
-  T = γ + 1 forward. Column 0 is drawn like `generate`'s (from the prefill's logits). Also returns the scalars
-  spec_calls (verification calls), spec_accept_rate (accepted / proposed drafts over live rows, before the
-  common minimum) and spec_tokens_per_call (columns emitted per verification call).
+  T = γ + 1 forward. Column 0 is drawn like `generate`'s (from the prefill's logits).
+  `layout`: how rows that accept different numbers of drafts share the caches' one write index:
+    "min": every row emits the common minimum m per call and both caches roll back to it (P + N + γ + 1 slots);
+    "rows": every row keeps all it accepted; the index advances γ + 1 slots per call and the slots a row rejected
+      become holes (segment 0), so the caches need P + N·(γ + 1) slots and attention reads them all.
+  Also returns the scalars spec_calls (verification calls), spec_accept_rate (accepted / proposed drafts over
+  active rows, before any common minimum) and spec_tokens_per_call (tokens a row emits per verification call,
+  averaged over the calls of rows still decoding).
   Not supported (ValueError): the μ records (`behavior_topk`, `mc_samples`), a compressed KV cache, MoE models.
   """
   if gamma < 1:
     raise ValueError(f"generate_speculative: gamma must be >= 1, got {gamma}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"generate_speculative: layout must be one of {LAYOUTS}, got {layout!r}")
   if sampler_cfg.records or sampler_cfg.kv_cache != "full" or model_cfg.is_moe or draft_cfg.is_moe:
     raise ValueError("speculative decoding supports neither sampler.behavior_topk / mc_samples, nor a compressed "
                      "sampler.kv_cache, nor MoE models")
@@ -178,11 +197,11 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
     raise ValueError(f"the drafter's vocabulary ({draft_cfg.vocab_size}) must be the policy's ({model_cfg.vocab_size})")
   B, P = prompt_tokens_BP.shape
   N, G = sampler_cfg.max_new_tokens, gamma + 1
-  slots = P + N + G  # the last call starts at slot P + N - 2 and writes G slots
-  wide_cfg = dataclasses.replace(sampler_cfg, max_new_tokens=N + G)  # room for the last block
+  # min: the last call starts at slot P + N - 2 and writes G; rows: at most N - 1 calls of G slots each
+  new_slots = N + G if layout == "min" else N * G
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
-      params, prompt_tokens_BP, prompt_len_B, model_cfg, wide_cfg)
-  dcache = init_cache(draft_cfg, B, slots)
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, dataclasses.replace(sampler_cfg, max_new_tokens=new_slots))
+  dcache = init_cache(draft_cfg, B, P + new_slots)
   _, dcache = hidden_with_cache(draft_params, prompt_BP, dcache, draft_cfg, positions_BT=positions_BP,
                                 segment_ids_BT=segment_ids_BP)
 
@@ -191,16 +210,18 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
                      sampler_cfg)
   zero = jnp.zeros((), jnp.float32)
-  carry = {**carry, "dcache": dcache, "calls": jnp.zeros((), jnp.int32), "accepted": zero, "proposed": zero}
+  carry = {**carry, "col_B": jnp.ones((B,), jnp.int32), "dcache": dcache, "calls": jnp.zeros((), jnp.int32),
+           "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero}
+  active = lambda c: ~c["done_B"] & (c["col_B"] < N)
 
   def call(carry: dict) -> dict:
-    """One draft-and-verify round: emits m >= 1 columns for every live row."""
-    step = carry["step"]
+    """One draft-and-verify round: emits >= 1 token for every active row."""
+    col_B, active_B = carry["col_B"], active(carry)
     k_call = jax.random.fold_in(jax.random.fold_in(key, 1), carry["calls"])
-    last_B = jax.lax.dynamic_index_in_dim(carry["tokens_BN"], step - 1, axis=1, keepdims=False)
-    live_B = ~carry["done_B"]
-    live_B1 = live_B[:, None].astype(jnp.int32)
-    pos0_B = (prompt_len_B + step - 1).astype(jnp.int32)
+    last_B = jnp.take_along_axis(carry["tokens_BN"], (col_B - 1)[:, None], axis=1)[:, 0]
+    live_B1 = active_B[:, None].astype(jnp.int32)
+    pos0_B = (prompt_len_B + col_B - 1).astype(jnp.int32)
+    start = carry["cache"]["index"]
     drafts_Bg, q_logp_BgV, dcache = _draft(vd_params, carry["dcache"], last_B, pos0_B, live_B1,
                                            jax.random.fold_in(k_call, 0), draft_cfg, sampler_cfg, gamma)
     fed_BG = jnp.concatenate([last_B[:, None], drafts_Bg], axis=1)
@@ -209,22 +230,26 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
                                            segment_ids_BT=jnp.broadcast_to(live_B1, (B, G)))
     p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
     n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, jax.random.fold_in(k_call, 1))
-    m = jnp.min(jnp.where(live_B, n_B + 1, G))
     mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
-    index = P + step - 1 + m  # roll back: the caches keep `last` and the m - 1 drafts every row emitted
-    live = jnp.sum(live_B).astype(jnp.float32)
-    carry = {**carry, "cache": {**cache, "index": index}, "dcache": {**dcache, "index": index},
-             "calls": carry["calls"] + 1, "accepted": carry["accepted"] + jnp.sum(jnp.where(live_B, n_B, 0)),
-             "proposed": carry["proposed"] + gamma * live}
-    return _write_block(carry, block_BG, mu_BG, m, sampler_cfg)
+    if layout == "min":
+      m = jnp.min(jnp.where(active_B, n_B + 1, G))
+      emit_B = jnp.full((B,), m, jnp.int32)
+      # roll back: the caches keep `last` and the m - 1 drafts every row emitted
+      cache, dcache = {**cache, "index": start + m}, {**dcache, "index": start + m}
+    else:
+      emit_B = jnp.where(active_B, n_B + 1, 0).astype(jnp.int32)
+      keep_BG = jnp.arange(G)[None, :] < emit_B[:, None]  # `last` and the accepted drafts
+      cache, dcache = _mark_holes(cache, start, keep_BG), _mark_holes(dcache, start, keep_BG)
+    counted_B = jnp.where(active_B, jnp.minimum(emit_B, N - col_B), 0)
+    carry = {**carry, "cache": cache, "dcache": dcache, "calls": carry["calls"] + 1,
+             "accepted": carry["accepted"] + jnp.sum(jnp.where(active_B, n_B, 0)),
+             "proposed": carry["proposed"] + gamma * jnp.sum(active_B),
+             "emitted": carry["emitted"] + jnp.sum(counted_B), "row_calls": carry["row_calls"] + jnp.sum(active_B)}
+    return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg)
 
-  def keep_going(carry: dict) -> Array:
-    return (carry["step"] < N) & ~jnp.all(carry["done_B"])
-
-  carry = jax.lax.while_loop(keep_going, call, carry)
+  carry = jax.lax.while_loop(lambda c: jnp.any(active(c)), call, carry)
   tokens_BN, mask_BN = carry["tokens_BN"][:, :N], carry["mask_BN"][:, :N]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
-  calls = carry["calls"].astype(jnp.float32)
   return {
       "tokens_BN": tokens_BN,
       "mask_BN": mask_BN,
@@ -237,13 +262,13 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
       "completion_mask_BT": jnp.concatenate([jnp.zeros((B, P), jnp.float32), mask_BN], axis=1),
       "spec_calls": carry["calls"],
       "spec_accept_rate": carry["accepted"] / jnp.maximum(carry["proposed"], 1.0),
-      "spec_tokens_per_call": (jnp.minimum(carry["step"], N) - 1).astype(jnp.float32) / jnp.maximum(calls, 1.0),
+      "spec_tokens_per_call": carry["emitted"] / jnp.maximum(carry["row_calls"], 1.0),
   }
 
 
 def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, model_cfg: ModelConfig,
-             sampler_cfg: SamplerConfig, draft_layers: int, gamma: int) -> dict:
+             sampler_cfg: SamplerConfig, draft_layers: int, gamma: int, layout: str = "min") -> dict:
   """`generate_speculative` with the policy's first `draft_layers` layers as the drafter (`draft_from_layers`)."""
   draft_params, draft_cfg = draft_from_layers(params, model_cfg, draft_layers)
   return generate_speculative(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, draft_cfg,
-                              sampler_cfg, gamma)
+                              sampler_cfg, gamma, layout)
