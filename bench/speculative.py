@@ -6,9 +6,10 @@
 Each row times one whole `generate` call (prefill + decode, best of `--repeats` after a warm-up) of `B` prompts and
 N new tokens with stopping disabled (every row decodes all N tokens, so both sides emit the same count):
 plain `sampling.generate` against `sampling.speculative.generate` with the policy's first k layers as the drafter
-(its own prefill included). The toy model is `workloads.SAMPLER_MODEL` with random weights (its acceptance says
-little about a trained model); SmolLM2 runs on chat-templated arithmetic prompts (`arithmetic_chat`, workload R's)
-at temperature 1, the RL setting. Speedup = plain seconds / speculative seconds.
+(its own prefill included), with each `--layouts` way of sharing the cache index. The toy model is
+`workloads.SAMPLER_MODEL` with random weights (its acceptance says little about a trained model); SmolLM2 runs on
+chat-templated arithmetic prompts (`arithmetic_chat`, workload R's) at temperature 1, the RL setting.
+Speedup = plain seconds / speculative seconds.
 """
 
 from __future__ import annotations
@@ -63,19 +64,21 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
 
 
 def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gammas, draft_layers: int, N: int,
-            repeats: int) -> list[dict]:
-  """One row per (batch, γ): plain and speculative seconds and tokens/s, acceptance, tokens per call, speedup."""
+            repeats: int, layouts=("min",)) -> list[dict]:
+  """One row per (batch, γ, layout): plain and speculative seconds and tokens/s, acceptance, tokens per call,
+  speedup."""
   rows = []
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   key = jax.random.key(2)
   for B in batches:
     prompt_BP, len_B = prompts(B)
     plain = common.time_calls(lambda: generate(params, prompt_BP, len_B, key, cfg, scfg), repeats=repeats)["best_s"]
-    for gamma in gammas:
-      run = lambda: speculative.generate(params, prompt_BP, len_B, key, cfg, scfg, draft_layers, gamma)
+    for gamma, layout in ((g, lay) for g in gammas for lay in layouts):
+      run = lambda: speculative.generate(params, prompt_BP, len_B, key, cfg, scfg, draft_layers, gamma, layout)
       spec_s = common.time_calls(run, repeats=repeats)["best_s"]
       out = run()
-      rows.append({"model": name, "batch": B, "gamma": gamma, "draft_layers": draft_layers, "new_tokens": N,
+      rows.append({"model": name, "batch": B, "gamma": gamma, "layout": layout, "draft_layers": draft_layers,
+                   "new_tokens": N,
                    "plain_s": plain, "spec_s": spec_s, "plain_tokens_per_s": B * N / plain,
                    "spec_tokens_per_s": B * N / spec_s, "speedup": plain / spec_s,
                    "accept_rate": float(out["spec_accept_rate"]), "tokens_per_call": float(out["spec_tokens_per_call"]),
@@ -86,10 +89,11 @@ def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gam
 
 def table(rows: list[dict]) -> str:
   """A markdown table of the rows."""
-  head = "| model | B | γ | k | plain tok/s | spec tok/s | speedup | accept | tokens/call |"
-  lines = [head, "|" + "---|" * 9]
+  head = "| model | B | γ | layout | k | plain tok/s | spec tok/s | speedup | accept | tokens/call |"
+  lines = [head, "|" + "---|" * 10]
   for r in rows:
-    lines.append(f"| {r['model']} | {r['batch']} | {r['gamma']} | {r['draft_layers']} | {r['plain_tokens_per_s']:.1f} | "
+    lines.append(f"| {r['model']} | {r['batch']} | {r['gamma']} | {r['layout']} | {r['draft_layers']} | "
+                 f"{r['plain_tokens_per_s']:.1f} | "
                  f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['accept_rate']:.2f} | "
                  f"{r['tokens_per_call']:.2f} |")
   return "\n".join(lines)
@@ -100,6 +104,7 @@ def main(argv=None) -> int:
   p.add_argument("--models", default="toy,smollm2", help="comma list of toy, smollm2 (skipped if not downloaded)")
   p.add_argument("--batches", default="1,4,16")
   p.add_argument("--gammas", default="2,4")
+  p.add_argument("--layouts", default="min,rows", help="speculative.LAYOUTS to measure")
   p.add_argument("--draft-layers", type=int, default=0, help="drafter depth k (default: 1 for toy, 8 for SmolLM2)")
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=2)
@@ -123,7 +128,8 @@ def main(argv=None) -> int:
       k = args.draft_layers or 8
     else:
       raise SystemExit(f"unknown model {name!r}")
-    rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats)
+    rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
+                    tuple(args.layouts.split(",")))
   print(f"load average at the end: {os.getloadavg()}")
   print(table(rows))
   if args.out:
