@@ -263,6 +263,8 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
         "must be an int >= 0 (0 = off) or -1 (γ by batch size)")
   _need(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "sampler.spec_draft_layers", k,
         "must be an int >= 0")
+  layout = c.sampler.get("spec_layout", "min")
+  _need(layout in ("min", "rows"), "sampler.spec_layout", layout, "must be 'min' or 'rows'")
   if not gamma:
     return
   _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")

@@ -16,6 +16,7 @@ from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models.transformer import forward
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.sampling import speculative as spec
+from jaxrl_llm.sampling.config import SPEC_LAYOUTS
 
 CFG = ModelConfig(vocab_size=12, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, qk_norm=True)
 P = 4
@@ -200,14 +201,15 @@ def test_sampler_config_fields_and_generate_dispatch():
   prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
   lens = jnp.array([4, 2], jnp.int32)
   plain = generate(PARAMS, prompts, lens, jax.random.key(0), CFG, SamplerConfig(max_new_tokens=7, temperature=0.0))
-  for gamma in (2, "auto"):
-    cfg = SamplerConfig(max_new_tokens=7, temperature=0.0, spec_gamma=gamma, spec_draft_layers=1)
+  for gamma, layout in ((2, "min"), ("auto", "rows")):
+    cfg = SamplerConfig(max_new_tokens=7, temperature=0.0, spec_gamma=gamma, spec_draft_layers=1, spec_layout=layout)
     out = generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg)
     np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(plain["tokens_BN"]))
     assert 0.0 <= float(out["spec_accept_rate"]) <= 1.0 and float(out["spec_tokens_per_call"]) >= 1.0
   assert "spec_calls" not in plain
+  assert SPEC_LAYOUTS == spec.LAYOUTS
   for bad, needle in [(dict(spec_gamma=-1), "spec_gamma"), (dict(spec_gamma="big"), "spec_gamma"),
-                      (dict(spec_gamma=2), "spec_draft_layers"),
+                      (dict(spec_gamma=2), "spec_draft_layers"), (dict(spec_layout="holes"), "spec_layout"),
                       (dict(spec_gamma=2, spec_draft_layers=1, mc_samples=2), "spec_gamma"),
                       (dict(spec_gamma=2, spec_draft_layers=1, kv_cache="int8"), "spec_gamma")]:
     with pytest.raises(ValueError, match=needle):
@@ -220,7 +222,8 @@ def test_run_config_validation_names_the_field():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for over, needle in [({"spec_gamma": 2}, "config.sampler.spec_draft_layers=0"),
                        ({"spec_gamma": -2, "spec_draft_layers": 1}, "config.sampler.spec_gamma=-2"),
-                       ({"spec_gamma": 2, "spec_draft_layers": 1, "behavior_topk": 2}, "config.sampler.spec_gamma=2")]:
+                       ({"spec_gamma": 2, "spec_draft_layers": 1, "behavior_topk": 2}, "config.sampler.spec_gamma=2"),
+                       ({"spec_layout": "holes"}, "config.sampler.spec_layout='holes'")]:
     c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
     c.sampler.update(over)
     with pytest.raises(config_lib.ConfigError) as e:

@@ -3,6 +3,7 @@
 import dataclasses
 
 KV_CACHES = ("full", "int8", "window")
+SPEC_LAYOUTS = ("min", "rows")  # = speculative.LAYOUTS (a test pins it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,8 @@ class SamplerConfig:
       by batch size (`speculative.AUTO_GAMMA`). The tokens keep the policy's sampling distribution exactly and μ
       its log-probs; needs spec_draft_layers, no μ records and the full KV cache.
     spec_draft_layers: k, the drafter is the policy's first k layers (sharing its embedding and head).
+    spec_layout: how rows accepting different numbers of drafts share the KV cache (`speculative.LAYOUTS`): "min"
+      (every row emits the batch's common minimum per call) or "rows" (each keeps what it accepted; cache holes).
   """
 
   max_new_tokens: int
@@ -56,6 +59,7 @@ class SamplerConfig:
   kv_window: int = 64
   spec_gamma: int | str = 0
   spec_draft_layers: int = 0
+  spec_layout: str = "min"
 
   def __post_init__(self):
     try:
@@ -96,6 +100,8 @@ class SamplerConfig:
       raise ValueError(f"sampler.spec_gamma must be an int >= 0 (0 = off) or 'auto', got {g!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
       raise ValueError(f"sampler.spec_draft_layers must be an int >= 0, got {k!r}")
+    if self.spec_layout not in SPEC_LAYOUTS:
+      raise ValueError(f"sampler.spec_layout must be one of {SPEC_LAYOUTS}, got {self.spec_layout!r}")
     if g and not k:
       raise ValueError(f"sampler.spec_gamma={g!r} needs sampler.spec_draft_layers >= 1 (the drafter's depth)")
     if g and (self.records or self.kv_cache != "full"):

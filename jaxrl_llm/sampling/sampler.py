@@ -220,7 +220,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     gamma = speculative.auto_gamma(B) if sampler_cfg.spec_gamma == "auto" else sampler_cfg.spec_gamma
     if gamma:
       return speculative.generate(params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg,
-                                  sampler_cfg.spec_draft_layers, gamma)
+                                  sampler_cfg.spec_draft_layers, gamma, sampler_cfg.spec_layout)
   N = sampler_cfg.max_new_tokens
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
       params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
