@@ -69,6 +69,10 @@ def get_config():
   c.sampler.kv_cache = "full"  # "full" | "int8" (int8 keys/values, per-token-per-head scales) | "window"
   c.sampler.kv_sinks = 4  # "window": first positions every token keeps (attention sinks; SMD reference: 4)
   c.sampler.kv_window = 64  # "window": last positions each token sees, itself included
+  # Speculative decoding (sampling/speculative.py): the policy's first k layers draft γ tokens; exact rejection.
+  c.sampler.spec_gamma = 0  # γ drafted tokens per policy call; 0 = off; -1 = by batch size (ReSpec; an int field)
+  c.sampler.spec_draft_layers = 0  # k >= 1: the drafter's depth (it shares the policy's weights, always fresh)
+  c.sampler.spec_layout = "min"  # "min": rows emit the batch's common minimum per call | "rows": each keeps its own
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.mode = "sync"  # sync | fixed_lag | staged | async | harness

@@ -99,6 +99,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need(c.sampler.top_k >= 0, "sampler.top_k", c.sampler.top_k, "must be >= 0 (0 = off)")
   _validate_sampler_records(c)
   _validate_kv_cache(c, spec)
+  _validate_speculative(c)
   modes = rollout_modes()
   _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode, f"must be one of {modes}")
   _need(isinstance(c.rollout.lag, int) and c.rollout.lag >= 0, "rollout.lag", c.rollout.lag,
@@ -305,6 +306,28 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
     _need(not c.rollout.partial_chunk, "sampler.kv_cache", kind,
           f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode with the full cache only")
     _need(not env_on(c), "sampler.kv_cache", kind, "episodes (env.name) keep a full KV cache across turns")
+
+
+def _validate_speculative(c: ml_collections.ConfigDict) -> None:
+  """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` only (not
+  partial rollouts, not episodes), records no μ candidates and decodes from the full KV cache. spec_gamma -1 is
+  the sampler's "auto" (γ by batch size; ml_collections keeps the field an int)."""
+  gamma, k = c.sampler.get("spec_gamma", 0), c.sampler.get("spec_draft_layers", 0)
+  _need(isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= -1, "sampler.spec_gamma", gamma,
+        "must be an int >= 0 (0 = off) or -1 (γ by batch size)")
+  _need(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "sampler.spec_draft_layers", k,
+        "must be an int >= 0")
+  layout = c.sampler.get("spec_layout", "min")
+  _need(layout in ("min", "rows"), "sampler.spec_layout", layout, "must be 'min' or 'rows'")
+  if not gamma:
+    return
+  _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")
+  _need(not c.rollout.partial_chunk, "sampler.spec_gamma", gamma,
+        f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode without speculation")
+  _need(not env_on(c), "sampler.spec_gamma", gamma, "episodes (env.name) decode without speculation")
+  _need(c.sampler.get("kv_cache", "full") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
+  _need(not (c.sampler.get("behavior_topk", 0) or c.sampler.get("mc_samples", 0)), "sampler.spec_gamma", gamma,
+        "records no behavior_topk / mc_samples candidates")
 
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:

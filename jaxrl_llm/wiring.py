@@ -209,7 +209,9 @@ def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
                        behavior_topk=0 if greedy else s.get("behavior_topk", 0),
                        mc_samples=0 if greedy else s.get("mc_samples", 0),
                        kv_cache=s.get("kv_cache", "full"), kv_sinks=s.get("kv_sinks", 4),
-                       kv_window=s.get("kv_window", 64))
+                       kv_window=s.get("kv_window", 64),
+                       spec_gamma=0 if greedy else {-1: "auto"}.get(s.get("spec_gamma", 0), s.get("spec_gamma", 0)),
+                       spec_draft_layers=s.get("spec_draft_layers", 0), spec_layout=s.get("spec_layout", "min"))
 
 
 def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,

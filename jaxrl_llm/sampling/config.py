@@ -3,6 +3,7 @@
 import dataclasses
 
 KV_CACHES = ("full", "int8", "window")
+SPEC_LAYOUTS = ("min", "rows")  # = speculative.LAYOUTS (a test pins it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,12 @@ class SamplerConfig:
       compressed cache makes μ differ from the learner's full-context π (the KV-compression mismatch).
     kv_sinks, kv_window: the "window" cache's sink positions and sliding-window length (its own token
       included); ignored otherwise.
+    spec_gamma: speculative decoding (`sampling.speculative`): γ tokens drafted per policy call, 0 = off, "auto" =
+      by batch size (`speculative.AUTO_GAMMA`). The tokens keep the policy's sampling distribution exactly and μ
+      its log-probs; needs spec_draft_layers, no μ records and the full KV cache.
+    spec_draft_layers: k, the drafter is the policy's first k layers (sharing its embedding and head).
+    spec_layout: how rows accepting different numbers of drafts share the KV cache (`speculative.LAYOUTS`): "min"
+      (every row emits the batch's common minimum per call) or "rows" (each keeps what it accepted; cache holes).
   """
 
   max_new_tokens: int
@@ -50,6 +57,9 @@ class SamplerConfig:
   kv_cache: str = "full"
   kv_sinks: int = 4
   kv_window: int = 64
+  spec_gamma: int | str = 0
+  spec_draft_layers: int = 0
+  spec_layout: str = "min"
 
   def __post_init__(self):
     try:
@@ -81,6 +91,22 @@ class SamplerConfig:
       raise ValueError(f"sampler.kv_sinks must be an int >= 0, got {self.kv_sinks!r}")
     if not isinstance(self.kv_window, int) or self.kv_window < 1:
       raise ValueError(f"sampler.kv_window must be an int >= 1 (a token always sees itself), got {self.kv_window!r}")
+    self._check_spec()
+
+  def _check_spec(self):
+    """`spec_gamma` / `spec_draft_layers`: types, and what speculative decoding does not support."""
+    g, k = self.spec_gamma, self.spec_draft_layers
+    if g != "auto" and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
+      raise ValueError(f"sampler.spec_gamma must be an int >= 0 (0 = off) or 'auto', got {g!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+      raise ValueError(f"sampler.spec_draft_layers must be an int >= 0, got {k!r}")
+    if self.spec_layout not in SPEC_LAYOUTS:
+      raise ValueError(f"sampler.spec_layout must be one of {SPEC_LAYOUTS}, got {self.spec_layout!r}")
+    if g and not k:
+      raise ValueError(f"sampler.spec_gamma={g!r} needs sampler.spec_draft_layers >= 1 (the drafter's depth)")
+    if g and (self.records or self.kv_cache != "full"):
+      raise ValueError(f"sampler.spec_gamma={g!r}: speculative decoding records no behavior_topk / mc_samples and "
+                       "needs kv_cache='full'")
 
   @property
   def kv_dtype(self) -> str:

@@ -16,6 +16,8 @@ from jaxrl_llm.rollout import episodes
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import SourceContext
 
+SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
+
 
 def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int | None = None,
                  call: int = 0) -> list[Rollout]:
@@ -39,8 +41,9 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  whole = gen.finish(out, p.examples, np.full(out["mask_BN"].shape, v_b, np.int32), owners)
-  return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen)
+  spec = {k: float(out[k]) for k in SPEC_STATS if k in out}  # speculative decoding's metrics, when on
+  whole = gen.finish(out, p.examples, np.full(out["mask_BN"].shape, v_b, np.int32), owners, **spec)
+  return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *spec)
 
 
 def _per_step(whole: Rollout, n_steps: int, B: int, G: int, lag: int, time_gen: float, *counters: str

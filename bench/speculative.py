@@ -1,0 +1,141 @@
+"""Speculative decoding vs plain decode, measured in the same run: tokens/s, acceptance, speedup.
+
+  python -m bench.speculative                                   # toy model M and (if present) SmolLM2-135M-Instruct
+  python -m bench.speculative --models smollm2 --batches 1,4 --gammas 2,4 --draft-layers 8 --new-tokens 32
+
+Each row times one whole `generate` call (prefill + decode, best of `--repeats` after a warm-up) of `B` prompts and
+N new tokens with stopping disabled (every row decodes all N tokens, so both sides emit the same count):
+plain `sampling.generate` against `sampling.speculative.generate` with the policy's first k layers as the drafter
+(its own prefill included), with each `--layouts` way of sharing the cache index. The toy model is
+`workloads.SAMPLER_MODEL` with random weights (its acceptance says little about a trained model); SmolLM2 runs on
+chat-templated arithmetic prompts (`arithmetic_chat`, workload R's) at temperature 1, the RL setting.
+Speedup = plain seconds / speculative seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common, workloads
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.sampling import speculative
+
+
+def toy_model(N: int, P: int = 32):
+  """(params, cfg, prompts_BP builder, pad id): model M with random weights and random prompts."""
+  cfg = ModelConfig(**workloads.SAMPLER_MODEL, max_seq_len=P + N + 8)
+  params = init_params(cfg, jax.random.key(0))
+  prompts = lambda B: (jax.random.randint(jax.random.key(1), (B, P), 4, cfg.vocab_size, jnp.int32),
+                       jnp.full((B,), P, jnp.int32))
+  return params, cfg, prompts, 0
+
+
+def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
+  """(params, cfg, prompts builder, pad id): SmolLM2 with workload R's chat-templated arithmetic prompts."""
+  from jaxrl_llm.models import load_hf
+  from jaxrl_llm.policy_init import tokenizer_for_checkpoint
+  from jaxrl_llm.tasks import get_task
+  from jaxrl_llm.tasks.encoder import Encoder, measured_width
+  cfg, params = load_hf(model_dir, param_dtype="float32")
+  encoder = Encoder(tokenizer_for_checkpoint(model_dir), chat_template="chat")
+  task = get_task("arithmetic_chat", num_digits=2)
+  examples = [task.make_example(np.random.default_rng(s)) for s in range(64)]
+  P = measured_width(encoder, [ex["prompt"] for ex in examples])
+  cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, P + N + 8),
+                            layer_unroll=cfg.layer_unroll if layer_unroll is None else layer_unroll)
+  pad = encoder.tokenizer.pad_id
+
+  def prompts(B):
+    ids = [encoder.prompt_ids(ex["prompt"]) for ex in examples[:B]]
+    rows = np.full((B, P), pad, np.int32)
+    for b, x in enumerate(ids):
+      rows[b, P - len(x):] = x
+    return jnp.asarray(rows), jnp.asarray([len(x) for x in ids], jnp.int32)
+  return params, cfg, prompts, pad
+
+
+def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gammas, draft_layers: int, N: int,
+            repeats: int, layouts=("min",)) -> list[dict]:
+  """One row per (batch, γ, layout): plain and speculative seconds and tokens/s, acceptance, tokens per call,
+  speedup."""
+  rows = []
+  scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
+  key = jax.random.key(2)
+  for B in batches:
+    prompt_BP, len_B = prompts(B)
+    plain = common.time_calls(lambda: generate(params, prompt_BP, len_B, key, cfg, scfg), repeats=repeats)["best_s"]
+    for gamma, layout in ((g, lay) for g in gammas for lay in layouts):
+      run = lambda: speculative.generate(params, prompt_BP, len_B, key, cfg, scfg, draft_layers, gamma, layout)
+      spec_s = common.time_calls(run, repeats=repeats)["best_s"]
+      out = run()
+      rows.append({"model": name, "batch": B, "gamma": gamma, "layout": layout, "draft_layers": draft_layers,
+                   "new_tokens": N,
+                   "plain_s": plain, "spec_s": spec_s, "plain_tokens_per_s": B * N / plain,
+                   "spec_tokens_per_s": B * N / spec_s, "speedup": plain / spec_s,
+                   "accept_rate": float(out["spec_accept_rate"]), "tokens_per_call": float(out["spec_tokens_per_call"]),
+                   "calls": int(out["spec_calls"])})
+      print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
+  return rows
+
+
+def table(rows: list[dict]) -> str:
+  """A markdown table of the rows."""
+  head = "| model | B | γ | layout | k | plain tok/s | spec tok/s | speedup | accept | tokens/call |"
+  lines = [head, "|" + "---|" * 10]
+  for r in rows:
+    lines.append(f"| {r['model']} | {r['batch']} | {r['gamma']} | {r['layout']} | {r['draft_layers']} | "
+                 f"{r['plain_tokens_per_s']:.1f} | "
+                 f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['accept_rate']:.2f} | "
+                 f"{r['tokens_per_call']:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.splitlines()[0])
+  p.add_argument("--models", default="toy,smollm2", help="comma list of toy, smollm2 (skipped if not downloaded)")
+  p.add_argument("--batches", default="1,4,16")
+  p.add_argument("--gammas", default="2,4")
+  p.add_argument("--layouts", default="min,rows", help="speculative.LAYOUTS to measure")
+  p.add_argument("--draft-layers", type=int, default=0, help="drafter depth k (default: 1 for toy, 8 for SmolLM2)")
+  p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--layer-unroll", type=int, default=None, help="SmolLM2's layer_unroll (default: as loaded)")
+  p.add_argument("--out", default=None, help="also write the rows as JSON here")
+  args = p.parse_args(argv)
+  batches = [int(x) for x in args.batches.split(",")]
+  gammas = [int(x) for x in args.gammas.split(",")]
+  rows = []
+  for name in args.models.split(","):
+    if name == "toy":
+      params, cfg, prompts, pad = toy_model(args.new_tokens)
+      k = args.draft_layers or 1
+    elif name == "smollm2":
+      from bench.grpo_real import default_model_dir
+      model_dir = default_model_dir()
+      if not (pathlib.Path(model_dir) / "config.json").is_file():
+        print(f"skipping smollm2: no checkpoint at {model_dir} (make smollm2)")
+        continue
+      params, cfg, prompts, pad = smollm2_model(args.new_tokens, model_dir, args.layer_unroll)
+      k = args.draft_layers or 8
+    else:
+      raise SystemExit(f"unknown model {name!r}")
+    rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
+                    tuple(args.layouts.split(",")))
+  print(f"load average at the end: {os.getloadavg()}")
+  print(table(rows))
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""Speculative decoding in rollouts (ReSpec): a cheap drafter proposes γ tokens, the policy verifies them in one call.
+
+Every verification call feeds the last emitted token and the γ drafted ones through the policy's KV cache
+(`forward_with_cache` with T = γ + 1) and keeps a prefix of them by exact rejection sampling: drafted token d_i
+(drawn from the drafter's q_i) is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+the row draws its next token from norm(max(0, p_i − q_i)) instead; when all γ pass, one bonus token comes from
+p_γ. p and q are the distributions `sample.sample_token` draws from (temperature, then top-k / top-p
+renormalised; greedy: one-hot at the argmax), so every emitted token is a sample of the policy's own sampling
+distribution, and its behaviour log-prob μ is read off the verification call's logits with `sample_token`'s
+convention: `behavior_logp` equals what the learner computes, exactly as for `sampler.generate`.
+
+Rows of a batch accept different numbers of tokens, while the KV cache has one write index for every row
+(`models.cache`: slot order is time order). Two layouts (`generate_speculative(layout=...)`):
+- "min" (the default): every row emits the **common minimum** m = min over live rows of (accepted + 1) per call;
+  rows that accepted more keep only their first m tokens (drafts they accepted), and both caches roll back to
+  index + m. Exact (each emitted token is still drawn from p given its prefix; where a row stops depends on the
+  other rows' independent draws only), the caches need only P + N + γ + 1 slots and every row writes the same
+  columns. The cost: the batch advances at its worst row's pace, so the gain vanishes as the batch grows.
+- "rows": every row keeps all it accepted (per-row columns and RoPE positions); the index advances γ + 1 slots
+  per call and the verified slots a row did not keep become holes (segment 0, invisible to every query). The
+  caches need P + N·(γ + 1) slots, and attention reads the holes' slots too.
+Either way the output layout is `sampler.generate`'s (the learner never sees the holes).
+
+Drafters: `draft_from_layers` (the policy's first k layers sharing its embedding, final norm and head: its
+weights are the policy's, so it is always exactly as fresh as the policy) or any model of the same vocabulary
+(`draft_params`, `draft_cfg`). Fresh is not good: an untrained early exit drafts poorly (SmolLM2-135M, 30 layers,
+temperature 1: acceptance 2-6 % with k = 8, 33 % with k = 28; `bench/speculative.py`), so it needs an early-exit
+or distillation loss to pay off. Training a drafter (ReSpec: distillation on recent rollouts, reward-weighted)
+is future work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache
+from jaxrl_llm.sampling.config import SamplerConfig
+from jaxrl_llm.sampling.sample import first_argmax, truncate
+from jaxrl_llm.sampling.sampler import decode_carry, emit_token, is_stop, prefill_prompts
+
+Array = jax.Array
+
+# γ by batch size for `spec_gamma="auto"` (ReSpec: speculation pays less as the batch grows, because a larger
+# batch is already closer to compute bound): (largest batch, γ), first match wins; larger batches get 0 (off).
+AUTO_GAMMA = ((1, 4), (4, 4), (16, 2), (64, 1))
+
+
+def auto_gamma(batch: int) -> int:
+  """γ for a batch of `batch` rows from `AUTO_GAMMA` (0: speculation off)."""
+  for rows, gamma in AUTO_GAMMA:
+    if batch <= rows:
+      return gamma
+  return 0
+
+
+def draft_from_layers(params: dict, model_cfg: ModelConfig, n_layers: int) -> tuple[dict, ModelConfig]:
+  """(params, config) of the drafter made of the policy's first `n_layers` decoder layers, sharing its
+  embedding, final norm and head (the arrays themselves: no copy, always the policy's current weights)."""
+  if not 1 <= n_layers <= model_cfg.n_layers:
+    raise ValueError(f"sampler.spec_draft_layers={n_layers} must be in [1, {model_cfg.n_layers}] (the policy's layers)")
+  layers = jax.tree.map(lambda x: x[:n_layers], params["layers"])
+  return {**params, "layers": layers}, dataclasses.replace(model_cfg, n_layers=n_layers)
+
+
+def sampling_logp(logits_BTV: Array, cfg: SamplerConfig) -> Array:
+  """log of the distribution `sample.sample_token` draws from, over the whole vocabulary (-inf off its support):
+  log_softmax(logits / temperature), restricted and renormalised to the top-k / top-p candidates when truncated;
+  greedy (temperature 0): 0 at the first argmax, -inf elsewhere."""
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  V = logits_BTV.shape[-1]
+  if cfg.temperature == 0:
+    return jnp.where(jax.nn.one_hot(first_argmax(logits_BTV), V, dtype=bool), 0.0, -jnp.inf)
+  scaled_BTV = logits_BTV / cfg.temperature
+  if cfg.truncated:
+    vals_BTK, ids_BTK = truncate(scaled_BTV, cfg)
+    rows = vals_BTK.reshape(-1, vals_BTK.shape[-1]), ids_BTK.reshape(-1, ids_BTK.shape[-1])
+    R = rows[0].shape[0]
+    kept_RV = jnp.full((R, V), -jnp.inf, jnp.float32).at[jnp.arange(R)[:, None], rows[1]].set(rows[0])
+    scaled_BTV = kept_RV.reshape(scaled_BTV.shape)
+  return jax.nn.log_softmax(scaled_BTV, axis=-1)
+
+
+def behavior_logp(logits_BTV: Array, logp_BTV: Array, tokens_BT: Array, cfg: SamplerConfig) -> Array:
+  """μ of `tokens_BT` with `sample_token`'s convention: the sampling distribution's log-prob (`logp_BTV`), or
+  log_softmax(logits) at temperature 1 when greedy."""
+  src_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1) if cfg.temperature == 0 else logp_BTV
+  return jnp.take_along_axis(src_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+
+
+def _categorical(key: Array, logp_BTV: Array) -> Array:
+  """One draw per row of `logp` (Gumbel-max; -inf entries are never drawn)."""
+  g_BTV = jax.random.gumbel(key, logp_BTV.shape, jnp.float32)
+  return first_argmax(jnp.where(jnp.isneginf(logp_BTV), -jnp.inf, logp_BTV + g_BTV))
+
+
+def verify(p_logp_BGV: Array, q_logp_BgV: Array, draft_Bg: Array, key: Array) -> tuple[Array, Array]:
+  """Exact rejection sampling of γ drafted tokens against the policy: (n_B accepted drafts, block_BG).
+
+  p_logp_BGV: the policy's sampling log-probs at the G = γ + 1 verified positions; q_logp_BgV: the drafter's at
+  the γ drafted ones; draft_Bg: the drafted tokens (drawn from q). block_BG: the row's candidate tokens, its
+  first n_B + 1 being what it emits: the accepted drafts, then the draw from norm(max(0, p_n − q_n)) (or, with
+  every draft accepted, from p_γ: the residual against q = 0).
+  """
+  B, g = draft_Bg.shape
+  k_acc, k_fix = jax.random.split(key)
+  p_d_Bg = jnp.exp(jnp.take_along_axis(p_logp_BGV[:, :g], draft_Bg[..., None], axis=-1)[..., 0])
+  q_d_Bg = jnp.exp(jnp.take_along_axis(q_logp_BgV, draft_Bg[..., None], axis=-1)[..., 0])
+  accept_Bg = jax.random.uniform(k_acc, (B, g)) * q_d_Bg < p_d_Bg  # u < p/q without dividing
+  n_B = jnp.sum(jnp.cumprod(accept_Bg.astype(jnp.int32), axis=1), axis=1)
+  q_BGV = jnp.concatenate([jnp.exp(q_logp_BgV), jnp.zeros_like(p_logp_BGV[:, :1])], axis=1)
+  p_BGV = jnp.exp(p_logp_BGV)
+  resid_BGV = jnp.maximum(p_BGV - q_BGV, 0.0)
+  # p == q up to rounding leaves no residual mass (and then a rejection has probability ~0): draw from p
+  resid_BGV = jnp.where(jnp.sum(resid_BGV, axis=-1, keepdims=True) > 0, resid_BGV, p_BGV)
+  fix_BG = _categorical(k_fix, jnp.log(resid_BGV))
+  col_G = jnp.arange(g + 1)
+  drafts_BG = jnp.concatenate([draft_Bg, jnp.zeros((B, 1), draft_Bg.dtype)], axis=1)
+  return n_B, jnp.where(col_G[None, :] < n_B[:, None], drafts_BG, fix_BG).astype(jnp.int32)
+
+
+def _draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: Array, key: Array,
+           d_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array, dict]:
+  """The drafter's γ proposals after `last_B` (at positions pos0_B + 1 ...): (draft_Bg, q_logp_BgV, cache). It
+  feeds γ + 1 tokens (the last draft too, head skipped) so that its cache holds every token the policy may keep."""
+  tok_B1, drafts, qs = last_B[:, None], [], []
+  for i in range(gamma):
+    logits_B1V, cache = forward_with_cache(d_params, tok_B1, cache, d_cfg, positions_BT=(pos0_B + i)[:, None],
+                                           segment_ids_BT=live_B1)
+    q_B1V = sampling_logp(logits_B1V, sampler_cfg)
+    tok_B1 = _categorical(jax.random.fold_in(key, i), q_B1V)
+    drafts.append(tok_B1)
+    qs.append(q_B1V)
+  _, cache = hidden_with_cache(d_params, tok_B1, cache, d_cfg, positions_BT=(pos0_B + gamma)[:, None],
+                               segment_ids_BT=live_B1)
+  return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1), cache
+
+
+def _write_block(carry: dict, block_BG: Array, mu_BG: Array, emit_B: Array, active_B: Array,
+                 sampler_cfg: SamplerConfig) -> dict:
+  """Writes the first `emit_B` tokens of each active row's block at its columns `col_B ...` and advances `col_B`
+  by `emit_B`; a row is live at a column until the column after its first stop id. Later columns of the block
+  get pad (nothing real lies past a row's `col_B`), and writes past the buffer are dropped."""
+  B, G = block_BG.shape
+  stop_BG = is_stop(block_BG, sampler_cfg.stop_ids)
+  stopped_before_BG = jnp.cumsum(stop_BG, axis=1) - stop_BG > 0
+  live_BG = active_B[:, None] & ~stopped_before_BG & (jnp.arange(G)[None, :] < emit_B[:, None])
+  rows_B1, cols_BG = jnp.arange(B)[:, None], carry["col_B"][:, None] + jnp.arange(G)[None, :]
+  put = lambda buf, x_BG: buf.at[rows_B1, cols_BG].set(x_BG.astype(buf.dtype), mode="drop")
+  return {
+      **carry,
+      "col_B": carry["col_B"] + emit_B,
+      "tokens_BN": put(carry["tokens_BN"], jnp.where(live_BG, block_BG, sampler_cfg.pad_id)),
+      "logp_BN": put(carry["logp_BN"], jnp.where(live_BG, mu_BG, 0.0)),
+      "mask_BN": put(carry["mask_BN"], live_BG.astype(jnp.float32)),
+      "done_B": carry["done_B"] | jnp.any(live_BG & stop_BG, axis=1),
+  }
+
+
+def _mark_holes(cache: dict, start: Array, keep_BG: Array) -> dict:
+  """Segment 0 (invisible to every later query) on the verified slots `start ...` a row did not keep."""
+  seg_BS = jax.lax.dynamic_update_slice_in_dim(cache["segment_ids_BS"], keep_BG.astype(jnp.int32), start, axis=1)
+  return {**cache, "segment_ids_BS": seg_BS}
+
+
+LAYOUTS = ("min", "rows")
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "draft_cfg", "sampler_cfg", "gamma", "layout"))
+def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
+                         model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig,
+                         gamma: int, layout: str = "min") -> dict:
+  """`sampler.generate`'s contract (same conventions and output fields) with speculative decoding: the drafter
+  (`draft_params`, `draft_cfg`, same vocabulary) proposes `gamma` tokens per policy call (module docstring).
+
+  The tokens follow the policy's sampling distribution exactly (not the same bits as `generate` for a key:
+  the draws differ); greedy (temperature 0) emits `generate`'s tokens up to rounding between a T = 1 and a
+  T = γ + 1 forward. Column 0 is drawn like `generate`'s (from the prefill's logits).
+  `layout`: how rows that accept different numbers of drafts share the caches' one write index:
+    "min": every row emits the common minimum m per call and both caches roll back to it (P + N + γ + 1 slots);
+    "rows": every row keeps all it accepted; the index advances γ + 1 slots per call and the slots a row rejected
+      become holes (segment 0), so the caches need P + N·(γ + 1) slots and attention reads them all.
+  Also returns the scalars spec_calls (verification calls), spec_accept_rate (accepted / proposed drafts over
+  active rows, before any common minimum) and spec_tokens_per_call (tokens a row emits per verification call,
+  averaged over the calls of rows still decoding).
+  Not supported (ValueError): the μ records (`behavior_topk`, `mc_samples`), a compressed KV cache, MoE models.
+  """
+  if gamma < 1:
+    raise ValueError(f"generate_speculative: gamma must be >= 1, got {gamma}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"generate_speculative: layout must be one of {LAYOUTS}, got {layout!r}")
+  if sampler_cfg.records or sampler_cfg.kv_cache != "full" or model_cfg.is_moe or draft_cfg.is_moe:
+    raise ValueError("speculative decoding supports neither sampler.behavior_topk / mc_samples, nor a compressed "
+                     "sampler.kv_cache, nor MoE models")
+  if draft_cfg.vocab_size != model_cfg.vocab_size:
+    raise ValueError(f"the drafter's vocabulary ({draft_cfg.vocab_size}) must be the policy's ({model_cfg.vocab_size})")
+  B, P = prompt_tokens_BP.shape
+  N, G = sampler_cfg.max_new_tokens, gamma + 1
+  # min: the last call starts at slot P + N - 2 and writes G; rows: at most N - 1 calls of G slots each
+  new_slots = N + G if layout == "min" else N * G
+  prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, dataclasses.replace(sampler_cfg, max_new_tokens=new_slots))
+  dcache = init_cache(draft_cfg, B, P + new_slots)
+  _, dcache = hidden_with_cache(draft_params, prompt_BP, dcache, draft_cfg, positions_BT=positions_BP,
+                                segment_ids_BT=segment_ids_BP)
+
+  v_params, cache = decode_view(params, cache, model_cfg)
+  vd_params, dcache = decode_view(draft_params, dcache, draft_cfg)
+  carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
+                     sampler_cfg)
+  zero = jnp.zeros((), jnp.float32)
+  carry = {**carry, "col_B": jnp.ones((B,), jnp.int32), "dcache": dcache, "calls": jnp.zeros((), jnp.int32),
+           "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero}
+  active = lambda c: ~c["done_B"] & (c["col_B"] < N)
+
+  def call(carry: dict) -> dict:
+    """One draft-and-verify round: emits >= 1 token for every active row."""
+    col_B, active_B = carry["col_B"], active(carry)
+    k_call = jax.random.fold_in(jax.random.fold_in(key, 1), carry["calls"])
+    last_B = jnp.take_along_axis(carry["tokens_BN"], (col_B - 1)[:, None], axis=1)[:, 0]
+    live_B1 = active_B[:, None].astype(jnp.int32)
+    pos0_B = (prompt_len_B + col_B - 1).astype(jnp.int32)
+    start = carry["cache"]["index"]
+    drafts_Bg, q_logp_BgV, dcache = _draft(vd_params, carry["dcache"], last_B, pos0_B, live_B1,
+                                           jax.random.fold_in(k_call, 0), draft_cfg, sampler_cfg, gamma)
+    fed_BG = jnp.concatenate([last_B[:, None], drafts_Bg], axis=1)
+    logits_BGV, cache = forward_with_cache(v_params, fed_BG, carry["cache"], model_cfg,
+                                           positions_BT=pos0_B[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :],
+                                           segment_ids_BT=jnp.broadcast_to(live_B1, (B, G)))
+    p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
+    n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, jax.random.fold_in(k_call, 1))
+    mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
+    if layout == "min":
+      m = jnp.min(jnp.where(active_B, n_B + 1, G))
+      emit_B = jnp.full((B,), m, jnp.int32)
+      # roll back: the caches keep `last` and the m - 1 drafts every row emitted
+      cache, dcache = {**cache, "index": start + m}, {**dcache, "index": start + m}
+    else:
+      emit_B = jnp.where(active_B, n_B + 1, 0).astype(jnp.int32)
+      keep_BG = jnp.arange(G)[None, :] < emit_B[:, None]  # `last` and the accepted drafts
+      cache, dcache = _mark_holes(cache, start, keep_BG), _mark_holes(dcache, start, keep_BG)
+    counted_B = jnp.where(active_B, jnp.minimum(emit_B, N - col_B), 0)
+    carry = {**carry, "cache": cache, "dcache": dcache, "calls": carry["calls"] + 1,
+             "accepted": carry["accepted"] + jnp.sum(jnp.where(active_B, n_B, 0)),
+             "proposed": carry["proposed"] + gamma * jnp.sum(active_B),
+             "emitted": carry["emitted"] + jnp.sum(counted_B), "row_calls": carry["row_calls"] + jnp.sum(active_B)}
+    return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg)
+
+  carry = jax.lax.while_loop(lambda c: jnp.any(active(c)), call, carry)
+  tokens_BN, mask_BN = carry["tokens_BN"][:, :N], carry["mask_BN"][:, :N]
+  positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  return {
+      "tokens_BN": tokens_BN,
+      "mask_BN": mask_BN,
+      "behavior_logp_BN": carry["logp_BN"][:, :N],
+      "lengths_B": jnp.sum(mask_BN, axis=1).astype(jnp.int32),
+      "finished_B": jnp.any(is_stop(tokens_BN, sampler_cfg.stop_ids) & (mask_BN > 0), axis=1),
+      "sequence_BT": jnp.concatenate([prompt_BP, tokens_BN], axis=1),
+      "positions_BT": jnp.concatenate([positions_BP, positions_BN], axis=1),
+      "segment_ids_BT": jnp.concatenate([segment_ids_BP, mask_BN.astype(jnp.int32)], axis=1),
+      "completion_mask_BT": jnp.concatenate([jnp.zeros((B, P), jnp.float32), mask_BN], axis=1),
+      "spec_calls": carry["calls"],
+      "spec_accept_rate": carry["accepted"] / jnp.maximum(carry["proposed"], 1.0),
+      "spec_tokens_per_call": carry["emitted"] / jnp.maximum(carry["row_calls"], 1.0),
+  }
+
+
+def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, model_cfg: ModelConfig,
+             sampler_cfg: SamplerConfig, draft_layers: int, gamma: int, layout: str = "min") -> dict:
+  """`generate_speculative` with the policy's first `draft_layers` layers as the drafter (`draft_from_layers`)."""
+  draft_params, draft_cfg = draft_from_layers(params, model_cfg, draft_layers)
+  return generate_speculative(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, draft_cfg,
+                              sampler_cfg, gamma, layout)

@@ -1,0 +1,235 @@
+"""Speculative decoding: the emitted tokens follow the policy's sampling distribution (exact counts vs the policy's
+probabilities, with deliberately bad drafters), μ equals the learner's scoring, greedy equals `generate`, stop ids,
+lengths and the acceptance metrics."""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.learner import completion_logprobs
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models.transformer import forward
+from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.sampling import speculative as spec
+from jaxrl_llm.sampling.config import SPEC_LAYOUTS
+
+CFG = ModelConfig(vocab_size=12, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, qk_norm=True)
+P = 4
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def scaled_params(cfg, seed, scale):
+  """Init weights scaled up (norms kept) so next-token distributions are far from uniform."""
+  f = lambda path, x: x if "norm" in jax.tree_util.keystr(path) else scale * x
+  return jax.tree_util.tree_map_with_path(f, init_params(cfg, jax.random.key(seed)))
+
+
+PARAMS = scaled_params(CFG, 0, 8.0)
+BAD_PARAMS = scaled_params(dataclasses.replace(CFG, n_layers=1), 7, 8.0)  # a random drafter, unrelated weights
+PROMPT_P = jnp.array([5, 9, 2, 7], jnp.int32)
+
+
+def ref_probs(logits_V: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
+  """The sampling distribution, written independently of `sampling`: tempered softmax on the top_k logits."""
+  z = np.asarray(logits_V, np.float64) / temperature
+  if top_k:
+    z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+  e = np.exp(z - z.max())
+  return e / e.sum()
+
+
+def exact_marginals(params, cfg, temperature, top_k):
+  """Marginal distributions of completion columns 0, 1, 2 after PROMPT_P, by enumerating every (t0, t1)."""
+  V = cfg.vocab_size
+  pairs = np.array(list(itertools.product(range(V), range(V))), np.int32)
+  seq = np.concatenate([np.tile(np.asarray(PROMPT_P), (len(pairs), 1)), pairs], axis=1)
+  logits = np.asarray(jax.jit(forward, static_argnums=2)(params, jnp.asarray(seq), cfg))
+  pr = lambda x: ref_probs(x, temperature, top_k)
+  p0 = pr(logits[0, P - 1])
+  p1_given = np.stack([pr(logits[t0 * V, P]) for t0 in range(V)])  # [t0, t1]
+  p2_given = np.stack([pr(logits[i, P + 1]) for i in range(len(pairs))]).reshape(V, V, V)  # [t0, t1, t2]
+  joint01 = p0[:, None] * p1_given
+  return p0, joint01.sum(0), np.einsum("ab,abc->c", joint01, p2_given)
+
+
+@functools.partial(jax.jit, static_argnames=("draft_cfg", "sampler_cfg", "gamma", "n_keys", "rows", "layout"))
+def sample_many(params, draft_params, draft_cfg, sampler_cfg, gamma, n_keys, rows, layout):
+  """Columns 0..2 of n_keys × rows speculative samples of PROMPT_P (rows of one batch share a call, so the
+  common-minimum path runs), and the mean acceptance rate."""
+  prompts = jnp.tile(PROMPT_P, (rows, 1))
+  lens = jnp.full((rows,), P, jnp.int32)
+  run = lambda k: spec.generate_speculative(params, draft_params, prompts, lens, k, CFG, draft_cfg, sampler_cfg, gamma,
+                                            layout)
+  out = jax.vmap(run)(jax.random.split(jax.random.key(11), n_keys))
+  return out["tokens_BN"][..., :3].reshape(-1, 3), jnp.mean(out["spec_accept_rate"])
+
+
+def tv(counts, probs):
+  return 0.5 * np.abs(counts / counts.sum() - probs).sum()
+
+
+@pytest.mark.parametrize("drafter,temperature,top_k,layout", [("random", 1.0, 0, "min"), ("layer1", 0.7, 4, "min"),
+                                                              ("random", 0.7, 4, "rows"), ("layer1", 1.0, 0, "rows")])
+def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, top_k, layout):
+  """Counts of columns 0-2 over 2400 samples match the exact policy marginals (TV < 0.06; sampling noise here is
+  ~0.03), while the drafter alone is far from them (so the check could fail)."""
+  if drafter == "random":
+    d_params, d_cfg = BAD_PARAMS, dataclasses.replace(CFG, n_layers=1)
+  else:
+    d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
+  cfg = SamplerConfig(max_new_tokens=3, temperature=temperature, top_k=top_k)
+  toks, accept = sample_many(PARAMS, d_params, d_cfg, cfg, 3, 600, 4, layout)
+  toks = np.asarray(toks)
+  policy = exact_marginals(PARAMS, CFG, temperature, top_k)
+  draft = exact_marginals(d_params, d_cfg, temperature, top_k)
+  for col in range(3):
+    counts = np.bincount(toks[:, col], minlength=CFG.vocab_size).astype(float)
+    assert tv(counts, policy[col]) < 0.06, (col, tv(counts, policy[col]))
+  for col in (1, 2):  # the drafter's own law is far off: emitting its drafts unchecked would fail the bound above
+    assert 0.5 * np.abs(draft[col] - policy[col]).sum() > 0.2
+  assert 0.0 < float(accept) < 0.9
+
+
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_mu_equals_the_learners_scoring(layout):
+  """behavior_logp_BN = `learner.completion_logprobs` on the returned sequence (temperature 0.8), rows of different
+  prompt lengths and stops; under top-k, μ is the renormalised truncated log-prob of the learner's logits."""
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8], [0, 4, 4, 1]], jnp.int32)
+  lens = jnp.array([4, 2, 3], jnp.int32)
+  d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
+  for top_k in (0, 5):
+    cfg = SamplerConfig(max_new_tokens=8, temperature=0.8, top_k=top_k, stop_ids=(3,))
+    out = spec.generate_speculative(PARAMS, d_params, prompts, lens, jax.random.key(4), CFG, d_cfg, cfg, 3, layout)
+    mask = np.asarray(out["mask_BN"])
+    if top_k == 0:
+      score = jax.jit(completion_logprobs, static_argnums=(4, 5, 6))
+      ref = score(PARAMS, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], 8, CFG, 0.8)["logp_BT"]
+    else:
+      seq = out["sequence_BT"]
+      logits = jax.jit(forward, static_argnums=2)(PARAMS, seq[:, :-1], CFG, positions_BT=out["positions_BT"][:, :-1],
+                                                  segment_ids_BT=out["segment_ids_BT"][:, :-1])
+      logits = np.asarray(logits)[:, P - 1:]
+      toks = np.asarray(out["tokens_BN"])
+      ref = np.array([[np.log(ref_probs(logits[b, n], 0.8, top_k)[toks[b, n]]) if mask[b, n] else 0.0
+                       for n in range(8)] for b in range(3)])
+    np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(ref) * mask, atol=2e-5)
+    assert np.all(np.asarray(out["behavior_logp_BN"])[mask == 0] == 0)
+
+
+@pytest.mark.parametrize("gamma,draft_layers,layout", [(1, 1, "min"), (3, 2, "min"), (4, 3, "min"), (3, 1, "rows")])
+def test_greedy_equals_plain_generate(gamma, draft_layers, layout):
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
+  lens = jnp.array([4, 2], jnp.int32)
+  cfg = SamplerConfig(max_new_tokens=10, temperature=0.0)
+  out = spec.generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg, draft_layers, gamma, layout)
+  ref = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, cfg)
+  np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))
+  np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(ref["behavior_logp_BN"]), atol=2e-5)
+  for name in ("sequence_BT", "positions_BT", "segment_ids_BT", "lengths_B", "mask_BN"):
+    np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(ref[name]), err_msg=name)
+
+
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_stop_ids_end_rows_and_lengths_count_them(layout):
+  """A row ends at its first stop id (included in the mask, pads after); lengths and finished_B follow; the
+  caller-visible layout is `generate`'s."""
+  prompts = jnp.tile(PROMPT_P, (6, 1))
+  lens = jnp.full((6,), P, jnp.int32)
+  p0 = exact_marginals(PARAMS, CFG, 1.0, 0)[1]
+  stops = tuple(int(i) for i in np.argsort(p0)[-2:])  # likely tokens, so most rows stop early
+  cfg = SamplerConfig(max_new_tokens=12, stop_ids=stops, pad_id=11)
+  out = spec.generate(PARAMS, prompts, lens, jax.random.key(5), CFG, cfg, 1, 3, layout)
+  toks, mask = np.asarray(out["tokens_BN"]), np.asarray(out["mask_BN"])
+  ended = 0
+  for b in range(6):
+    hits = np.flatnonzero(np.isin(toks[b], stops))
+    length = hits[0] + 1 if hits.size else 12
+    ended += bool(hits.size)
+    np.testing.assert_array_equal(mask[b], np.arange(12) < length)
+    assert np.all(toks[b, length:] == 11) and int(out["lengths_B"][b]) == length
+    assert bool(out["finished_B"][b]) == bool(hits.size)
+  assert ended >= 3
+  np.testing.assert_array_equal(np.asarray(out["segment_ids_BT"])[:, P:], mask.astype(np.int32))
+
+
+def test_acceptance_metrics():
+  """The acceptance rate is in [0, 1]; it is 1 (up to T=1 vs T=γ+1 rounding) and every call emits γ + 1 tokens when
+  the drafter is the policy itself; a random drafter accepts less and emits fewer per call."""
+  prompts = jnp.tile(PROMPT_P, (2, 1))
+  lens = jnp.full((2,), P, jnp.int32)
+  cfg = SamplerConfig(max_new_tokens=13)
+  same = spec.generate(PARAMS, prompts, lens, jax.random.key(6), CFG, cfg, CFG.n_layers, 3)
+  assert float(same["spec_accept_rate"]) >= 0.99
+  assert float(same["spec_tokens_per_call"]) == pytest.approx(4.0, abs=0.35)
+  assert int(same["spec_calls"]) <= 4
+  bad = spec.generate_speculative(PARAMS, BAD_PARAMS, prompts, lens, jax.random.key(6), CFG,
+                                  dataclasses.replace(CFG, n_layers=1), cfg, 3)
+  assert 0.0 <= float(bad["spec_accept_rate"]) < float(same["spec_accept_rate"])
+  assert 1.0 <= float(bad["spec_tokens_per_call"]) < 4.0
+  assert int(bad["spec_calls"]) * float(bad["spec_tokens_per_call"]) == pytest.approx(12.0)  # common minimum
+  rows = spec.generate_speculative(PARAMS, BAD_PARAMS, prompts, lens, jax.random.key(6), CFG,
+                                   dataclasses.replace(CFG, n_layers=1), cfg, 3, "rows")
+  assert 1.0 <= float(rows["spec_tokens_per_call"]) < 4.0  # per row: each keeps what it accepted
+  assert int(rows["spec_calls"]) <= 12
+
+
+def test_rejections():
+  prompts, lens = PROMPT_P[None], jnp.array([P], jnp.int32)
+  with pytest.raises(ValueError, match="behavior_topk"):
+    spec.generate(PARAMS, prompts, lens, jax.random.key(0), CFG, SamplerConfig(max_new_tokens=2, behavior_topk=2), 1, 2)
+  with pytest.raises(ValueError, match="spec_draft_layers"):
+    spec.draft_from_layers(PARAMS, CFG, 4)
+  other = dataclasses.replace(CFG, vocab_size=16, n_layers=1)
+  with pytest.raises(ValueError, match="vocabulary"):
+    spec.generate_speculative(PARAMS, init_params(other, jax.random.key(0)), prompts, lens, jax.random.key(0), CFG,
+                              other, SamplerConfig(max_new_tokens=2), 2)
+
+
+def test_auto_gamma_shrinks_with_the_batch():
+  gammas = [spec.auto_gamma(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+  assert gammas == sorted(gammas, reverse=True) and gammas[0] >= 2 and gammas[-1] == 0
+
+
+def test_sampler_config_fields_and_generate_dispatch():
+  """`SamplerConfig.spec_gamma` routes `sampling.generate` through speculative decoding ("auto": γ by batch size),
+  with the same greedy tokens and the spec_* metrics; bad values name the field."""
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
+  lens = jnp.array([4, 2], jnp.int32)
+  plain = generate(PARAMS, prompts, lens, jax.random.key(0), CFG, SamplerConfig(max_new_tokens=7, temperature=0.0))
+  for gamma, layout in ((2, "min"), ("auto", "rows")):
+    cfg = SamplerConfig(max_new_tokens=7, temperature=0.0, spec_gamma=gamma, spec_draft_layers=1, spec_layout=layout)
+    out = generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg)
+    np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(plain["tokens_BN"]))
+    assert 0.0 <= float(out["spec_accept_rate"]) <= 1.0 and float(out["spec_tokens_per_call"]) >= 1.0
+  assert "spec_calls" not in plain
+  assert SPEC_LAYOUTS == spec.LAYOUTS
+  for bad, needle in [(dict(spec_gamma=-1), "spec_gamma"), (dict(spec_gamma="big"), "spec_gamma"),
+                      (dict(spec_gamma=2), "spec_draft_layers"), (dict(spec_layout="holes"), "spec_layout"),
+                      (dict(spec_gamma=2, spec_draft_layers=1, mc_samples=2), "spec_gamma"),
+                      (dict(spec_gamma=2, spec_draft_layers=1, kv_cache="int8"), "spec_gamma")]:
+    with pytest.raises(ValueError, match=needle):
+      SamplerConfig(max_new_tokens=4, **bad)
+
+
+def test_run_config_validation_names_the_field():
+  import os
+  from jaxrl_llm import config as config_lib, wiring
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for over, needle in [({"spec_gamma": 2}, "config.sampler.spec_draft_layers=0"),
+                       ({"spec_gamma": -2, "spec_draft_layers": 1}, "config.sampler.spec_gamma=-2"),
+                       ({"spec_gamma": 2, "spec_draft_layers": 1, "behavior_topk": 2}, "config.sampler.spec_gamma=2"),
+                       ({"spec_layout": "holes"}, "config.sampler.spec_layout='holes'")]:
+    c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
+    c.sampler.update(over)
+    with pytest.raises(config_lib.ConfigError) as e:
+      config_lib.validate(c)
+    assert needle in str(e.value)
+  c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
+  c.sampler.update({"spec_gamma": -1, "spec_draft_layers": 1})  # -1: "auto"
+  config_lib.validate(c)
+  assert wiring.sampler_config(c).spec_gamma == "auto" and wiring.sampler_config(c, greedy=True).spec_gamma == 0
