@@ -218,17 +218,10 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     `sampler_cfg.kv_cache`: "int8" / "window" decode from a compressed cache (behavior_logp_BN is then that
     cache's policy); "window" adds kv_window_B2 (int32 [B, 2], each row's (sinks, window)): what every token
     could see, from which the learner builds the shadow mask (`cache.window_attention_mask`).
-    `sampler_cfg.spec_gamma` (γ > 0, or "auto" giving γ > 0 for B): speculative decoding
-    (`speculative.generate_speculative`, the policy's first `spec_draft_layers` layers drafting): the same fields
-    and distribution (not the same bits for a key), plus spec_calls, spec_accept_rate and spec_tokens_per_call.
+    Speculative decoding (`sampler_cfg.spec_gamma`) is routed by `sampling.dispatch.generate`, the package's
+    `sampling.generate`; this function ignores the spec_* fields.
   """
   B, P = prompt_tokens_BP.shape
-  if sampler_cfg.spec_gamma:  # speculative decoding: same contract, plus its spec_* metrics
-    from jaxrl_llm.sampling import speculative  # local: speculative builds on this module
-    gamma = speculative.auto_gamma(B) if sampler_cfg.spec_gamma == "auto" else sampler_cfg.spec_gamma
-    if gamma:
-      return speculative.generate(params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg,
-                                  sampler_cfg.spec_draft_layers, gamma, sampler_cfg.spec_layout)
   N = sampler_cfg.max_new_tokens
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
       params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
