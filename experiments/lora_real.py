@@ -10,8 +10,10 @@ into the results file (`table_md`), and `python -m experiments.report` puts it i
     python -m experiments.lora_real                     # 3 seeds of LoRA, 1 of full fine-tuning, 20 steps
     python -m experiments.lora_real --seeds 3 --full-seeds 3 --steps 20
 
-A run of this length takes about 8 minutes on 2 idle CPU cores; on a shared machine the times are noisy
-(compare the two arms of one invocation, not invocations).
+    python -m experiments.lora_real --retable           # rewrite the table of the existing results file
+
+Each run records the machine's load average at its start and end: step times of runs that shared the cores
+with other jobs are not comparable (the table shows the load beside them); accuracy and peak RSS are.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ def run_arm(arm: str, seed: int, steps: int, eval_every: int, workdir: str) -> d
          f"--config.num_steps={steps}", f"--config.eval.every={eval_every}", "--config.log.progress=False",
          "--config.checkpoint.every=0"]
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-  t0 = time.perf_counter()
+  t0, load0 = time.perf_counter(), os.getloadavg()[0]
   with open(os.path.join(workdir, f"lora_real_{arm}_s{seed}.log"), "w") as log_file:
     proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     _, status, usage = os.wait4(proc.pid, 0)
   out = {"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0, "peak_rss_gib": usage.ru_maxrss / 2**20,
-         "exit_status": os.waitstatus_to_exitcode(status)}
+         "exit_status": os.waitstatus_to_exitcode(status), "loadavg": [load0, os.getloadavg()[0]]}
   try:
     info = json.load(open(os.path.join(wd, "run_info.json")))
     rows = [json.loads(line) for line in open(os.path.join(wd, "metrics.jsonl")) if line.strip()]
@@ -64,8 +66,13 @@ def _mean_se(xs: list[float]) -> str:
   return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) / len(xs) ** 0.5:.3f} (n={len(xs)})"
 
 
+def _load(r: dict) -> str:
+  return f"{r['loadavg'][0]:.1f}→{r['loadavg'][1]:.1f}" if r.get("loadavg") else "not recorded"
+
+
 def table(runs: list[dict]) -> str:
-  """Per-arm means (± standard error over seeds), the per-seed cells, and whether each arm learns."""
+  """Per-arm means (± standard error over seeds), whether each arm learns, and the per-seed cells with the
+  machine's load (1-minute average at the run's start → end) beside their step times."""
   lines = ["| arm | held-out accuracy before RL | after RL | gain | s / learner step (median) | peak RSS (GiB) | "
            "learns (gain > %.2f in every seed) |" % MARGIN, "|---|---|---|---|---|---|---|"]
   for arm in ARMS:
@@ -76,15 +83,28 @@ def table(runs: list[dict]) -> str:
     lines.append(f"| {arm} | {_mean_se([r['acc_start'] for r in rs])} | {_mean_se([r['acc_end'] for r in rs])} | "
                  f"{_mean_se(gains)} | {statistics.median(r['step_s_median'] for r in rs):.1f} | "
                  f"{max(r['peak_rss_gib'] for r in rs):.2f} | {'yes' if all(g > MARGIN for g in gains) else 'no'} |")
-  lines += ["", "Per seed (before → after): " + "; ".join(
-      f"{r['arm']} s{r['seed']} {r['acc_start']:.3f} → {r['acc_end']:.3f}" for r in runs if r.get("acc_end") is not None)]
+  lines += ["", "| run | accuracy before → after | s / step | peak RSS (GiB) | load average (start → end) |",
+            "|---|---|---|---|---|"]
+  lines += [f"| {r['arm']} seed {r['seed']} | {r['acc_start']:.3f} → {r['acc_end']:.3f} | {r['step_s_median']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {_load(r)} |" for r in runs if r.get("acc_end") is not None]
+  lines += ["", "Step times are comparable only between runs at similar load (the column beside them); accuracy and "
+            "peak RSS do not depend on it. Runs without a recorded load shared the 2 cores with other jobs."]
   return "\n".join(lines)
 
 
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--full-seeds", type=int, default=1, help="seeds of the full fine-tuning arm")
+  p.add_argument("--retable", action="store_true", help="rewrite table_md of the existing results file and exit")
   args = p.parse_args(argv)
+  if args.retable:
+    path = os.path.join(args.out, "lora_real.json")
+    with open(path) as f:
+      doc = json.load(f)
+    doc["table_md"] = table(doc["runs"])
+    with open(path, "w") as f:
+      json.dump(doc, f, indent=1)
+    return path
   steps, seeds = args.steps or 20, args.seeds or 3
   plan = [("lora", s) for s in range(seeds)] + [("full", s) for s in range(args.full_seeds)]
   if args.dry_run:

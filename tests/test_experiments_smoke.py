@@ -695,3 +695,18 @@ def test_two_step_kv_compression_run_writes_results(tmp_path):
   assert int8["bytes_per_seq"] < full["bytes_per_seq"] == win["bytes_per_seq"] > win["ring_buffer_bytes_per_seq"]
   (r,) = doc["runs"]
   assert r["summary"]["num_steps"] == 2
+
+
+def test_lora_real_table_says_which_arm_learns():
+  """experiments.lora_real's table: per-arm means over seeds, 'learns' only when every seed gains past the
+  margin, and the load beside each run's step time (runs of older files show 'not recorded')."""
+  from experiments import lora_real
+  run = lambda arm, seed, a, b, load=None: {"arm": arm, "seed": seed, "acc_start": a, "acc_end": b,
+                                            "step_s_median": 10.0 + seed, "peak_rss_gib": 3.5 if arm == "lora" else 7.0,
+                                            **({"loadavg": load} if load else {})}
+  runs = [run("lora", 0, 0.2, 0.6, [0.5, 1.5]), run("lora", 1, 0.2, 0.22), run("full", 0, 0.2, 0.7)]
+  text = lora_real.table(runs)
+  rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+  assert rows["| lora"].endswith("| no |") and rows["| full"].endswith("| yes |")  # seed 1 gained only 0.02
+  assert "0.410 ± 0.190 (n=2)" in rows["| lora"] and "| 7.00 |" in rows["| full"]
+  assert "| lora seed 0 | 0.200 → 0.600 | 10.0 | 3.50 | 0.5→1.5 |" in text and "| not recorded |" in text
