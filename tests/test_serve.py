@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from jaxrl_llm import config as config_lib  # noqa: E402
-from jaxrl_llm import loop, wiring  # noqa: E402
+from jaxrl_llm import wiring  # noqa: E402
 from jaxrl_llm.config import ConfigError, load_file  # noqa: E402
 from jaxrl_llm.models import init_params  # noqa: E402
 from jaxrl_llm.rollout.async_engine import worker_params  # noqa: E402
@@ -355,8 +355,22 @@ def test_eight_concurrent_episodes_share_a_batch():
 
 
 def test_harness_run_trains_two_steps(tmp_path):
+  """The 2-step harness run as a user starts it (`python -m jaxrl_llm`, its own process: a server, harness threads
+  and XLA compiles share it, as in a real run, not a test worker's accumulated state)."""
+  import subprocess
+  import sys
+  wd = tmp_path / "run"
   c = harness_config()
-  rows = loop.run(c, str(tmp_path / "run"))
+  over = {"serve.harness": "test_serve:short_harness", "serve.max_context": c.serve.max_context,
+          "serve.prompt_width": c.serve.prompt_width, "serve.max_tokens": c.serve.max_tokens,
+          "log.tensorboard": False, "log.progress": False, "checkpoint.every": 0}
+  cmd = [sys.executable, "-m", "jaxrl_llm", f"--config={os.path.join(ROOT, 'configs', 'harness_tiny.py')}",
+         f"--workdir={wd}"] + [f"--config.{k}={v}" for k, v in over.items()]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join(p for p in (os.path.join(ROOT, "tests"), ROOT, os.environ.get("PYTHONPATH")) if p)}
+  p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stderr[-3000:]
+  rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 1]
   need = {"step", "version", "lag_mean", "lag_max", "reward_mean", "loss", "serve_batch_mean", "serve_batch_max",
           "serve_failed", "serve_episodes"}
@@ -368,8 +382,6 @@ def test_harness_run_trains_two_steps(tmp_path):
     assert r["serve_episodes"] == 8 and r["serve_failed"] == r["serve_errors"] == 2
     assert r["mismatch_abs_max"] < 1e-5  # π_old recomputed at each token's version equals the served μ
   assert sum(r["updates_applied"] for r in rows) >= 1
-  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-  assert len(lines) == 2 and "serve_batch_max" in json.loads(lines[0])
 
 
 def test_failed_harness_costs_its_episode_only(chat_tok):

@@ -412,7 +412,10 @@ class Server:
 
   def __init__(self, app, host: str = "127.0.0.1"):
     import uvicorn  # noqa: PLC0415  (the `serve` extra)
-    self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="off"))
+    # The pure-Python event loop and HTTP parser (no uvloop / httptools): the server shares its process with
+    # XLA compiling and running in other threads; a local endpoint does not need their speed.
+    self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="off",
+                                                 loop="asyncio", http="h11", ws="none"))
     self._thread: threading.Thread | None = None
     self.host = host
     self.port: int | None = None
