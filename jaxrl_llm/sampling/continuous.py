@@ -1,7 +1,9 @@
 """Continuous batching: S decode slots over one KV cache; a finished slot is refilled with the next queued request.
 
 The static sampler (`sampler.generate`) decodes a whole batch until its longest row finishes, so with long-tailed
-completion lengths most row-steps decode rows that already stopped. Here a host loop runs jitted pieces:
+completion lengths most row-steps decode rows that already stopped. Here a host object (`SlotEngine`: a request
+queue, the slot each request holds, counters) runs jitted pieces; `generate_slots` drives it over a fixed list of
+requests, and sources that produce requests over time (async groups, episodes' next turns) submit to it:
   - `decode_chunk`: up to C decode steps over all S slots (free and finished slots masked, segment 0);
   - between chunks the finished requests leave (tokens, μ log-probs, per-token versions), the cache is shifted
     left past slots no live request reads (`shift_cache`), and queued requests are prefilled into the free
@@ -221,11 +223,84 @@ def _bucket(k: int, slots: int) -> int:
   return min(slots, 1 << (k - 1).bit_length())
 
 
+class SlotEngine:
+  """The host shell of continuous batching: a queue of requests, the slot each holds, the shared write index.
+
+  `submit(tag, prompt_P, length, key)` queues one request (a prompt left-padded to the engine's `width`; its
+  key draws column n with `fold_in(key, n)`); `step(params, version)` admits queued requests into free slots
+  (in submission order), decodes one chunk, and returns `(tag, columns)` for every request that finished in it
+  (`columns`: tokens_N, behavior_logp_N, mask_N, versions_N, finished). Callers may submit between steps (the
+  async source admits groups as admission allows; an episode queues its next turn when the environment
+  answers), and switch `params`/`version` between steps: the next chunk and admissions use them (an in-flight
+  update stalls the slots for at most one chunk). The device state lives in `state`; everything else is
+  queues and counters (`slot_steps`, `live_steps`).
+  """
+
+  def __init__(self, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, slots: int, chunk: int, width: int):
+    check_supported(sampler_cfg)
+    if slots < 1 or chunk < 1:
+      raise ValueError(f"continuous batching: slots={slots} and chunk={chunk} must be >= 1")
+    self.model_cfg, self.sampler_cfg, self.slots, self.chunk, self.width = model_cfg, sampler_cfg, slots, chunk, width
+    self.state = None  # built at the first admission (the key's shape comes from the first request)
+    self.queue: deque = deque()  # (tag, prompt_P, length, key)
+    self.tag_S: list = [None] * slots
+    self.owner_S, self.base_S = np.full((slots,), -1), np.zeros((slots,), np.int64)
+    self.index, self.slot_steps, self.live_steps = width, 0, 0
+
+  def submit(self, tag: Any, prompt_P, length: int, key: Array) -> None:
+    prompt_P = np.asarray(prompt_P, np.int32)
+    if prompt_P.shape != (self.width,) or not 0 < int(length) <= self.width:
+      raise ValueError(f"SlotEngine.submit: a prompt of width {self.width} with 1..{self.width} real tokens, got "
+                       f"shape {prompt_P.shape} and length {length}")
+    self.queue.append((tag, prompt_P, int(length), key))
+
+  @property
+  def held(self) -> int:
+    """Requests in slots (decoding, or finished and not yet returned)."""
+    return int((self.owner_S >= 0).sum())
+
+  @property
+  def idle(self) -> bool:
+    return not self.queue and not self.held
+
+  def step(self, params: dict, version: int) -> list[tuple[Any, dict]]:
+    """Admit → one decode chunk → harvest → shift; the requests that finished, as (tag, columns)."""
+    free = np.flatnonzero(self.owner_S < 0)
+    take = min(len(free), len(self.queue))
+    if take:
+      reqs = [self.queue.popleft() for _ in range(take)]
+      if self.state is None:
+        self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
+                                jnp.asarray(reqs[0][3])[None])
+      self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg)
+      for s, r in zip(free[:take], reqs):
+        self.tag_S[s] = r[0]
+      self.owner_S[free[:take]], self.base_S[free[:take]] = 1, self.index - self.width
+    if not self.held:
+      return []
+    state = self.state
+    if np.asarray(state["live_S"]).any():
+      step_before = int(np.asarray(state["step_S"]).sum())
+      state, steps = decode_chunk(params, state, version, self.model_cfg, self.sampler_cfg, self.chunk)
+      self.index, self.slot_steps = self.index + int(steps), self.slot_steps + self.slots * int(steps)
+      self.live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
+    done = _harvest(state, self.owner_S, self.tag_S)
+    held = self.owner_S >= 0
+    d = min([self.index - self.width] + ([int(self.base_S[held].min())] if held.any() else []))
+    if d > 0:  # no live request reads slots [0, d) any more
+      state["cache"] = shift_cache(state["cache"], jnp.asarray(d, jnp.int32))
+      self.index -= d
+      self.base_S[held] -= d
+    self.state = state
+    return done
+
+
 def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, model_cfg: ModelConfig,
                    sampler_cfg: SamplerConfig, *, slots: int, chunk: int, version: int = 0,
                    poll: Poll | None = None) -> dict:
   """Samples up to N = `sampler_cfg.max_new_tokens` tokens after each of R left-padded prompts with S = `slots`
-  decode slots, refilling a slot with the next queued request (in request order) once its request finished.
+  decode slots (a `SlotEngine`), refilling a slot with the next queued request (in request order) once its
+  request finished.
 
   `keys_R`: one key per request (column n draws with `fold_in(keys_R[r], n)`); `chunk`: decode steps between
   boundaries (finished rows leave, free slots refill, `poll(version)` may hand newer (version, params)).
@@ -234,75 +309,57 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   sampled each token), and the counters slot_steps (S × decode steps run) and live_steps (the slot-steps that
   decoded an unfinished request; 1 - live/slot is the share wasted on free or finished slots).
   """
-  check_supported(sampler_cfg)
-  if slots < 1 or chunk < 1:
-    raise ValueError(f"generate_slots: slots={slots} and chunk={chunk} must be >= 1")
   prompt_RP, len_R = np.asarray(prompt_tokens_RP, np.int32), np.asarray(prompt_len_R, np.int32)
   R, P = prompt_RP.shape
   N = sampler_cfg.max_new_tokens
+  engine = SlotEngine(model_cfg, sampler_cfg, slots=slots, chunk=chunk, width=P)
   out = {"tokens_BN": np.full((R, N), sampler_cfg.pad_id, np.int32), "mask_BN": np.zeros((R, N), np.float32),
          "behavior_logp_BN": np.zeros((R, N), np.float32), "versions_BN": np.zeros((R, N), np.int32),
          "finished_B": np.zeros((R,), bool)}
-  if R == 0:
-    return _assemble(out, prompt_RP, len_R, sampler_cfg, 0, 0)
-  state = init_state(model_cfg, sampler_cfg, slots, P, chunk, keys_R)
-  queue, owner_S, base_S = deque(range(R)), np.full((slots,), -1), np.zeros((slots,), np.int64)
-  index, slot_steps, live_steps = P, 0, 0
-  while True:
-    free = np.flatnonzero(owner_S < 0)
-    take = min(len(free), len(queue))
-    if take:
-      reqs = [queue.popleft() for _ in range(take)]
-      state = _admit(params, state, free[:take], reqs, prompt_RP, len_R, keys_R, version, model_cfg, sampler_cfg)
-      owner_S[free[:take]], base_S[free[:take]] = reqs, index - P
-    if not (owner_S >= 0).any():
-      break
-    if np.asarray(state["live_S"]).any():
-      step_before = int(np.asarray(state["step_S"]).sum())
-      state, steps = decode_chunk(params, state, version, model_cfg, sampler_cfg, chunk)
-      index, slot_steps = index + int(steps), slot_steps + slots * int(steps)
-      live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
-    _harvest(state, owner_S, out)
-    held = owner_S >= 0
-    d = min([index - P] + ([int(base_S[held].min())] if held.any() else []))
-    if d > 0:  # no live request reads slots [0, d) any more
-      state["cache"] = shift_cache(state["cache"], jnp.asarray(d, jnp.int32))
-      index -= d
-      base_S[held] -= d
+  for r in range(R):
+    engine.submit(r, prompt_RP[r], len_R[r], keys_R[r])
+  while not engine.idle:
+    for r, cols in engine.step(params, version):
+      out["tokens_BN"][r], out["behavior_logp_BN"][r] = cols["tokens_N"], cols["behavior_logp_N"]
+      out["mask_BN"][r], out["versions_BN"][r], out["finished_B"][r] = cols["mask_N"], cols["versions_N"], cols["finished"]
     newer = poll(version) if poll is not None else None
     if newer is not None:
       version, params = newer
-  return _assemble(out, prompt_RP, len_R, sampler_cfg, slot_steps, live_steps)
+  return _assemble(out, prompt_RP, len_R, sampler_cfg, engine.slot_steps, engine.live_steps)
 
 
-def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list[int], prompt_RP: np.ndarray, len_R: np.ndarray,
-           keys_R: Array, version: int, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
-  """`prefill_slots` of requests `reqs` into free slots `rows`, padded to power-of-two buckets (of requests and
-  of distinct prompts) so that a run compiles it a few times only."""
+def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int, model_cfg: ModelConfig,
+           sampler_cfg: SamplerConfig) -> dict:
+  """`prefill_slots` of queued requests `reqs` ((tag, prompt_P, length, key) each) into free slots `rows`, padded
+  to power-of-two buckets (of requests and of distinct prompts) so that a run compiles it a few times only."""
   S, take = state["live_S"].shape[0], len(reqs)
+  prompt_kP = np.stack([r[1] for r in reqs])
+  len_k = np.asarray([r[2] for r in reqs], np.int32)
   kb = _bucket(take, S)
-  uniq, src = _distinct_prompts(prompt_RP[reqs], len_R[reqs])
+  uniq, src = _distinct_prompts(prompt_kP, len_k)
   ub = _bucket(len(uniq), S)
-  u_pick = np.asarray([reqs[i] for i in uniq] + [reqs[0]] * (ub - len(uniq)))
+  u_pick = np.asarray(uniq + [0] * (ub - len(uniq)))
   rows_k = np.concatenate([rows, np.full((kb - take,), S)]).astype(np.int32)  # row S: a dropped pad
   src_k = np.concatenate([src, np.zeros((kb - take,), np.int64)]).astype(np.int32)
-  pick = np.asarray(reqs + [reqs[0]] * (kb - take))
-  return prefill_slots(params, state, rows_k, src_k, prompt_RP[u_pick], len_R[u_pick], keys_R[pick], version,
+  keys = [r[3] for r in reqs]
+  keys_k = jnp.stack(keys + [keys[0]] * (kb - take))
+  return prefill_slots(params, state, rows_k, src_k, prompt_kP[u_pick], len_k[u_pick], keys_k, version,
                        model_cfg, sampler_cfg)
 
 
-def _harvest(state: dict, owner_S: np.ndarray, out: dict) -> None:
-  """Copies the columns of every held slot whose request finished into its request's rows of `out` and frees the
-  slot (`owner_S` -1)."""
+def _harvest(state: dict, owner_S: np.ndarray, tag_S: list) -> list[tuple[Any, dict]]:
+  """(tag, columns) of every held slot whose request finished; frees those slots (`owner_S` -1)."""
   done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]))
   if not len(done):
-    return
+    return []
   host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S")})
-  r = owner_S[done]
-  out["tokens_BN"][r], out["behavior_logp_BN"][r] = host["tokens_SN"][done], host["logp_SN"][done]
-  out["mask_BN"][r], out["versions_BN"][r] = host["mask_SN"][done], host["versions_SN"][done]
-  out["finished_B"][r] = host["stopped_S"][done]
+  out = [(tag_S[s], {"tokens_N": host["tokens_SN"][s], "behavior_logp_N": host["logp_SN"][s],
+                     "mask_N": host["mask_SN"][s], "versions_N": host["versions_SN"][s],
+                     "finished": bool(host["stopped_S"][s])}) for s in done]
   owner_S[done] = -1
+  for s in done:
+    tag_S[s] = None
+  return out
 
 
 def _assemble(out: dict, prompt_RP: np.ndarray, len_R: np.ndarray, sampler_cfg: SamplerConfig, slot_steps: int,
