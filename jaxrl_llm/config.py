@@ -441,7 +441,8 @@ EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evi
 
 def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -> None:
   """`rollout.slots` / `rollout.slot_chunk`: continuous batching (`sampling.continuous`) of single completions in
-  the sources that generate whole steps with one snapshot, on one device, with the full KV cache."""
+  the sources that generate whole steps with one snapshot, and in async (one slot worker thread, which switches
+  to newer versions at chunk boundaries itself), on one device, with the full KV cache."""
   slots, chunk = c.rollout.get("slots", 0), c.rollout.get("slot_chunk", 8)
   _need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "rollout.slots", slots,
         "must be an int >= 0 (0 = off)")
@@ -449,8 +450,14 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
         "must be an int >= 1")
   if not slots:
     return
-  _need(c.rollout.mode in ("sync", "fixed_lag", "staged"), "rollout.slots", slots,
-        f"continuous batching runs in the sync, fixed_lag and staged sources, not rollout.mode={c.rollout.mode!r}")
+  _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.slots", slots,
+        f"continuous batching runs in the sync, fixed_lag, staged and async sources, not rollout.mode={c.rollout.mode!r}")
+  if c.rollout.mode == "async":
+    _need(c.rollout.num_workers == 1, "rollout.num_workers", c.rollout.num_workers,
+          f"async with rollout.slots={slots} runs one slot worker thread holding many groups: set num_workers=1")
+    _need(not c.rollout.partial_chunk, "rollout.partial_chunk", c.rollout.partial_chunk,
+          f"async with rollout.slots={slots} already switches to the newest version every rollout.slot_chunk decode "
+          "steps (keeping the cache): set partial_chunk=0")
   _need(not env_on(c), "rollout.slots", slots, "continuous batching generates single completions, not episodes")
   _need(c.sampler.get("kv_cache", "full") == "full", "rollout.slots", slots,
         f"continuous batching decodes with sampler.kv_cache='full', not {c.sampler.get('kv_cache')!r}")

@@ -9,6 +9,11 @@ Request ids are handed out in increasing order; ids that were in flight when a r
 handed out again first after a resume (`state()` / `from_state`), so none is lost or duplicated.
 Which version generates which id depends on thread timing: this mode is concurrent, not bitwise
 reproducible (use `fixed_lag` for that).
+
+A thread runs a worker (`step()` until stopped, then `close()`): by default a `GroupWorker`, the loop
+above; `make_worker` swaps in another (continuous batching: `rollout.async_slots.SlotWorker`, one thread
+keeping many groups in flight), which admits, delivers and abandons groups through `try_admit`,
+`deliver` and `abandon`, so admission and request ids stay this engine's.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import collections
 import contextlib
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +40,34 @@ from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling import partial as partial_lib
 
 RolloutFn = Callable[[Snapshot, int], Rollout]
+
+
+class Worker(Protocol):
+  """What a rollout thread runs: `step()` until the engine stops (False: admission refused and nothing ran,
+  the thread then waits), then `close()` (abandon what is still in flight; also after an error).
+  `counters()`: cumulative host counters the engine reports with each batch (e.g. slot usage)."""
+
+  def step(self) -> bool: ...
+
+  def close(self) -> None: ...
+
+  def counters(self) -> dict: ...
+
+
+class GroupWorker:
+  """The default worker: one admitted group at a time through the engine's `rollout_fn`."""
+
+  def __init__(self, engine: "AsyncRollout"):
+    self.engine = engine
+
+  def step(self) -> bool:
+    return self.engine._one_rollout()
+
+  def close(self) -> None:
+    pass
+
+  def counters(self) -> dict:
+    return {}
 
 
 def prompt_for_request(train_examples, request_id: int, seed: int) -> dict:
@@ -184,7 +217,7 @@ class AsyncRollout:
 
   Args:
     store: the ParamStore the learner publishes into (version 0 must be published before `start`).
-    rollout_fn: `(snapshot, request_id) -> Rollout`, e.g. `make_group_rollout(...)`.
+    rollout_fn: `(snapshot, request_id) -> Rollout`, e.g. `make_group_rollout(...)` (None with `make_worker`).
     batch_groups: B, groups per learner step.
     eta: staleness bound η (None = unbounded).
     num_workers: rollout threads.
@@ -192,12 +225,13 @@ class AsyncRollout:
     next_request_id, retry_request_ids: restored request-id cursor and ids to redo first.
     id_stride: the step between this engine's request ids (the number of processes running engines).
     poll_s: how often a worker refused by admission re-checks (it is also woken by the learner).
+    make_worker: `engine -> Worker` run by each of the `num_workers` threads (default: `GroupWorker`).
   """
 
   def __init__(self, store: ParamStore, rollout_fn: RolloutFn, *, batch_groups: int, eta: int | None,
                num_workers: int = 1, admission: Admission | None = None, buffer: Buffer | None = None,
                max_running: int | None = None, next_request_id: int = 0, retry_request_ids=(),
-               poll_s: float = 0.02, id_stride: int = 1):
+               poll_s: float = 0.02, id_stride: int = 1, make_worker: Callable[["AsyncRollout"], Worker] | None = None):
     self.store = store
     self.rollout_fn = rollout_fn
     self.batch_groups = batch_groups
@@ -215,6 +249,9 @@ class AsyncRollout:
     self._wake = threading.Condition()
     self._lock = threading.Lock()
     self._threads: list[threading.Thread] = []
+    self.make_worker = make_worker or GroupWorker
+    self._workers: list[Worker] = []
+    self._counted: dict = {}  # the workers' counters at the previous batch
     self.generated = 0  # groups put into the buffer by this engine
 
   # ---- worker side ----
@@ -228,33 +265,62 @@ class AsyncRollout:
       self._in_flight.add(rid)
       return rid
 
+  def try_admit(self, version: int) -> int | None:
+    """Admits one group generated from `version` and hands out its request id; None when admission refuses.
+    The group then counts as running until `deliver` or `abandon`."""
+    if not self.admission.try_start(version):
+      return None
+    return self._take_request_id()
+
+  def deliver(self, group: Rollout, request_id: int, version: int) -> None:
+    """Puts an admitted group (started at `version`) into the buffer; a failed put abandons it."""
+    try:
+      self.buffer.put(group)  # put before finish: the group is counted as running until it is in the FIFO
+    except BaseException:
+      self.abandon(version)
+      raise
+    self.admission.finish(version, accepted=True)
+    with self._lock:
+      self._in_flight.discard(request_id)
+      self.generated += 1
+
+  def abandon(self, version: int) -> None:
+    """Ends an admitted group that produced nothing; its request id stays in flight (redone after a resume)."""
+    self.admission.finish(version, accepted=False)
+
   def _one_rollout(self) -> bool:
     """Runs one admitted rollout; False when admission refused (nothing started)."""
     snap = self.store.acquire()
     try:
-      if not self.admission.try_start(snap.version):
+      rid = self.try_admit(snap.version)
+      if rid is None:
         return False
-      rid = self._take_request_id()
       try:
         group = self.rollout_fn(snap, rid)
-        self.buffer.put(group)  # put before finish: the group is counted as running until it is in the FIFO
       except BaseException:
-        self.admission.finish(snap.version, accepted=False)
+        self.abandon(snap.version)
         raise
-      self.admission.finish(snap.version, accepted=True)
-      with self._lock:
-        self._in_flight.discard(rid)
-        self.generated += 1
+      self.deliver(group, rid, snap.version)
       return True
     finally:
       self.store.release(snap)
 
-  def _work(self) -> None:
+  def new_worker(self) -> Worker:
+    """A worker of this engine (`make_worker`); its counters join the batch stats. `start` runs one per thread; a
+    test may step one by hand instead (deterministic: no threads)."""
+    w = self.make_worker(self)
+    self._workers.append(w)
+    return w
+
+  def _work(self, worker: Worker) -> None:
     try:
-      while not self._stop.is_set():
-        if not self._one_rollout():
-          with self._wake:
-            self._wake.wait(self.poll_s)
+      try:
+        while not self._stop.is_set():
+          if not worker.step():
+            with self._wake:
+              self._wake.wait(self.poll_s)
+      finally:
+        worker.close()
     except BaseException as e:  # surfaced to the learner by next_batch / stop
       with self._lock:
         self._errors.append(e)
@@ -267,8 +333,9 @@ class AsyncRollout:
       raise RuntimeError("AsyncRollout already started")
     if self.store.latest_version < 0:
       raise RuntimeError("publish version 0 to the ParamStore before starting rollouts")
-    self._threads = [threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
-                     for i in range(self.num_workers)]
+    workers = [self.new_worker() for _ in range(self.num_workers)]
+    self._threads = [threading.Thread(target=self._work, args=(w,), name=f"rollout-{i}", daemon=True)
+                     for i, w in enumerate(workers)]
     for t in self._threads:
       t.start()
     return self
@@ -289,7 +356,8 @@ class AsyncRollout:
 
     `learner_version` is the version of the parameters this batch will train (the newest published).
     Raises the first worker exception (as the cause of a RuntimeError), or TimeoutError.
-    Stats: `time_learner_idle_s` (time spent waiting here), `lag_mean`, `lag_max`, counters.
+    Stats: `time_learner_idle_s` (time spent waiting here), `lag_mean`, `lag_max`, counters, and the
+    workers' own counters (`Worker.counters`, summed) since the previous batch.
     """
     t0 = time.perf_counter()
     self.admission.set_version(learner_version)
@@ -311,13 +379,25 @@ class AsyncRollout:
     self._notify_workers()
     lags = [lag(g, learner_version) for g in groups]
     return groups, {
+        **self._worker_counts(),
         "time_learner_idle_s": idle, "lag_mean": float(np.mean(lags)), "lag_max": int(max(lags)),
         "dropped_stale": self.buffer.dropped, "buffered": len(self.buffer), "running": self.admission.running,
         "accepted": self.admission.accepted, "rejected": self.admission.rejected,
     }
 
+  def _worker_counts(self) -> dict:
+    """The workers' counters summed, as increments since the previous call."""
+    total: dict = {}
+    for w in self._workers:
+      for k, v in w.counters().items():
+        total[k] = total.get(k, 0) + v
+    out = {k: v - self._counted.get(k, 0) for k, v in total.items()}
+    self._counted = total
+    return out
+
   def stop(self, timeout: float = 60.0) -> None:
-    """Stops the workers after their current rollout and joins them (at most `timeout` s each).
+    """Stops the workers after their current step (a group; a decode chunk for a `SlotWorker`, which then
+    abandons the groups it holds) and joins them (at most `timeout` s each).
 
     Raises a worker exception that `next_batch` has not surfaced yet, or RuntimeError when a worker
     does not finish in time.

@@ -328,6 +328,17 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   return _assemble(out, prompt_RP, len_R, sampler_cfg, engine.slot_steps, engine.live_steps)
 
 
+def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: SamplerConfig) -> dict:
+  """`generate`'s outputs (host arrays, plus versions_BN) of R requests from the columns `SlotEngine.step` returned
+  for each, in request order: what a caller that submits requests itself (the async slot worker) hands on."""
+  stack = lambda name, dtype: np.stack([np.asarray(c[name], dtype) for c in cols_R])
+  out = {"tokens_BN": stack("tokens_N", np.int32), "mask_BN": stack("mask_N", np.float32),
+         "behavior_logp_BN": stack("behavior_logp_N", np.float32), "versions_BN": stack("versions_N", np.int32),
+         "finished_B": np.asarray([c["finished"] for c in cols_R], bool)}
+  out = _assemble(out, np.asarray(prompt_RP, np.int32), np.asarray(prompt_len_R, np.int32), sampler_cfg, 0, 0)
+  return {k: v for k, v in out.items() if k not in ("slot_steps", "live_steps")}
+
+
 def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int, model_cfg: ModelConfig,
            sampler_cfg: SamplerConfig) -> dict:
   """`prefill_slots` of queued requests `reqs` ((tag, prompt_P, length, key) each) into free slots `rows`, padded

@@ -38,23 +38,30 @@ import numpy as np
 from jaxrl_llm import multiprocess
 from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
-from jaxrl_llm.rollout import episodes
+from jaxrl_llm.rollout import async_slots, episodes
 from jaxrl_llm.rollout.buffer import collate, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
+
+
+# Continuous batching (`rollout.slots`): the slot worker's counters since the previous batch, as metrics.
+SLOT_COUNTERS = {"slot_steps": "async_slot_steps", "live_steps": "async_slot_live_steps"}
 
 
 def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
   """The run's (not yet started) engine, fresh or continuing from `state_dict`."""
   s = ctx.settings
   score_fn = ctx.score if s.old_logp == "recompute" and s.prox_in_worker else None
-  if s.env is not None:
+  n_proc = jax.process_count()  # config validation: divides prompts_per_step
+  kw = dict(batch_groups=s.prompts_per_step // n_proc, eta=s.lag, num_workers=s.num_workers, id_stride=n_proc)
+  if ctx.gen.slots:  # continuous batching: one worker holds many groups (config: single completions, one worker)
+    fn = None
+    kw.update(num_workers=1, make_worker=async_slots.slot_worker(ctx.gen, group_size=s.group_size, score_fn=score_fn))
+  elif s.env is not None:
     fn = ae.make_episode_rollout(ctx.gen, s.env, group_size=s.group_size, store=store, score_fn=score_fn)
   else:
     fn = ae.make_group_rollout(ctx.gen, group_size=s.group_size, store=store, chunk_steps=s.partial_chunk or None,
                                score_fn=score_fn)
-  n_proc = jax.process_count()  # config validation: divides prompts_per_step
-  kw = dict(batch_groups=s.prompts_per_step // n_proc, eta=s.lag, num_workers=s.num_workers, id_stride=n_proc)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
   return ae.AsyncRollout(store, fn, next_request_id=jax.process_index(), **kw)
@@ -121,6 +128,7 @@ class Async:
         async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
         time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
+        **{name: st[k] for k, name in SLOT_COUNTERS.items() if k in st},
         request_ids=sorted({int(g.stat("request_id")) for g in groups}))
     if not multiprocess.multi():
       return ro
