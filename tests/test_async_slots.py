@@ -100,30 +100,31 @@ def test_one_version_equals_generate_with_the_same_row_keys(gen):
   assert store.held_versions() == [0] and engine.admission.running == 0
 
 
-def test_publish_mid_group_records_both_versions_and_scores_each(gen):
-  """A publish while groups are in flight: the next chunk decodes with the new version (keep-cache), tokens
-  record it, the old snapshot stays pinned (keep_last=1) until its groups are recorded, π_old is the learner's
-  score at each token's version, and every lag is within η."""
+def test_publishes_mid_group_record_each_version_and_score_each(gen):
+  """Two publishes while groups are in flight: the next chunk decodes with the newest version (keep-cache), tokens
+  record it, older snapshots stay pinned (keep_last=1) until the groups whose tokens carry them are recorded, π_old
+  is the learner's score at each token's version, μ what really sampled it, and every lag is within η."""
   score = learner.make_score_fn(CFG, 1.0)
   store = ParamStore(keep_last=1)
   store.publish(OLD)
-  eta, B = 1, 2
+  eta, B = 2, 2
   engine, worker = engine_and_worker(gen, store, batch_groups=B, eta=eta, score_fn=score)
+  params = {0: OLD, 1: NEW, 2: {**OLD, "final_norm": OLD["final_norm"] * 0.6}}  # final norms only: see NEW
   worker.step()  # admits 2 groups at version 0 (4 rows, 3 slots) and decodes one chunk
   assert sorted(worker.groups) == [0, 1]
-  assert store.publish(NEW) == 1
-  assert store.held_versions() == [0, 1]  # version 0 is past keep_last, held by its groups
-  # Admission allows (η + 1)·B = 4 groups before the learner consumes: groups 2, 3 are admitted at version 1.
-  drive(worker, lambda: engine.generated == 4)
-  groups, _ = engine.next_batch(1, timeout=1.0)
-  groups += engine.next_batch(1, timeout=1.0)[0]
-  params = {0: OLD, 1: NEW}
-  mixed = 0
+  for v in (1, 2):
+    assert store.publish(params[v]) == v
+    worker.step()
+  assert store.held_versions() == [0, 1, 2]  # 0 and 1 are past keep_last, pinned by the groups in flight
+  # Admission allows (η + 1)·B = 6 groups before the learner consumes; take the first 4 delivered.
+  drive(worker, lambda: engine.generated >= 4)
+  groups = engine.next_batch(2, timeout=1.0)[0] + engine.next_batch(2, timeout=1.0)[0]
+  seen = set()
   for g in groups:
     start, live, v = g.stat("start_version"), g.mask_BN > 0, g.versions_BN
-    assert 1 - start <= eta and np.all(v[live] >= start) and np.all(v[live] <= 1)
+    assert 2 - start <= eta and np.all(v[live] >= start) and np.all(v[live] <= 2)
     assert np.all(np.diff(v, axis=1)[live[:, 1:]] >= 0)  # a row's versions never go back
-    mixed += int(len(np.unique(v[live])) == 2)
+    seen.add(tuple(np.unique(v[live]).tolist()))
     assert g.prox_logp_BN is not None  # every version it used was still held when it was recorded
     seq = (jnp.asarray(g.sequence_BT), jnp.asarray(g.positions_BT), jnp.asarray(g.segment_ids_BT))
     for ver in np.unique(v[live]):
@@ -131,12 +132,12 @@ def test_publish_mid_group_records_both_versions_and_scores_each(gen):
       at = live & (v == ver)
       np.testing.assert_allclose(g.prox_logp_BN[at], want[at], atol=1e-5)
       np.testing.assert_allclose(g.behavior_logp_BN[at], want[at], atol=2e-5)  # μ: what really sampled it
-      if ver == 1:
+      if ver > 0:  # the versions do differ there
         assert np.abs(np.asarray(score(OLD, *seq, jnp.asarray(g.mask_BN)))[at] - want[at]).max() > 1e-3
-  assert sorted(g.stat("start_version") for g in groups) == [0, 0, 1, 1]
-  assert mixed >= 1  # a group admitted at 0 finished with tokens of version 1
+  # A group with version-1 tokens recorded after the decode moved on to 2: only its own pin kept version 1.
+  assert any(1 in s and 2 in s for s in seen), seen
   worker.close()
-  assert store.held_versions() == [1] and engine.admission.running == 0
+  assert store.held_versions() == [2] and engine.admission.running == 0
 
 
 def test_close_abandons_in_flight_groups_and_a_resume_redoes_them(gen):
@@ -202,6 +203,7 @@ def test_config_accepts_async_slots_and_names_the_conflicting_field():
     validate(agent)
 
 
+@pytest.mark.slow  # two short runs: ~30 s on one core
 def test_async_run_with_slots_trains_and_resumes(tmp_path):
   """Two async steps with 4 slots, then a resume to step 4: every step trains, lags ≤ η, no request is consumed
   twice, and the slot counters are in the metrics."""

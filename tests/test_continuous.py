@@ -140,9 +140,9 @@ def test_config_refuses_bad_slot_fields(field, value, match):
     validate(tiny(**{f"rollout__{field}": value}))
 
 
-def test_config_refuses_slots_in_async_and_with_records():
+def test_config_refuses_slots_in_harness_and_with_records():
   with pytest.raises(ConfigError, match="rollout.slots"):
-    validate(tiny(rollout__slots=4, rollout__mode="async"))
+    validate(tiny(rollout__slots=4, rollout__mode="harness"))  # async with slots: tests/test_async_slots.py
   with pytest.raises(ConfigError, match="rollout.slots"):
     validate(tiny(rollout__slots=4, sampler__behavior_topk=4))
 

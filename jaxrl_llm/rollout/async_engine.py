@@ -228,7 +228,7 @@ class AsyncRollout:
     make_worker: `engine -> Worker` run by each of the `num_workers` threads (default: `GroupWorker`).
   """
 
-  def __init__(self, store: ParamStore, rollout_fn: RolloutFn, *, batch_groups: int, eta: int | None,
+  def __init__(self, store: ParamStore, rollout_fn: RolloutFn | None, *, batch_groups: int, eta: int | None,
                num_workers: int = 1, admission: Admission | None = None, buffer: Buffer | None = None,
                max_running: int | None = None, next_request_id: int = 0, retry_request_ids=(),
                poll_s: float = 0.02, id_stride: int = 1, make_worker: Callable[["AsyncRollout"], Worker] | None = None):
@@ -424,7 +424,7 @@ class AsyncRollout:
     return {"admission": self.admission.state(), "buffer": self.buffer.snapshot(), **ids}
 
   @classmethod
-  def from_state(cls, state: dict, store: ParamStore, rollout_fn: RolloutFn, *, batch_groups: int,
+  def from_state(cls, state: dict, store: ParamStore, rollout_fn: RolloutFn | None, *, batch_groups: int,
                  eta: int | None, **kw: Any) -> "AsyncRollout":
     """An engine that continues from `state()`: same buffer, counters and request ids."""
     adm = Admission.from_state(state["admission"], batch_groups, eta, kw.pop("max_running", None))

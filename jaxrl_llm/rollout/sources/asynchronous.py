@@ -6,6 +6,18 @@ token's version. Not bitwise repeatable (which version generates which request d
 State: the engine's buffered groups, admission counters and request-id cursor (ids in flight are
 redone after a resume). `state()` stops the workers (a consistent cut); the next batch restarts them.
 
+Continuous batching (`rollout.slots=S`, `rollout/async_slots.py`): the worker threads are replaced by one slot
+worker driving a `sampling.continuous.SlotEngine` of S slots. It admits groups (same admission, same request
+ids) while queued + held rows < S, so the slots stay busy without admitting far ahead; rows of one group may
+finish in different slots and chunks, and the group is recorded once all G have. Every `rollout.slot_chunk`
+decode steps it switches to the newest published snapshot, keeping the cache (PipelineRL; an update stalls
+the slots for at most one chunk) and recording each token's version, so `rollout.partial_chunk` is refused
+with it; every version a group's tokens carry stays pinned until its π_old is scored. Row g of request r
+draws with key g of `request_keys(rollout_key(root, version, r), G)`, not the static worker's per-group key,
+so turning slots on changes a seed's samples. Stopping abandons the groups in the slots (redone after a
+resume). Metrics `async_slot_steps` / `async_slot_live_steps`: slot-steps run since the previous batch and
+those that decoded an unfinished row (1 - live / slot is the share spent on free or finished slots).
+
 Metrics: `async_lag_hist` (this batch's groups by lag 0..η) and `time_learner_idle_frac`, the learner's
 time waiting for batches over its wall time, from the second batch's return on (the first wait and the
 first learner step hold the compiles; a resumed run starts counting again; 0 until the third batch).
