@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import jax
 
+from jaxrl_llm import memory as memory_lib
 from jaxrl_llm.models import ModelConfig
 
 # The duration event JAX records once per XLA backend compilation.
@@ -112,14 +113,5 @@ def prefill_flops(cfg: ModelConfig, batch: int, prompt_len: int) -> float:
   return body + batch * 2.0 * head
 
 
-def param_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-  """Bytes of all parameters (embedding included) at `dtype_bytes` per element."""
-  D, H, K, hd, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
-  per_layer = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F + 2 * D
-  head = 0 if cfg.tie_embeddings else D * cfg.vocab_size
-  return dtype_bytes * (L * per_layer + cfg.vocab_size * D + head + D)
-
-
-def kv_cache_bytes(cfg: ModelConfig, batch: int, length: int, dtype_bytes: int) -> int:
-  """Bytes of the K and V caches of every layer for `batch` rows of `length` positions."""
-  return dtype_bytes * 2 * cfg.n_layers * batch * length * cfg.n_kv_heads * cfg.head_dim
+# Bytes of the parameters / of the KV cache from shapes: the library's estimator (one home for both).
+param_bytes, kv_cache_bytes = memory_lib.param_bytes, memory_lib.kv_cache_bytes

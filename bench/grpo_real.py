@@ -23,6 +23,7 @@ import numpy as np
 
 from bench import common, workloads
 from jaxrl_llm import learner
+from jaxrl_llm import memory as memory_lib
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import ModelConfig, load_hf
 from jaxrl_llm.rollout import collect
@@ -112,31 +113,17 @@ class RssPeak:
 
 
 def activation_bytes(cfg: ModelConfig, B: int, T: int, remat: str, N: int) -> int:
-  """fp32 bytes the backward pass keeps from the forward, from shapes.
-
-  Per layer and token without remat: the layer input, both norm outputs, q/k/v, the attention output,
-  the o-projection output (6·D + 2·K·hd), gate, up and their product (3·F), the attention
-  probabilities (H·T); "full" remat keeps only each layer's input plus one layer's set while it
-  recomputes. The lm-head: logits and their gradient over the N scored positions (2·N·V per row).
-  """
-  D, F, H, K, hd, L, V = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers, cfg.vocab_size
-  per_layer = 6 * D + 2 * K * hd + 3 * F + H * T
-  layers = L * per_layer if remat in (False, "none") else L * D + per_layer
-  return 4 * (B * T * layers + 2 * B * N * V)
+  """Bytes the backward pass keeps from the forward, from shapes (`jaxrl_llm.memory.activation_bytes`),
+  the lm-head counted as whole [B, N, V] logits and their gradient (a bound: the learner forms them in chunks)."""
+  return memory_lib.activation_bytes(cfg, B, T, remat, N, head_positions=N)
 
 
 def memory_budget(cfg: ModelConfig, B: int, P: int, N: int, remat: str) -> dict:
-  """Bytes each phase needs from shapes: resident state (policy + reference + AdamW moments) plus what
-  the phase adds (KV cache; scoring logits; gradients + activations)."""
-  params = common.param_bytes(cfg, 4)
-  resident = 4 * params  # policy, frozen reference, AdamW m and v
-  T = P + N
-  kv = common.kv_cache_bytes(cfg, B, T, 4)
-  score_logits = 4 * B * N * cfg.vocab_size
-  return {"params": params, "resident": resident,
-          "prefill": resident + kv, "decode": resident + kv + 4 * B * cfg.vocab_size,
-          "reference": resident + score_logits,
-          "train": resident + params + score_logits + activation_bytes(cfg, B, T, remat, N)}
+  """Bytes each phase needs from shapes (`jaxrl_llm.memory.phase_bytes`): resident state (policy + reference +
+  AdamW moments) plus what the phase adds (KV cache; scoring logits; gradients + activations), logits whole."""
+  shape = memory_lib.StepShape(rows=B, prompt=P, new=N, micro_rows=B, frozen_copies=1, sampler_copy=False)
+  phases = memory_lib.phase_bytes(cfg, shape, remat, whole_logits=True)
+  return {k: phases[k] for k in ("params", "resident", "prefill", "decode", "reference", "train")}
 
 
 # ----------------------------------------------------------------------------- phases

@@ -43,7 +43,11 @@ def get_config():
   c.model.capacity_factor = 0.0  # MoE expert capacity; 0 = dropless
   c.model.router_aux_coef = 0.01  # MoE load-balancing loss weight
   c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids (MoE only)
-  c.model.remat = False  # rematerialise each layer in the backward pass
+  # Recompute in the backward pass: False/"none", True/"full" (each layer), "dots" (matmul outputs kept), "auto"
+  # ("none" when the step's estimated memory fits memory_budget_gb, else "full"; jaxrl_llm/memory.py). Any type:
+  # ml_collections would otherwise pin the field to bool and refuse --config.model.remat=auto.
+  c.model.remat = ml_collections.FieldReference(False, field_type=object)
+  c.model.memory_budget_gb = 0.0  # remat="auto"'s budget per device; 0 = the accelerator's limit / 0.8 of free host RAM
   c.model.layer_unroll = 0  # layers per scan iteration; 0 = unroll all (fast on CPU), 1 = rolled (short compiles)
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
   # LoRA (jaxrl_llm.models.lora): train low-rank adapters only, the base frozen (and not checkpointed: the run

@@ -243,6 +243,16 @@ def _validate_model(c: ml_collections.ConfigDict) -> None:
     if name == "layer_unroll":  # the config's own range: 0 is allowed
       why = "must be an int >= 0 (0 = unroll every layer)"
     raise ConfigError(f"config.model.{name}={m[name]!r}: {why}")
+  budget = m.get("memory_budget_gb", 0.0)
+  _need(isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget >= 0,
+        "model.memory_budget_gb", budget, "must be a number >= 0 (decimal GB per device; 0 = from the machine)")
+
+
+def uses_reference(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run keeps a frozen copy of the initial policy and scores `ref_logp_BN` in every step: for a
+  KL-to-reference term (`loss.kl_coef` > 0) or a loss that reads it (S²D-OPD's anchor to the initial student)."""
+  from jaxrl_llm import losses  # local: keep `import jaxrl_llm.config` light
+  return c.loss.kl_coef > 0 or "ref_logp" in losses.get(c.loss.name).needs
 
 
 def lora_on(c: ml_collections.ConfigDict) -> bool:

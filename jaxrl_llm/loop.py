@@ -227,7 +227,7 @@ def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, star
           "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
           "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals(),
-          "prompts_dropped": r.prompts_dropped,
+          "prompts_dropped": r.prompts_dropped, "remat_auto": r.remat_auto,
           "updates_skipped": skipped, "reward_errors": sum(int(row.get("reward_errors") or 0) for row in rows),
           "stopped_by_signal": flag.signum if flag is not None and flag.requested else None, "error": failure}
   if failure is None and rows and skipped == len(rows):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-REMAT = (False, True, "none", "full", "dots")
+REMAT = (False, True, "none", "full", "dots", "auto")  # "auto": decided by a run (policy_init.resolve_remat)
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len")
 _POSITIVE = ("rope_theta", "rms_eps", "init_std")
 

@@ -2,12 +2,14 @@
 parameters (random init or the checkpoint's weights) and the tokenizer the checkpoint was saved with.
 
 Used by the loop for the student and by `distill.teacher` for an SFT teacher; imports no run wiring.
+`model.remat="auto"` stays in the built config until `resolve_remat` decides it (`jaxrl_llm.memory`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import ml_collections
 
 from jaxrl_llm import config as config_lib
+from jaxrl_llm import memory, model_fields
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.tasks import tokenizer as tok
 
@@ -65,6 +68,36 @@ def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok
                      # call (`serve`) pads its prompt to serve.max_context
                      max_seq_len=max(width + c.sampler.max_new_tokens, config_lib.env_length(c),
                                      config_lib.serve_length(c)))
+
+
+def step_shape(c: ml_collections.ConfigDict, width: int) -> memory.StepShape:
+  """The shapes of one training step of the run (`memory.StepShape`) for prompts of `width` tokens.
+
+  Rows: `rollout.prompts_per_step × group_size`; the learner's micro-batch cuts them by `optim.grad_accum` and
+  `optim.minibatches`. Row width: the prompt + completion, an episode's or a served call's context, or a packed
+  row (`optim.pack_width`), whichever is widest."""
+  B = c.rollout.prompts_per_step * c.rollout.group_size
+  T = max(width + c.sampler.max_new_tokens, config_lib.env_length(c), config_lib.serve_length(c),
+          c.optim.get("pack_width", 0))
+  micro = math.ceil(B / (c.optim.grad_accum * c.optim.get("minibatches", 1)))
+  rank, weights = 0, ()
+  if config_lib.lora_on(c):
+    rank = c.model.lora.rank
+    weights = tuple(model_fields.LORA_TARGETS[t] for t in model_fields.parse_lora_targets(c.model.lora.targets))
+  copies = int(config_lib.uses_reference(c)) + int(c.rollout.old_logp == "ewma")
+  return memory.StepShape(rows=B, prompt=width, new=T - width, micro_rows=micro, frozen_copies=copies,
+                          lora_rank=rank, lora_weights=weights, sampler_dtype=c.sampler.dtype)
+
+
+def resolve_remat(c: ml_collections.ConfigDict, cfg: ModelConfig,
+                  width: int) -> tuple[ModelConfig, memory.RematChoice | None]:
+  """`cfg` with `model.remat="auto"` decided for this run (`memory.choose_remat` on `step_shape` against
+  `model.memory_budget_gb`, 0 = the machine's), and the decision; `cfg` as it is (and None) for any other value."""
+  if not (isinstance(cfg.remat, str) and cfg.remat == "auto"):
+    return cfg, None
+  budget = memory.budget_bytes(c.model.get("memory_budget_gb", 0.0))
+  choice = memory.choose_remat(cfg, step_shape(c, width), budget)
+  return dataclasses.replace(cfg, remat=choice.remat), choice
 
 
 def layer_unroll(c: ml_collections.ConfigDict, n_layers: int | None = None) -> int:

@@ -20,7 +20,8 @@ from jaxrl_llm import learner, losses, multiprocess, packing
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models import lora
-from jaxrl_llm.policy_init import checkpoint_config, checkpoint_model_config, model_config, tokenizer_for_checkpoint
+from jaxrl_llm.policy_init import (checkpoint_config, checkpoint_model_config, model_config, resolve_remat,
+                                   tokenizer_for_checkpoint)
 from jaxrl_llm.rollout import collect, sources
 from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.ewma import ewma_init
@@ -120,7 +121,7 @@ def check_env(c: ml_collections.ConfigDict, encoder: Encoder) -> None:
 def uses_reference(c: ml_collections.ConfigDict) -> bool:
   """Whether the run keeps a frozen copy of the initial policy and scores `ref_logp_BN` in every step: for a
   KL-to-reference term (`loss.kl_coef` > 0) or a loss that reads it (S²D-OPD's anchor to the initial student)."""
-  return c.loss.kl_coef > 0 or "ref_logp" in losses.get(c.loss.name).needs
+  return config_lib.uses_reference(c)
 
 
 def source_class(c: ml_collections.ConfigDict):
@@ -252,6 +253,7 @@ class Run(NamedTuple):
   sampler_shardings: Any = None
   encoder: Encoder = CHAR_ENCODER  # prompts -> ids (tokenizer + chat template); its tokenizer decodes completions
   prompts_dropped: int = 0  # train + test prompts longer than P tokens, left out at setup
+  remat_auto: dict | None = None  # model.remat="auto": the decision and its estimate (`memory.RematChoice.record`)
 
 
 def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):
@@ -296,6 +298,9 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   model_cfg = model_config(c, P, encoder.tokenizer.vocab_size)
   if hf_cfg is not None:  # the checkpoint's architecture wins over the config's model fields
     model_cfg = checkpoint_model_config(c, model_cfg, hf_cfg, encoder.tokenizer.vocab_size)
+  model_cfg, remat_auto = resolve_remat(c, model_cfg, P)  # model.remat="auto": decided once, here
+  if remat_auto is not None and multiprocess.is_writer():
+    print(remat_auto.line(), flush=True)
   check_lora(c, model_cfg)
   hp_over = dict(c.loss.hparams)
   tx = learner.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.b1, c.optim.b2, c.optim.grad_clip,
@@ -333,7 +338,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,
-             ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped, **mesh_kw)
+             ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped,
+             remat_auto=None if remat_auto is None else remat_auto.record(), **mesh_kw)
 
 
 def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:

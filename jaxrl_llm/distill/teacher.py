@@ -73,9 +73,10 @@ def teacher_model_config(c: ml_collections.ConfigDict, width: int, vocab_size: i
   if d_model % m.d_model == 0:
     k = d_model // m.d_model
     heads = {"n_heads": m.n_heads * k, "n_kv_heads": m.n_kv_heads * k}
-  return dataclasses.replace(student, d_model=d_model, n_layers=n_layers,
-                             d_ff=max(1, round(m.d_ff * d_model / m.d_model)),
-                             layer_unroll=policy_init.layer_unroll(c, n_layers), **heads)
+  teacher = dataclasses.replace(student, d_model=d_model, n_layers=n_layers,
+                                d_ff=max(1, round(m.d_ff * d_model / m.d_model)),
+                                layer_unroll=policy_init.layer_unroll(c, n_layers), **heads)
+  return policy_init.resolve_remat(c, teacher, width)[0]  # "auto": decided for the teacher's own shapes
 
 
 def teacher_schedule(c: ml_collections.ConfigDict, role: str = "teacher") -> sft.SftSchedule:

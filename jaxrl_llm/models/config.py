@@ -35,7 +35,9 @@ class ModelConfig:
     init_std: std of the normal initialiser of weight matrices.
     remat: rematerialisation of each layer in the backward pass: False / "none" (store
       activations), True / "full" (recompute everything; `jax.checkpoint`), "dots" (save the
-      matmul outputs, recompute the cheap elementwise ops; `checkpoint_dots`).
+      matmul outputs, recompute the cheap elementwise ops; `checkpoint_dots`). "auto" is a run's setting
+      (`model.remat="auto"`, resolved to "none" or "full" by `policy_init.resolve_remat` from
+      `jaxrl_llm.memory`'s estimate): a forward refuses it unresolved.
     num_experts: E; 0 = dense SwiGLU MLP, > 0 = a mixture-of-experts MLP in every layer
       (`jaxrl_llm.models.moe`).
     experts_per_token: k, experts each token is routed to (MoE only).

@@ -190,6 +190,9 @@ def _finish_layer(h_BTD: Array, attn_BTHd: Array, p: dict, cfg: ModelConfig, for
 
 def _remat(fn, cfg: ModelConfig):
   """Wraps a layer body per `cfg.remat`; replayed routes are scan inputs, so recompute reuses them."""
+  if cfg.remat == "auto":
+    raise ValueError("model.remat='auto' is decided by a run from its estimated step memory "
+                     "(`policy_init.resolve_remat`); a model built directly needs False/'none', True/'full' or 'dots'")
   if cfg.remat in (True, "full"):
     return jax.checkpoint(fn)
   if cfg.remat == "dots":
