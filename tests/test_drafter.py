@@ -178,6 +178,18 @@ def test_run_with_a_distilled_drafter_resumes_exactly(tmp_path):
   assert os.path.isfile(str(tmp_path / "b" / "run_info.json"))
 
 
+@pytest.mark.slow
+def test_fixed_lag_run_with_a_distilled_drafter(tmp_path):
+  """fixed_lag (k = 1): batches generated a step ahead draft with the drafter of their generation time; the run
+  distils every step and logs the loss and the acceptance."""
+  c = drafter_config(3)
+  c.rollout.mode, c.rollout.lag, c.checkpoint.every = "fixed_lag", 1, 0
+  rows = loop.run(c, str(tmp_path / "f"))
+  assert [r["lag_max"] for r in rows] == [0, 1, 1]
+  assert all(r["spec_drafter_kl"] > 0 and np.isfinite(r["spec_drafter_kl"]) and 0 <= r["spec_accept_rate"] <= 1
+             for r in rows)
+
+
 def test_config_validation_names_the_field():
   c = drafter_config(1)
   validate(c)
