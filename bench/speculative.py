@@ -2,6 +2,7 @@
 
   python -m bench.speculative                                   # toy model M and (if present) SmolLM2-135M-Instruct
   python -m bench.speculative --models smollm2 --batches 1,4 --gammas 2,4 --draft-layers 8 --new-tokens 32
+  python -m bench.speculative --models smollm2 --drafter distilled --distill-steps 200 --distill-lr 1e-4
 
 Each row times one whole `generate` call (prefill + decode, best of `--repeats` after a warm-up) of `B` prompts and
 N new tokens with stopping disabled (every row decodes all N tokens, so both sides emit the same count):
@@ -10,6 +11,11 @@ plain `sampling.generate` against `sampling.speculative.generate` with the polic
 `workloads.SAMPLER_MODEL` with random weights (its acceptance says little about a trained model); SmolLM2 runs on
 chat-templated arithmetic prompts (`arithmetic_chat`, workload R's) at temperature 1, the RL setting.
 Speedup = plain seconds / speculative seconds.
+
+`--drafter distilled --distill-steps K`: the drafter is a copy of the first k layers (`distill.drafter`) distilled
+for K steps before measuring, each step on a fresh batch of the model's own samples (plain decoding, temperature 1,
+`--distill-batch` prompts of the same prompt set, keys the measurement never uses): the acceptance a drafter kept
+fresh by ReSpec's distillation reaches on the workload (the distillation's time is not in the rows).
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import dataclasses
 import json
 import os
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench import common, workloads
+from jaxrl_llm.distill import drafter as drafter_lib
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import SamplerConfig, generate
 from jaxrl_llm.sampling import speculative
@@ -63,22 +71,43 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
   return params, cfg, prompts, pad
 
 
+def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: int, steps: int, lr: float,
+            batch: int) -> tuple[dict, dict]:
+  """(drafter params, info): the first `draft_layers` layers copied and distilled for `steps` steps, each on a fresh
+  batch of the model's own samples (`batch` prompts, temperature 1); info: the KL before and after, seconds."""
+  state = drafter_lib.init_state(params, cfg, draft_layers, lr)
+  scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
+  prompt_BP, len_B = prompts(batch)
+  kls, t0 = [], time.perf_counter()
+  for i in range(steps):
+    out = generate(params, prompt_BP, len_B, jax.random.fold_in(jax.random.key(3), i), cfg, scfg)
+    state, m = drafter_lib.distill_step(state, params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"],
+                                        out["mask_BN"], jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr)
+    kls.append(float(m["spec_drafter_kl"]))
+    if i % max(1, steps // 10) == 0 or i == steps - 1:
+      print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4)}), flush=True)
+  return state.params, {"distill_steps": steps, "distill_lr": lr, "distill_kl_first": kls[0] if kls else None,
+                        "distill_kl_last": kls[-1] if kls else None, "distill_s": time.perf_counter() - t0}
+
+
 def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gammas, draft_layers: int, N: int,
-            repeats: int, layouts=("min",)) -> list[dict]:
+            repeats: int, layouts=("min",), drafter: dict | None = None, drafter_info: dict | None = None) -> list[dict]:
   """One row per (batch, γ, layout): plain and speculative seconds and tokens/s, acceptance, tokens per call,
-  speedup."""
+  speedup. `drafter`: the drafter's params (None: the policy's first `draft_layers` layers, a view)."""
   rows = []
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   key = jax.random.key(2)
+  if drafter is None:
+    drafter = speculative.layers_drafter(params, cfg, draft_layers)
   for B in batches:
     prompt_BP, len_B = prompts(B)
     plain = common.time_calls(lambda: generate(params, prompt_BP, len_B, key, cfg, scfg), repeats=repeats)["best_s"]
     for gamma, layout in ((g, lay) for g in gammas for lay in layouts):
-      run = lambda: speculative.generate(params, prompt_BP, len_B, key, cfg, scfg, draft_layers, gamma, layout)
+      run = lambda: speculative.generate(params, drafter, prompt_BP, len_B, key, cfg, scfg, gamma, layout)
       spec_s = common.time_calls(run, repeats=repeats)["best_s"]
       out = run()
       rows.append({"model": name, "batch": B, "gamma": gamma, "layout": layout, "draft_layers": draft_layers,
-                   "new_tokens": N,
+                   "drafter": "layers" if drafter_info is None else "distilled", **(drafter_info or {}), "new_tokens": N,
                    "plain_s": plain, "spec_s": spec_s, "plain_tokens_per_s": B * N / plain,
                    "spec_tokens_per_s": B * N / spec_s, "speedup": plain / spec_s,
                    "accept_rate": float(out["spec_accept_rate"]), "tokens_per_call": float(out["spec_tokens_per_call"]),
@@ -89,10 +118,11 @@ def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gam
 
 def table(rows: list[dict]) -> str:
   """A markdown table of the rows."""
-  head = "| model | B | γ | layout | k | plain tok/s | spec tok/s | speedup | accept | tokens/call |"
-  lines = [head, "|" + "---|" * 10]
+  head = "| model | drafter | B | γ | layout | k | plain tok/s | spec tok/s | speedup | accept | tokens/call |"
+  lines = [head, "|" + "---|" * 11]
   for r in rows:
-    lines.append(f"| {r['model']} | {r['batch']} | {r['gamma']} | {r['layout']} | {r['draft_layers']} | "
+    drafter = r["drafter"] if r["drafter"] == "layers" else f"distilled ({r['distill_steps']} steps)"
+    lines.append(f"| {r['model']} | {drafter} | {r['batch']} | {r['gamma']} | {r['layout']} | {r['draft_layers']} | "
                  f"{r['plain_tokens_per_s']:.1f} | "
                  f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['accept_rate']:.2f} | "
                  f"{r['tokens_per_call']:.2f} |")
@@ -109,6 +139,11 @@ def main(argv=None) -> int:
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=2)
   p.add_argument("--layer-unroll", type=int, default=None, help="SmolLM2's layer_unroll (default: as loaded)")
+  p.add_argument("--drafter", default="layers", choices=("layers", "distilled"),
+                 help="layers: a view of the first k layers; distilled: a copy of them distilled first")
+  p.add_argument("--distill-steps", type=int, default=100, help="--drafter distilled: distillation steps")
+  p.add_argument("--distill-lr", type=float, default=1e-4, help="--drafter distilled: Adam learning rate")
+  p.add_argument("--distill-batch", type=int, default=16, help="--drafter distilled: prompts per distillation step")
   p.add_argument("--out", default=None, help="also write the rows as JSON here")
   args = p.parse_args(argv)
   batches = [int(x) for x in args.batches.split(",")]
@@ -128,8 +163,12 @@ def main(argv=None) -> int:
       k = args.draft_layers or 8
     else:
       raise SystemExit(f"unknown model {name!r}")
+    drafter, info = None, None
+    if args.drafter == "distilled":
+      drafter, info = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
+                              args.distill_batch)
     rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
-                    tuple(args.layouts.split(",")))
+                    tuple(args.layouts.split(",")), drafter, info)
   print(f"load average at the end: {os.getloadavg()}")
   print(table(rows))
   if args.out:

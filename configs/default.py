@@ -77,6 +77,13 @@ def get_config():
   c.sampler.spec_gamma = 0  # γ drafted tokens per policy call; 0 = off; -1 = by batch size (ReSpec; an int field)
   c.sampler.spec_draft_layers = 0  # k >= 1: the drafter's depth (it shares the policy's weights, always fresh)
   c.sampler.spec_layout = "min"  # "min": rows emit the batch's common minimum per call | "rows": each keeps its own
+  # The drafter (distill/drafter.py): "layers" = a view of the policy's first k layers | "distilled" = its own copy of
+  # them (+ embedding, norm, head), distilled after every learner step on that step's rollouts (ReSpec; sync and
+  # fixed_lag modes, one device, no LoRA).
+  c.sampler.spec_drafter = "layers"
+  c.sampler.spec_distill_lr = 1e-4  # "distilled": Adam learning rate of the KL(π_policy ‖ drafter) steps
+  c.sampler.spec_distill_steps = 1  # "distilled": drafter gradient steps per learner step (on that step's batch)
+  c.sampler.spec_distill_reward_weight = 0.0  # "distilled": α of the row weights max(0, 1 + α·z(reward)); 0 = off
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.mode = "sync"  # sync | fixed_lag | staged | async | harness

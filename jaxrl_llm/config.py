@@ -329,6 +329,7 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
         "must be an int >= 0")
   layout = c.sampler.get("spec_layout", "min")
   _need(layout in ("min", "rows"), "sampler.spec_layout", layout, "must be 'min' or 'rows'")
+  _validate_drafter(c, gamma)
   if not gamma:
     return
   _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")
@@ -338,6 +339,42 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   _need(c.sampler.get("kv_cache", "full") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
   _need(not (c.sampler.get("behavior_topk", 0) or c.sampler.get("mc_samples", 0)), "sampler.spec_gamma", gamma,
         "records no behavior_topk / mc_samples candidates")
+
+
+SPEC_DRAFTERS = ("layers", "distilled")
+DRAFTER_MODES = ("sync", "fixed_lag")  # the sources whose every sampler call goes through `Generation.sample`
+
+
+def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
+  """`sampler.spec_drafter` and its distillation fields (absent: "layers", 1e-4, 1, 0.0). "distilled" keeps the
+  drafter's state in the loop and hands it to `Generation.sample`: sync and fixed_lag modes without replay, one
+  device, no continuous batching, no LoRA (the rest is refused by name rather than run untested)."""
+  kind = c.sampler.get("spec_drafter", "layers")
+  _need(kind in SPEC_DRAFTERS, "sampler.spec_drafter", kind, f"must be one of {SPEC_DRAFTERS}")
+  lr, steps = c.sampler.get("spec_distill_lr", 1e-4), c.sampler.get("spec_distill_steps", 1)
+  alpha = c.sampler.get("spec_distill_reward_weight", 0.0)
+  _need(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "sampler.spec_distill_lr", lr,
+        "must be a number > 0")
+  _need(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "sampler.spec_distill_steps", steps,
+        "must be an int >= 1")
+  _need(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha >= 0,
+        "sampler.spec_distill_reward_weight", alpha, "must be a number >= 0 (0 = unweighted)")
+  if kind == "layers":
+    return
+  where = "the distilled drafter"
+  _need(gamma != 0, "sampler.spec_drafter", kind, "needs speculative decoding (sampler.spec_gamma != 0)")
+  _need(c.rollout.mode in DRAFTER_MODES, "sampler.spec_drafter", kind,
+        f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
+  n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
+  _need(n_mesh == 1 and not c.rollout.get("sampler_devices", 0), "sampler.spec_drafter", kind,
+        f"{where} runs on one device (config.mesh={dict(c.mesh)}, "
+        f"rollout.sampler_devices={c.rollout.get('sampler_devices', 0)})")
+  replay = c.rollout.get("replay")
+  _need(not (replay is not None and replay.get("capacity", 0)), "sampler.spec_drafter", kind,
+        f"{where} is not wired with experience replay (rollout.replay.capacity > 0)")
+  _need(not c.rollout.get("slots", 0), "sampler.spec_drafter", kind,
+        "continuous batching (rollout.slots) decodes without speculation")
+  _need(not lora_on(c), "sampler.spec_drafter", kind, f"{where} is not wired with LoRA (model.lora.rank > 0)")
 
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:

@@ -74,6 +74,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   config_json = json.loads(c.to_json_best_effort())  # the resolved config, stored with every checkpoint
   ckpt, restored = run_state.resume_point(c, workdir, r, store, slots, config_json)
   start, state, extra, meta, host = restored or run_state.fresh_start(c, r, store, workdir)
+  if r.drafter is not None:  # the sampler drafts with the distilled drafter's (restored) parameters
+    r.ctx.gen.drafter.params = extra["drafter"].params
   writes = multiprocess.is_writer()  # process 0 writes the run's files; every process checkpoints
   if restored is not None and writes:
     metrics_lib.truncate_after(os.path.join(workdir, "metrics.jsonl"), start - 1)
@@ -157,7 +159,8 @@ def pack_batch(c, batch: Rollout, ro: Rollout) -> tuple[Rollout, float]:
 
 def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   """batch → train → publish: learner step `t` on rollout `ro`; publishes the new version (and updates the
-  EWMA copy) unless the update was skipped as non-finite. Returns (state, step metrics, batch info)."""
+  EWMA copy) unless the update was skipped as non-finite; distils a distilled speculative drafter on `ro`.
+  Returns (state, step metrics, batch info)."""
   batch, info = make_batch(r, store, state, extra, ro)
   batch, info["learner_pad_frac"] = pack_batch(r.c, batch, ro)
   if r.mesh is not None:  # the step's explicit in_shardings: lay the batch out along `batch`
@@ -174,6 +177,11 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
     store.publish(state.params)
     if extra["ewma"] is not None:
       extra["ewma"] = ewma_update(extra["ewma"], state.params, r.c.rollout.ewma_beta)
+  if r.drafter is not None:  # distil the speculative drafter on this batch towards the new policy (ReSpec)
+    t_distill = time.perf_counter()
+    extra["drafter"], dm = r.drafter.update(extra["drafter"], state.params, ro)
+    r.ctx.gen.drafter.params = extra["drafter"].params
+    info.update(dm, time_drafter_distill_s=time.perf_counter() - t_distill)
   return state, m, info
 
 

@@ -31,7 +31,8 @@ from jaxrl_llm.wiring import Run, env_settings, fresh_state, lora_base, lora_bas
 
 def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: dict) -> tuple[dict, list[int]]:
   """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies +
-  the flat host arrays of the async engine / replay state (`checkpoint.pack_host`; None when empty)."""
+  the flat host arrays of the async engine / replay state (`checkpoint.pack_host`; None when empty) + the
+  distilled drafter's state when there is one (`distill.drafter`; no key otherwise)."""
   held = store.held_versions()[-slots:]
   snaps = [store.acquire(v) for v in held]
   try:
@@ -43,6 +44,8 @@ def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: d
       tree = {"train": state, "snap": [pick(i).params for i in range(slots)], "ref": extra["ref"],
               "snap_learner": [pick(i).learner_params for i in range(slots)]}
     tree.update({"ewma": extra["ewma"], "host": host_arrays or None})
+    if extra.get("drafter") is not None:  # the distilled drafter: parameters and optimiser state
+      tree["drafter"] = extra["drafter"]
   finally:
     for s in snaps:
       store.release(s)
@@ -89,6 +92,8 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
   else:
     base = {"train": state, "snap": [store.sampler_copy(params)] * slots,
             "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
+  if base.get("drafter", 0) is None:  # no distilled drafter: no key (`full_state`)
+    del base["drafter"]
   policy = run.c.checkpoint.get("config_change", "error")
 
   def template(meta):
@@ -136,7 +141,7 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
   for i, v in enumerate(meta["snapshot_versions"]):
     learner_copy = tree["snap_learner"][i]
     store.restore(v, tree["snap"][i], learner_copy)
-  return step, train, {"ref": tree["ref"], "ewma": tree["ewma"]}, meta, host
+  return step, train, {"ref": tree["ref"], "ewma": tree["ewma"], "drafter": tree.get("drafter")}, meta, host
 
 
 def _lora_rebase(run: Run, meta: dict, step: int, directory: str, scale: float):

@@ -18,6 +18,7 @@ import numpy as np
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import learner, losses, multiprocess, packing
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
+from jaxrl_llm.distill.drafter import DrafterDistill
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models import lora
 from jaxrl_llm.policy_init import (checkpoint_config, checkpoint_model_config, model_config, resolve_remat,
@@ -25,7 +26,7 @@ from jaxrl_llm.policy_init import (checkpoint_config, checkpoint_model_config, m
 from jaxrl_llm.rollout import collect, sources
 from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.ewma import ewma_init
-from jaxrl_llm.rollout.generation import Generation
+from jaxrl_llm.rollout.generation import DrafterSlot, Generation
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings, ServeSettings, SourceContext
 from jaxrl_llm.sampling import SamplerConfig, generate
@@ -254,6 +255,18 @@ class Run(NamedTuple):
   encoder: Encoder = CHAR_ENCODER  # prompts -> ids (tokenizer + chat template); its tokenizer decodes completions
   prompts_dropped: int = 0  # train + test prompts longer than P tokens, left out at setup
   remat_auto: dict | None = None  # model.remat="auto": the decision and its estimate (`memory.RematChoice.record`)
+  drafter: Any = None  # None, or the distilled speculative drafter's distillation (`DrafterDistill`); its
+  # state lives in the loop's `extra["drafter"]`, its parameters in `ctx.gen.drafter` for the sampler
+
+
+def drafter_distill(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> DrafterDistill | None:
+  """The run's drafter distillation (`sampler.spec_drafter="distilled"`), None for the "layers" drafter."""
+  s = c.sampler
+  if s.get("spec_drafter", "layers") != "distilled":
+    return None
+  return DrafterDistill(model_cfg=model_cfg, layers=s.spec_draft_layers, temperature=float(s.temperature),
+                        lr=float(s.spec_distill_lr), steps=s.spec_distill_steps,
+                        alpha=float(s.spec_distill_reward_weight))
 
 
 def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):
@@ -331,11 +344,13 @@ def setup(c: ml_collections.ConfigDict) -> Run:
     batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,
                                          student_cfg=model_cfg, encoder=encoder)
   sampler_model_cfg, samp_cfg = dataclasses.replace(model_cfg, dtype=c.sampler.dtype), sampler_config(c, tokenizer=encoder.tokenizer)
+  drafter = drafter_distill(c, model_cfg)
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
                    keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("mesh"),
-                   slots=c.rollout.get("slots", 0), slot_chunk=c.rollout.get("slot_chunk", 8))
-  return Run(batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
+                   slots=c.rollout.get("slots", 0), slot_chunk=c.rollout.get("slot_chunk", 8),
+                   drafter=None if drafter is None else DrafterSlot())
+  return Run(drafter=drafter, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,
              ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped,
@@ -450,13 +465,15 @@ def reference_of(params):
 
 
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
-  """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal)."""
+  """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal) and, with a
+  distilled speculative drafter, its initial state (a copy of the policy's first k layers)."""
   c = run.c
   spec = losses.get(c.loss.name)
   loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
   copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)
   extra = {"ref": copy(reference_of(params)) if uses_reference(c) else None,
-           "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None}
+           "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None,
+           "drafter": run.drafter.init(params) if run.drafter is not None else None}
   hook = jax.tree.map(lambda x: jnp.array(x, copy=True), run.hook_params) if run.hook_params is not None else None
   if run.mesh is None:
     return learner.init_state(params, run.tx, loss_state, hook), extra

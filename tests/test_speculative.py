@@ -126,7 +126,8 @@ def test_greedy_equals_plain_generate(gamma, draft_layers, layout):
   prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
   lens = jnp.array([4, 2], jnp.int32)
   cfg = SamplerConfig(max_new_tokens=10, temperature=0.0)
-  out = spec.generate(PARAMS, prompts, lens, jax.random.key(0), CFG, cfg, draft_layers, gamma, layout)
+  drafter = spec.layers_drafter(PARAMS, CFG, draft_layers)
+  out = spec.generate(PARAMS, drafter, prompts, lens, jax.random.key(0), CFG, cfg, gamma, layout)
   ref = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, cfg)
   np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))
   np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(ref["behavior_logp_BN"]), atol=2e-5)
@@ -143,7 +144,8 @@ def test_stop_ids_end_rows_and_lengths_count_them(layout):
   p0 = exact_marginals(PARAMS, CFG, 1.0, 0)[1]
   stops = tuple(int(i) for i in np.argsort(p0)[-2:])  # likely tokens, so most rows stop early
   cfg = SamplerConfig(max_new_tokens=12, stop_ids=stops, pad_id=11)
-  out = spec.generate(PARAMS, prompts, lens, jax.random.key(5), CFG, cfg, 1, 3, layout)
+  drafter = spec.layers_drafter(PARAMS, CFG, 1)
+  out = spec.generate(PARAMS, drafter, prompts, lens, jax.random.key(5), CFG, cfg, 3, layout)
   toks, mask = np.asarray(out["tokens_BN"]), np.asarray(out["mask_BN"])
   ended = 0
   for b in range(6):
@@ -163,7 +165,8 @@ def test_acceptance_metrics():
   prompts = jnp.tile(PROMPT_P, (2, 1))
   lens = jnp.full((2,), P, jnp.int32)
   cfg = SamplerConfig(max_new_tokens=13)
-  same = spec.generate(PARAMS, prompts, lens, jax.random.key(6), CFG, cfg, CFG.n_layers, 3)
+  same = spec.generate(PARAMS, spec.layers_drafter(PARAMS, CFG, CFG.n_layers), prompts, lens, jax.random.key(6), CFG,
+                       cfg, 3)
   assert float(same["spec_accept_rate"]) >= 0.99
   assert float(same["spec_tokens_per_call"]) == pytest.approx(4.0, abs=0.35)
   assert int(same["spec_calls"]) <= 4
@@ -181,7 +184,8 @@ def test_acceptance_metrics():
 def test_rejections():
   prompts, lens = PROMPT_P[None], jnp.array([P], jnp.int32)
   with pytest.raises(ValueError, match="behavior_topk"):
-    spec.generate(PARAMS, prompts, lens, jax.random.key(0), CFG, SamplerConfig(max_new_tokens=2, behavior_topk=2), 1, 2)
+    spec.generate(PARAMS, spec.layers_drafter(PARAMS, CFG, 1), prompts, lens, jax.random.key(0), CFG,
+                  SamplerConfig(max_new_tokens=2, behavior_topk=2), 2)
   with pytest.raises(ValueError, match="spec_draft_layers"):
     spec.draft_from_layers(PARAMS, CFG, 4)
   other = dataclasses.replace(CFG, vocab_size=16, n_layers=1)

@@ -5,4 +5,5 @@ Pure functions; any carried state is an explicit argument and return value. Modu
   adwin          ADWIN adaptive prefix horizon ([GUESS] reconstruction)
   mopd           Open-MOPD multi-teacher routing, token-share balancing, gap-following, reward refresh
   memory_walker  exact replays of rollouts with context eviction (LogitTree, packed 4D mask)
+  drafter        a speculative-decoding drafter of its own, distilled on recent rollouts (ReSpec)
 """

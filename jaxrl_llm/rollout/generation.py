@@ -33,6 +33,15 @@ def request_keys(key, n: int):
   return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(n))
 
 
+class DrafterSlot:
+  """Where the sampler reads the speculative drafter's current parameters (`sampler.spec_drafter="distilled"`,
+  `distill.drafter`): the loop sets `params` at the start and after every distillation step; None: the policy's
+  first `spec_draft_layers` layers draft (a view of the snapshot being sampled)."""
+
+  def __init__(self, params=None):
+    self.params = params
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
   """The static wiring of generation (references only).
@@ -40,7 +49,8 @@ class Generation:
   `train_examples`: the prompts' examples; `width`: the prompt bucket P; `model_cfg`: the sampler's model
   config (its dtype); `key_root`: the root of every sampling key; `keep_routes`: an MoE sampler's expert
   ids travel with the record (routing replay, R3); `mesh`: None (one device) or the sampler's mesh;
-  `slots` > 0: `sample` decodes with continuous batching (`sampling.continuous`, `slot_chunk` steps per chunk).
+  `slots` > 0: `sample` decodes with continuous batching (`sampling.continuous`, `slot_chunk` steps per chunk);
+  `drafter`: None, or the slot holding a distilled speculative drafter's parameters (`DrafterSlot`).
   """
   task: Any
   train_examples: Any
@@ -55,6 +65,7 @@ class Generation:
   mesh: Any = None
   slots: int = 0
   slot_chunk: int = 8
+  drafter: DrafterSlot | None = None
 
   def step_prompts(self, steps: list[int], n: int, group_size: int, call: int = 0) -> collect.Prompts:
     """The prompts of learner steps `steps` (n each, a pure function of (seed, step, call)), each
@@ -70,15 +81,19 @@ class Generation:
     return fold_in(key, call) if call else key
 
   def sample(self, params, prompts: collect.Prompts, key) -> tuple[dict, np.ndarray | None]:
-    """(sampler output as host arrays, row owners or None): `sampling.generate` on the mesh, if any; with
-    `slots` > 0 the slot engine (one device), request r drawing with `fold_in(key, r)` (`request_keys`)."""
+    """(sampler output as host arrays, row owners or None): `sampling.generate` on the mesh, if any (drafting with
+    the `drafter` slot's parameters when set); with `slots` > 0 the slot engine (one device), request r drawing
+    with `fold_in(key, r)` (`request_keys`)."""
     if self.slots:
       if self.mesh is not None:
         raise ValueError("continuous batching (rollout.slots) runs on one device, not on a sampler mesh")
       out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
                                       self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
       return {k: v for k, v in out.items() if k not in ("slot_steps", "live_steps")}, None
-    return multiprocess.generate_on_mesh(generate, params, prompts.tokens_BP, prompts.len_B, key,  # numpy: no eager put
+    gen = generate
+    if self.drafter is not None and self.drafter.params is not None:  # a distilled drafter (one device)
+      gen = functools.partial(generate, draft_params=self.drafter.params)
+    return multiprocess.generate_on_mesh(gen, params, prompts.tokens_BP, prompts.len_B, key,  # numpy: no eager put
                                          self.model_cfg, self.sampler_cfg, self.mesh)
 
   def finish(self, out: dict, examples: list[dict], versions_BN: np.ndarray, owners: np.ndarray | None = None,

@@ -18,15 +18,22 @@ from jaxrl_llm.sampling.config import SamplerConfig
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"))
 def generate(params: dict, prompt_tokens_BP: jax.Array, prompt_len_B: jax.Array, key: jax.Array,
-             model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+             model_cfg: ModelConfig, sampler_cfg: SamplerConfig, draft_params: dict | None = None) -> dict:
   """`sampler.generate`'s contract. With `sampler_cfg.spec_gamma` (γ > 0, or "auto" giving γ > 0 for the batch
-  size B) speculative decoding (`speculative.generate_speculative`, the policy's first `spec_draft_layers` layers
-  drafting): the same fields and distribution (not the same bits for a key), plus spec_calls, spec_accept_rate
-  and spec_tokens_per_call."""
+  size B) speculative decoding (`speculative.generate`): the same fields and distribution (not the same bits for
+  a key), plus spec_calls, spec_accept_rate and spec_tokens_per_call. The drafter: `draft_params` (a distilled
+  drafter of `spec_draft_layers` layers, `distill.drafter`), or None for the policy's first `spec_draft_layers`
+  layers (`speculative.layers_drafter`). Without speculation `draft_params` is ignored."""
   if sampler_cfg.spec_gamma:
     B = prompt_tokens_BP.shape[0]
     gamma = speculative.auto_gamma(B) if sampler_cfg.spec_gamma == "auto" else sampler_cfg.spec_gamma
     if gamma:
-      return speculative.generate(params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg,
-                                  sampler_cfg.spec_draft_layers, gamma, sampler_cfg.spec_layout)
+      k = sampler_cfg.spec_draft_layers
+      if draft_params is None:
+        draft_params = speculative.layers_drafter(params, model_cfg, k)
+      elif speculative.drafter_depth(draft_params) != k:
+        raise ValueError(f"the drafter has {speculative.drafter_depth(draft_params)} layers, "
+                         f"sampler.spec_draft_layers={k}")
+      return speculative.generate(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg,
+                                  gamma, sampler_cfg.spec_layout)
   return sampler.generate(params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg)

@@ -21,12 +21,14 @@ Rows of a batch accept different numbers of tokens, while the KV cache has one w
   caches need P + N·(γ + 1) slots, and attention reads the holes' slots too.
 Either way the output layout is `sampler.generate`'s (the learner never sees the holes).
 
-Drafters: `draft_from_layers` (the policy's first k layers sharing its embedding, final norm and head: its
-weights are the policy's, so it is always exactly as fresh as the policy) or any model of the same vocabulary
-(`draft_params`, `draft_cfg`). Fresh is not good: an untrained early exit drafts poorly (SmolLM2-135M, 30 layers,
-temperature 1: acceptance 2-6 % with k = 8, 33 % with k = 28; `bench/speculative.py`), so it needs an early-exit
-or distillation loss to pay off. Training a drafter (ReSpec: distillation on recent rollouts, reward-weighted)
-is future work.
+Drafters: `generate` takes the drafter's parameters explicitly, a model of the policy's architecture cut to k
+layers: the "layers" drafter (`layers_drafter`: a view of the policy's first k layers sharing its embedding, final
+norm and head, so always exactly as fresh as the policy) or a drafter with its own weights (`distill.drafter`:
+initialised as that view, then distilled on recent rollouts, ReSpec). `generate_speculative` takes any model of the
+same vocabulary (`draft_params`, `draft_cfg`). Whatever the drafter, the tokens are the policy's samples and μ its
+log-probs: only the acceptance rate depends on it. Fresh is not good: an untrained early exit drafts poorly
+(SmolLM2-135M, 30 layers, temperature 1: acceptance 2-6 % with k = 8, 33 % with k = 28; `bench/speculative.py`),
+hence the distilled drafter.
 """
 
 from __future__ import annotations
@@ -270,9 +272,22 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
   }
 
 
-def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, model_cfg: ModelConfig,
-             sampler_cfg: SamplerConfig, draft_layers: int, gamma: int, layout: str = "min") -> dict:
-  """`generate_speculative` with the policy's first `draft_layers` layers as the drafter (`draft_from_layers`)."""
-  draft_params, draft_cfg = draft_from_layers(params, model_cfg, draft_layers)
+def layers_drafter(params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
+  """The "layers" drafter's parameters for `generate`: a view of the policy's first `n_layers` layers, sharing its
+  embedding, final norm and head (`draft_from_layers`)."""
+  return draft_from_layers(params, model_cfg, n_layers)[0]
+
+
+def drafter_depth(draft_params: dict) -> int:
+  """k, the number of decoder layers a drafter's (stacked) parameters hold (static: a shape)."""
+  return int(jax.tree.leaves(draft_params["layers"])[0].shape[0])
+
+
+def generate(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
+             model_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int, layout: str = "min") -> dict:
+  """`generate_speculative` with a drafter of the policy's architecture cut to k layers: `draft_params` holds the
+  embedding, k stacked layers, the final norm and the head (`layers_drafter`: a view of the policy's own; or a
+  distilled drafter's, `distill.drafter`), k read off its shapes."""
+  draft_cfg = dataclasses.replace(model_cfg, n_layers=drafter_depth(draft_params))
   return generate_speculative(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, draft_cfg,
                               sampler_cfg, gamma, layout)

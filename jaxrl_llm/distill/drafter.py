@@ -1,0 +1,155 @@
+"""A speculative-decoding drafter with its own weights, kept fresh by distillation on recent rollouts (ReSpec).
+
+`sampler.spec_drafter="distilled"`: the drafter is a separate small model of the policy's architecture with
+k = `sampler.spec_draft_layers` layers, initialised as copies of the policy's embedding, first k layers, final norm
+and head, so at init it drafts exactly what the "layers" drafter (`speculative.layers_drafter`, a view of the
+policy) drafts. After every learner step it takes `spec_distill_steps` Adam steps (`spec_distill_lr`) on that
+step's rollout batch, against the new policy, minimising the token-mean forward KL
+
+  KL(π_policy(·|prefix) ‖ π_drafter(·|prefix)) = Σ_v p(v) (log p(v) − log q(v))
+
+over the completion tokens, full vocabulary, chunk by chunk (`losses.dense.divergence`: no [B, N, V] array at a
+real vocabulary). Both distributions are taken at the sampler's temperature (the drafter drafts from its tempered
+distribution); top-k / top-p truncation is not modelled. The policy gets no gradient (stop-gradient).
+
+Reward weighting (`spec_distill_reward_weight` = α, ReSpec's "reward-weighted updates"; the paper gives no formula,
+so this one is a [GUESS]): row b weighs w_b = max(0, 1 + α·(r_b − mean r) / std r) over the batch (w = 1 when every
+reward is equal), so high-reward rollouts count more and, at large α, rows far below the mean drop out; α = 0 is
+the unweighted loss. The loss is the w-weighted token mean Σ_bt w_b m_bt KL_bt / Σ_bt w_b m_bt.
+
+Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
+rate, never the tokens' distribution or μ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from jaxrl_llm.losses import dense
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.logprobs import query_hidden
+from jaxrl_llm.models.transformer import lm_head_weights
+from jaxrl_llm.sampling import speculative
+from jaxrl_llm.vocab_chunks import VocabHead
+
+Array = jax.Array
+
+
+class DrafterState(struct.PyTreeNode):
+  """The distilled drafter: its parameters (embedding, k stacked layers, final norm, head) and Adam's state."""
+  params: Any
+  opt_state: Any
+
+
+def init_params(policy_params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
+  """Copies (own buffers, not views) of the policy's embedding, first `n_layers` layers, final norm and head."""
+  view = speculative.layers_drafter(policy_params, model_cfg, n_layers)
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), view)
+
+
+def init_state(policy_params: dict, model_cfg: ModelConfig, n_layers: int, lr: float) -> DrafterState:
+  """A fresh drafter (`init_params`) and its Adam state."""
+  params = init_params(policy_params, model_cfg, n_layers)
+  return DrafterState(params=params, opt_state=optax.adam(lr).init(params))
+
+
+def reward_weights(reward_B: Array, alpha: float) -> Array:
+  """w_b = max(0, 1 + α·(r_b − mean r) / std r) ([GUESS], module docstring); 1 for every row when α = 0 or the
+  rewards are all equal."""
+  r_B = jnp.asarray(reward_B, jnp.float32)
+  std = jnp.std(r_B)
+  z_B = jnp.where(std > 0, (r_B - jnp.mean(r_B)) / jnp.where(std > 0, std, 1.0), 0.0)
+  return jnp.maximum(0.0, 1.0 + alpha * z_B)
+
+
+class _Heads(NamedTuple):
+  """What `dense.divergence` reads: the drafter (student) and policy (teacher) as hidden states + lm-head."""
+  mask_BN: Array
+  student_head: VocabHead
+  teacher_head: VocabHead
+  student_logits_BNV: Any = None
+  teacher_logits_BNV: Any = None
+
+
+def _completion_head(params: dict, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array, n_new: int,
+                     cfg: ModelConfig) -> VocabHead:
+  """The model's next-token distributions at the last `n_new` tokens (position j: given everything before
+  completion token j, the context the sampler drew it in), as hidden states + lm-head."""
+  P = sequence_BT.shape[1] - n_new
+  h_BND = query_hidden(params, sequence_BT[:, :-1], cfg, query_start=P - 1, positions_BT=positions_BT[:, :-1],
+                       segment_ids_BT=segment_ids_BT[:, :-1])
+  return VocabHead(hidden_BND=h_BND, w_DV=lm_head_weights(params, cfg))
+
+
+def distill_loss(draft_params: dict, policy_params: dict, sequence_BT: Array, positions_BT: Array,
+                 segment_ids_BT: Array, mask_BN: Array, weight_B: Array, model_cfg: ModelConfig,
+                 temperature: float) -> Array:
+  """Σ_bt w_b m_bt KL_bt / Σ_bt w_b m_bt, KL_bt = KL(π_policy ‖ π_drafter) at completion token t of row b, both at
+  `temperature` (0 when every weight or mask is 0). The policy is stop-gradient: only the drafter learns."""
+  N = mask_BN.shape[1]
+  d_cfg = dataclasses.replace(model_cfg, n_layers=speculative.drafter_depth(draft_params))
+  mask_BN = jnp.asarray(mask_BN, jnp.float32)
+  teacher = _completion_head(jax.lax.stop_gradient(policy_params), sequence_BT, positions_BT, segment_ids_BT, N,
+                             model_cfg)
+  student = _completion_head(draft_params, sequence_BT, positions_BT, segment_ids_BT, N, d_cfg)
+  kl_BN = dense.divergence(_Heads(mask_BN, student, teacher), lambda lq, lp: dense.kl_dense(lp, lq), temperature)
+  wm_BN = jnp.asarray(weight_B, jnp.float32)[:, None] * mask_BN
+  den = jnp.sum(wm_BN)
+  return jnp.where(den > 0, jnp.sum(wm_BN * kl_BN) / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "lr", "steps", "alpha"))
+def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, positions_BT: Array,
+                 segment_ids_BT: Array, mask_BN: Array, reward_B: Array, *, model_cfg: ModelConfig,
+                 temperature: float, lr: float, steps: int = 1, alpha: float = 0.0) -> tuple[DrafterState, dict]:
+  """`steps` Adam steps (learning rate `lr`) of `distill_loss` on one batch, rows weighted by `reward_weights`
+  (α = `alpha`). Returns (state, {"spec_drafter_kl": the loss before the first step, "spec_drafter_kl_last": the
+  loss before the last step}); the policy's parameters are read, never changed."""
+  tx = optax.adam(lr)
+  weight_B = reward_weights(reward_B, alpha)
+  loss_fn = lambda dp: distill_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
+                                    model_cfg, temperature)
+
+  def one(st: DrafterState, _):
+    loss, g = jax.value_and_grad(loss_fn)(st.params)
+    updates, opt_state = tx.update(g, st.opt_state, st.params)
+    return DrafterState(params=optax.apply_updates(st.params, updates), opt_state=opt_state), loss
+
+  state, loss_S = jax.lax.scan(one, state, None, length=steps)
+  return state, {"spec_drafter_kl": loss_S[0], "spec_drafter_kl_last": loss_S[-1]}
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterDistill:
+  """A run's drafter distillation (`sampler.spec_drafter="distilled"`): its static settings, `init` and `update`.
+
+  model_cfg: the policy's (learner's) model config; layers: k; temperature: the sampler's; lr, steps, alpha:
+  `sampler.spec_distill_lr`, `spec_distill_steps`, `spec_distill_reward_weight`.
+  """
+  model_cfg: ModelConfig
+  layers: int
+  temperature: float
+  lr: float = 1e-4
+  steps: int = 1
+  alpha: float = 0.0
+
+  def init(self, policy_params: dict) -> DrafterState:
+    return init_state(policy_params, self.model_cfg, self.layers, self.lr)
+
+  def update(self, state: DrafterState, policy_params: dict, ro) -> tuple[DrafterState, dict]:
+    """Distils the drafter on rollout record `ro` (its sequences, completion mask and rewards) against
+    `policy_params`; returns the new state and the metrics as floats."""
+    state, m = distill_step(state, policy_params, jnp.asarray(ro.sequence_BT), jnp.asarray(ro.positions_BT),
+                            jnp.asarray(ro.segment_ids_BT), jnp.asarray(ro.mask_BN, jnp.float32),
+                            jnp.asarray(ro.reward_B, jnp.float32), model_cfg=self.model_cfg,
+                            temperature=float(self.temperature), lr=float(self.lr), steps=self.steps,
+                            alpha=float(self.alpha))
+    return state, {k: float(np.asarray(v)) for k, v in m.items()}
