@@ -451,7 +451,6 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
     return
   _need(c.rollout.mode in ("sync", "fixed_lag", "staged"), "rollout.slots", slots,
         f"continuous batching runs in the sync, fixed_lag and staged sources, not rollout.mode={c.rollout.mode!r}")
-  _need(not env_on(c), "rollout.slots", slots, "continuous batching generates single completions, not episodes")
   _need(c.sampler.get("kv_cache", "full") == "full", "rollout.slots", slots,
         f"continuous batching decodes with sampler.kv_cache='full', not {c.sampler.get('kv_cache')!r}")
   for f in ("behavior_topk", "mc_samples"):

@@ -4,10 +4,14 @@
 from one state) for up to `max_turns` turns with pinned parameters:
 
 - every turn samples at most `turn_tokens` tokens (key `fold_in(key, turn)`) after each episode so far
-  (initial prompt + response so far), through `rollout.turn_sampler`: by default (`kv_cache`, one device)
-  each episode's KV cache is kept across turns and a turn prefills only the appended observation; else
+  (initial prompt + response so far), through `rollout.turn_sampler`: with `rollout.slots` > 0 (`gen.slots`, one
+  device; it takes precedence over `kv_cache`) by continuous batching: each live episode's turn is one request
+  to a slot engine, a slot freed by a short turn refilled with the next episode (row i of the turn draws with
+  `fold_in(fold_in(turn key, i), n)`, so slots change a seed's samples); else by default (`kv_cache`, one
+  device) each episode's KV cache is kept across turns and a turn prefills only the appended observation; else
   (or on a mesh) every turn re-prefills the episode left-padded to one width W = P + N
-  (N = `max_episode_tokens`, the response budget) with `sampling.generate`;
+  (N = `max_episode_tokens`, the response budget) with `sampling.generate`. The turns stay synchronous: every
+  live episode's turn ends before the environments step;
 - the policy's tokens are copied into the episode exactly as sampled (never decoded and re-encoded), up
   to and including the stop id; the action text given to the environment is their decoded text
   without the stop id (`tasks.tokenizer.completion_text`);
@@ -37,7 +41,9 @@ message is longer than the prompt width P is "too_long" (return 0, no tokens: it
 `env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`,
 `env_too_long`, `env_errors`,
 `env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
-one), `env_prefills` (sampler prefills: one per turn, or per call with the kept KV cache), `reward_errors` (errors
+one), `env_prefills` (sampler prefills: one per turn, per call with the kept KV cache, per admission batch with
+slots), with slots `env_slot_steps` and `env_live_steps` (slot-steps decoded / those of an unfinished turn: the
+share 1 - live/slot was wasted on free or finished slots), `reward_errors` (errors
 + timeouts + invalid), and `env_<key>` for each numeric key of the steps' `info` dicts (a 4-tuple step result),
 summed over the batch's steps (e.g. `env_tool_calls`; a key that would shadow one of the runner's own stats is
 dropped); `merge_stats` adds the counters of several records. A reset or step result of the wrong shape (an
@@ -186,6 +192,18 @@ def _bucket(n: int, cap: int) -> int:
   return min(cap, 1 << max(0, n - 1).bit_length())
 
 
+def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
+  """The turn sampler of a batch: continuous batching with `gen.slots` > 0 (one device: refused on a mesh), else
+  the kept KV cache with `env.kv_cache` on one device, else a re-prefill per turn (`rollout.turn_sampler`)."""
+  if getattr(gen, "slots", 0):
+    if mesh is not None:
+      raise ValueError("continuous batching of episode turns (rollout.slots) runs on one device, not on a sampler mesh")
+    return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
+  if s.kv_cache and mesh is None:
+    return turn_sampler.CachedTurns(gen, width)
+  return turn_sampler.Reprefill(gen, width, mesh)
+
+
 def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: EnvSettings, key, version: int,
                  width: int | None = None, keep_turns: bool = False, poll: Callable | None = None,
                  on_mesh: bool = True) -> Rollout:
@@ -257,7 +275,7 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
   live = np.asarray([st is None for st in status])
   W = P + N
   samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
-  turns = turn_sampler.CachedTurns(gen, W) if s.kv_cache and mesh is None else turn_sampler.Reprefill(gen, W, mesh)
+  turns = _turn_sampler(gen, s, W, mesh)
   turn_outputs = []
   info_sums: dict[str, float] = {}
   stop_set = set(tok.stop_ids)
@@ -405,6 +423,8 @@ def _run_episodes(gen, params, seeds, group_size, settings, key, version, width,
     stats.update(env_evictions=n_evicted, env_copied_tokens=n_copied, env_sdcc_skipped=sdcc_skipped,
                  evict_segment_starts=tuple(tuple(x) for x in seg_starts))
   stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
+  if isinstance(turns, turn_sampler.SlotTurns):
+    stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps)
   if keep_turns:
     stats["turn_outputs"] = turn_outputs
   return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=positions_BT,

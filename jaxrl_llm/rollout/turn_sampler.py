@@ -1,4 +1,4 @@
-"""How one turn of a batch of episodes is sampled: one interface, two implementations.
+"""How one turn of a batch of episodes is sampled: one interface, three implementations.
 
   turn(params, version, rows_b, contexts, key, cfg) -> {tokens_BN, lengths_B, behavior_logp_BN} (host numpy)
 
@@ -15,6 +15,15 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
   the cache's slots run out (the shared write index leaves unused slots behind rows that append less).
   The log-probs equal a re-prefill's up to float rounding (tested), so tokens agree but for near-ties.
   `forget(row)`: that episode's context was rewritten (an eviction, `rollout.evict`); the next turn re-prefills.
+- `SlotTurns` (`rollout.slots` > 0, one device; it takes precedence over `env.kv_cache`): continuous batching
+  (`sampling.continuous.SlotEngine`, S = `rollout.slots` slots, `rollout.slot_chunk` decode steps per chunk).
+  A turn submits each live row's context, left-padded to W as `Reprefill` does, as one request and runs the
+  engine until idle; a slot whose row's turn ended is refilled with the next row, so long-tailed turn lengths
+  stop costing the longest row's steps for every row. Row i of the turn draws column n with
+  `fold_in(fold_in(key, i), n)` (`generation.request_keys`): its tokens equal `generate`'s given those per-row
+  keys (log-probs up to float rounding, tested), not `Reprefill`'s batch-key draw. The pad rows of a padded
+  batch are copies of the first row's output (not decoded). `prefills`: the engine's admission batches;
+  `slot_steps` / `live_steps`: slot-steps run / those that decoded an unfinished turn (the engine's counters).
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.models.cache import take_rows
-from jaxrl_llm.sampling import generate, prompt_layout
+from jaxrl_llm.rollout.generation import request_keys
+from jaxrl_llm.sampling import continuous, generate, prompt_layout
 from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
 from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
@@ -113,3 +123,58 @@ class CachedTurns:
     self.prefills += 1
     return _prefill(params, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW, model_cfg=self.gen.model_cfg,
                     slots=self.slots, group_size=group_size)
+
+
+class SlotTurns:
+  """Samples each turn with continuous batching (module docstring). Host state: one `SlotEngine`, rebuilt when
+  the turn's sampler settings change, idle between turns."""
+
+  def __init__(self, gen, width: int, slots: int, chunk: int):
+    self.gen, self.width, self.slots, self.chunk = gen, width, slots, chunk
+    self.engine: continuous.SlotEngine | None = None
+    self.prefills = 0  # admission batches (`prefill_slots` calls) so far
+    self._steps0 = (0, 0)  # (slot_steps, live_steps) of engines replaced so far
+
+  @property
+  def slot_steps(self) -> int:
+    return self._steps0[0] + (self.engine.slot_steps if self.engine is not None else 0)
+
+  @property
+  def live_steps(self) -> int:
+    return self._steps0[1] + (self.engine.live_steps if self.engine is not None else 0)
+
+  def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
+    cfg = dataclasses.replace(cfg, group_size=1)  # the engine prefills each distinct prompt once by itself
+    engine = self._engine(cfg)
+    ctx_bW, len_b = pad_left(contexts, self.width, cfg.pad_id)
+    keys_b = request_keys(key, len(rows_b))
+    first: dict[int, int] = {}  # episode -> its first row (a padded batch repeats its first episode)
+    for i, b in enumerate(rows_b):
+      if b not in first:
+        first[b] = i
+        engine.submit(i, ctx_bW[i], int(len_b[i]), keys_b[i])
+    N = cfg.max_new_tokens
+    out = {"tokens_BN": np.full((len(rows_b), N), cfg.pad_id, np.int32),
+           "behavior_logp_BN": np.zeros((len(rows_b), N), np.float32), "lengths_B": np.zeros((len(rows_b),), np.int32)}
+    while not engine.idle:
+      if engine.queue and engine.held < engine.slots:  # this step admits queued rows (`SlotEngine.step`)
+        self.prefills += 1
+      for i, cols in engine.step(params, version):
+        out["tokens_BN"][i], out["behavior_logp_BN"][i] = cols["tokens_N"], cols["behavior_logp_N"]
+        out["lengths_B"][i] = int(cols["mask_N"].sum())
+    for i, b in enumerate(rows_b):
+      if first[b] != i:
+        for k in out:
+          out[k][i] = out[k][first[b]]
+    return out
+
+  def forget(self, row: int) -> None:
+    """Episode `row`'s context changed other than by appending (an eviction): nothing is kept, nothing to do."""
+
+  def _engine(self, cfg) -> continuous.SlotEngine:
+    if self.engine is None or self.engine.sampler_cfg != cfg:
+      if self.engine is not None:
+        self._steps0 = (self.slot_steps, self.live_steps)
+      self.engine = continuous.SlotEngine(self.gen.model_cfg, cfg, slots=self.slots, chunk=self.chunk,
+                                          width=self.width)
+    return self.engine
