@@ -30,10 +30,11 @@ W = 32
 
 
 class RowKeyed(Reprefill):
-  """`Reprefill` drawing row i with `request_keys(key, n)[i]`: the reference `SlotTurns` must equal."""
+  """`Reprefill` drawing episode b's row with `request_keys(key, B)[b]`: the reference `SlotTurns` must equal."""
 
   def turn(self, params, version, rows_b, contexts, key, cfg):
-    return super().turn(params, version, rows_b, contexts, request_keys(key, len(rows_b)), cfg)
+    keys = request_keys(key, max(rows_b) + 1)[np.asarray(rows_b)]
+    return super().turn(params, version, rows_b, contexts, keys, cfg)
 
 
 def contexts(n: int) -> list[list[int]]:
@@ -55,10 +56,9 @@ def test_slot_turn_equals_reprefilled_turn_with_row_keys():
   got = slots.turn(PARAMS, 0, rows_b, ctx_b, key, cfg)
   lengths = want["lengths_B"][:7]
   assert lengths.min() <= 2 and lengths.max() == 6, lengths
-  for k in ("tokens_BN", "lengths_B"):  # the pad row (dropped by the runner) drew its own key in the reference
-    np.testing.assert_array_equal(got[k][:7], want[k][:7], err_msg=k)
-    np.testing.assert_array_equal(got[k][7], got[k][0], err_msg=k)  # a copy of the first row, not decoded
-  np.testing.assert_allclose(got["behavior_logp_BN"][:7], want["behavior_logp_BN"][:7], atol=2e-5)
+  for k in ("tokens_BN", "lengths_B"):  # the pad row: a copy of the first (decoded again in the reference)
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  np.testing.assert_allclose(got["behavior_logp_BN"], want["behavior_logp_BN"], atol=2e-5)
   assert slots.prefills >= 3  # 7 rows through 3 slots: several admissions
   assert slots.live_steps == int(lengths.sum()) - 7  # each row's column 0 is sampled at admission, not decoded
   assert slots.slot_steps >= slots.live_steps
@@ -101,6 +101,99 @@ def test_episode_batch_with_slots_equals_row_keyed_reprefill(slot_record, monkey
     np.testing.assert_array_equal(getattr(got, k), getattr(want, k), err_msg=k)
   np.testing.assert_allclose(got.behavior_logp_BN, want.behavior_logp_BN, atol=2e-5)
   assert got.stats["episode_statuses"] == want.stats["episode_statuses"]
+
+
+class Logged(SlotTurns):
+  """`SlotTurns` that logs its events: ("submit", episode) and ("done", episode), in both drivers."""
+  events: list = []
+
+  def _put(self, tag, prompt_W, length, row_key, cfg):
+    Logged.events.append(("submit", tag))
+    super()._put(tag, prompt_W, length, row_key, cfg)
+
+  def step(self, params, version):
+    done = super().step(params, version)
+    Logged.events += [("done", tag) for tag, _ in done]
+    return done
+
+
+SAME_STATS = ("episode_status", "episode_statuses", "env_turns", "env_policy_tokens", "env_tokens", "env_evictions",
+              "env_copied_tokens", "env_sdcc_skipped", "evict_segment_starts")
+
+
+def assert_same_record(a, b):
+  for k, v in a.arrays().items():
+    if k == "behavior_logp_BN":
+      np.testing.assert_allclose(v, b.behavior_logp_BN, atol=2e-5)
+    else:
+      np.testing.assert_array_equal(v, getattr(b, k), err_msg=k)
+  for k in (a.extra or {}):
+    np.testing.assert_array_equal(a.extra[k], b.extra[k], err_msg=k)
+  assert (a.extra is None) == (b.extra is None)
+  for k in SAME_STATS:
+    assert a.stats.get(k) == b.stats.get(k), k
+
+
+@pytest.mark.parametrize("env", ["echo", "countdown"])
+def test_cross_turn_refill_equals_turn_synchronous_slots(env, monkeypatch):
+  """Without `poll`, slots play episodes with no turn barrier: episode b's next turn is queued as soon as its
+  environment answered, while other episodes' turns still decode. Per-episode keys make the record the one the
+  turn-synchronous driver (`poll` given: every turn ends before the environments step) gives, per-turn outputs
+  included."""
+  s = ECHO if env == "echo" else EnvSettings(name="test_countdown", max_turns=4, turn_tokens=3, max_episode_tokens=20)
+  gen = dataclasses.replace(make_gen(0.7), slots=3, slot_chunk=2)
+  monkeypatch.setattr(turn_sampler, "SlotTurns", Logged)
+  Logged.events = []
+  refill = run_episodes(gen, PARAMS, [0, 1, 2], 2, s, jax.random.key(5), version=2, keep_turns=True)
+  events = list(Logged.events)
+  Logged.events = []
+  synced = run_episodes(gen, PARAMS, [0, 1, 2], 2, s, jax.random.key(5), version=2, keep_turns=True,
+                        poll=lambda v: None)
+  assert_same_record(refill, synced)
+  for x, y in zip(refill.stats["turn_outputs"], synced.stats["turn_outputs"], strict=True):
+    for k in ("tokens_BN", "lengths_B", "live_B", "start_B"):
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+    np.testing.assert_allclose(x["behavior_logp_BN"], y["behavior_logp_BN"], atol=2e-5)
+  if env == "countdown":
+    assert refill.stats["episode_statuses"] == ("done",) * 6 and refill.stats["env_turns"] == 2 * (1 + 2 + 3)
+
+  def overlaps(ev):  # a turn queued before some other episode's earlier turn finished
+    turn, queued_at, done_at = {}, {}, {}
+    for i, (kind, b) in enumerate(ev):
+      if kind == "submit":
+        turn[b] = turn.get(b, -1) + 1
+        queued_at[b, turn[b]] = i
+      else:
+        done_at[b, turn[b]] = i
+    return any(queued_at[b, t] < done_at[c, u] for (b, t) in queued_at for (c, u) in done_at if u < t)
+
+  assert overlaps(events) and not overlaps(Logged.events)  # the synchronous driver keeps its barrier
+  assert synced.stats["env_live_steps"] == refill.stats["env_live_steps"]  # the same turns decoded
+  assert refill.stats["env_slot_steps"] <= synced.stats["env_slot_steps"]
+
+
+@pytest.mark.parametrize("policy", ["drop_oldest", "summary"])
+def test_cross_turn_refill_with_evictions(policy):
+  """Context compression under cross-turn refill: the same segments, SDCC rows and stats as turn-synchronous."""
+  import test_evict  # noqa: PLC0415  (its environment, model and eviction settings)
+  s = dataclasses.replace(test_evict.SETTINGS, evict=policy)
+  gen = dataclasses.replace(test_evict.make_gen(), slots=2, slot_chunk=2)
+  a = run_episodes(gen, test_evict.PARAMS, [1, 2], 2, s, jax.random.key(7), version=0, width=test_evict.P)
+  b = run_episodes(gen, test_evict.PARAMS, [1, 2], 2, s, jax.random.key(7), version=0, width=test_evict.P,
+                   poll=lambda v: None)
+  assert a.stats["env_evictions"] >= 2
+  assert_same_record(a, b)
+
+
+def test_cross_turn_refill_failing_environments():
+  """Errors, rejected actions and failed resets end their episode; the others play on (statuses as synchronous)."""
+  s = EnvSettings(name="test_faulty", max_turns=2, turn_tokens=3, max_episode_tokens=12, timeout_s=5.0)
+  gen = dataclasses.replace(make_gen(), slots=2, slot_chunk=2)
+  r = run_episodes(gen, PARAMS, [0, 1, 3, 4], 2, s, jax.random.key(9), version=0)
+  assert r.stats["episode_statuses"] == ("done",) * 2 + ("error",) * 2 + ("invalid",) * 2 + ("error",) * 2
+  np.testing.assert_array_equal(r.reward_B, [1, 1, 0, 0, 0, 0, 0, 0])
+  assert_same_record(r, run_episodes(gen, PARAMS, [0, 1, 3, 4], 2, s, jax.random.key(9), version=0,
+                                     poll=lambda v: None))
 
 
 def test_slots_refused_on_a_mesh():
