@@ -487,9 +487,10 @@ EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evi
 
 
 def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -> None:
-  """`rollout.slots` / `rollout.slot_chunk`: continuous batching (`sampling.continuous`) of single completions in
-  the sources that generate whole steps with one snapshot, and in async (one slot worker thread, which switches
-  to newer versions at chunk boundaries itself), on one device, with the full KV cache."""
+  """`rollout.slots` / `rollout.slot_chunk`: continuous batching (`sampling.continuous`) of single completions and
+  episode turns in the sources that generate whole steps with one snapshot, and of single completions in async
+  (one slot worker thread, which switches to newer versions at chunk boundaries itself), on one device, with the
+  full KV cache."""
   slots, chunk = c.rollout.get("slots", 0), c.rollout.get("slot_chunk", 8)
   _need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "rollout.slots", slots,
         "must be an int >= 0 (0 = off)")
@@ -506,7 +507,9 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
     _need(not c.rollout.partial_chunk, "rollout.partial_chunk", c.rollout.partial_chunk,
           f"async with rollout.slots={slots} already switches to the newest version every rollout.slot_chunk decode "
           "steps (keeping the cache): set partial_chunk=0")
-  _need(not env_on(c), "rollout.slots", slots, "continuous batching generates single completions, not episodes")
+  _need(not (env_on(c) and c.rollout.mode == "async"), "rollout.slots", slots,
+        "async continuous batching generates single completions; episodes use slots in the sync, fixed_lag and "
+        "staged sources")
   _need(c.sampler.get("kv_cache", "full") == "full", "rollout.slots", slots,
         f"continuous batching decodes with sampler.kv_cache='full', not {c.sampler.get('kv_cache')!r}")
   for f in ("behavior_topk", "mc_samples"):

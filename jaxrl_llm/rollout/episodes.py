@@ -4,10 +4,20 @@
 from one state) for up to `max_turns` turns with pinned parameters:
 
 - every turn samples at most `turn_tokens` tokens (key `fold_in(key, turn)`) after each episode so far
-  (initial prompt + response so far), through `rollout.turn_sampler`: by default (`kv_cache`, one device)
-  each episode's KV cache is kept across turns and a turn prefills only the appended observation; else
-  (or on a mesh) every turn re-prefills the episode left-padded to one width W = P + N
-  (N = `max_episode_tokens`, the response budget) with `sampling.generate`;
+  (initial prompt + response so far), through `rollout.turn_sampler`: with `rollout.slots` > 0 (`gen.slots`, one
+  device, refused on a mesh; it takes precedence over `kv_cache`) by continuous batching (`SlotTurns`): each
+  episode's turn is one request to a slot engine, a slot freed by a short turn refilled with the next request
+  (episode b's turn t draws with `fold_in(fold_in(fold_in(key, t), b), n)`, so slots change a seed's samples);
+  else by default (`kv_cache`, one device) each episode's KV cache is kept across turns and a turn prefills only
+  the appended observation; else (or on a mesh) every turn re-prefills the episode left-padded to one width
+  W = P + N (N = `max_episode_tokens`, the response budget) with `sampling.generate`;
+- turn barrier: the turn samplers play turn-synchronously (`_play_turns`: every live episode samples turn t,
+  then the environments step together). With slots and no `poll` (the synchronous sources) there is no barrier
+  (`_play_refill`, cross-turn refill): after each decode chunk the episodes whose turn ended step their
+  environments (together, between chunks) and each still-live one queues its next turn at once, while the others'
+  turns decode on. Each episode's events keep their order and its keys do not depend on the others, so the
+  record equals the turn-synchronous one (tested), `keep_turns` included; only the slot counters differ. With a
+  `poll` (async episodes) slots stay turn-synchronous: a turn's version is the one polled before it;
 - the policy's tokens are copied into the episode exactly as sampled (never decoded and re-encoded), up
   to and including the stop id; the action text given to the environment is their decoded text
   without the stop id (`tasks.tokenizer.completion_text`);
@@ -37,7 +47,9 @@ message is longer than the prompt width P is "too_long" (return 0, no tokens: it
 `env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`,
 `env_too_long`, `env_errors`,
 `env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
-one), `env_prefills` (sampler prefills: one per turn, or per call with the kept KV cache), `reward_errors` (errors
+one), `env_prefills` (sampler prefills: one per turn, per call with the kept KV cache, per admission batch with
+slots), with slots `env_slot_steps` and `env_live_steps` (slot-steps decoded / those of an unfinished turn: the
+share 1 - live/slot was wasted on free or finished slots), `reward_errors` (errors
 + timeouts + invalid), and `env_<key>` for each numeric key of the steps' `info` dicts (a 4-tuple step result),
 summed over the batch's steps (e.g. `env_tool_calls`; a key that would shadow one of the runner's own stats is
 dropped); `merge_stats` adds the counters of several records. A reset or step result of the wrong shape (an
@@ -186,6 +198,18 @@ def _bucket(n: int, cap: int) -> int:
   return min(cap, 1 << max(0, n - 1).bit_length())
 
 
+def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
+  """The turn sampler of a batch: continuous batching with `gen.slots` > 0 (one device: refused on a mesh), else
+  the kept KV cache with `env.kv_cache` on one device, else a re-prefill per turn (`rollout.turn_sampler`)."""
+  if getattr(gen, "slots", 0):
+    if mesh is not None:
+      raise ValueError("continuous batching of episode turns (rollout.slots) runs on one device, not on a sampler mesh")
+    return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
+  if s.kv_cache and mesh is None:
+    return turn_sampler.CachedTurns(gen, width)
+  return turn_sampler.Reprefill(gen, width, mesh)
+
+
 def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: EnvSettings, key, version: int,
                  width: int | None = None, keep_turns: bool = False, poll: Callable | None = None,
                  on_mesh: bool = True) -> Rollout:
@@ -216,199 +240,301 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
 
 def _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll, mesh,
                   env_list: list) -> Rollout:
-  s, G = settings, group_size
-  P, N = width or gen.width, s.max_episode_tokens
-  B = len(seeds) * G
-  tok = gen.encoder.tokenizer
-  pad = gen.sampler_cfg.pad_id
-  kwargs = dict(s.kwargs)
-  env_list.extend(envs.get(s.name, **kwargs) for _ in range(B))
-  status: list[str | None] = [None] * B
-  reward_B = np.zeros((B,), np.float32)
+  W = (width or gen.width) + settings.max_episode_tokens
+  turns = _turn_sampler(gen, settings, W, mesh)
+  batch = _Batch(gen, seeds, group_size, settings, version, width, env_list, turns)
+  if isinstance(turns, turn_sampler.SlotTurns) and poll is None:
+    _play_refill(batch, params, key, keep_turns)
+  else:
+    _play_turns(batch, params, key, poll, keep_turns)
+  return batch.record(keep_turns)
 
-  # Reset: the G episodes of a group share one seed.
-  first = env_calls([(e.reset, int(seeds[b // G])) for b, e in enumerate(env_list)], s.timeout_s, s.workers)
-  prompts: list[list[int]] = []
-  for b, (st, msg) in enumerate(first):
-    try:
-      msg = msg if st != "ok" or isinstance(msg, str) else check_messages(msg, ("system", "user"))
-    except ValueError:  # neither a str nor system/user messages: the environment's error
-      st = "error"
-    if st != "ok":
-      status[b], msg = st, ""
-    ids = gen.encoder.episode_prompt_ids(msg, tools=getattr(env_list[b], "tools", None) if st == "ok" else None)
-    if len(ids) > P:  # this episode cannot start: counted, the batch goes on
-      status[b] = "too_long"
-      ids = gen.encoder.episode_prompt_ids("")
-      if len(ids) > P:
-        raise ValueError(f"environment {s.name!r}: even an empty first message is {len(ids)} tokens, longer than "
-                         f"the prompt width P={P} (env.prompt_width)")
-    prompts.append(ids)
-  prompt_BP, plen_B = pad_left(prompts, P, pad)
 
-  resp_BN = np.full((B, N), pad, np.int32)
-  mask_BN = np.zeros((B, N), np.float32)
-  env_mask_BN = np.zeros((B, N), np.float32)
-  turn_BN = np.full((B, N), -1, np.int32)
-  logp_BN = np.zeros((B, N), np.float32)
-  ver_BN = np.full((B, N), version, np.int32)
-  used_B = np.zeros((B,), np.int64)
-  turns_B = np.zeros((B,), np.int32)
-  live = np.asarray([st is None for st in status])
-  W = P + N
-  samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
-  turns = turn_sampler.CachedTurns(gen, W) if s.kv_cache and mesh is None else turn_sampler.Reprefill(gen, W, mesh)
-  turn_outputs = []
-  info_sums: dict[str, float] = {}
-  stop_set = set(tok.stop_ids)
-  evicting = s.evict != "none"
-  seg_starts: list[list[int]] = [[] for _ in range(B)]  # response columns where segments 2, 3, ... begin
-  pending: list[tuple] = []  # SDCC: (row, uncompressed context, first column of the next turn, turn)
-  n_evicted = n_copied = 0
-
-  def live_context(b: int) -> tuple[list[int], list[int]]:
-    """(ids, turn ids) of episode b's live context: its current segment (with the first message in segment 1)."""
-    a = seg_starts[b][-1] if seg_starts[b] else 0
-    head = [] if seg_starts[b] else prompts[b]
-    return head + resp_BN[b, a:used_B[b]].tolist(), [-1] * len(head) + turn_BN[b, a:used_B[b]].tolist()
-
-  def open_segment(b: int, new: list[int], new_turns: list[int], uncompressed: list[int], t_next: int) -> None:
-    """Episode b's context becomes `new` (an eviction): a new segment opens with it (mask 0); SDCC will distill
-    turn `t_next` from the `uncompressed` context. No room for it and one more policy token: "truncated"."""
-    nonlocal n_evicted, n_copied
-    u = int(used_B[b])
-    if u + len(new) >= N:
-      status[b], live[b] = "truncated", False
-      return
-    resp_BN[b, u:u + len(new)] = new
-    turn_BN[b, u:u + len(new)] = new_turns
-    ver_BN[b, u:] = version
-    seg_starts[b].append(u)
-    used_B[b] += len(new)
-    pending.append((b, uncompressed, u + len(new), t_next))
-    turns.forget(b)
-    n_evicted += 1
-    n_copied += len(new)
-
-  summarizing: dict[int, tuple] = {}  # "summary": row -> (its last observation, uncompressed context ids)
-
+def _play_turns(bt: "_Batch", params, key, poll: Callable | None, keep_turns: bool) -> None:
+  """Turn-synchronous play: every live episode samples turn t (one `turns.turn` call, key `fold_in(key, t)`), then
+  their environments step together."""
+  s, B = bt.s, bt.B
   for t in range(s.max_turns):
-    if not live.any():
+    if not bt.live.any():
       break
-    newer = poll(version) if poll is not None and t > 0 else None
+    newer = poll(bt.version) if poll is not None and t > 0 else None
     if newer is not None:  # async: this turn generates from the newest published parameters
-      version, params = newer
-    for b in (np.flatnonzero(live) if s.evict == "drop_oldest" and t > 0 else ()):
-      ctx, turn_L = live_context(b)
-      keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
-      if keep is not None:
-        open_segment(b, [i for i, k in zip(ctx, keep) if k], np.asarray(turn_L)[keep].tolist(), ctx, t)
-    if not live.any():  # every eviction lacked room ("truncated")
+      bt.version, params = newer
+    for b in np.flatnonzero(bt.live):
+      bt.evict_before(b, t)
+    if not bt.live.any():  # every eviction lacked room ("truncated")
       break
     # Only live episodes generate: their rows, padded (with copies of the first) to a power-of-two bucket.
-    idx = np.flatnonzero(live)
+    idx = np.flatnonzero(bt.live)
     rows_b = idx if len(idx) == B else np.concatenate([idx, np.full(_bucket(len(idx), B) - len(idx), idx[0])])
-    contexts = [live_context(b)[0] for b in rows_b]
+    contexts = [bt.live_context(b)[0] for b in rows_b]
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
-    cfg_t = samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(samp_cfg, group_size=1)
-    got = turns.turn(params, version, rows_b.tolist(), contexts, fold_in(key, t), cfg_t)
+    cfg_t = bt.samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(bt.samp_cfg, group_size=1)
+    got = bt.turns.turn(params, bt.version, rows_b.tolist(), contexts, fold_in(key, t), cfg_t)
     out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in ("tokens_BN", "lengths_B", "behavior_logp_BN")}
     for k in out:
       out[k][idx] = got[k][:len(idx)]
     if keep_turns:
-      turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
-                           "behavior_logp_BN": out["behavior_logp_BN"], "live_B": live.copy(),
-                           "start_B": used_B.copy(), "version": version})
+      bt.turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
+                              "behavior_logp_BN": out["behavior_logp_BN"], "live_B": bt.live.copy(),
+                              "start_B": bt.used_B.copy(), "version": bt.version})
     calls, rows = [], []
-    for b in np.flatnonzero(live):
-      n_b = int(out["lengths_B"][b])
-      k = min(n_b, N - int(used_B[b]))
-      u = int(used_B[b])
-      resp_BN[b, u:u + k] = out["tokens_BN"][b, :k]
-      logp_BN[b, u:u + k] = out["behavior_logp_BN"][b, :k]
-      mask_BN[b, u:u + k] = 1.0
-      turn_BN[b, u:u + k] = t
-      ver_BN[b, u:] = version  # this turn's tokens and its observation (padding keeps the last version)
-      used_B[b] += k
-      turns_B[b] = t + 1
-      if k < n_b:  # the budget cut the turn
-        status[b], live[b] = "truncated", False
-        continue
-      if b in summarizing:  # this turn was the summary: it replaces every earlier turn; the last observation follows
-        obs, uncompressed = summarizing.pop(b)
-        summary = out["tokens_BN"][b, :k].tolist()
-        again = render_env_message(gen.encoder, obs, turn_ended=bool(summary) and summary[-1] in stop_set)
-        open_segment(b, prompts[b] + summary + again, [-1] * len(prompts[b]) + [t] * (k + len(again)), uncompressed,
-                     t + 1)
-        continue
-      calls.append((env_list[b].step, completion_text(tok, out["tokens_BN"][b, :k])))
-      rows.append(b)
-    results = env_calls(calls, s.timeout_s, s.workers)
-    for b, (st, val) in zip(rows, results):
-      if st == "ok":
-        try:
-          obs, r, done, info = _checked_step(val)
-        except Exception:  # pylint: disable=broad-except  # a malformed step result is the environment's error
-          st = "error"
-      if st != "ok":
-        status[b], live[b], reward_B[b] = st, False, 0.0
-        continue
-      reward_B[b] += r
-      for k, v in info.items():
-        info_sums[k] = info_sums.get(k, 0) + v
-      if done:
-        status[b], live[b] = "done", False
-        continue
-      if t == s.max_turns - 1:  # the turn limit: no observation is appended after the last turn
-        status[b], live[b] = "max_turns", False
-        continue
-      u = int(used_B[b])
-      # the policy's turn ended when its last token (this turn's) is a stop id; else the turn was cut
-      ended = u > 0 and turn_BN[b, u - 1] == t and mask_BN[b, u - 1] > 0 and int(resp_BN[b, u - 1]) in stop_set
-      ids = render_env_message(gen.encoder, obs, turn_ended=bool(ended))
-      if (s.evict == "summary" and t + 2 < s.max_turns
-          and len(live_context(b)[0]) + len(ids) > s.context_budget):  # the next turn summarizes, then one acts
-        uncompressed = live_context(b)[0] + ids
-        obs = check_messages(obs, ("user", "tool"))
-        ids = render_env_message(gen.encoder, obs + [{"role": "user", "content": s.summary_instruction}],
-                                 turn_ended=bool(ended))
-        summarizing[b] = (obs, uncompressed)
-      if u + len(ids) >= N:  # no room for the observation and at least one more policy token
-        status[b], live[b] = "truncated", False
-        continue
-      resp_BN[b, u:u + len(ids)] = ids
-      env_mask_BN[b, u:u + len(ids)] = 1.0
-      turn_BN[b, u:u + len(ids)] = t
-      used_B[b] += len(ids)
-  for b in range(B):
-    if status[b] is None:
-      status[b] = "max_turns"
+    for b in idx:
+      action = bt.take(b, t, out["tokens_BN"][b], out["behavior_logp_BN"][b], int(out["lengths_B"][b]))
+      if action is not None:
+        calls.append((bt.envs[b].step, action))
+        rows.append(b)
+    for b, (st, val) in zip(rows, env_calls(calls, s.timeout_s, s.workers)):
+      bt.answer(b, t, st, val)
 
-  positions_BT, segment_ids_BT = record_layout(plen_B, used_B, P, N)
-  extra = None
-  if evicting:
-    positions_BT, segment_ids_BT = evict_lib.segment_layout(positions_BT, segment_ids_BT, seg_starts, used_B, P)
-    extra, sdcc_skipped = evict_lib.teacher_layout(pending, resp_BN, mask_BN, turn_BN, 2 * (P + N), pad)
-  counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
-  policy_BN = mask_BN > 0
-  span_B = np.where(policy_BN, ver_BN, -1).max(1, initial=-1) - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30)
-  stats = {"episode_status": counts, "env_episodes": B, "env_turns": int(turns_B.sum()),
-           "env_turns_mean": float(turns_B.mean()) if B else 0.0,
-           "env_version_span_max": int(max(0, span_B.max(initial=0))), "env_prefills": turns.prefills,
-           "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(env_mask_BN.sum()),
-           "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
-           "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
-           "env_too_long": counts["too_long"],
-           "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
-           "episode_statuses": tuple(status)}
-  if evicting:
-    stats.update(env_evictions=n_evicted, env_copied_tokens=n_copied, env_sdcc_skipped=sdcc_skipped,
-                 evict_segment_starts=tuple(tuple(x) for x in seg_starts))
-  stats.update({f"env_{k}": v for k, v in info_sums.items() if f"env_{k}" not in stats})
-  if keep_turns:
-    stats["turn_outputs"] = turn_outputs
-  return Rollout(sequence_BT=np.concatenate([prompt_BP, resp_BN], 1), positions_BT=positions_BT,
-                 segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=logp_BN,
-                 versions_BN=ver_BN, reward_B=reward_B,
-                 group_B=np.arange(B, dtype=np.int32) // G, turn_BN=turn_BN, env_mask_BN=env_mask_BN, extra=extra,
-                 stats=stats)
+
+def _play_refill(bt: "_Batch", params, key, keep_turns: bool) -> None:
+  """Cross-turn refill (`SlotTurns`, no `poll`): no turn barrier. Every live episode's turn 0 is queued on the slot
+  engine; after each decode chunk the episodes whose turn finished step their environments (together, under the
+  time limit) and each one still live queues its next turn at once, while the other episodes' turns decode on.
+  Episode b's turn t draws with `fold_in(fold_in(key, t), b)`, as `_play_turns` with `SlotTurns` does, and each
+  episode's events (evictions, summaries, observations) happen in its own order, so both give the same record."""
+  s, turns = bt.s, bt.turns
+  turn_of: dict[int, int] = {}
+
+  def queue(b: int, t: int) -> None:
+    bt.evict_before(b, t)
+    if bt.live[b]:
+      turn_of[b] = t
+      turns.submit(b, bt.live_context(b)[0], fold_in(key, t), b, bt.samp_cfg)
+
+  for b in np.flatnonzero(bt.live):
+    queue(b, 0)
+  while not turns.idle:
+    done = turns.step(params, bt.version)
+    calls, rows = [], []
+    for b, o in done:
+      t = turn_of[b]
+      if keep_turns:
+        bt.keep_turn(t, b, o)
+      action = bt.take(b, t, o["tokens_N"], o["behavior_logp_N"], o["length"])
+      if action is not None:
+        calls.append((bt.envs[b].step, action))
+        rows.append(b)
+    for b, (st, val) in zip(rows, env_calls(calls, s.timeout_s, s.workers) if calls else ()):
+      bt.answer(b, turn_of[b], st, val)
+    for b, _ in done:
+      if bt.live[b] and turn_of[b] + 1 < s.max_turns:
+        queue(b, turn_of[b] + 1)
+
+
+class _Batch:
+  """The host state of one batch of episodes (environments, statuses, the response buffers) and what happens to
+  one episode between its turns: `evict_before` (a "drop_oldest" eviction), `take` (writes a turn's tokens; the
+  action to step with), `answer` (the environment's result; the observation appended), `record` (the Rollout).
+  The drivers (`_play_turns`, `_play_refill`) decide when each episode's turn is sampled."""
+
+  def __init__(self, gen, seeds, group_size, s: EnvSettings, version: int, width: int | None, env_list: list, turns):
+    G = group_size
+    P, N = width or gen.width, s.max_episode_tokens
+    B = len(seeds) * G
+    self.gen, self.s, self.G, self.P, self.N, self.B, self.version, self.turns = gen, s, G, P, N, B, version, turns
+    self.tok = gen.encoder.tokenizer
+    self.pad = pad = gen.sampler_cfg.pad_id
+    env_list.extend(envs.get(s.name, **dict(s.kwargs)) for _ in range(B))
+    self.envs = env_list
+    self.status: list[str | None] = [None] * B
+    self.reward_B = np.zeros((B,), np.float32)
+
+    # Reset: the G episodes of a group share one seed.
+    first = env_calls([(e.reset, int(seeds[b // G])) for b, e in enumerate(env_list)], s.timeout_s, s.workers)
+    prompts: list[list[int]] = []
+    for b, (st, msg) in enumerate(first):
+      try:
+        msg = msg if st != "ok" or isinstance(msg, str) else check_messages(msg, ("system", "user"))
+      except ValueError:  # neither a str nor system/user messages: the environment's error
+        st = "error"
+      if st != "ok":
+        self.status[b], msg = st, ""
+      ids = gen.encoder.episode_prompt_ids(msg, tools=getattr(env_list[b], "tools", None) if st == "ok" else None)
+      if len(ids) > P:  # this episode cannot start: counted, the batch goes on
+        self.status[b] = "too_long"
+        ids = gen.encoder.episode_prompt_ids("")
+        if len(ids) > P:
+          raise ValueError(f"environment {s.name!r}: even an empty first message is {len(ids)} tokens, longer than "
+                           f"the prompt width P={P} (env.prompt_width)")
+      prompts.append(ids)
+    self.prompts = prompts
+    self.prompt_BP, self.plen_B = pad_left(prompts, P, pad)
+
+    self.resp_BN = np.full((B, N), pad, np.int32)
+    self.mask_BN = np.zeros((B, N), np.float32)
+    self.env_mask_BN = np.zeros((B, N), np.float32)
+    self.turn_BN = np.full((B, N), -1, np.int32)
+    self.logp_BN = np.zeros((B, N), np.float32)
+    self.ver_BN = np.full((B, N), version, np.int32)
+    self.used_B = np.zeros((B,), np.int64)
+    self.turns_B = np.zeros((B,), np.int32)
+    self.live = np.asarray([st is None for st in self.status])
+    self.samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
+    self.turn_outputs: list[dict] = []
+    self.info_sums: dict[str, float] = {}
+    self.stop_set = set(self.tok.stop_ids)
+    self.evicting = s.evict != "none"
+    self.seg_starts: list[list[int]] = [[] for _ in range(B)]  # response columns where segments 2, 3, ... begin
+    self.pending: list[tuple] = []  # SDCC: (row, uncompressed context, first column of the next turn, turn)
+    self.n_evicted = self.n_copied = 0
+    self.summarizing: dict[int, tuple] = {}  # "summary": row -> (its last observation, uncompressed context ids)
+
+  def live_context(self, b: int) -> tuple[list[int], list[int]]:
+    """(ids, turn ids) of episode b's live context: its current segment (with the first message in segment 1)."""
+    a = self.seg_starts[b][-1] if self.seg_starts[b] else 0
+    head = [] if self.seg_starts[b] else self.prompts[b]
+    u = self.used_B[b]
+    return head + self.resp_BN[b, a:u].tolist(), [-1] * len(head) + self.turn_BN[b, a:u].tolist()
+
+  def open_segment(self, b: int, new: list[int], new_turns: list[int], uncompressed: list[int], t_next: int) -> None:
+    """Episode b's context becomes `new` (an eviction): a new segment opens with it (mask 0); SDCC will distill
+    turn `t_next` from the `uncompressed` context. No room for it and one more policy token: "truncated"."""
+    u = int(self.used_B[b])
+    if u + len(new) >= self.N:
+      self.status[b], self.live[b] = "truncated", False
+      return
+    self.resp_BN[b, u:u + len(new)] = new
+    self.turn_BN[b, u:u + len(new)] = new_turns
+    self.ver_BN[b, u:] = self.version
+    self.seg_starts[b].append(u)
+    self.used_B[b] += len(new)
+    self.pending.append((b, uncompressed, u + len(new), t_next))
+    self.turns.forget(b)
+    self.n_evicted += 1
+    self.n_copied += len(new)
+
+  def evict_before(self, b: int, t: int) -> None:
+    """Before live episode b's turn t > 0: a "drop_oldest" eviction when its context exceeds the budget."""
+    s = self.s
+    if s.evict != "drop_oldest" or t == 0:
+      return
+    ctx, turn_L = self.live_context(b)
+    keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
+    if keep is not None:
+      self.open_segment(b, [i for i, k in zip(ctx, keep) if k], np.asarray(turn_L)[keep].tolist(), ctx, t)
+
+  def keep_turn(self, t: int, b: int, o: dict) -> None:
+    """`keep_turns` under `_play_refill`: episode b's turn t output in turn t's record (as `_play_turns` keeps it)."""
+    while len(self.turn_outputs) <= t:
+      n = self.samp_cfg.max_new_tokens
+      self.turn_outputs.append({"tokens_BN": np.zeros((self.B, n), np.int32),
+                                "lengths_B": np.zeros((self.B,), np.int32),
+                                "behavior_logp_BN": np.zeros((self.B, n), np.float32),
+                                "live_B": np.zeros((self.B,), bool), "start_B": None, "version": self.version,
+                                "_start": {}})
+    rec = self.turn_outputs[t]
+    rec["tokens_BN"][b], rec["behavior_logp_BN"][b] = o["tokens_N"], o["behavior_logp_N"]
+    rec["lengths_B"][b] = o["length"]
+    rec["live_B"][b] = True
+    rec["_start"][b] = int(self.used_B[b])
+
+  def take(self, b: int, t: int, tokens_N: np.ndarray, logp_N: np.ndarray, n_b: int) -> str | None:
+    """Writes episode b's turn t (its first `n_b` sampled tokens, as far as the budget allows); returns the action
+    text its environment steps with, or None (the budget cut the turn: "truncated"; or it was the summary)."""
+    N, u = self.N, int(self.used_B[b])
+    k = min(n_b, N - u)
+    self.resp_BN[b, u:u + k] = tokens_N[:k]
+    self.logp_BN[b, u:u + k] = logp_N[:k]
+    self.mask_BN[b, u:u + k] = 1.0
+    self.turn_BN[b, u:u + k] = t
+    self.ver_BN[b, u:] = self.version  # this turn's tokens and its observation (padding keeps the last version)
+    self.used_B[b] += k
+    self.turns_B[b] = t + 1
+    if k < n_b:  # the budget cut the turn
+      self.status[b], self.live[b] = "truncated", False
+      return None
+    if b in self.summarizing:  # this turn was the summary: it replaces every earlier turn; the last observation follows
+      obs, uncompressed = self.summarizing.pop(b)
+      summary = tokens_N[:k].tolist()
+      again = render_env_message(self.gen.encoder, obs, turn_ended=bool(summary) and summary[-1] in self.stop_set)
+      self.open_segment(b, self.prompts[b] + summary + again, [-1] * len(self.prompts[b]) + [t] * (k + len(again)),
+                        uncompressed, t + 1)
+      return None
+    return completion_text(self.tok, tokens_N[:k])
+
+  def answer(self, b: int, t: int, st: str, val: Any) -> None:
+    """Episode b's environment answered its turn t (`env_calls`' (status, result)): the reward added, the episode
+    ended (failure, done, turn limit, no room) or its observation appended (or the summary request, "summary")."""
+    s, N = self.s, self.N
+    if st == "ok":
+      try:
+        obs, r, done, info = _checked_step(val)
+      except Exception:  # pylint: disable=broad-except  # a malformed step result is the environment's error
+        st = "error"
+    if st != "ok":
+      self.status[b], self.live[b], self.reward_B[b] = st, False, 0.0
+      return
+    self.reward_B[b] += r
+    for k, v in info.items():
+      self.info_sums[k] = self.info_sums.get(k, 0) + v
+    if done:
+      self.status[b], self.live[b] = "done", False
+      return
+    if t == s.max_turns - 1:  # the turn limit: no observation is appended after the last turn
+      self.status[b], self.live[b] = "max_turns", False
+      return
+    u = int(self.used_B[b])
+    # the policy's turn ended when its last token (this turn's) is a stop id; else the turn was cut
+    ended = (u > 0 and self.turn_BN[b, u - 1] == t and self.mask_BN[b, u - 1] > 0
+             and int(self.resp_BN[b, u - 1]) in self.stop_set)
+    ids = render_env_message(self.gen.encoder, obs, turn_ended=bool(ended))
+    if (s.evict == "summary" and t + 2 < s.max_turns
+        and len(self.live_context(b)[0]) + len(ids) > s.context_budget):  # the next turn summarizes, then one acts
+      uncompressed = self.live_context(b)[0] + ids
+      obs = check_messages(obs, ("user", "tool"))
+      ids = render_env_message(self.gen.encoder, obs + [{"role": "user", "content": s.summary_instruction}],
+                               turn_ended=bool(ended))
+      self.summarizing[b] = (obs, uncompressed)
+    if u + len(ids) >= N:  # no room for the observation and at least one more policy token
+      self.status[b], self.live[b] = "truncated", False
+      return
+    self.resp_BN[b, u:u + len(ids)] = ids
+    self.env_mask_BN[b, u:u + len(ids)] = 1.0
+    self.turn_BN[b, u:u + len(ids)] = t
+    self.used_B[b] += len(ids)
+
+  def record(self, keep_turns: bool) -> Rollout:
+    """The batch as one Rollout with its stats (module docstring); episodes still live ran out of turns."""
+    B, P, N, status, turns = self.B, self.P, self.N, self.status, self.turns
+    for b in range(B):
+      if status[b] is None:
+        status[b] = "max_turns"
+    used_B, mask_BN, ver_BN, turns_B = self.used_B, self.mask_BN, self.ver_BN, self.turns_B
+    positions_BT, segment_ids_BT = record_layout(self.plen_B, used_B, P, N)
+    extra = None
+    if self.evicting:
+      positions_BT, segment_ids_BT = evict_lib.segment_layout(positions_BT, segment_ids_BT, self.seg_starts, used_B, P)
+      extra, sdcc_skipped = evict_lib.teacher_layout(self.pending, self.resp_BN, mask_BN, self.turn_BN, 2 * (P + N),
+                                                     self.pad)
+    counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
+    policy_BN = mask_BN > 0
+    span_B = (np.where(policy_BN, ver_BN, -1).max(1, initial=-1)
+              - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30))
+    stats = {"episode_status": counts, "env_episodes": B, "env_turns": int(turns_B.sum()),
+             "env_turns_mean": float(turns_B.mean()) if B else 0.0,
+             "env_version_span_max": int(max(0, span_B.max(initial=0))), "env_prefills": turns.prefills,
+             "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(self.env_mask_BN.sum()),
+             "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
+             "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
+             "env_too_long": counts["too_long"],
+             "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
+             "episode_statuses": tuple(status)}
+    if self.evicting:
+      stats.update(env_evictions=self.n_evicted, env_copied_tokens=self.n_copied, env_sdcc_skipped=sdcc_skipped,
+                   evict_segment_starts=tuple(tuple(x) for x in self.seg_starts))
+    if isinstance(turns, turn_sampler.SlotTurns):
+      stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps)
+    stats.update({f"env_{k}": v for k, v in self.info_sums.items() if f"env_{k}" not in stats})
+    if keep_turns:
+      for rec in self.turn_outputs:  # `_play_refill`'s: a row not in turn t had ended, so its count is final
+        if "_start" in rec:
+          start = rec.pop("_start")
+          rec["start_B"] = np.asarray([start.get(b, used_B[b]) for b in range(B)], used_B.dtype)
+      stats["turn_outputs"] = self.turn_outputs
+    return Rollout(sequence_BT=np.concatenate([self.prompt_BP, self.resp_BN], 1), positions_BT=positions_BT,
+                   segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=self.logp_BN,
+                   versions_BN=ver_BN, reward_B=self.reward_B,
+                   group_B=np.arange(B, dtype=np.int32) // self.G, turn_BN=self.turn_BN, env_mask_BN=self.env_mask_BN,
+                   extra=extra, stats=stats)

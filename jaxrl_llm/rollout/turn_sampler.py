@@ -1,4 +1,4 @@
-"""How one turn of a batch of episodes is sampled: one interface, two implementations.
+"""How one turn of a batch of episodes is sampled: one interface, three implementations.
 
   turn(params, version, rows_b, contexts, key, cfg) -> {tokens_BN, lengths_B, behavior_logp_BN} (host numpy)
 
@@ -15,6 +15,18 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
   the cache's slots run out (the shared write index leaves unused slots behind rows that append less).
   The log-probs equal a re-prefill's up to float rounding (tested), so tokens agree but for near-ties.
   `forget(row)`: that episode's context was rewritten (an eviction, `rollout.evict`); the next turn re-prefills.
+- `SlotTurns` (`rollout.slots` > 0, one device; it takes precedence over `env.kv_cache`): continuous batching
+  (`sampling.continuous.SlotEngine`, S = `rollout.slots` slots, `rollout.slot_chunk` decode steps per chunk).
+  A turn submits each live row's context, left-padded to W as `Reprefill` does, as one request and runs the
+  engine until idle; a slot whose row's turn ended is refilled with the next row, so long-tailed turn lengths
+  stop costing the longest row's steps for every row. Episode b draws column n of a turn with
+  `fold_in(fold_in(key, b), n)` (`generation.request_keys` indexed by episode, not by the row it holds in this
+  turn's batch, so a turn's tokens do not depend on which other episodes are live): its tokens equal
+  `generate`'s given those per-row keys (log-probs up to float rounding, tested), not `Reprefill`'s batch-key
+  draw. The pad rows of a padded batch are copies of the first row's output (not decoded). `submit` / `step`
+  queue single turns while others decode: `episodes` uses them for cross-turn refill (an episode's next turn
+  queued as soon as its environment answered). `prefills`: the engine's admission batches; `slot_steps` /
+  `live_steps`: slot-steps run / those that decoded an unfinished turn (the engine's counters).
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.models.cache import take_rows
-from jaxrl_llm.sampling import generate, prompt_layout
+from jaxrl_llm.sampling import continuous, generate, prompt_layout
 from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
 from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
@@ -113,3 +125,89 @@ class CachedTurns:
     self.prefills += 1
     return _prefill(params, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW, model_cfg=self.gen.model_cfg,
                     slots=self.slots, group_size=group_size)
+
+
+class SlotTurns:
+  """Samples turns with continuous batching (module docstring). Host state: one `SlotEngine`, rebuilt when the
+  turn's sampler settings change. `turn` runs one turn to its end; `submit` / `step` / `idle` let a caller queue
+  an episode's next turn while other turns decode (`episodes._play_refill`)."""
+
+  def __init__(self, gen, width: int, slots: int, chunk: int):
+    self.gen, self.width, self.slots, self.chunk = gen, width, slots, chunk
+    self.engine: continuous.SlotEngine | None = None
+    self.prefills = 0  # admission batches (`prefill_slots` calls) so far
+    self._steps0 = (0, 0)  # (slot_steps, live_steps) of engines replaced so far
+
+  @property
+  def slot_steps(self) -> int:
+    return self._steps0[0] + (self.engine.slot_steps if self.engine is not None else 0)
+
+  @property
+  def live_steps(self) -> int:
+    return self._steps0[1] + (self.engine.live_steps if self.engine is not None else 0)
+
+  @property
+  def idle(self) -> bool:
+    return self.engine is None or self.engine.idle
+
+  def submit(self, tag: Any, context: Sequence[int], key, row: int, cfg) -> None:
+    """Queues one turn: `context` (left-padded to the width) sampled with `cfg`, column n drawn with
+    `fold_in(fold_in(key, row), n)`; `step` returns it under `tag`."""
+    ctx_1W, len_1 = pad_left([context], self.width, cfg.pad_id)
+    self._put(tag, ctx_1W[0], int(len_1[0]), jax.random.fold_in(key, row), cfg)
+
+  def step(self, params, version: int) -> list[tuple[Any, dict]]:
+    """One engine step (admissions, a decode chunk); the turns that ended in it: (tag, {tokens_N, behavior_logp_N,
+    length})."""
+    engine = self.engine
+    if engine.queue and engine.held < engine.slots:  # this step admits queued turns (`SlotEngine.step`)
+      self.prefills += 1
+    return [(tag, {"tokens_N": cols["tokens_N"], "behavior_logp_N": cols["behavior_logp_N"],
+                   "length": int(cols["mask_N"].sum())}) for tag, cols in engine.step(params, version)]
+
+  def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
+    """One turn of the rows `rows_b` (episode ids): episode b draws with `fold_in(fold_in(key, b), n)`."""
+    keys_b = _episode_keys(key, jnp.asarray(rows_b, jnp.int32))
+    ctx_bW, len_b = pad_left(contexts, self.width, cfg.pad_id)
+    first: dict[int, int] = {}  # episode -> its first row (a padded batch repeats its first episode)
+    for i, b in enumerate(rows_b):
+      if b not in first:
+        first[b] = i
+        self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg)
+    N = cfg.max_new_tokens
+    out = {"tokens_BN": np.full((len(rows_b), N), cfg.pad_id, np.int32),
+           "behavior_logp_BN": np.zeros((len(rows_b), N), np.float32), "lengths_B": np.zeros((len(rows_b),), np.int32)}
+    while not self.idle:
+      for b, o in self.step(params, version):
+        i = first[b]
+        out["tokens_BN"][i], out["behavior_logp_BN"][i] = o["tokens_N"], o["behavior_logp_N"]
+        out["lengths_B"][i] = o["length"]
+    for i, b in enumerate(rows_b):
+      if first[b] != i:
+        for k in out:
+          out[k][i] = out[k][first[b]]
+    return out
+
+  def forget(self, row: int) -> None:
+    """Episode `row`'s context changed other than by appending (an eviction): nothing is kept, nothing to do."""
+
+  def _put(self, tag: Any, prompt_W: np.ndarray, length: int, row_key, cfg) -> None:
+    """Queues one request (a left-padded context and its key) on the engine of `cfg`."""
+    self._engine(cfg).submit(tag, prompt_W, length, row_key)
+
+  def _engine(self, cfg) -> continuous.SlotEngine:
+    cfg = dataclasses.replace(cfg, group_size=1)  # the engine prefills each distinct prompt once by itself
+    if self.engine is None or self.engine.sampler_cfg != cfg:
+      if self.engine is not None:
+        if not self.engine.idle:
+          raise ValueError("SlotTurns: a turn with other sampler settings while turns are in flight")
+        self._steps0 = (self.slot_steps, self.live_steps)
+      self.engine = continuous.SlotEngine(self.gen.model_cfg, cfg, slots=self.slots, chunk=self.chunk,
+                                          width=self.width)
+    return self.engine
+
+
+@jax.jit
+def _episode_keys(key, rows_b):
+  """Row i's key `fold_in(key, rows_b[i])`: an episode's draws depend on its id, not on which rows are live."""
+  return jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_b)
