@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import common, workloads
+from bench import common, grpo_step, workloads
 from jaxrl_llm import learner
 from jaxrl_llm import memory as memory_lib
 from jaxrl_llm.keys import fold_in
@@ -41,15 +41,25 @@ def default_model_dir() -> str:
 
 
 def build(variant: str = "R_small", model_dir: str | None = None, *, remat: str | None = None,
-          shared_prefill: bool = False, run: dict | None = None) -> dict:
-  """Everything one step of workload `variant` needs (a `grpo_step.step` context) from a HF folder."""
+          shared_prefill: bool = False, run: dict | None = None, features: dict | None = None,
+          base: dict | None = None) -> dict:
+  """Everything one step of workload `variant` needs (a `grpo_step.step` context) from a HF folder.
+
+  `features` (`bench/features.py`): speed features of our side (its remat overrides `remat`); `base`: a context
+  built before for the same workload and folder, whose weights, tokenizer and frozen reference this one shares
+  (a feature variant: the model is read once; the train state is its own copy)."""
   if variant not in workloads.REAL:
     raise ValueError(f"workload {variant!r}: must be one of {sorted(workloads.REAL)}")
   run = {**workloads.REAL_RUN, **workloads.REAL[variant], **(run or {})}
   model_dir = model_dir or default_model_dir()
-  rss_base = rss_bytes()  # the runtime (Python, JAX, XLA) before any model array exists
-  cfg, params = load_hf(model_dir, param_dtype="float32")
-  encoder = Encoder(tokenizer_for_checkpoint(model_dir), chat_template="chat")
+  if base is None:
+    rss_base = rss_bytes()  # the runtime (Python, JAX, XLA) before any model array exists
+    cfg, params = load_hf(model_dir, param_dtype="float32")
+    encoder = Encoder(tokenizer_for_checkpoint(model_dir), chat_template="chat")
+    ref_params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+  else:
+    rss_base, cfg, encoder, ref_params = base["rss_base"], base["cfg"], base["encoder"], base["ref_params"]
+    params = jax.tree.map(lambda x: jnp.array(x, copy=True), ref_params)
   task = get_task("arithmetic_chat", num_digits=run["num_digits"])
   sample = [task.make_example(np.random.default_rng(s)) for s in range(64)]
   P = measured_width(encoder, [ex["prompt"] for ex in sample])
@@ -62,14 +72,15 @@ def build(variant: str = "R_small", model_dir: str | None = None, *, remat: str 
   tok = encoder.tokenizer
   sampler_cfg = SamplerConfig(max_new_tokens=N, stop_ids=tok.stop_ids, pad_id=tok.pad_id,
                               temperature=run["temperature"], group_size=G)
+  cfg, sampler_cfg, feats = grpo_step.with_features(cfg, sampler_cfg, features)
   tx = learner.make_optimizer(run["lr"], grad_clip=1.0)
   score = learner.make_score_fn(cfg, run["temperature"], group_size=G)
   return {
       "variant": variant, "model_dir": model_dir, "rss_base": rss_base, "task": task, "encoder": encoder, "P": P, "cfg": cfg,
-      "run": {**run, "prompt_width": P, "shared_prefill": bool(shared_prefill)},
+      "run": {**run, "prompt_width": P, "shared_prefill": bool(shared_prefill)}, "features": feats,
       "sampler_cfg": sampler_cfg,
       "state": learner.init_state(params, tx),
-      "ref_params": jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+      "ref_params": ref_params,
       "score": score,
       "train_step": learner.fuse_reference(
           learner.make_train_step(cfg, tx, "ppo_clip", {"eps_low": run["epsilon"], "eps_high": run["epsilon"]},
@@ -140,14 +151,16 @@ def _batch_of(ctx: dict, t: int):
 def phases(ctx: dict, t: int) -> dict:
   """Times prefill (a 1-token generate), generate, reference scoring alone and the fused reference +
   train step on one batch, each once (after an untimed call when the step has not compiled it), with
-  each phase's peak RSS; and prefill / generate at batch `DECODE_BATCH` (the prompts tiled).
+  each phase's peak RSS; and prefill / generate at batch `DECODE_BATCH` (the prompts tiled). With speed
+  features on (`ctx["features"]`), generate and the train step run the features' path (the roofline's
+  FLOP model stays the padded static one); prefill and the batch-64 extra run the static sampler.
 
   decode = generate − prefill. The train step runs on a copy of the state (the context's state is
   left as it was), so the timed steps before and after see the same policy.
   """
   p, key = _batch_of(ctx, t)
   cfg, scfg = ctx["cfg"], ctx["sampler_cfg"]
-  one = dataclasses.replace(scfg, max_new_tokens=1)
+  one = dataclasses.replace(scfg, max_new_tokens=1, spec_gamma=0)
   out = {}
 
   def timed(name, fn, warm=True):
@@ -162,7 +175,8 @@ def phases(ctx: dict, t: int) -> dict:
 
   params = ctx["state"].params
   timed("prefill", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, one))
-  gen = timed("generate", lambda: generate(params, p.tokens_BP, p.len_B, key, cfg, scfg), warm=False)  # the step compiled it
+  # the step compiled it; its features' path (continuous batching, speculative decoding) when on
+  gen = timed("generate", lambda: grpo_step.sample(ctx, params, p, key)[0], warm=False)
   out["decode_s"] = out["generate_s"] - out["prefill_s"]
   out["decode_steps"] = int(np.asarray(gen["lengths_B"]).max())
   out["completion_len_mean"] = float(np.asarray(gen["mask_BN"]).sum(1).mean())
@@ -179,10 +193,7 @@ def phases(ctx: dict, t: int) -> dict:
                                           gen["segment_ids_BT"], mask_BN))
   B = mask_BN.shape[0]
   adv_BN = jnp.asarray(np.random.default_rng(t).standard_normal((B, 1)), jnp.float32) * mask_BN
-  batch = learner.Batch(sequence_BT=gen["sequence_BT"], positions_BT=gen["positions_BT"],
-                        segment_ids_BT=gen["segment_ids_BT"], mask_BN=mask_BN, adv_BN=adv_BN,
-                        behavior_logp_BN=gen["behavior_logp_BN"], versions_BN=np.zeros(mask_BN.shape, np.int32),
-                        lag_B=np.zeros((B,), np.int32), prox_logp_BN=gen["behavior_logp_BN"])
+  batch, _ = grpo_step.learner_batch(ctx, gen, adv_BN)  # packed when the features say so
   copy = lambda: jax.tree.map(lambda x: jnp.array(x, copy=True), ctx["state"])  # the step donates its state
   state = copy()  # the step compiled it already
   with RssPeak() as r:

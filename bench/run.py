@@ -2,6 +2,7 @@
 
   python -m bench.run [--quick] [--no-peers] [--out bench/results.json] [--readme bench/README.md]
                       [--real R_small|R|none] [--only-real] [--model DIR] [--shared-prefill]
+                      [--features NAME=VALUE,...] [--variants 'NAME=VALUE,...;...'] [--only-tail]
 
 Order: machine references (matmul peak, copy bandwidth) → learner MFU (S, M) → sampler throughput →
 full GRPO step, ours and Tunix's in alternating blocks (Tunix in a subprocess of the bench virtualenv,
@@ -10,6 +11,12 @@ SmolLM2-135M-Instruct (`bench/grpo_real.py`; R_small by default, `--real R` for 
 against Tunix, TRL and plain PyTorch taking turns, with its per-phase roofline and memory. `--quick`
 shrinks every shape (a smoke run, numbers meaningless) and skips peers and R. `--only-real` measures
 the machine references and R only and merges them into the existing `--out` (the toy rows stay).
+
+Speed features of ours on workload R (`bench/features.py`): `--features` sets ours' (continuous batching,
+packed learner, speculative decoding, remat), `--variants` adds versions of ours with other feature sets that
+take turns with ours and the peers in the same rounds (each with its ratios from those rounds). The long-tail
+rollout section (`bench/continuous.py`: static batches against continuous batching on geometric and
+episode-like completion lengths) runs in the full bench, or alone with `--only-tail` (merged into `--out`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ REAL_PEERS = {  # workload R's peers: name -> script (each speaks bench/peers/tu
 REAL_STEPS = (1, 1, 2)  # workload R: warm-up steps, steps per block, blocks per side
 COMMAND = "make bench"
 GRPO_STEPS = (2, 2, 6)  # GRPO step vs Tunix: warm-up steps, then blocks of 2 steps taking turns, 6 blocks per side
+
+# The long-tail rollout section (`bench/continuous.py`): toy decode-only workloads, both distributions.
+TAIL = dict(requests=64, slots=16, new_tokens=128, chunk=8, d_model=128, layers=2, repeats=2)
+TAIL_QUICK = dict(requests=12, slots=4, new_tokens=16, chunk=4, d_model=32, layers=1, repeats=1)
 
 # --quick: tiny shapes so the whole harness runs in seconds (the smoke test).
 _TINY = dict(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, vocab_size=64)
@@ -159,43 +170,68 @@ class InterleavedPeer:
 
 def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, model_dir: str | None = None,
                  shared_prefill: bool = False, steps: tuple[int, int, int] = REAL_STEPS, log=print,
-                 peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = (), quick: bool = False) -> dict:
+                 peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = (), quick: bool = False,
+                 features: dict | None = None, variants: dict[str, dict] | None = None,
+                 peer_python: str = BENCH_PYTHON) -> dict:
   """Workload `variant` of `bench.workloads.REAL`: ours warms up; then, one peer at a time (only one
   peer process alive: memory), the peer warms up and the two take turns block by block (the peer's
   process paused while ours runs, ours idle while it runs); each ratio is against the ours blocks
-  that alternated with that peer. Then ours phase by phase (roofline, peak RSS per phase)."""
+  that alternated with that peer. Then ours phase by phase (roofline, peak RSS per phase).
+
+  `features`: speed features of ours (`bench/features.py`); `variants`: {label: features} of further
+  versions of ours (sharing the model's weights, each with its own train state) that take turns too: in
+  each round every version of ours runs one block, then the peer one; each variant's ratios (against the
+  peer, and ours / variant) come from those same rounds. Phases, roofline and memory: ours only."""
   from bench import common, grpo_real, grpo_step
   warmup, block, rounds = steps
   model_dir = model_dir or grpo_real.default_model_dir()
   load_start = list(os.getloadavg())
   names = [n for n in REAL_PEERS if not only_peers or n in only_peers] if peers else []
-  log(f"[bench] {variant}: ours (build, {warmup} warm-up step(s)); then per peer {names or '(none)'}: the peer "
-      f"warms up, then {rounds} blocks of {block} step(s) per side, taking turns")
-  ctx = grpo_real.build(variant, model_dir, shared_prefill=shared_prefill)
+  variants = variants or {}
+  log(f"[bench] {variant}: ours{' + ' + str(list(variants)) if variants else ''} (build, {warmup} warm-up step(s)); "
+      f"then per peer {names or '(none)'}: the peer warms up, then {rounds} blocks of {block} step(s) per side, "
+      "taking turns")
+  ctx = grpo_real.build(variant, model_dir, shared_prefill=shared_prefill, features=features)
+  ctxs = {"ours": ctx}
+  for vname, vf in variants.items():
+    ctxs["variant " + vname] = grpo_real.build(variant, model_dir, shared_prefill=shared_prefill, features=vf, base=ctx)
   theirs, paired = {}, {}
   if not names:
-    ours = grpo_step.measure(ctx, warmup=warmup, steps=block, rounds=rounds)
+    alone = grpo_step.measure_many(ctxs, warmup=warmup, steps=block, rounds=rounds)
   for i, name in enumerate(names):  # one peer alive at a time (memory), each paired with the ours blocks around it
     log(f"[bench] {variant}: ours against {name}")
-    peer = InterleavedPeer(variant, warmup, block, rounds, script=REAL_PEERS[name], timeout_s=peer_timeout_s,
-                           extra_args=("--model", model_dir), lazy=True)
-    paired[name] = grpo_step.measure(ctx, warmup=warmup if i == 0 else 0, steps=block, rounds=rounds,
-                                     between=peer.turn)
+    peer = InterleavedPeer(variant, warmup, block, rounds, python=peer_python, script=REAL_PEERS[name],
+                           timeout_s=peer_timeout_s, extra_args=("--model", model_dir), lazy=True)
+    paired[name] = grpo_step.measure_many(ctxs, warmup=warmup if i == 0 else 0, steps=block, rounds=rounds,
+                                          between=peer.turn)
     theirs[name] = peer.result()
     log(f"[bench] {variant}: {name}: {theirs[name].get('status')}")
-  if names:
-    ours = _pool([paired[n] for n in names])
+  pooled = {k: _pool([paired[n][k] for n in names]) if names else alone[k] for k in ctxs}
+  ours = pooled["ours"]
   ours["prompt_width"] = ctx["P"]
   out = {"variant": variant, "model_dir": model_dir,
          "model": {k: getattr(ctx["cfg"], k) for k in ("n_layers", "d_model", "d_ff", "vocab_size", "n_heads",
                                                           "n_kv_heads", "head_dim", "remat", "layer_unroll")},
          "workload": {**ctx["run"], "rollouts": ctx["run"]["prompts_per_step"] * ctx["run"]["group_size"]},
-         "ours": ours, "loadavg_start": load_start}
+         "features": ctx["features"], "ours": ours, "loadavg_start": load_start}
+  if variants:
+    out["variants"] = {}
+    for vname in variants:
+      v = pooled["variant " + vname]
+      entry = {"features": ctxs["variant " + vname]["features"], "ours": v,
+               "remat": ctxs["variant " + vname]["cfg"].remat,
+               "baseline_over_variant": ours["total_s"] / v["total_s"]}  # > 1: the variant is faster
+      for n in names:
+        t = theirs[n]
+        entry[f"{n}_over_variant"] = t["total_s"] / paired[n]["variant " + vname]["total_s"] if "total_s" in t else None
+      out["variants"][vname] = entry
   if not only_peers:  # a peers-only re-measurement keeps the entry's phases
     # The machine's load drifts over a long run: the roofline uses a peak and bandwidth measured again
     # right before the phases (the run's first measurement stays in `peak` / `measured`).
     from bench import peak as peak_lib
     log(f"[bench] {variant}: peak and bandwidth again, then ours phase by phase")
+    for k in list(ctxs)[1:]:  # the variants' train states are not needed any more (memory for the phases)
+      del ctxs[k]["state"]
     pk = peak_lib.measure(quick)
     peak_fp32, bandwidth = pk["matmul_fp32"]["flops_per_s"], pk["copy"]["bytes_per_s"]
     with common.count_compiles() as n_phase_compiles:
@@ -209,7 +245,7 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
     t = theirs.get(n, {"status": "skipped (--no-peers)" if not peers else "skipped (--peers)"})
     out[n] = t
     # Against the ours blocks that took turns with this peer (the same stretch of machine time).
-    mine = paired.get(n, ours)
+    mine = paired[n]["ours"] if n in paired else ours
     out[f"{n}_over_ours"] = t["total_s"] / mine["total_s"] if "total_s" in t else None
     out[f"ours_with_{n}_s"] = mine["total_s"]
   return out
@@ -223,7 +259,11 @@ def _pool(parts: list[dict]) -> dict:
   out.update(total_s=statistics.median(each), best_total_s=min(each), step_s_each=each,
              steps=sum(p["steps"] for p in parts), rounds=sum(p["rounds"] for p in parts),
              compiles_after_warmup=sum(p["compiles_after_warmup"] for p in parts),
-             completion_len_mean=statistics.mean(p["completion_len_mean"] for p in parts))
+             completion_len_mean=statistics.mean(p["completion_len_mean"] for p in parts),
+             loadavg_blocks=[x for p in parts for x in p.get("loadavg_blocks", [])])
+  for k in ("learner_pad_frac", "slot_wasted", "spec_accept_rate"):
+    if all(k in p for p in parts):
+      out[k] = statistics.mean(p[k] for p in parts)
   for k in ("generate_s", "ref_train_s", "host_s"):  # medians of the parts' medians
     out[k] = statistics.median(p[k] for p in parts)
   return out
@@ -236,11 +276,13 @@ def _default_model_dir() -> str:
 
 def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_real: bool = False,
             model_dir: str | None = None, shared_prefill: bool = False, command: str = COMMAND,
-            only_peers: tuple[str, ...] = ()) -> dict:
+            only_peers: tuple[str, ...] = (), features: dict | None = None, variants: dict | None = None,
+            only_tail: bool = False, peer_python: str = BENCH_PYTHON) -> dict:
   """Runs every section; returns the results dict written to results.json.
 
   `real`: workload R variant to run after the toy sections (None: none); `only_real`: the machine
-  references and R only.
+  references and R only; `only_tail`: the machine references and the long-tail rollout section only.
+  `features` / `variants`: speed features of ours on workload R (`measure_real`).
   """
   from bench import grpo_step, learner_mfu, peak, sampler_tput, system, workloads
 
@@ -256,10 +298,16 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     return {"command": res["command"], "commit": m["commit"], "dirty": m["dirty"], "date_utc": m["date_utc"],
             "peak_fp32": peak_fp32, "bandwidth": bandwidth, "cpu_count": m["cpu_count"], "jax": m["jax"]}
 
+  real_kw = dict(features=features, variants=variants, peer_python=peer_python)
+  if only_tail:
+    res["rollout_tail"] = measure_tail(quick, log)
+    res["machine"]["loadavg_end"] = list(os.getloadavg())
+    res["wall_s"] = time.perf_counter() - t_start
+    return res
   if only_real:
     res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
                                          steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log,
-                                         only_peers=only_peers, quick=quick),
+                                         only_peers=only_peers, quick=quick, **real_kw),
                           "measured": measured()}}
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_start
@@ -309,16 +357,32 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
   log("[bench] sparse sync")
   res["system"]["sparse_sync"] = _guard(lambda: system.sparse_sync(sys_ctx, sync_every=(1,) if quick else (1, 4)))
   res["system"]["sparse_sync_model"] = "tiny" if quick else "2L-d128"
+  res["rollout_tail"] = measure_tail(quick, log)
   if real and not os.path.exists(os.path.join(model_dir or _default_model_dir(), "config.json")):
     res["real_skipped"] = f"workload {real}: no model folder {model_dir or _default_model_dir()} (`make smollm2` imports it)"
     log(f"[bench] {res['real_skipped']}")
   elif real:
     res["grpo"][real] = measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                     steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log, quick=quick)
+                                     steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log, quick=quick,
+                                     **real_kw)
     res["grpo"][real]["measured"] = measured()
   res["machine"]["loadavg_end"] = list(os.getloadavg())
   res["wall_s"] = time.perf_counter() - t_start
   return res
+
+
+def measure_tail(quick: bool, log=print) -> dict:
+  """The long-tail rollout section: `bench/continuous.py`'s static-vs-continuous row for each distribution,
+  with the command that measures it alone and the load before and after."""
+  from bench import continuous
+  size = TAIL_QUICK if quick else TAIL
+  out = {"command": "python -m bench.run --only-tail" + (" --quick" if quick else ""), "size": size,
+         "loadavg_start": list(os.getloadavg()), "rows": []}
+  for dist in continuous.DISTS:
+    log(f"[bench] long-tail rollouts: {dist}")
+    out["rows"].append(_guard(lambda d=dist: continuous.measure(d, **size)))
+  out["loadavg_end"] = list(os.getloadavg())
+  return out
 
 
 def _guard(fn) -> dict:
@@ -442,12 +506,102 @@ def format_tables(res: dict) -> str:
                    _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
   if "learner" in res:  # absent in a results file that `--only-real` started
     out += _toy_tables(res)
-  real = {k: v for k, v in res["grpo"].items() if "variant" in v}
+  if "rollout_tail" in res:
+    out += ["", format_tail(res["rollout_tail"])]
+  real = {k: v for k, v in res.get("grpo", {}).items() if "variant" in v}
   for name, r in real.items():
     out += ["", format_real(name, r)]
   if res.get("real_skipped"):
     out += ["", f"Workload R not measured: {res['real_skipped']}."]
   return "\n".join(out)
+
+
+def _ours_features(feats: dict | None, remat) -> str:
+  """What ours ran with: its speed features (`bench/features.py`) and remat."""
+  from bench import features as features_lib
+  f = features_lib.complete({k: v for k, v in (feats or {}).items() if k in features_lib.DEFAULTS})
+  parts = [f"continuous batching ({f['slots']} slots, chunk {f['slot_chunk']})" if f["slots"] else "static batch",
+           f"packed learner (width {f['pack_width']})" if f["pack_width"] else "padded learner"]
+  if f["spec_gamma"]:
+    parts.append(f"speculative decoding (γ {f['spec_gamma']}, {f['spec_draft_layers']} draft layers)")
+  parts.append(f"remat {f['remat'] or remat}")
+  return ", ".join(parts)
+
+
+def _peer_features(peer: str, t: dict, w: dict, remat) -> str:
+  """What a peer ran with, as far as its script sets it (and what it reported)."""
+  ckpt = "gradient checkpointing" if remat in (True, "full") else "no gradient checkpointing"
+  text = {"tunix": "static batch (vanilla rollout), padded learner"
+                   + (f", remat {t['remat'].lower()}" if t.get("remat") else ""),
+          "trl": "static batch (`generate`), padded learner, gradient checkpointing (TRL default)",
+          "torch": f"static batch (`generate`), padded learner, {ckpt}"}[peer]
+  if t.get("gradient_checkpointing") is not None:
+    text = text.replace(ckpt, "gradient checkpointing" if t["gradient_checkpointing"] else "no gradient checkpointing")
+  if t.get("device"):
+    text += f", {t['device']}"
+  if t.get("threads"):
+    text += f", {t['threads']} thread(s)"
+  return text
+
+
+def _variants_table(name: str, r: dict) -> str:
+  """Feature variants of ours (`--variants`): each took turns with ours and the peers in the same rounds."""
+  o = r["ours"]
+  peers = [p for p in PEER_LABELS if any(v.get(f"{p}_over_variant") for v in r["variants"].values())]
+  rows = [["ours (as above)", _ours_features(r.get("features") or o.get("features"), r["model"]["remat"]),
+           _ms(o["total_s"]), "1.00×"] + [f"{r[f'{p}_over_ours']:.2f}×" if r.get(f"{p}_over_ours") else "–"
+                                          for p in peers]
+          + [_feature_stats(o), f"{o['rollouts_per_step']} × {o['completion_len_mean']:.1f}",
+             f"{_ms(o['generate_s'])} / {_ms(o['ref_train_s'])} / {_ms(o['host_s'])}", str(o["compiles_after_warmup"])]]
+  for vname, v in r["variants"].items():
+    vo = v["ours"]
+    rows.append([f"ours + {vname}", _ours_features(v["features"], v.get("remat", r["model"]["remat"])),
+                 _ms(vo["total_s"]), f"{v['baseline_over_variant']:.2f}×"]
+                + [f"{v[f'{p}_over_variant']:.2f}×" if v.get(f"{p}_over_variant") else "–" for p in peers]
+                + [_feature_stats(vo), f"{vo['rollouts_per_step']} × {vo['completion_len_mean']:.1f}",
+                   f"{_ms(vo['generate_s'])} / {_ms(vo['ref_train_s'])} / {_ms(vo['host_s'])}",
+                   str(vo["compiles_after_warmup"])])
+  head = (f"**{name}: feature variants of ours** (`--variants`; each version of ours ran one block per round, the "
+          "order rotating, in the same rounds as ours and the peers above; ours / variant > 1 means the variant is "
+          "faster; peer / variant from the rounds with that peer; wasted slot-steps: decode slot-steps spent on "
+          "finished or free rows; padding: the learner's padding token slots)")
+  return "\n".join([head, "", _table(["version", "features", "s / step", "ours / variant"]
+                                     + [f"{p} / variant" for p in peers]
+                                     + ["wasted slot-steps · padding · spec accept", "rollouts × mean length",
+                                        "generate / ref + train / host", "compiles after warm-up"], rows)])
+
+
+def _feature_stats(o: dict) -> str:
+  def pct(k):
+    return _pct(o[k]) if k in o else "–"
+  return f"{pct('slot_wasted')} · {pct('learner_pad_frac')} · {pct('spec_accept_rate')}"
+
+
+def format_tail(t: dict) -> str:
+  """The long-tail rollout table (`measure_tail`)."""
+  rows = []
+  for x in t["rows"]:
+    if "dist" not in x:
+      rows.append([x.get("status", "failed")] + [""] * 8)
+      continue
+    dist = (f"geometric (stop p = {x['stop_prob']:.3f} / step)" if x["dist"] == "geometric" else
+            "episode-like (80 % ≤ N/8, 10 % mid, 10 % at the cap)")
+    rows.append([dist, f"{x['requests']} × ≤ {x['new_tokens']}, {x['slots']} slots, chunk {x['chunk']}",
+                 f"{x['length_mean']:.1f} ({_pct(x['at_cap'])} at the cap)",
+                 f"{_g(x['static_tokens_per_s'])} / {_g(x['continuous_tokens_per_s'])}", f"{x['speedup']:.2f}×",
+                 f"{_pct(x['static_wasted'])} / {_pct(x['continuous_wasted'])}",
+                 f"{x['static_slot_steps']} / {x['continuous_slot_steps']}",
+                 "yes" if x["same_tokens"] and x.get("realised_lengths_ok", True) else "**no**"])
+  s = t["size"]
+  return "\n".join([
+      f"**Long-tail rollouts: static batches vs continuous batching** (`bench/continuous.py`, decode only; toy model "
+      f"L{s['layers']} d{s['d_model']} V512; static = `sampling.generate` over batches of S requests, each decoding "
+      "until its longest row stops; continuous = `sampling.continuous.generate_slots`, a slot refilled at the chunk "
+      "boundary after its request stops; same per-request keys, so the same tokens; best of "
+      f"{s['repeats']} after a compiling run; wasted = decode slot-steps on stopped or empty rows)", "",
+      f"Measured by `{t['command']}` · load average {t['loadavg_start'][0]:.1f} at start, {t['loadavg_end'][0]:.1f} at end", "",
+      _table(["lengths", "requests, slots", "mean length", "tok/s static / continuous", "speedup",
+              "wasted static / continuous", "slot-steps static / continuous", "same tokens"], rows)])
 
 
 PEER_LABELS = {"tunix": "Tunix (`GRPOLearner`, vanilla rollout)", "trl": "TRL (`GRPOTrainer`)",
@@ -495,9 +649,14 @@ def format_real(name: str, r: dict) -> str:
              f"{ms['date_utc']} · load average (uptime) {r['loadavg_start'][0]:.1f} / {r['loadavg_start'][1]:.1f} / "
              f"{r['loadavg_start'][2]:.1f} at start, {r['loadavg_end'][0]:.1f} at end · fp32 peak "
              f"{_g(ms['peak_fp32'], 'FLOP/s')}, copy bandwidth {_g(ms['bandwidth'], 'B/s')} (same run)")
+  feats = r.get("features") or o.get("features")
+  blocks = [x for x in o.get("loadavg_blocks", [])] + [x for v in r.get("variants", {}).values()
+                                                        for x in v["ours"].get("loadavg_blocks", [])]
+  if blocks:
+    head += f" · load average during the blocks {min(blocks):.1f}–{max(blocks):.1f}"
   rows = [[f"jaxrl_llm (`bench/grpo_real.py`), {o['steps']} steps", _ms(o["total_s"]), "1.00×",
            f"{o['rollouts_per_step']} × {o['completion_len_mean']:.1f}", f"{o.get('reward_mean', float('nan')):.2f}",
-           f"ok (compiles after warm-up: {o['compiles_after_warmup']})"]]
+           _ours_features(feats, m["remat"]), f"ok (compiles after warm-up: {o['compiles_after_warmup']})"]]
   for peer, label in PEER_LABELS.items():
     t = r[peer]
     ratio = r.get(f"{peer}_over_ours")
@@ -510,9 +669,12 @@ def format_real(name: str, r: dict) -> str:
     rows.append([label, _ms(t["total_s"]) if "total_s" in t else "–",
                  (f"{ratio:.2f}×" + (f" (ours {_ms(mine)} in those turns)" if mine else "")) if ratio else "–",
                  f"{t['rollouts_per_step']} × {t['completion_len_mean']:.1f}" if "rollouts_per_step" in t else "–",
-                 f"{t['reward_mean']:.2f}" if "reward_mean" in t else "–",
+                 f"{t['reward_mean']:.2f}" if "reward_mean" in t else "–", _peer_features(peer, t, w, m["remat"]),
                  t.get("status", "?") + (ver if t.get("status") == "ok" else "") + (f"; {t['note']}" if t.get("note") else "")])
-  out = [head, "", _table(["side", "s / step", "peer / ours", "rollouts × mean length", "reward mean", "status"], rows), ""]
+  out = [head, "", _table(["side", "s / step", "peer / ours", "rollouts × mean length", "reward mean", "features",
+                           "status"], rows), ""]
+  if r.get("variants"):
+    out += [_variants_table(name, r), ""]
   rows = []
   for ph in ("prefill", "decode", "reference", "train", "decode_b64"):
     if ph not in r["roofline"]:
@@ -633,6 +795,15 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--command", default=None, help="the command recorded with the results (default: this one)")
   ap.add_argument("--peers", default="", help="with --only-real: comma-separated subset of tunix,trl,torch to "
                   "(re)measure against ours; only their rows of the existing entry are replaced")
+  ap.add_argument("--features", default="", help="speed features of ours on --real, NAME=VALUE,... (bench/features.py: "
+                  "slots, slot_chunk, pack_width (int or auto), spec_gamma, spec_draft_layers, remat)")
+  ap.add_argument("--variants", action="append", default=[],
+                  help="further feature sets of ours on --real, ';'-separated (repeatable): each takes turns with "
+                       "ours and the peers in the same rounds, e.g. 'slots=16,slot_chunk=8;pack_width=auto;remat=none'")
+  ap.add_argument("--only-tail", action="store_true",
+                  help="measure the machine references and the long-tail rollout section only; merge into --out")
+  ap.add_argument("--peer-python", default=BENCH_PYTHON,
+                  help="the python of the peers' virtualenv (default bench/.venv-bench; bench/gpu.sh passes its own)")
   args = ap.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -650,10 +821,32 @@ def main(argv: list[str] | None = None) -> dict:
   only_peers = tuple(p for p in args.peers.split(",") if p)
   if set(only_peers) - set(REAL_PEERS) or (only_peers and not args.only_real):
     ap.error(f"--peers={args.peers!r}: a subset of {','.join(REAL_PEERS)}, with --only-real")
+  from bench import features as features_lib
+  try:
+    features = features_lib.parse(args.features)
+    features_lib.complete(features)
+    variants = features_lib.parse_variants(args.variants)
+    for v in variants.values():
+      features_lib.complete(v)
+  except ValueError as e:
+    ap.error(f"--features / --variants: {e}")
+  if (features or variants) and (real is None or args.only_tail):
+    ap.error("--features / --variants act on workload R: give --real R_small or R (not with --only-tail)")
+  if args.only_tail and args.only_real:
+    ap.error("--only-tail and --only-real: one at a time")
   res = collect(args.quick, peers=not args.no_peers, real=real, only_real=args.only_real, model_dir=args.model,
-                shared_prefill=args.shared_prefill, command=command, only_peers=only_peers,
+                shared_prefill=args.shared_prefill, command=command, only_peers=only_peers, features=features,
+                variants=variants, only_tail=args.only_tail, peer_python=args.peer_python,
                 log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
-  if args.only_real:  # keep every other row of the existing results (the toy history stays comparable)
+  if args.only_tail:  # keep every other row of the existing results
+    old = {}
+    if os.path.exists(args.out):
+      with open(args.out) as f:
+        old = json.load(f)
+    if old:
+      old["rollout_tail"] = res["rollout_tail"]
+    res = old or res
+  elif args.only_real:  # keep every other row of the existing results (the toy history stays comparable)
     old = {}
     if os.path.exists(args.out):  # else a new file holds this run's machine references and R alone
       with open(args.out) as f:
