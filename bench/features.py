@@ -79,10 +79,12 @@ def draft_layers(features: dict, n_layers: int) -> int:
 
 def label(features: dict | None) -> str:
   """The features set away from their defaults, as `parse` reads them ("baseline" when none)."""
-  on = {k: v for k, v in complete(features).items() if v != DEFAULTS[k]}
-  if not on.get("slots"):
-    on.pop("slot_chunk", None)  # no meaning without slots
-  if not on.get("spec_gamma"):
+  f = complete(features)
+  # away from the defaults; the chunk whenever slots are on, and neither knob without its feature
+  on = {k: v for k, v in f.items() if v != DEFAULTS[k] or (k == "slot_chunk" and f["slots"])}
+  if not f["slots"]:
+    on.pop("slot_chunk", None)
+  if not f["spec_gamma"]:
     on.pop("spec_draft_layers", None)
   return ",".join(f"{k}={v}" for k, v in on.items()) or "baseline"
 

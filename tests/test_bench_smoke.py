@@ -247,3 +247,132 @@ def test_shared_prefill_flag_sets_the_group_size(tiny_ckpt):
   off = grpo_real.build("R_small", tiny_ckpt)
   assert on["sampler_cfg"].group_size == on["run"]["group_size"] > 1 and on["run"]["shared_prefill"]
   assert off["sampler_cfg"].group_size == 1 and not off["run"]["shared_prefill"]
+
+
+# ----------------------------------------------------------------------------- speed features of ours (issue 35)
+
+
+def test_features_parse_and_label():
+  from bench import features
+  f = features.parse("slots=16, slot_chunk=8,pack_width=auto,remat=none")
+  assert f == {"slots": 16, "slot_chunk": 8, "pack_width": "auto", "remat": "none"}
+  assert features.label(f) == "slots=16,slot_chunk=8,pack_width=auto,remat=none"
+  assert features.parse(features.label(f)) == f  # the label reads back
+  assert features.label({}) == "baseline" and features.label({"slot_chunk": 4}) == "baseline"  # no slots: no chunk
+  assert features.complete({"spec_gamma": 2})["slots"] == 0
+  assert features.parse_variants(["spec_gamma=2;remat=full", "pack_width=96"]) == {
+      "spec_gamma=2": {"spec_gamma": 2}, "remat=full": {"remat": "full"}, "pack_width=96": {"pack_width": 96}}
+  assert features.draft_layers({"spec_gamma": 2, "spec_draft_layers": 0}, 30) == 8
+  assert features.draft_layers({"spec_gamma": 2, "spec_draft_layers": 0}, 2) == 2
+  for bad, words in (("slotz=3", "unknown feature 'slotz'"), ("slots=-1", "slots='-1'"), ("slots", "NAME=VALUE"),
+                     ("remat=some", "one of none, full, dots"), ("slot_chunk=0", "int >= 1")):
+    with pytest.raises(ValueError, match=words):
+      features.parse(bad)
+  with pytest.raises(ValueError, match="does not decode speculatively"):
+    features.complete({"slots": 4, "spec_gamma": 2})
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--features", "slotz=1"], "unknown feature 'slotz'"),
+    (["--variants", "remat=none;pack_width=x"], "pack_width='x'"),
+    (["--features", "slots=2", "--real", "none"], "act on workload R"),
+])
+def test_bad_features_flag_is_a_clear_error(argv, words, capsys):
+  with pytest.raises(SystemExit) as e:
+    run.main(["--quick", *([] if "--real" in argv else ["--real", "R_small"]), *argv])
+  assert e.value.code == 2 and words in capsys.readouterr().err  # argparse's error: nothing measured
+
+
+def test_render_of_the_committed_results(capsys, tmp_path):
+  committed = __import__("pathlib").Path(run.ROOT) / "bench" / "results.json"
+  readme = tmp_path / "README.md"
+  run.main(["--render", str(committed), "--readme", str(readme)])
+  out = capsys.readouterr().out
+  assert "**GRPO step on the real model: workload R_small**" in out and "**R_small: targets**" in out
+  # the side table says what each side ran with (an entry from before the features column: ours' defaults)
+  assert "| static batch, padded learner, remat full |" in out and "static batch (`generate`)" in out
+  assert out.strip() in readme.read_text()
+
+
+def test_static_slot_waste_by_hand(monkeypatch):
+  # Lengths 1, 3, 2: the batch decodes 2 steps after column 0 (3 rows × 2 slot-steps), rows use 0 + 2 + 1.
+  out = {"lengths_B": np.array([1, 3, 2])}
+  monkeypatch.setattr(grpo_step, "generate", lambda *a: out)
+  ctx = {"cfg": None, "sampler_cfg": None}
+  p = types.SimpleNamespace(tokens_BP=None, len_B=None)
+  _, stats = grpo_step.sample(ctx, None, p, None)
+  assert stats == {"slot_wasted": pytest.approx(0.5)}
+
+
+def _gpu_sh_bench_argv() -> list[str]:
+  """The `bench.run` arguments bench/gpu.sh passes (from its dry run)."""
+  import shlex
+  proc = subprocess.run(["bash", "bench/gpu.sh"], cwd=run.ROOT, env={**__import__("os").environ, "DRY_RUN": "1"},
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  (line,) = [ln for ln in proc.stderr.splitlines() if "-m bench.run" in ln]
+  words = shlex.split(line[2:])
+  return words[words.index("bench.run") + 1:]
+
+
+def test_gpu_sh_is_bash_clean_and_asks_for_the_gpu_run():
+  assert subprocess.run(["bash", "-n", "bench/gpu.sh"], cwd=run.ROOT).returncode == 0
+  argv = _gpu_sh_bench_argv()
+  assert argv[:3] == ["--only-real", "--real", "R"] and argv[argv.index("--peers") + 1] == "torch"
+  assert argv[argv.index("--peer-python") + 1].endswith("bin/python")
+
+
+@pytest.mark.slow  # ~60-90 s of CPU: five versions of ours compile on the tiny checkpoint
+def test_feature_variants_quick_run(tiny_ckpt, tmp_path, monkeypatch, capsys):
+  """bench/gpu.sh's bench.run arguments (its variants: remat none, continuous batching, packing, speculative
+  decoding), made quick on a tiny checkpoint, with ours' own features on: each version of ours takes turns and
+  reports finite step times and its feature's statistics; the tables render them."""
+  monkeypatch.setitem(workloads.REAL, "R", dict(prompts_per_step=2, group_size=2, max_new_tokens=6, remat="full"))
+  argv = _gpu_sh_bench_argv()
+  for flag in ("--out", "--readme", "--peer-python"):  # this machine's paths
+    i = argv.index(flag)
+    del argv[i:i + 2]
+  out_path = tmp_path / "results.json"
+  run.main(["--quick", *argv, "--features", "pack_width=auto", "--model", tiny_ckpt, "--out", str(out_path)])
+  stdout = capsys.readouterr().out
+  r = json.loads(out_path.read_text())["grpo"]["R"]
+  assert r["features"]["pack_width"] == "auto" and r["ours"]["compiles_after_warmup"] >= 0
+  assert r["torch"]["status"].startswith("skipped")  # --quick: no peers
+  v = r["variants"]
+  assert set(v) == {"remat=none", "slots=32,slot_chunk=16", "pack_width=auto", "spec_gamma=4"}
+  for name, entry in v.items():
+    o = entry["ours"]
+    assert all(math.isfinite(t) and t > 0 for t in o["step_s_each"]) and o["steps"] == 1, name
+    assert math.isfinite(entry["baseline_over_variant"]) and o["rollouts_per_step"] == 4
+    assert len(o["loadavg_blocks"]) == 1
+  assert v["remat=none"]["remat"] == "none" and r["model"]["remat"] == "full"
+  assert 0 <= v["slots=32,slot_chunk=16"]["ours"]["slot_wasted"] < 1
+  assert 0 <= v["spec_gamma=4"]["ours"]["spec_accept_rate"] <= 1
+  assert v["spec_gamma=4"]["features"]["spec_draft_layers"] == 1  # the tiny model's depth
+  assert 0 <= v["pack_width=auto"]["ours"]["learner_pad_frac"] < 1
+  assert "**R: feature variants of ours**" in stdout and "| ours + slots=32,slot_chunk=16 |" in stdout
+  assert "continuous batching (32 slots, chunk 16)" in stdout
+
+
+def test_long_tail_section_quick(tmp_path, capsys):
+  """--only-tail --quick: both length distributions, static against continuous batching; the episode-like
+  lengths drawn on the host come out of the chain model exactly, and both paths emit the same tokens."""
+  out_path = tmp_path / "results.json"
+  committed = json.loads((__import__("pathlib").Path(run.ROOT) / "bench" / "results.json").read_text())
+  out_path.write_text(json.dumps(committed))
+  run.main(["--quick", "--only-tail", "--out", str(out_path)])
+  saved = json.loads(out_path.read_text())
+  assert saved["grpo"] == committed["grpo"] and saved["machine"] == committed["machine"]  # merged: the rest kept
+  geo, ep = saved["rollout_tail"]["rows"]
+  assert (geo["dist"], ep["dist"]) == ("geometric", "episode")
+  for x in (geo, ep):
+    assert x["same_tokens"] and math.isfinite(x["speedup"]) and 0 <= x["continuous_wasted"] < 1
+  assert ep["realised_lengths_ok"] and 0 < ep["length_mean"] <= ep["new_tokens"]
+  assert "**Long-tail rollouts: static batches vs continuous batching**" in capsys.readouterr().out
+
+
+def test_episode_lengths_mixture():
+  from bench import continuous
+  n = continuous.episode_lengths(np.random.default_rng(0), 4000, 128)
+  assert n.min() >= 1 and n.max() == 128
+  assert abs((n <= 16).mean() - 0.8) < 0.03 and abs((n == 128).mean() - 0.1) < 0.02

@@ -9,6 +9,8 @@ task's, GRPO advantages, PPO-clip loss with π_old = the sampling policy (one up
 k3 KL β to a frozen copy, seq-mean-token-mean, AdamW (β₂ 0.98) with global-norm clip 1.0; torch's
 threads: 1 or every core, whichever runs small ops faster at start (`turns.pick_torch_threads`); with the
 workload's remat "full", `gradient_checkpointing_enable()` (each layer recomputed in the backward pass).
+Device: CUDA when `torch.cuda.is_available()` (a CUDA build of torch, as `bench/gpu.sh` installs; each step
+ends with `torch.cuda.synchronize()` so the clock sees the GPU's work), else the CPU.
 
 Usage: bench/.venv-bench/bin/python bench/peers/torch_grpo.py --workload R_small --model DIR [--warmup 1 --steps 1 --rounds 2]
 """
@@ -31,6 +33,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   from jaxrl_llm.tasks import arithmetic
 
   threads = turns.pick_torch_threads()
+  device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
   r = {**workloads.REAL_RUN, **workloads.REAL[workload]}
   G, N = r["group_size"], r["max_new_tokens"]
   torch.manual_seed(r["seed"])
@@ -39,7 +42,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
   tok.padding_side = "left"
   if tok.pad_token is None:
     tok.pad_token = tok.eos_token
-  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
   if r["remat"] == "full":  # as ours (remat "full") and TRL (gradient_checkpointing on by default)
     model.gradient_checkpointing_enable()
   ref = copy.deepcopy(model).eval()
@@ -60,7 +63,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
     exs = [task.make_example(rng) for _ in range(r["prompts_per_step"])]
     texts = [tok.apply_chat_template([{"role": "user", "content": e["prompt"]}], tokenize=False,
                                      add_generation_prompt=True) for e in exs]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     P = enc["input_ids"].shape[1]
     model.eval()
     with torch.no_grad():
@@ -73,7 +76,7 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
     texts_out = tok.batch_decode(comp, skip_special_tokens=True)
     prompt_rows = [e for e in exs for _ in range(G)]
     rewards = [task.reward(e["prompt"], e["answer"], c) for e, c in zip(prompt_rows, texts_out)]
-    adv = torch.tensor(turns.group_advantages(rewards, G))[:, None]
+    adv = torch.tensor(turns.group_advantages(rewards, G), device=device)[:, None]
     attn = torch.cat([enc["attention_mask"].repeat_interleave(G, 0), torch.ones_like(comp)], 1)
     pos = (attn.cumsum(1) - 1).clamp(min=0)
     model.train()
@@ -94,12 +97,15 @@ def run(workload: str, model_dir: str, warmup: int, steps: int, rounds: int) -> 
     opt.step()
     lens += mask.sum(1).tolist()
     rewards_all += rewards
+    if device.type == "cuda":
+      torch.cuda.synchronize()
     clock.end_of_step()
   out = clock.summary()
   return {**out, "rollouts_per_step": r["prompts_per_step"] * G, "completion_len_mean": float(np.mean(lens)),
           "reward_mean": float(np.mean(rewards_all)), "torch_version": torch.__version__,
           "transformers_version": transformers.__version__,
-          "gradient_checkpointing": bool(model.is_gradient_checkpointing), **threads}
+          "gradient_checkpointing": bool(model.is_gradient_checkpointing), "device": str(device),
+          **({"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}), **threads}
 
 
 def main() -> None:
