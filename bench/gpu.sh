@@ -60,7 +60,9 @@ fi
 run env JAX_PLATFORMS= "$GPU_VENV/bin/python" -c "import jax; d = jax.devices()[0]; print('JAX on', d.platform, d.device_kind); assert d.platform == 'gpu', 'JAX sees no GPU'"
 run "$PEER_VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.cuda.is_available()); assert torch.cuda.is_available(), 'torch sees no GPU'"
 
-# 4. workload R: ours (and its variants) against plain PyTorch, taking turns
+# 4. workload R: ours (and its variants) against plain PyTorch, taking turns. A fresh $OUT: with an existing
+#    entry, `--peers` would re-measure the peer's rows only (the previous file is kept as $OUT.prev).
+if [ -e "$OUT" ]; then run mv "$OUT" "$OUT.prev"; fi
 args=(--only-real --real "$WORKLOAD" --peers torch --peer-python "$PEER_VENV/bin/python" --out "$OUT" --readme "$README")
 [ -z "$SMOLLM2_DIR" ] || args+=(--model "$SMOLLM2_DIR")
 [ -z "$FEATURES" ] || args+=(--features "$FEATURES")

@@ -172,7 +172,7 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
                  shared_prefill: bool = False, steps: tuple[int, int, int] = REAL_STEPS, log=print,
                  peer_timeout_s: float = 1800, only_peers: tuple[str, ...] = (), quick: bool = False,
                  features: dict | None = None, variants: dict[str, dict] | None = None,
-                 peer_python: str = BENCH_PYTHON) -> dict:
+                 peer_python: str = BENCH_PYTHON, phases: bool = True) -> dict:
   """Workload `variant` of `bench.workloads.REAL`: ours warms up; then, one peer at a time (only one
   peer process alive: memory), the peer warms up and the two take turns block by block (the peer's
   process paused while ours runs, ours idle while it runs); each ratio is against the ours blocks
@@ -181,7 +181,8 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
   `features`: speed features of ours (`bench/features.py`); `variants`: {label: features} of further
   versions of ours (sharing the model's weights, each with its own train state) that take turns too: in
   each round every version of ours runs one block, then the peer one; each variant's ratios (against the
-  peer, and ours / variant) come from those same rounds. Phases, roofline and memory: ours only."""
+  peer, and ours / variant) come from those same rounds. Phases, roofline and memory: ours only; `phases`
+  False (a re-measurement of some peers' rows of an existing entry) skips them."""
   from bench import common, grpo_real, grpo_step
   warmup, block, rounds = steps
   model_dir = model_dir or grpo_real.default_model_dir()
@@ -225,7 +226,7 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
         t = theirs[n]
         entry[f"{n}_over_variant"] = t["total_s"] / paired[n]["variant " + vname]["total_s"] if "total_s" in t else None
       out["variants"][vname] = entry
-  if not only_peers:  # a peers-only re-measurement keeps the entry's phases
+  if phases:  # a peers-only re-measurement keeps the entry's phases
     # The machine's load drifts over a long run: the roofline uses a peak and bandwidth measured again
     # right before the phases (the run's first measurement stays in `peak` / `measured`).
     from bench import peak as peak_lib
@@ -277,12 +278,13 @@ def _default_model_dir() -> str:
 def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_real: bool = False,
             model_dir: str | None = None, shared_prefill: bool = False, command: str = COMMAND,
             only_peers: tuple[str, ...] = (), features: dict | None = None, variants: dict | None = None,
-            only_tail: bool = False, peer_python: str = BENCH_PYTHON) -> dict:
+            only_tail: bool = False, peer_python: str = BENCH_PYTHON, remeasure_peers: bool = False) -> dict:
   """Runs every section; returns the results dict written to results.json.
 
   `real`: workload R variant to run after the toy sections (None: none); `only_real`: the machine
   references and R only; `only_tail`: the machine references and the long-tail rollout section only.
-  `features` / `variants`: speed features of ours on workload R (`measure_real`).
+  `features` / `variants`: speed features of ours on workload R (`measure_real`); `remeasure_peers`: `only_peers`
+  replace their rows of an existing R entry (no phases measured).
   """
   from bench import grpo_step, learner_mfu, peak, sampler_tput, system, workloads
 
@@ -307,7 +309,8 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
   if only_real:
     res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
                                          steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log,
-                                         only_peers=only_peers, quick=quick, **real_kw),
+                                         only_peers=only_peers, quick=quick, phases=not remeasure_peers,
+                                         **real_kw),
                           "measured": measured()}}
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_start
@@ -760,7 +763,20 @@ What each number is:
   (`bench/peers/torch_grpo.py`: `transformers` `generate` + a hand-written PPO-clip/k3-KL step with AdamW).
   All sides draw the same prompts in the same order and stop at EOS; torch and TRL pad prompts to the
   batch's longest, ours and Tunix to the bucket width. Roofline per phase: each phase of ours timed alone
-  after the turns; memory: the process's peak RSS per phase against the budget from shapes.
+  after the turns; memory: the process's peak RSS per phase against the budget from shapes. The "features"
+  column says what each side ran with; the header gives the load average at start, at the end and at the end
+  of each block of ours.
+- speed features of ours on workload R (`bench/features.py`): `--features NAME=VALUE,...` sets ours' (`slots`,
+  `slot_chunk`: continuous batching, `sampling.continuous`; `pack_width` (or `auto` = P + N): the packed learner,
+  `jaxrl_llm/packing.py`; `spec_gamma`, `spec_draft_layers`: speculative decoding; `remat`: none / full / dots);
+  `--variants 'A;B;...'` adds versions of ours with other feature sets, sharing the weights: in each round every
+  version of ours runs a block (the order rotating), then the peer, so "ours / variant" and "peer / variant"
+  come from the same rounds. Phases, roofline and memory are measured for ours only.
+- long-tail rollouts (`bench/continuous.py`, decode only, toy models): static batches against continuous
+  batching on geometric completion lengths and on episode-like ones (most short, a tail at the cap, realised
+  exactly by a "chain" model whose token i predicts i + 1); `python -m bench.run --only-tail` measures it alone.
+- on a GPU: `bash bench/gpu.sh` (CUDA JAX and a CUDA torch peer in their own venvs, workload R against plain
+  PyTorch with feature variants, into `bench/results-gpu.json` and `bench/README-gpu.md`; see its header).
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
 `bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
@@ -834,25 +850,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.error("--features / --variants act on workload R: give --real R_small or R (not with --only-tail)")
   if args.only_tail and args.only_real:
     ap.error("--only-tail and --only-real: one at a time")
+  old = {}
+  if (args.only_real or args.only_tail) and os.path.exists(args.out):  # merged into: the other rows stay
+    with open(args.out) as f:
+      old = json.load(f)
+  # --peers with an existing entry of this workload: re-measure those peers' rows only (the rest of it stays)
+  remeasure = bool(only_peers) and real in old.get("grpo", {})
   res = collect(args.quick, peers=not args.no_peers, real=real, only_real=args.only_real, model_dir=args.model,
                 shared_prefill=args.shared_prefill, command=command, only_peers=only_peers, features=features,
-                variants=variants, only_tail=args.only_tail, peer_python=args.peer_python,
+                variants=variants, only_tail=args.only_tail, peer_python=args.peer_python, remeasure_peers=remeasure,
                 log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
   if args.only_tail:  # keep every other row of the existing results
-    old = {}
-    if os.path.exists(args.out):
-      with open(args.out) as f:
-        old = json.load(f)
     if old:
       old["rollout_tail"] = res["rollout_tail"]
     res = old or res
   elif args.only_real:  # keep every other row of the existing results (the toy history stays comparable)
-    old = {}
-    if os.path.exists(args.out):  # else a new file holds this run's machine references and R alone
-      with open(args.out) as f:
-        old = json.load(f)
-    new = res["grpo"][real]
-    if only_peers and real in old.get("grpo", {}):  # replace these peers' rows only, noting where they came from
+    new = res["grpo"][real]  # (no --out yet: a new file holds this run's machine references and R alone)
+    if remeasure:  # replace these peers' rows only, noting where they came from
       entry = old["grpo"][real]
       for n in only_peers:
         entry[n] = {**new[n], "remeasured": {**new["measured"], "loadavg_start": new["loadavg_start"],

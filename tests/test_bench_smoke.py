@@ -376,3 +376,17 @@ def test_episode_lengths_mixture():
   n = continuous.episode_lengths(np.random.default_rng(0), 4000, 128)
   assert n.min() >= 1 and n.max() == 128
   assert abs((n <= 16).mean() - 0.8) < 0.03 and abs((n == 128).mean() - 0.1) < 0.02
+
+
+@pytest.mark.slow  # torch + transformers import and one tiny step: ~10 s idle, a minute on a loaded machine
+def test_torch_peer_runs_on_the_available_device(tiny_ckpt):
+  """bench/peers/torch_grpo.py (the peer bench/gpu.sh runs on CUDA) in this venv's torch, on the tiny checkpoint:
+  one step on the device `torch.cuda.is_available()` picks (the CPU here), reported in its summary."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  proc = subprocess.run([sys.executable, run.REAL_PEERS["torch"], "--workload", "R_small", "--model", tiny_ckpt],
+                        capture_output=True, text=True, timeout=600, cwd=run.ROOT)
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["status"] == "ok", proc.stderr[-2000:]
+  assert out["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+  assert math.isfinite(out["total_s"]) and out["rollouts_per_step"] == 16

@@ -1,6 +1,7 @@
 """Plain PyTorch on workload R: `transformers` `generate` with sampling + one hand-written GRPO step.
 
-The floor a torch user gets without an RL framework. Runs ONLY under `bench/.venv-bench` (CPU torch),
+The floor a torch user gets without an RL framework. Runs ONLY under `bench/.venv-bench` (CPU torch; on a GPU
+bench/gpu.sh's `bench/.venv-bench-gpu`, CUDA torch),
 as a subprocess of `bench/run.py`, taking turns with our side (`bench/peers/turns.py`). Same workload
 as `bench/grpo_real.py`: the HF folder's weights in fp32, prompts from `arithmetic_chat` (same seed, so
 the same prompts in the same order) rendered by the tokenizer's chat template, `prompts × G` sampled
