@@ -45,7 +45,7 @@ GRPO_STEPS = (2, 2, 6)  # GRPO step vs Tunix: warm-up steps, then blocks of 2 st
 
 # The long-tail rollout section (`bench/continuous.py`): toy decode-only workloads, both distributions.
 TAIL = dict(requests=64, slots=16, new_tokens=128, chunk=8, d_model=128, layers=2, repeats=2)
-TAIL_QUICK = dict(requests=12, slots=4, new_tokens=16, chunk=4, d_model=32, layers=1, repeats=1)
+TAIL_QUICK = dict(requests=8, slots=2, new_tokens=12, chunk=4, d_model=32, layers=1, repeats=1)
 
 # --quick: tiny shapes so the whole harness runs in seconds (the smoke test).
 _TINY = dict(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, vocab_size=64)
