@@ -7,7 +7,6 @@ re-prefilled batch drawn with per-row keys; configs/agent_tiny.py trains and res
 """
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import loop
-from jaxrl_llm.config import ConfigError, load_file, validate
+from jaxrl_llm.config import ConfigError, validate
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.metrics import read_jsonl
 from jaxrl_llm.rollout import episodes, turn_sampler
@@ -23,9 +22,9 @@ from jaxrl_llm.rollout.episodes import EnvSettings, run_episodes
 from jaxrl_llm.rollout.generation import request_keys
 from jaxrl_llm.rollout.turn_sampler import Reprefill, SlotTurns
 from jaxrl_llm.tasks import tokenizer as char_tok
+from test_agent_run import agent
 from test_episodes import P, PARAMS, learner_logp, make_gen
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 32
 
 
@@ -202,16 +201,6 @@ def test_slots_refused_on_a_mesh():
     episodes._turn_sampler(gen, ECHO, W, gen.mesh)
   assert isinstance(episodes._turn_sampler(dataclasses.replace(gen, mesh=None), ECHO, W, None), SlotTurns)
   assert isinstance(episodes._turn_sampler(make_gen(), ECHO, W, None), turn_sampler.CachedTurns)
-
-
-def agent(**over):
-  c = load_file(os.path.join(ROOT, "configs", "agent_tiny.py"))
-  c.log.tensorboard, c.log.progress = False, False
-  c.num_steps, c.checkpoint.every = 2, 0
-  for k, v in over.items():
-    sec, key = k.split("__")
-    c[sec][key] = v
-  return c
 
 
 def test_config_accepts_episodes_with_slots_and_still_names_the_field():
