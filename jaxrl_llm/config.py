@@ -24,6 +24,50 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # baselines from the other respo
 WEIGHT_SYNC = ("full", "sparse")
 REPLAY_STALE_POLICIES = ("drop", "keep", "downweight")
 CONFIG_CHANGE = ("error", "resume", "restart")
+TASK_SOURCES = ("memory", "tfds")
+SAMPLER_QUANTIZE = ("none", "int8")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+SPEC_LAYOUTS = ("min", "rows")
+
+# The value a run uses for a field its config lacks, by dotted name; `read(c, name)` is the one way code reads
+# such a field. Fields of configs/default.py are here because a config written before the field existed (or not
+# built on default.py) still runs: their values are default.py's (tests/test_docs_config.py pins that). The
+# optional sections (`env`; `distill.ref_teacher`; `dist` may be absent too) have their defaults only here. The
+# distill options (`distill.adwin`, `.mopd`, `.topk_cache`) keep theirs in `jaxrl_llm.distill.extras`.
+# docs/config.md shows them all (`python -m jaxrl_llm.config_doc`).
+ABSENT_DEFAULTS = {
+    "task.held_out": 0.0, "task.chat_template": "auto", "task.system_prompt": "",
+    "model.num_experts": 0, "model.routing_replay": True, "model.layer_unroll": 0, "model.memory_budget_gb": 0.0,
+    "model.lora.rank": 0, "model.lora.dropout": 0.0, "model.lora.base_quantize": "none",
+    "sampler.behavior_topk": 0, "sampler.mc_samples": 0,
+    "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
+    "sampler.spec_gamma": 0, "sampler.spec_draft_layers": 0, "sampler.spec_layout": "min",
+    "sampler.spec_drafter": "layers", "sampler.spec_distill_lr": 1e-4, "sampler.spec_distill_steps": 1,
+    "sampler.spec_distill_reward_weight": 0.0,
+    "rollout.dynamic_sampling": False, "rollout.sampler_devices": 0, "rollout.partial_chunk": 0, "rollout.slots": 0,
+    "rollout.slot_chunk": 8,
+    "rollout.replay.capacity": 0,
+    "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
+    "sft.demos": 64, "sft.demo_player": "consistent",
+    "checkpoint.config_change": "error", "serve.harness": "",
+    "dist.coordinator_address": None, "dist.num_processes": None, "dist.process_id": None,
+    "dist.initialization_timeout": 300, "dist.heartbeat_timeout_seconds": 100,
+    # Optional sections: absent (or env.name "") = single-turn; no distill section = no teacher.
+    "env.name": "", "env.kwargs": {}, "env.newest_each_turn": True, "env.kv_cache": True, "env.evict": "none",
+    "env.context_budget": 0, "env.keep_last_turns": 1,
+    "distill.ref_teacher": "",
+}
+
+
+def read(c: ml_collections.ConfigDict, field: str):
+  """`c.<field>` (a dotted name), or `ABSENT_DEFAULTS[field]` when the config lacks it or one of its sections.
+  A field without an entry there is required: KeyError when absent."""
+  node = c
+  for k in field.split("."):
+    if not hasattr(node, "keys") or k not in node:
+      return ABSENT_DEFAULTS[field]
+    node = node[k]
+  return node
 
 
 def load_file(path) -> ml_collections.ConfigDict:
@@ -61,7 +105,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for ax in ("data", "fsdp", "tensor", "expert"):
     _need(isinstance(c.mesh[ax], int) and c.mesh[ax] >= 1, f"mesh.{ax}", c.mesh[ax], "must be an int >= 1")
   n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
-  n_sampler = c.rollout.get("sampler_devices", 0)
+  n_sampler = read(c, "rollout.sampler_devices")
   _need(isinstance(n_sampler, int) and n_sampler >= 0, "rollout.sampler_devices", n_sampler,
         "must be an int >= 0 (0 = the sampler shares the learner's devices)")
   if n_mesh > 1 or n_sampler:
@@ -83,7 +127,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   B = c.rollout.prompts_per_step * c.rollout.group_size
   _need(B % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
         f"must divide the batch rollout.prompts_per_step * rollout.group_size = {B}")
-  n_mb, n_ep = c.optim.get("minibatches", 1), c.optim.get("epochs", 1)
+  n_mb, n_ep = read(c, "optim.minibatches"), read(c, "optim.epochs")
   _need(isinstance(n_mb, int) and n_mb >= 1, "optim.minibatches", n_mb, "must be an int >= 1")
   _need(isinstance(n_ep, int) and n_ep >= 1, "optim.epochs", n_ep, "must be an int >= 1")
   _need(c.rollout.prompts_per_step % n_mb == 0, "optim.minibatches", n_mb,
@@ -91,7 +135,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _need((B // n_mb) % c.optim.grad_accum == 0, "optim.grad_accum", c.optim.grad_accum,
         f"must divide the minibatch size {B // n_mb} (batch {B} / optim.minibatches {n_mb})")
   _need(c.sampler.dtype in DTYPES, "sampler.dtype", c.sampler.dtype, f"must be one of {DTYPES}")
-  _need(c.sampler.quantize in ("none", "int8"), "sampler.quantize", c.sampler.quantize, "must be 'none' or 'int8'")
+  _need(c.sampler.quantize in SAMPLER_QUANTIZE, "sampler.quantize", c.sampler.quantize,
+        f"must be one of {SAMPLER_QUANTIZE}")
   _need(c.sampler.max_new_tokens > 0, "sampler.max_new_tokens", c.sampler.max_new_tokens, "must be > 0")
   _need(c.sampler.temperature > 0, "sampler.temperature", c.sampler.temperature,
         "must be > 0 for training (greedy decoding is used only for evaluation)")
@@ -128,15 +173,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_serve(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
-  if "config_change" in c.checkpoint:
-    _need(c.checkpoint.config_change in CONFIG_CHANGE, "checkpoint.config_change", c.checkpoint.config_change,
-          f"must be one of {CONFIG_CHANGE}")
+  change = read(c, "checkpoint.config_change")
+  _need(change in CONFIG_CHANGE, "checkpoint.config_change", change, f"must be one of {CONFIG_CHANGE}")
   try:
     losses.make_hparams(spec, dict(c.loss.hparams))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.{e}") from None
   _need(c.loss.agg_mode in losses.MODES, "loss.agg_mode", c.loss.agg_mode, f"must be one of {losses.MODES}")
-  _need(c.loss.kl_estimator in ("k1", "k2", "k3"), "loss.kl_estimator", c.loss.kl_estimator, "must be k1, k2 or k3")
+  _need(c.loss.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", c.loss.kl_estimator,
+        f"must be one of {KL_ESTIMATORS}")
   _need(c.advantage.name in ADVANTAGES, "advantage.name", c.advantage.name, f"must be one of {ADVANTAGES}")
   # A group of one has no peers: GRPO, Dr.GRPO and RLOO then give each response its raw reward (no baseline,
   # verl's singleton convention), not a group-relative advantage. REINFORCE++ whitens over the batch and
@@ -145,7 +190,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
           f"advantage.name={c.advantage.name!r} compares the responses of one prompt, so a group needs >= 2 of "
           "them; use group_size >= 2, or advantage.name='reinforce_pp' (a batch-wide baseline)")
-  if c.rollout.get("dynamic_sampling", False):  # DAPO drops groups of equal rewards: every group of one
+  if read(c, "rollout.dynamic_sampling"):  # DAPO drops groups of equal rewards: every group of one
     _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
           "rollout.dynamic_sampling drops groups whose rewards are all equal, which every group of one is")
   lr = c.optim.lr
@@ -169,12 +214,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
           f"must be > 0 when sft.steps={c.sft.steps} (set sft.steps=0 to skip the warm start)")
     _need(c.sft.lr > 0, "sft.lr", c.sft.lr, "must be > 0")
     if env_on(c):  # the warm start plays demonstration episodes (jaxrl_llm.sft.demo_records)
-      n = c.sft.get("demos", 64)
+      n = read(c, "sft.demos")
       _need(isinstance(n, int) and not isinstance(n, bool) and n >= 1, "sft.demos", n,
             f"must be an int >= 1 when sft.steps={c.sft.steps} and env.name={c.env.name!r} (demonstration episodes)")
       from jaxrl_llm import envs  # local: text only, as in _validate_env
       from jaxrl_llm.envs import demos
-      player = c.sft.get("demo_player", "consistent")
+      player = read(c, "sft.demo_player")
       _need(c.env.name not in envs.names() or player in demos.player_names(c.env.name), "sft.demo_player", player,
             f"environment {c.env.name!r} has the scripted players {demos.player_names(c.env.name)} "
             "(set sft.steps=0 to skip the warm start)")
@@ -191,13 +236,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def _validate_packing(c: ml_collections.ConfigDict, spec, n_devices: int) -> None:
   """`optim.pack_width`: 0 (off) or a row width; the combinations `jaxrl_llm.packing` does not support are refused."""
-  w = c.optim.get("pack_width", 0)
+  w = read(c, "optim.pack_width")
   _need(isinstance(w, int) and not isinstance(w, bool) and (w == 0 or w >= 2), "optim.pack_width", w,
         "must be 0 (off) or an int >= 2 (tokens per packed row)")
   if not w:
     return
   why = None
-  if c.model.get("num_experts", 0):
+  if read(c, "model.num_experts"):
     why = "MoE models route per row (routing replay, load-balancing loss) and are not packed"
   elif "perturb" in spec.needs:
     why = f"loss {c.loss.name!r} draws its perturbation per row (ALP) and is not packed"
@@ -215,7 +260,7 @@ def validate_dist(c: ml_collections.ConfigDict) -> None:
   d = c.get("dist")
   if d is None:
     return
-  addr, n, i = d.get("coordinator_address"), d.get("num_processes"), d.get("process_id")
+  addr, n, i = (read(c, f"dist.{f}") for f in ("coordinator_address", "num_processes", "process_id"))
   if addr is not None:
     host, _, port = str(addr).rpartition(":")
     _need(isinstance(addr, str) and host != "" and port.isdigit() and 0 < int(port) < 65536,
@@ -225,7 +270,7 @@ def validate_dist(c: ml_collections.ConfigDict) -> None:
   if n is not None and i is not None:
     _need(i < n, "dist.process_id", i, f"must be < config.dist.num_processes={n}")
   for f in ("initialization_timeout", "heartbeat_timeout_seconds"):
-    v = d.get(f, 1)
+    v = read(c, f"dist.{f}")
     _need(isinstance(v, int) and v >= 1, f"dist.{f}", v, "must be an int >= 1 (seconds)")
 
 
@@ -235,7 +280,7 @@ def _validate_model(c: ml_collections.ConfigDict) -> None:
   m = c.model
   fields = {k: m[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "rope_theta",
                               "dtype", "remat", "num_experts", "experts_per_token", "capacity_factor") if k in m}
-  unroll = m.get("layer_unroll", 0)
+  unroll = read(c, "model.layer_unroll")
   fields["layer_unroll"] = unroll if unroll != 0 else 1  # 0 = every layer: resolved when the model is built
   bad = model_fields.check(fields)
   if bad is not None:
@@ -243,7 +288,7 @@ def _validate_model(c: ml_collections.ConfigDict) -> None:
     if name == "layer_unroll":  # the config's own range: 0 is allowed
       why = "must be an int >= 0 (0 = unroll every layer)"
     raise ConfigError(f"config.model.{name}={m[name]!r}: {why}")
-  budget = m.get("memory_budget_gb", 0.0)
+  budget = read(c, "model.memory_budget_gb")
   _need(isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget >= 0,
         "model.memory_budget_gb", budget, "must be a number >= 0 (decimal GB per device; 0 = from the machine)")
 
@@ -258,7 +303,7 @@ def uses_reference(c: ml_collections.ConfigDict) -> bool:
 def lora_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run trains LoRA adapters (`model.lora.rank` > 0; configs without the section: no)."""
   lo = c.model.get("lora")
-  return lo is not None and lo.get("rank", 0) != 0
+  return read(c, "model.lora.rank") != 0
 
 
 def _validate_lora(c: ml_collections.ConfigDict, n_mesh: int) -> None:
@@ -270,8 +315,8 @@ def _validate_lora(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   m = c.model
   arch = None if m.init_from else {k: m[k] for k in ("d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                                                      "num_experts")}
-  bad = model_fields.check_lora(arch, lo.rank, lo.alpha, lo.targets, lo.get("dropout", 0.0),
-                                lo.get("base_quantize", "none"))
+  bad = model_fields.check_lora(arch, lo.rank, lo.alpha, lo.targets, read(c, "model.lora.dropout"),
+                                read(c, "model.lora.base_quantize"))
   if bad is not None:
     name, value, why = bad
     raise ConfigError(f"config.model.lora.{name}={value!r}: {why}")
@@ -281,7 +326,7 @@ def _validate_lora(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   _need(c.sft.steps == 0, "sft.steps", c.sft.steps, f"must be 0 with model.lora.rank > 0: {why}")
   _need(c.rollout.old_logp != "ewma", "rollout.old_logp", c.rollout.old_logp,
         "'ewma' is not supported with model.lora.rank > 0")
-  _need(n_mesh == 1 and not c.rollout.get("sampler_devices", 0), "mesh", dict(c.mesh),
+  _need(n_mesh == 1 and not read(c, "rollout.sampler_devices"), "mesh", dict(c.mesh),
         "LoRA runs are single-device for now (all mesh axes 1, rollout.sampler_devices 0)")
 
 
@@ -289,7 +334,7 @@ def _validate_sampler_records(c: ml_collections.ConfigDict) -> None:
   """`sampler.behavior_topk` / `sampler.mc_samples` (absent: 0): what the sampler records about μ beyond the
   token (`sampling.behavior`); the chunked decode of partial rollouts records neither."""
   for f in ("behavior_topk", "mc_samples"):
-    v = c.sampler.get(f, 0)
+    v = read(c, f"sampler.{f}")
     _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"sampler.{f}", v, "must be an int >= 0 (0 = off)")
     if v and c.rollout.partial_chunk:
       raise ConfigError(f"config.sampler.{f}={v}: partial rollouts (rollout.partial_chunk="
@@ -302,7 +347,7 @@ KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config im
 def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
   """`sampler.kv_cache` / `kv_sinks` / `kv_window` (absent: "full", 4, 64): a compressed sampler KV cache runs in
   `generate` only (not partial rollouts, not episodes), and SMD's shadow forward needs the window's mask."""
-  kind, sinks, window = c.sampler.get("kv_cache", "full"), c.sampler.get("kv_sinks", 4), c.sampler.get("kv_window", 64)
+  kind, sinks, window = read(c, "sampler.kv_cache"), read(c, "sampler.kv_sinks"), read(c, "sampler.kv_window")
   _need(kind in KV_CACHES, "sampler.kv_cache", kind, f"must be one of {KV_CACHES}")
   _need(isinstance(sinks, int) and not isinstance(sinks, bool) and sinks >= 0, "sampler.kv_sinks", sinks,
         "must be an int >= 0")
@@ -322,13 +367,13 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` only (not
   partial rollouts, not episodes), records no μ candidates and decodes from the full KV cache. spec_gamma -1 is
   the sampler's "auto" (γ by batch size; ml_collections keeps the field an int)."""
-  gamma, k = c.sampler.get("spec_gamma", 0), c.sampler.get("spec_draft_layers", 0)
+  gamma, k = read(c, "sampler.spec_gamma"), read(c, "sampler.spec_draft_layers")
   _need(isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= -1, "sampler.spec_gamma", gamma,
         "must be an int >= 0 (0 = off) or -1 (γ by batch size)")
   _need(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "sampler.spec_draft_layers", k,
         "must be an int >= 0")
-  layout = c.sampler.get("spec_layout", "min")
-  _need(layout in ("min", "rows"), "sampler.spec_layout", layout, "must be 'min' or 'rows'")
+  layout = read(c, "sampler.spec_layout")
+  _need(layout in SPEC_LAYOUTS, "sampler.spec_layout", layout, f"must be one of {SPEC_LAYOUTS}")
   _validate_drafter(c, gamma)
   if not gamma:
     return
@@ -336,8 +381,8 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   _need(not c.rollout.partial_chunk, "sampler.spec_gamma", gamma,
         f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode without speculation")
   _need(not env_on(c), "sampler.spec_gamma", gamma, "episodes (env.name) decode without speculation")
-  _need(c.sampler.get("kv_cache", "full") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
-  _need(not (c.sampler.get("behavior_topk", 0) or c.sampler.get("mc_samples", 0)), "sampler.spec_gamma", gamma,
+  _need(read(c, "sampler.kv_cache") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
+  _need(not (read(c, "sampler.behavior_topk") or read(c, "sampler.mc_samples")), "sampler.spec_gamma", gamma,
         "records no behavior_topk / mc_samples candidates")
 
 
@@ -349,10 +394,10 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   """`sampler.spec_drafter` and its distillation fields (absent: "layers", 1e-4, 1, 0.0). "distilled" keeps the
   drafter's state in the loop and hands it to `Generation.sample`: sync and fixed_lag modes without replay, one
   device, no continuous batching, no LoRA (the rest is refused by name rather than run untested)."""
-  kind = c.sampler.get("spec_drafter", "layers")
+  kind = read(c, "sampler.spec_drafter")
   _need(kind in SPEC_DRAFTERS, "sampler.spec_drafter", kind, f"must be one of {SPEC_DRAFTERS}")
-  lr, steps = c.sampler.get("spec_distill_lr", 1e-4), c.sampler.get("spec_distill_steps", 1)
-  alpha = c.sampler.get("spec_distill_reward_weight", 0.0)
+  lr, steps = read(c, "sampler.spec_distill_lr"), read(c, "sampler.spec_distill_steps")
+  alpha = read(c, "sampler.spec_distill_reward_weight")
   _need(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "sampler.spec_distill_lr", lr,
         "must be a number > 0")
   _need(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "sampler.spec_distill_steps", steps,
@@ -366,13 +411,13 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   _need(c.rollout.mode in DRAFTER_MODES, "sampler.spec_drafter", kind,
         f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
   n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
-  _need(n_mesh == 1 and not c.rollout.get("sampler_devices", 0), "sampler.spec_drafter", kind,
+  _need(n_mesh == 1 and not read(c, "rollout.sampler_devices"), "sampler.spec_drafter", kind,
         f"{where} runs on one device (config.mesh={dict(c.mesh)}, "
-        f"rollout.sampler_devices={c.rollout.get('sampler_devices', 0)})")
+        f"rollout.sampler_devices={read(c, 'rollout.sampler_devices')})")
   replay = c.rollout.get("replay")
-  _need(not (replay is not None and replay.get("capacity", 0)), "sampler.spec_drafter", kind,
+  _need(not (replay is not None and read(c, "rollout.replay.capacity")), "sampler.spec_drafter", kind,
         f"{where} is not wired with experience replay (rollout.replay.capacity > 0)")
-  _need(not c.rollout.get("slots", 0), "sampler.spec_drafter", kind,
+  _need(not read(c, "rollout.slots"), "sampler.spec_drafter", kind,
         "continuous batching (rollout.slots) decodes without speculation")
   _need(not lora_on(c), "sampler.spec_drafter", kind, f"{where} is not wired with LoRA (model.lora.rank > 0)")
 
@@ -385,7 +430,7 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
     return
   n_proc = jax.process_count()
-  n_sampler = c.rollout.get("sampler_devices", 0)
+  n_sampler = read(c, "rollout.sampler_devices")
   if n_mesh == 1:
     raise ConfigError(f"config.mesh={dict(c.mesh)}: {n_proc} processes run one model over all "
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
@@ -412,7 +457,7 @@ def _validate_task(c: ml_collections.ConfigDict) -> None:
   columns fail at start-up) and the held-out split."""
   from jaxrl_llm import tasks  # local: keep `import jaxrl_llm.config` light
   _need(c.task.name in tasks.task_names(), "task.name", c.task.name, f"must be one of {tasks.task_names()}")
-  _need(c.task.source in ("memory", "tfds"), "task.source", c.task.source, "must be 'memory' or 'tfds'")
+  _need(c.task.source in TASK_SOURCES, "task.source", c.task.source, f"must be one of {TASK_SOURCES}")
   kwargs, foreign = tasks.config_task_kwargs(c.task.name, dict(c.task.kwargs))
   for k, v in foreign.items():
     print(f"note: config.task.kwargs.{k}={v!r} is not an argument of task {c.task.name!r}; ignored", flush=True)
@@ -424,7 +469,7 @@ def _validate_task(c: ml_collections.ConfigDict) -> None:
     value = kwargs.get(kwarg) if kwarg else {k: v for k, v in kwargs.items() if v is not None}
     why = str(e).removeprefix(f"{value}: ")  # data errors start with the path: say it once
     raise ConfigError(f"config.{field}={value!r}: {why} (config.task.name={c.task.name!r})") from None
-  held_out = c.task.get("held_out", 0.0)
+  held_out = read(c, "task.held_out")
   try:
     tasks.num_held_out(task, held_out)
   except ValueError as e:
@@ -491,7 +536,7 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
   episode turns in the sources that generate whole steps with one snapshot, and of single completions in async
   (one slot worker thread, which switches to newer versions at chunk boundaries itself), on one device, with the
   full KV cache."""
-  slots, chunk = c.rollout.get("slots", 0), c.rollout.get("slot_chunk", 8)
+  slots, chunk = read(c, "rollout.slots"), read(c, "rollout.slot_chunk")
   _need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "rollout.slots", slots,
         "must be an int >= 0 (0 = off)")
   _need(isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1, "rollout.slot_chunk", chunk,
@@ -510,11 +555,11 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
   _need(not (env_on(c) and c.rollout.mode == "async"), "rollout.slots", slots,
         "async continuous batching generates single completions; episodes use slots in the sync, fixed_lag and "
         "staged sources")
-  _need(c.sampler.get("kv_cache", "full") == "full", "rollout.slots", slots,
+  _need(read(c, "sampler.kv_cache") == "full", "rollout.slots", slots,
         f"continuous batching decodes with sampler.kv_cache='full', not {c.sampler.get('kv_cache')!r}")
   for f in ("behavior_topk", "mc_samples"):
-    _need(not c.sampler.get(f, 0), "rollout.slots", slots, f"continuous batching does not record sampler.{f}")
-  _need(not (c.model.get("num_experts", 0) and c.model.get("routing_replay", False)), "rollout.slots", slots,
+    _need(not read(c, f"sampler.{f}"), "rollout.slots", slots, f"continuous batching does not record sampler.{f}")
+  _need(not (read(c, "model.num_experts") and read(c, "model.routing_replay")), "rollout.slots", slots,
         "continuous batching does not keep an MoE sampler's routes: turn model.routing_replay off")
   _need(n_mesh == 1 and not n_sampler, "rollout.slots", slots,
         "continuous batching runs on one device: no multi-device config.mesh or rollout.sampler_devices")
@@ -523,12 +568,12 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
 def env_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run plays multi-turn episodes: an `env` section with a non-empty `env.name`."""
   e = c.get("env")
-  return bool(e is not None and e.get("name", ""))
+  return bool(read(c, "env.name"))
 
 
 def evicting(c: ml_collections.ConfigDict) -> bool:
   """Whether the run's episodes compress their context (`env.evict` other than "none")."""
-  return env_on(c) and c.env.get("evict", "none") != "none"
+  return env_on(c) and read(c, "env.evict") != "none"
 
 
 def env_length(c: ml_collections.ConfigDict) -> int:
@@ -546,15 +591,15 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   e = c.get("env")
   if e is None:
     return
-  _need(isinstance(e.get("name", ""), str), "env.name", e.get("name"), "must be a str ('' = single-turn)")
-  if not e.get("name", ""):
+  _need(isinstance(read(c, "env.name"), str), "env.name", e.get("name"), "must be a str ('' = single-turn)")
+  if not read(c, "env.name"):
     return
   for k in e.keys():
     _need(k in ENV_FIELDS, f"env.{k}", e[k], f"unknown field; the env section takes {ENV_FIELDS}")
   from jaxrl_llm import envs  # local: text only (numpy), but keep `import jaxrl_llm.config` light
   _need(e.name in envs.names(), "env.name", e.name, f"unknown environment; valid names: {envs.names()}")
   accepted = envs.kwarg_names(e.name)
-  for k, v in dict(e.get("kwargs", {})).items():
+  for k, v in dict(read(c, "env.kwargs")).items():
     _need(k in accepted, f"env.kwargs.{k}", v,
           f"environment {e.name!r} takes no such argument (its arguments: {accepted})")
   for f in ("max_turns", "turn_tokens", "max_episode_tokens", "prompt_width"):
@@ -566,18 +611,18 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   _need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0, "env.timeout_s", t,
         "must be a finite number of seconds > 0")
   for f in ("newest_each_turn", "kv_cache"):
-    _need(isinstance(e.get(f, True), bool), f"env.{f}", e.get(f), "must be a bool")
-  _need(e.get("evict", "none") in EVICT_POLICIES, "env.evict", e.get("evict"), f"must be one of {EVICT_POLICIES}")
+    _need(isinstance(read(c, f"env.{f}"), bool), f"env.{f}", e.get(f), "must be a bool")
+  _need(read(c, "env.evict") in EVICT_POLICIES, "env.evict", e.get("evict"), f"must be one of {EVICT_POLICIES}")
   for f, lo in (("context_budget", 1 if evicting(c) else 0), ("keep_last_turns", 1)):
-    v = e.get(f, lo)
+    v = read(c, f"env.{f}")
     _need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"env.{f}", v,
           f"must be an int >= {lo}" + (f" with env.evict={e.evict!r}" if f == "context_budget" and lo else ""))
-  _need(not c.rollout.get("partial_chunk", 0), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
+  _need(not read(c, "rollout.partial_chunk"), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
         f"must be 0 with env.name={e.name!r} (async episodes switch versions between turns: env.newest_each_turn)")
   for f in ("behavior_topk", "mc_samples"):
-    v = c.sampler.get(f, 0)
+    v = read(c, f"sampler.{f}")
     _need(not v, f"sampler.{f}", v, f"must be 0 with env.name={e.name!r} (episodes do not record it)")
-  moe_routes = c.model.get("num_experts", 0) and c.model.get("routing_replay", False)
+  moe_routes = read(c, "model.num_experts") and read(c, "model.routing_replay")
   _need(not moe_routes, "model.routing_replay", c.model.get("routing_replay"),
         f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")
   _need(not (c.get("distill") and c.distill.get("teacher")), "distill.teacher", c.get("distill", {}).get("teacher"),
@@ -602,7 +647,7 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
   _need(s is not None, "serve", s, 'rollout.mode="harness" needs a serve section (configs/default.py)')
   for k in s.keys():
     _need(k in SERVE_FIELDS, f"serve.{k}", s[k], f"unknown field; the serve section takes {SERVE_FIELDS}")
-  h = s.get("harness", "")
+  h = read(c, "serve.harness")
   _need(isinstance(h, str) and h.count(":") == 1 and all(h.split(":")), "serve.harness", h,
         'must be "module:function" (called as fn(base_url, episode_id, seed))')
   for f in ("concurrency", "max_batch", "max_context", "prompt_width", "max_tokens"):
@@ -621,7 +666,7 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
         "must be a non-empty str")
   _need(not env_on(c), "env.name", c.get("env", {}).get("name"), 'must be "" with rollout.mode="harness" (the harness '
         "is the environment)")
-  n_proc = (c.get("dist") or {}).get("num_processes") or 1
+  n_proc = read(c, "dist.num_processes") or 1
   _need(n_proc == 1, "dist.num_processes", n_proc, 'must be 1 with rollout.mode="harness" (one process serves)')
 
 
@@ -691,13 +736,13 @@ def sampler_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
   """Loss needs the sampler's records provide: `behavior_topk` (μ's top-k ids and log-probs; the learner
   gathers π_θ at them) when `sampler.behavior_topk` > 0. Its Monte-Carlo candidates (`sampler.mc_samples`)
   serve AsyncOPD's `mc` need, which also takes a teacher (`jaxrl_llm.distill.opd.provided_needs`)."""
-  return ("behavior_topk",) if c.sampler.get("behavior_topk", 0) else ()
+  return ("behavior_topk",) if read(c, "sampler.behavior_topk") else ()
 
 
 register_needs("sampler", sampler_needs)
 register_needs("env", lambda c: ("turn",) if env_on(c) else ())  # episodes number their turns (`turn_BN`)
 # The sinks + window cache records what each token saw: the learner runs the shadow forward (`losses.smd`).
-register_needs("kv_cache", lambda c: ("shadow",) if c.sampler.get("kv_cache", "full") == "window" else ())
+register_needs("kv_cache", lambda c: ("shadow",) if read(c, "sampler.kv_cache") == "window" else ())
 # Episodes with eviction: the eviction mask and SDCC's teacher (the policy on the uncompressed context); the student's
 # logits are the learner's own forward (`rollout.evict`).
 register_needs("evict", lambda c: ("eviction", "teacher_logits", "student_logits") if evicting(c) else ())

@@ -107,8 +107,7 @@ def initialize_from_config(c) -> bool:
   from jaxrl_llm import config as config_lib
   from jaxrl_llm.errors import RunError
   config_lib.validate_dist(c)
-  d = c.get("dist")
-  get = (lambda f, default=None: default) if d is None else (lambda f, default=None: d.get(f, default))
+  get = lambda f: config_lib.read(c, f"dist.{f}")  # an absent section or field: its default
   s = _settings_or_config_error(get)
   cluster = detected_cluster() if s["coordinator"] is None else None
   if s["coordinator"] is None and cluster is None:
@@ -117,8 +116,8 @@ def initialize_from_config(c) -> bool:
                                    f"{s['num_processes']} processes need the 'host:port' of process 0 (or "
                                    f"${ENV_VARS['coordinator']}); no TPU / SLURM / MPI cluster was detected")
     return False
-  timeouts = {"initialization_timeout": get("initialization_timeout", 300),
-              "heartbeat_timeout_seconds": get("heartbeat_timeout_seconds", 100)}
+  timeouts = {"initialization_timeout": get("initialization_timeout"),
+              "heartbeat_timeout_seconds": get("heartbeat_timeout_seconds")}
   where = (f"config.dist.coordinator_address={s['coordinator']!r}" if s["coordinator"] else
            f"the detected {cluster} cluster")
   try:

@@ -149,10 +149,10 @@ def _open_source(r: Run, store: ParamStore, name: str, state, where: str):
 def pack_batch(c, batch: Rollout, ro: Rollout) -> tuple[Rollout, float]:
   """(the learner's batch, its fraction of padding token slots): packed into rows of `optim.pack_width` when on
   (`jaxrl_llm.packing`; one packing per micro-batch of every minibatch), else the padded batch as it is."""
-  width = c.optim.get("pack_width", 0)
+  width = config_lib.read(c, "optim.pack_width")
   if not width:
     return batch, packing.pad_frac(ro.segment_ids_BT)
-  chunks = c.optim.grad_accum * c.optim.get("minibatches", 1)
+  chunks = c.optim.grad_accum * config_lib.read(c, "optim.minibatches")
   pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks)
   return batch.replace(pack=jax.tree.map(jax.numpy.asarray, pk)), packing.pad_frac(pk.segment_ids_RW)
 

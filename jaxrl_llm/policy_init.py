@@ -78,8 +78,8 @@ def step_shape(c: ml_collections.ConfigDict, width: int) -> memory.StepShape:
   row (`optim.pack_width`), whichever is widest."""
   B = c.rollout.prompts_per_step * c.rollout.group_size
   T = max(width + c.sampler.max_new_tokens, config_lib.env_length(c), config_lib.serve_length(c),
-          c.optim.get("pack_width", 0))
-  micro = math.ceil(B / (c.optim.grad_accum * c.optim.get("minibatches", 1)))
+          config_lib.read(c, "optim.pack_width"))
+  micro = math.ceil(B / (c.optim.grad_accum * config_lib.read(c, "optim.minibatches")))
   rank, weights = 0, ()
   if config_lib.lora_on(c):
     rank = c.model.lora.rank
@@ -95,7 +95,7 @@ def resolve_remat(c: ml_collections.ConfigDict, cfg: ModelConfig,
   `model.memory_budget_gb`, 0 = the machine's), and the decision; `cfg` as it is (and None) for any other value."""
   if not (isinstance(cfg.remat, str) and cfg.remat == "auto"):
     return cfg, None
-  budget = memory.budget_bytes(c.model.get("memory_budget_gb", 0.0))
+  budget = memory.budget_bytes(config_lib.read(c, "model.memory_budget_gb"))
   choice = memory.choose_remat(cfg, step_shape(c, width), budget)
   return dataclasses.replace(cfg, remat=choice.remat), choice
 

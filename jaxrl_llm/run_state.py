@@ -94,7 +94,7 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
             "snap_learner": [state.params if store.keeps_learner_copy else None] * slots, **extra}  # learner layout
   if base.get("drafter", 0) is None:  # no distilled drafter: no key (`full_state`)
     del base["drafter"]
-  policy = run.c.checkpoint.get("config_change", "error")
+  policy = config_lib.read(run.c, "checkpoint.config_change")
 
   def template(meta):
     for k in ("async_engine", "replay"):
@@ -185,7 +185,7 @@ def resume_point(c, workdir: str, r: Run, store: ParamStore, slots: int, config_
     return ckpt, restore(ckpt, r, store, slots, config_json)
   except ConfigChanged as e:
     ckpt.close()
-    if c.checkpoint.get("config_change", "error") != "restart":
+    if config_lib.read(c, "checkpoint.config_change") != "restart":
       raise resume_error(e, workdir) from None
     moved = workdir_lib.move_aside(workdir, list(RUN_FILES)) if multiprocess.is_writer() else None
     distributed.barrier("config_change_restart")  # every process reopens the checkpoints after the move
@@ -203,8 +203,8 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
   model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
   if config_lib.env_on(c):  # multi-turn: SFT on scripted demonstration episodes (jaxrl_llm.envs.demos)
     es = env_settings(c)
-    records = demo_records(r.encoder, es, c.sft.get("demo_player", "consistent"), c.sft.get("demos", 64), c.seed) \
-        if c.sft.steps > 0 else []
+    player, n = config_lib.read(c, "sft.demo_player"), config_lib.read(c, "sft.demos")
+    records = demo_records(r.encoder, es, player, n, c.seed) if c.sft.steps > 0 else []
     params, sft_loss = sft_on_demos(SftSchedule.from_config(c), model_cfg, params, records, es.prompt_width,
                                     es.max_episode_tokens, r.encoder)
   else:

@@ -79,13 +79,12 @@ def env_settings(c: ml_collections.ConfigDict) -> EnvSettings | None:
   """The typed `env.*` settings (None without an environment: single completions)."""
   if not config_lib.env_on(c):
     return None
-  e = c.env
-  return EnvSettings(name=e.name, kwargs=tuple(sorted(dict(e.get("kwargs", {})).items())), max_turns=e.max_turns,
+  e, get = c.env, lambda f: config_lib.read(c, f"env.{f}")
+  return EnvSettings(name=e.name, kwargs=tuple(sorted(dict(get("kwargs")).items())), max_turns=e.max_turns,
                      turn_tokens=e.turn_tokens, max_episode_tokens=e.max_episode_tokens, timeout_s=float(e.timeout_s),
-                     prompt_width=e.prompt_width, workers=c.reward.workers if c.get("reward") else 8,
-                     newest_each_turn=bool(e.get("newest_each_turn", True)), kv_cache=bool(e.get("kv_cache", True)),
-                     evict=e.get("evict", "none"), context_budget=e.get("context_budget", 0),
-                     keep_last_turns=e.get("keep_last_turns", 1))
+                     prompt_width=e.prompt_width, workers=reward_policy(c).workers,
+                     newest_each_turn=bool(get("newest_each_turn")), kv_cache=bool(get("kv_cache")),
+                     evict=get("evict"), context_budget=get("context_budget"), keep_last_turns=get("keep_last_turns"))
 
 
 def check_env(c: ml_collections.ConfigDict, encoder: Encoder) -> None:
@@ -95,11 +94,11 @@ def check_env(c: ml_collections.ConfigDict, encoder: Encoder) -> None:
   if not config_lib.env_on(c):
     return
   from jaxrl_llm import envs  # local: the registry imports the package-backed environment modules
-  e = c.env
+  e, kwargs = c.env, dict(config_lib.read(c, "env.kwargs"))
   try:
-    env = envs.get(e.name, **dict(e.get("kwargs", {})))
+    env = envs.get(e.name, **kwargs)
   except (ValueError, TypeError, ImportError, RuntimeError) as err:
-    raise config_lib.ConfigError(f"config.env.kwargs={dict(e.get('kwargs', {}))!r}: environment {e.name!r} refuses "
+    raise config_lib.ConfigError(f"config.env.kwargs={kwargs!r}: environment {e.name!r} refuses "
                                  f"them: {type(err).__name__}: {str(err)[:300]}") from None
   try:
     tools = getattr(env, "tools", None)
@@ -133,7 +132,7 @@ def source_class(c: ml_collections.ConfigDict):
 def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
   """The run's prompt `Encoder`: the tokenizer of `model.init_from` (the char tokenizer without one),
   rendered per `task.chat_template` ("auto" | "chat" | "none") with `task.system_prompt`."""
-  mode, system = c.task.get("chat_template", "auto"), c.task.get("system_prompt", "")
+  mode, system = config_lib.read(c, "task.chat_template"), config_lib.read(c, "task.system_prompt")
   if mode not in encoder_lib.CHAT_MODES:
     raise config_lib.ConfigError(f"config.task.chat_template={mode!r}: must be one of {encoder_lib.CHAT_MODES}")
   tokenizer = tok.CHAR_TOKENIZER
@@ -204,16 +203,15 @@ def sampler_config(c: ml_collections.ConfigDict, greedy: bool = False,
   """The sampler settings of `config.sampler` (greedy for evaluation, which records nothing beyond the tokens);
   stop and pad ids are the tokenizer's. `sampler.behavior_topk` / `sampler.mc_samples` (0 when a config lacks
   them) switch on the sampler's records of μ (`sampling.behavior`)."""
-  s = c.sampler
+  s, get = c.sampler, lambda f: config_lib.read(c, f"sampler.{f}")
   return SamplerConfig(max_new_tokens=s.max_new_tokens, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                        temperature=0.0 if greedy else s.temperature, top_k=0 if greedy else s.top_k,
                        top_p=1.0 if greedy else s.top_p, group_size=1 if greedy else c.rollout.group_size,
-                       behavior_topk=0 if greedy else s.get("behavior_topk", 0),
-                       mc_samples=0 if greedy else s.get("mc_samples", 0),
-                       kv_cache=s.get("kv_cache", "full"), kv_sinks=s.get("kv_sinks", 4),
-                       kv_window=s.get("kv_window", 64),
-                       spec_gamma=0 if greedy else {-1: "auto"}.get(s.get("spec_gamma", 0), s.get("spec_gamma", 0)),
-                       spec_draft_layers=s.get("spec_draft_layers", 0), spec_layout=s.get("spec_layout", "min"))
+                       behavior_topk=0 if greedy else get("behavior_topk"),
+                       mc_samples=0 if greedy else get("mc_samples"),
+                       kv_cache=get("kv_cache"), kv_sinks=get("kv_sinks"), kv_window=get("kv_window"),
+                       spec_gamma=0 if greedy else {-1: "auto"}.get(get("spec_gamma"), get("spec_gamma")),
+                       spec_draft_layers=get("spec_draft_layers"), spec_layout=get("spec_layout"))
 
 
 def evaluate(params, model_cfg, c, test: collect.Prompts, task, key,
@@ -261,12 +259,13 @@ class Run(NamedTuple):
 
 def drafter_distill(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> DrafterDistill | None:
   """The run's drafter distillation (`sampler.spec_drafter="distilled"`), None for the "layers" drafter."""
-  s = c.sampler
-  if s.get("spec_drafter", "layers") != "distilled":
+  get = lambda f: config_lib.read(c, f"sampler.{f}")
+  if get("spec_drafter") != "distilled":
     return None
-  return DrafterDistill(model_cfg=model_cfg, layers=s.spec_draft_layers, temperature=float(s.temperature),
-                        lr=float(s.spec_distill_lr), steps=s.spec_distill_steps,
-                        alpha=float(s.spec_distill_reward_weight))
+  return DrafterDistill(model_cfg=model_cfg, layers=get("spec_draft_layers"),
+                        temperature=float(c.sampler.temperature),
+                        lr=float(get("spec_distill_lr")), steps=get("spec_distill_steps"),
+                        alpha=float(get("spec_distill_reward_weight")))
 
 
 def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):
@@ -294,7 +293,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   task = get_task(c.task.name, **task_kwargs)
   encoder = encoder_from_config(c)
   check_env(c, encoder)
-  num_test = num_held_out(task, c.task.get("held_out", 0.0))  # rows held out of a data file, or generated prompts
+  # rows held out of a data file, or generated prompts
+  num_test = num_held_out(task, config_lib.read(c, "task.held_out"))
   hf_cfg = checkpoint_config(c)
   context = hf_cfg.max_seq_len if hf_cfg is not None else None
   split = lambda name: collect.load_split(c.task.name, name, task_kwargs, c.task.source, c.task.data_dir, c.seed,
@@ -320,7 +320,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
                               c.optim.warmup_steps)
   hook_params, tx = learner.perturb_hook(c.loss.name, model_cfg, tx, hp_over)
   mesh_kw, shard_kw = {}, {}
-  if c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert > 1 or c.rollout.get("sampler_devices", 0):
+  if c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert > 1 or config_lib.read(c, "rollout.sampler_devices"):
     mesh_kw = mesh_layouts(c, model_cfg, tx, hook_params, k_init)
     shard_kw = dict(in_shardings=mesh_kw.pop("in_shardings"), out_shardings=mesh_kw.pop("out_shardings"))
   train_step = learner.make_train_step(
@@ -328,7 +328,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
       router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
-      minibatches=c.optim.get("minibatches", 1), epochs=c.optim.get("epochs", 1), **shard_kw)
+      minibatches=config_lib.read(c, "optim.minibatches"), epochs=config_lib.read(c, "optim.epochs"), **shard_kw)
   # The learner's own forward runs each group's prompt row by row: sharing it (`make_train_step(group_size=G)`,
   # `bench/grpo_real.py --shared-prefill`) compiles both paths of its on-device check into the train step,
   # which doubles the largest compile of every run; the sampler, reference and teacher share it.
@@ -337,7 +337,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
     if shard_kw:
       shard_kw["in_shardings"] = (*shard_kw["in_shardings"], mesh_kw["state_shardings"].params)
     train_step = learner.fuse_reference(train_step, score, **shard_kw)
-  if c.optim.get("pack_width", 0):  # π_old recompute (loop, sources, async workers) scores packed rows too
+  if config_lib.read(c, "optim.pack_width"):  # π_old recompute (loop, sources, async workers) scores packed rows
     score = packing.packing_scorer(score, c.optim.pack_width)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
@@ -348,7 +348,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
                    keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("mesh"),
-                   slots=c.rollout.get("slots", 0), slot_chunk=c.rollout.get("slot_chunk", 8),
+                   slots=config_lib.read(c, "rollout.slots"), slot_chunk=config_lib.read(c, "rollout.slot_chunk"),
                    drafter=None if drafter is None else DrafterSlot())
   return Run(drafter=drafter, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
@@ -363,7 +363,7 @@ def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:
     return None
   lo = c.model.lora
   return lora.LoraConfig(rank=lo.rank, alpha=float(lo.alpha), targets=lora.parse_targets(lo.targets),
-                         base_quantize=lo.get("base_quantize", "none"))
+                         base_quantize=config_lib.read(c, "model.lora.base_quantize"))
 
 
 def check_lora(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> None:
@@ -389,7 +389,7 @@ def lora_policy(c: ml_collections.ConfigDict, model_cfg: ModelConfig, base, key)
 def lora_base(c: ml_collections.ConfigDict, base):
   """The frozen base of a LoRA run from the initial weights: as is, or through the int8 weight-only round trip of
   the sampler's quantisation path (`sampling.quantize`) for QLoRA (`model.lora.base_quantize="int8"`)."""
-  if c.model.lora.get("base_quantize", "none") != "int8":
+  if config_lib.read(c, "model.lora.base_quantize") != "int8":
     return base
   from jaxrl_llm.sampling.quantize import int8_weight_only
   return int8_weight_only(base)
@@ -423,7 +423,7 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   (shared with the learner): each process's workers generate from their own replica.
   """
   from jaxrl_llm import sharding
-  devices, n_sampler = jax.devices(), c.rollout.get("sampler_devices", 0)
+  devices, n_sampler = jax.devices(), config_lib.read(c, "rollout.sampler_devices")
   learner_devices, sampler_devices = multiprocess.split_devices(devices, n_sampler)
   mesh = sharding.mesh_from_config(c.mesh, devices=learner_devices)
   if not n_sampler and multiprocess.multi() and source_class(c).per_process_workers:

@@ -81,6 +81,7 @@ ADWIN_DEFAULTS = {"enabled": False, **dataclasses.asdict(adwin_lib.AdwinConfig()
 MOPD_DEFAULTS = {"token_share": False, "target_share": (), "gap_follow": False, "gap_stat": "mean", "gap_alpha": 1.0,
                  "gap_reference": "anchored", "gap_decay": 0.9, "reward_advantage": False}
 CACHE_DEFAULTS = {"enabled": False, "capacity": 4096}
+GAP_REFERENCES = ("anchored", "ema")  # `distill.mopd.gap_reference`
 SPEC_FIELDS = ("teacher", "teacher_d_model", "teacher_n_layers", "teacher_sft_steps", "seed", "domain")
 # Scorer outputs the cache holds (per row); `teacher_head` (full distributions) is never cached.
 SCORE_FIELDS = ("teacher_logp_BN", "teacher_topk_ids_BNk", "teacher_topk_logp_BNk", "teacher_topk_residual_logp_BN")
@@ -165,8 +166,8 @@ def validate(c: ml_collections.ConfigDict, fields: tuple[str, ...]) -> None:
     need(not tgt or (len(tgt) == len(specs) and all(x >= 0 for x in tgt) and sum(tgt) > 0), "mopd.target_share",
          tgt, f"must be empty (uniform) or {len(specs)} non-negative shares, one per teacher")
     need(m["gap_stat"] in mopd_lib.STATS, "mopd.gap_stat", m["gap_stat"], f"must be one of {mopd_lib.STATS}")
-    need(m["gap_reference"] in ("anchored", "ema"), "mopd.gap_reference", m["gap_reference"],
-         "must be 'anchored' or 'ema'")
+    need(m["gap_reference"] in GAP_REFERENCES, "mopd.gap_reference", m["gap_reference"],
+         f"must be one of {GAP_REFERENCES}")
     need(0 <= m["gap_decay"] < 1, "mopd.gap_decay", m["gap_decay"], "must be in [0, 1)")
     need(m["gap_alpha"] >= 0, "mopd.gap_alpha", m["gap_alpha"], "must be >= 0")
   elif c.distill.get("mopd") is not None and (m["token_share"] or m["gap_follow"] or m["reward_advantage"]):

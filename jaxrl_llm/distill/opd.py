@@ -139,7 +139,7 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   cand = make_candidate_scores(c, width=width, train_examples=train_examples, vocab_size=student_cfg.vocab_size,
                                encoder=encoder)
 
-  pack_width = c.optim.get("pack_width", 0)
+  pack_width = config_lib.read(c, "optim.pack_width")
 
   def extras(ro, seq, mask_BN) -> dict:
     # The sequences (and, for candidate losses, the ids the sampler recorded) carry everything; a frozen
@@ -162,8 +162,8 @@ def candidate_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
   """The needs scored at sampler-recorded candidates that a run of `c` (with a teacher) provides: "mc" when
   `sampler.mc_samples` > 0; "teacher_ref_topk" when `distill.ref_teacher` is set and `sampler.behavior_topk`
   > 0 (S²D's candidate set V_K(s_t) is the rollout-time student's top-K, which the sampler records)."""
-  out = ("mc",) if c.sampler.get("mc_samples", 0) else ()
-  if c.distill.get("ref_teacher", "") and c.sampler.get("behavior_topk", 0):
+  out = ("mc",) if config_lib.read(c, "sampler.mc_samples") else ()
+  if config_lib.read(c, "distill.ref_teacher") and config_lib.read(c, "sampler.behavior_topk"):
     out += ("teacher_ref_topk",)
   return out
 
@@ -175,7 +175,7 @@ def validate_ref_teacher(c: ml_collections.ConfigDict) -> None:
   """`distill.ref_teacher` (absent: off): "" | "sft" (with positive `ref_teacher_*` sizes and steps) | a folder."""
   from jaxrl_llm.config import ConfigError
   d = c.distill
-  ref = d.get("ref_teacher", "")
+  ref = config_lib.read(c, "distill.ref_teacher")
   if not isinstance(ref, str):
     raise ConfigError(f"config.distill.ref_teacher={ref!r}: must be '', 'sft' or a Hugging Face checkpoint folder")
   if ref != "sft":
