@@ -11,42 +11,42 @@ from jaxrl_llm import tasks
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.seed = 0
+  c.seed = 0  # seed of every random draw (initial weights, SFT order, sampling, held-out split)
   c.num_steps = 400  # learner steps (one optimiser update each)
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "arithmetic"
+  c.task.name = "arithmetic"  # a registered task (jaxrl_llm.tasks.task_names())
   # Every task's arguments as typed placeholders; None = the task's default (arithmetic: 2-digit addition).
   # Set those of the chosen task, e.g. --config.task.name=gsm8k --config.task.kwargs.path=train.jsonl
-  c.task.kwargs = tasks.kwargs_config()
+  c.task.kwargs = tasks.kwargs_config()  # the chosen task's arguments; None = the task's default
   c.task.source = "memory"  # "memory" (generated on the fly) or "tfds" (ArrayRecord built locally, read by grain)
   c.task.data_dir = ""  # TFDS data dir; "" = ~/.cache/jaxrl_llm/tfds
   c.task.held_out = 0.0  # test split: a count (>= 1), a fraction (0, 1) of a data file, or 0 = auto (10% of a file, max 500; 500 generated)
-  c.task.prompt_width = 0  # prompts are left-padded to this many tokens (0 = the task's longest prompt + BOS;
-  # with a checkpoint's tokenizer: the longest encoded prompt rounded up to a multiple of 16)
+  # prompt_width 0 with a checkpoint's tokenizer: the longest encoded prompt rounded up to a multiple of 16.
+  c.task.prompt_width = 0  # prompts are left-padded to this many tokens (0 = the task's longest prompt + BOS)
   c.task.chat_template = "auto"  # "auto" (the tokenizer's chat template if it has one) | "chat" (required) | "none" (raw)
   c.task.system_prompt = ""  # system message of chat prompts ("" = none)
 
   c.model = ml_collections.ConfigDict()
-  c.model.d_model = 128
-  c.model.n_layers = 2
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 2
-  c.model.head_dim = 32
-  c.model.d_ff = 384
-  c.model.rope_theta = 10000.0
-  c.model.tie_embeddings = False
-  c.model.qk_norm = False
+  c.model.d_model = 128  # hidden width (these size fields are ignored with model.init_from)
+  c.model.n_layers = 2  # transformer blocks
+  c.model.n_heads = 4  # query heads
+  c.model.n_kv_heads = 2  # key/value heads (grouped-query attention; must divide n_heads)
+  c.model.head_dim = 32  # width of one attention head (even: RoPE rotates pairs)
+  c.model.d_ff = 384  # hidden width of the SwiGLU MLP
+  c.model.rope_theta = 10000.0  # RoPE base frequency
+  c.model.tie_embeddings = False  # the LM head reuses the input embedding
+  c.model.qk_norm = False  # RMS-normalise queries and keys per head before attention
   c.model.dtype = "float32"  # learner compute dtype
   c.model.num_experts = 0  # > 0: MoE MLP in every layer (top-k routing)
-  c.model.experts_per_token = 2
+  c.model.experts_per_token = 2  # MoE top-k: experts each token is routed to
   c.model.capacity_factor = 0.0  # MoE expert capacity; 0 = dropless
   c.model.router_aux_coef = 0.01  # MoE load-balancing loss weight
   c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids (MoE only)
   # Recompute in the backward pass: False/"none", True/"full" (each layer), "dots" (matmul outputs kept), "auto"
   # ("none" when the step's estimated memory fits memory_budget_gb, else "full"; jaxrl_llm/memory.py). Any type:
   # ml_collections would otherwise pin the field to bool and refuse --config.model.remat=auto.
-  c.model.remat = ml_collections.FieldReference(False, field_type=object)
+  c.model.remat = ml_collections.FieldReference(False, field_type=object)  # what the backward pass recomputes
   c.model.memory_budget_gb = 0.0  # remat="auto"'s budget per device; 0 = the accelerator's limit / 0.8 of free host RAM
   c.model.layer_unroll = 0  # layers per scan iteration; 0 = unroll all (fast on CPU), 1 = rolled (short compiles)
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
@@ -60,10 +60,10 @@ def get_config():
   c.model.lora.base_quantize = "none"  # "int8": QLoRA, the frozen base through the int8 weight-only round trip
 
   c.sampler = ml_collections.ConfigDict()
-  c.sampler.max_new_tokens = 6
+  c.sampler.max_new_tokens = 6  # completion tokens per rollout at most (N)
   c.sampler.temperature = 1.0  # the learner scores tokens at the same temperature
-  c.sampler.top_k = 0
-  c.sampler.top_p = 1.0
+  c.sampler.top_k = 0  # sample among the k most likely tokens only (0 = off)
+  c.sampler.top_p = 1.0  # nucleus sampling: the smallest set of tokens holding this mass (1 = off)
   c.sampler.dtype = "float32"  # "bfloat16" produces a real train/inference mismatch
   c.sampler.quantize = "none"  # "int8": weight-only int8 sampler weights (another real mismatch)
   # Records of μ beyond the sampled token (jaxrl_llm.sampling.behavior), for the losses that read them:
@@ -80,7 +80,7 @@ def get_config():
   # The drafter (distill/drafter.py): "layers" = a view of the policy's first k layers | "distilled" = its own copy of
   # them (+ embedding, norm, head), distilled after every learner step on that step's rollouts (ReSpec; sync and
   # fixed_lag modes, one device, no LoRA).
-  c.sampler.spec_drafter = "layers"
+  c.sampler.spec_drafter = "layers"  # "layers": the policy's first k layers | "distilled": a copy
   c.sampler.spec_distill_lr = 1e-4  # "distilled": Adam learning rate of the KL(π_policy ‖ drafter) steps
   c.sampler.spec_distill_steps = 1  # "distilled": drafter gradient steps per learner step (on that step's batch)
   c.sampler.spec_distill_reward_weight = 0.0  # "distilled": α of the row weights max(0, 1 + α·z(reward)); 0 = off
@@ -88,8 +88,8 @@ def get_config():
   c.rollout = ml_collections.ConfigDict()
   c.rollout.mode = "sync"  # sync | fixed_lag | staged | async | harness
   c.rollout.lag = 0  # k for fixed_lag, stage length for staged, staleness bound η for async
-  c.rollout.prompts_per_step = 16
-  c.rollout.group_size = 8
+  c.rollout.prompts_per_step = 16  # prompts per learner step (the batch is prompts_per_step * group_size)
+  c.rollout.group_size = 8  # responses sampled per prompt (G)
   c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal from the loss
   c.rollout.old_logp = "recompute"  # recompute | behavior | step_start | ewma | a3po
   c.rollout.ewma_beta = 0.9  # EWMA decay of the proximal parameter copy (old_logp = ewma)
@@ -123,85 +123,85 @@ def get_config():
   c.serve.model_name = "jaxrl-policy"  # the model id /v1/models lists; any other name is a 404
 
   c.loss = ml_collections.ConfigDict()
-  c.loss.name = "ppo_clip"
+  c.loss.name = "ppo_clip"  # a registered loss (docs/losses.md)
   c.loss.hparams = ml_collections.ConfigDict()  # overrides of the loss's Hparams dataclass
   c.loss.agg_mode = "seq-mean-token-mean"  # GRPO aggregation
-  c.loss.drop_rejected = False
+  c.loss.drop_rejected = False  # tokens a loss rejects leave the denominator too (else they count as zeros)
   c.loss.norm_len = 0.0  # constant normaliser for seq-mean-token-sum-norm (0 = max_new_tokens)
-  c.loss.kl_coef = 0.0
-  c.loss.kl_estimator = "k3"
-  c.loss.entropy_coef = 0.0
+  c.loss.kl_coef = 0.0  # weight of a KL term to the initial policy (> 0 keeps a frozen reference copy)
+  c.loss.kl_estimator = "k3"  # estimator of that KL (Schulman's k1, k2, k3)
+  c.loss.entropy_coef = 0.0  # weight of an entropy bonus
 
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
-  c.advantage.std_normalize = True
+  c.advantage.std_normalize = True  # divide the group-relative advantages by the group's reward std
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.lr = 1e-4
-  c.optim.weight_decay = 0.0
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.98
-  c.optim.grad_clip = 1.0
-  c.optim.warmup_steps = 5
+  c.optim.lr = 1e-4  # AdamW learning rate (after the warmup)
+  c.optim.weight_decay = 0.0  # AdamW's decoupled weight decay
+  c.optim.b1 = 0.9  # AdamW's beta1
+  c.optim.b2 = 0.98  # AdamW's beta2
+  c.optim.grad_clip = 1.0  # clip the global gradient norm to this (0 = off)
+  c.optim.warmup_steps = 5  # optimiser updates of linear learning-rate warmup from 0 (0 = none)
   c.optim.grad_accum = 1  # micro-batches per optimiser update (exact token/sequence means via reduce_parts)
   # Update schedule: each learner step splits its rollout batch into `minibatches` (whole GRPO groups, in
   # order) and makes one optimiser update per minibatch, `epochs` passes over the batch; π_old stays the
   # step's. The policy is published once per learner step: versions and lag count learner steps.
-  c.optim.minibatches = 1
-  c.optim.epochs = 1
+  c.optim.minibatches = 1  # optimiser updates per learner step, one per minibatch of whole groups
+  c.optim.epochs = 1  # passes over the step's batch (π_old stays the step's)
   c.optim.max_skips = 10  # consecutive non-finite updates before the run stops
   # Packed learner (`jaxrl_llm.packing`): rows of this many tokens, each holding several sequences' real tokens, so
   # no learner FLOP goes to padding; must hold the longest prompt + completion. 0 = off (padded [B, P+N] rows).
-  c.optim.pack_width = 0
+  c.optim.pack_width = 0  # tokens per packed learner row; 0 = off (padded rows)
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 250  # a short warm start: the policy begins with non-zero (but low) accuracy
-  c.sft.batch_size = 64
-  c.sft.lr = 2e-3
+  c.sft.batch_size = 64  # examples per SFT step
+  c.sft.lr = 2e-3  # SFT learning rate
   c.sft.save_to = ""  # if set, the post-SFT policy is exported there (HF safetensors) for reuse via model.init_from
   # With an environment (env.name set) the warm start trains on scripted demonstration episodes instead
   # (jaxrl_llm.envs.demos): `demos` episodes of the player `demo_player` ("consistent" | "optimal" for guess_number).
-  c.sft.demos = 64
-  c.sft.demo_player = "consistent"
+  c.sft.demos = 64  # demonstration episodes of the warm start when env.name is set
+  c.sft.demo_player = "consistent"  # the scripted player of those episodes (jaxrl_llm.envs.demos)
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 40
-  c.eval.num_prompts = 256
+  c.eval.every = 40  # learner steps between greedy held-out evaluations (and at the end); 0 = never
+  c.eval.num_prompts = 256  # held-out prompts per evaluation
 
   c.mesh = ml_collections.ConfigDict()  # axis sizes; their product is the device count (all 1 = one device)
-  c.mesh.data = 1
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
-  c.mesh.expert = 1
+  c.mesh.data = 1  # data-parallel axis (replicated weights)
+  c.mesh.fsdp = 1  # fully sharded data-parallel axis (weights and optimiser state sharded)
+  c.mesh.tensor = 1  # tensor-parallel axis (heads and MLP columns split)
+  c.mesh.expert = 1  # expert-parallel axis (MoE experts split)
 
   # Multi-process runs (one process per host; docs/scaling.md), named after `jax.distributed.initialize`'s
   # arguments. All None: TPU slices, SLURM, Open MPI and Kubernetes are detected (else one process);
   # $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID fill unset ones.
   c.dist = ml_collections.ConfigDict()
   c.dist.coordinator_address = ml_collections.config_dict.placeholder(str)  # "host:port" of process 0
-  c.dist.num_processes = ml_collections.config_dict.placeholder(int)
-  c.dist.process_id = ml_collections.config_dict.placeholder(int)
+  c.dist.num_processes = ml_collections.config_dict.placeholder(int)  # processes of the run (one per host)
+  c.dist.process_id = ml_collections.config_dict.placeholder(int)  # this process's index; 0 writes the files
   c.dist.initialization_timeout = 300  # seconds to wait for every process to connect
   c.dist.heartbeat_timeout_seconds = 100  # a silent peer is declared dead after this (ours: after half of it)
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # learner steps between checkpoints (0 = only on SIGTERM / at the end)
-  c.checkpoint.keep = 3
+  c.checkpoint.keep = 3  # newest checkpoints kept (with eval.every > 0 the best by eval_accuracy too)
   # A resumed run whose config differs from its checkpoint's in a field that changes shapes or semantics:
   # "error" stops with the list of fields; "resume" resumes anyway (deliberate: the arrays must still fit);
   # "restart" moves the old checkpoints and metrics to DIR/previous-<time>/ and starts at step 0.
-  c.checkpoint.config_change = "error"
+  c.checkpoint.config_change = "error"  # on resume with a changed config: stop | resume anyway | move the old run aside
 
   c.reward = ml_collections.ConfigDict()  # how the task's reward function is called (jaxrl_llm.tasks.reward)
   c.reward.timeout_s = 5.0  # per call; a call that overruns scores 0 and counts in reward_errors
   c.reward.max_abs = 1e6  # |reward| above this (or NaN/inf) is an error: scores 0, counted
   # "auto" (the task's choice: worker processes for the math-verify data tasks, threads for the procedural
   # ones) | "thread" | "process" (worker processes: a hung or GIL-holding reward is killed)
-  c.reward.executor = "auto"
+  c.reward.executor = "auto"  # where reward calls run: "auto" (the task's choice) | "thread" | "process"
   c.reward.workers = 8  # concurrent reward calls
 
   c.log = ml_collections.ConfigDict()
-  c.log.every = 1
-  c.log.progress = True
-  c.log.tensorboard = True
+  c.log.every = 1  # not read: metrics.jsonl gets a row every learner step
+  c.log.progress = True  # a progress bar on the terminal
+  c.log.tensorboard = True  # also write TensorBoard event files (DIR/tb)
   return c

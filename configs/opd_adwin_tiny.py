@@ -28,15 +28,15 @@ from jaxrl_llm.config import load_file
 def get_config():
   c = load_file(pathlib.Path(__file__).with_name("opd_tiny.py"))
   c.distill.adwin = ml_collections.ConfigDict({
-      "enabled": True,
-      "h_init": 3,  # tokens (of sampler.max_new_tokens = 4)
-      "h_min": 1,
-      "h_max": 4,
-      "gamma_down": 0.8,
-      "gamma_up": 1.5,
-      "tau": 0.8,
-      "probe_period": 2,  # steps 0, 2, 4, ... probe
-      "max_probe_age": 4,  # versions
+      "enabled": True,  # train on the first H counted response tokens of each row
+      "h_init": 3,  # initial horizon H in tokens (here of sampler.max_new_tokens = 4)
+      "h_min": 1,  # lower bound of H
+      "h_max": 4,  # upper bound of H
+      "gamma_down": 0.8,  # H <- H * gamma_down when a probe agrees (>= tau)
+      "gamma_up": 1.5,  # H <- H * gamma_up when it does not
+      "tau": 0.8,  # agreement threshold (share of the teacher signal inside the first H tokens)
+      "probe_period": 2,  # learner steps between probes (here steps 0, 2, 4, ...)
+      "max_probe_age": 4,  # a probe whose rows are more versions old than this changes nothing
       "anchor_threshold": 0.0,  # off; > 0 also cuts a row at its first token with log μ − log p above it
   })
   return c

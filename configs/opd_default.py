@@ -8,21 +8,11 @@ the teacher (wider and deeper) a long one; every rollout is then scored by the f
 rollout time (`jaxrl_llm.distill.opd.make_batch_extras`) and the student is trained on an OPD loss
 instead of a reward. The reward is still computed and logged (accuracy), but OPD losses ignore it.
 
-Section `distill`:
-  teacher            "sft": train a larger teacher on the task (trained once per (task, seed, size,
-                     SFT settings), cached under teacher_cache_dir as a Hugging Face folder and reused);
-                     or a path to a Hugging Face checkpoint folder with the task's vocabulary; "" = off
-  teacher_d_model    teacher width (d_ff and heads scale with it; head_dim is the student's)   ["sft"]
-  teacher_n_layers   teacher depth                                                            ["sft"]
-  teacher_sft_steps  teacher SFT steps (batch size and lr: sft.batch_size, sft.lr)             ["sft"]
-  teacher_cache_dir  cache of SFT teachers; "" = ~/.cache/jaxrl_llm/teachers
-  topk               K of the teacher's top-k cache (ids, log-probs, residual log-mass)
-  temperature        teacher scoring temperature; 0 = sampler.temperature. The learner scores the
-                     student at sampler.temperature, so the default compares both at the same T.
-  ref_teacher        S²D / Direct-OPD's reference (pre-RL) teacher: "" = off, "sft" (the teacher's
-                     family and initialisation, trained ref_teacher_sft_steps steps, cached like the
-                     teacher) or a Hugging Face folder; scored at the student's top-K candidates
-  ref_teacher_d_model, ref_teacher_n_layers, ref_teacher_sft_steps   its size and SFT steps ["sft"]
+Section `distill`: the comment on each field below (docs/config.md lists them). An "sft" teacher is trained
+once per (task, seed, size, SFT settings) with sft.batch_size and sft.lr, cached under teacher_cache_dir as a
+Hugging Face folder and reused; a folder teacher must have the task's vocabulary. The learner scores the student
+at sampler.temperature, so `temperature` 0 compares both at the same T. The reference teacher ("sft": the
+teacher's family and initialisation after ref_teacher_sft_steps) is scored at the student's top-K candidates.
 
 Runnable OPD losses with this teacher (`loss.name`): opd_reverse_kl (sampled-token reverse KL,
 advantage form; `loss.hparams.online_advantage=True` is AsyncOPD's recompute fix), opd_forward_kl,
@@ -52,16 +42,16 @@ def get_config():
   c.loss.agg_mode = "token-mean"  # OPD convention: masked token mean over the batch
   c.optim.lr = 3e-4
   c.distill = ml_collections.ConfigDict({
-      "teacher": "sft",
-      "teacher_d_model": 256,
-      "teacher_n_layers": 4,
-      "teacher_sft_steps": 1500,
-      "teacher_cache_dir": "",
-      "topk": 16,
-      "temperature": 0.0,
-      "ref_teacher": "",
-      "ref_teacher_d_model": 256,
-      "ref_teacher_n_layers": 4,
-      "ref_teacher_sft_steps": 500,
+      "teacher": "sft",  # "sft" (trained on the task, cached) | a Hugging Face folder | "mopd" (distill.teachers)
+      "teacher_d_model": 256,  # "sft" teacher's width (d_ff and heads scale with it; head_dim is the student's)
+      "teacher_n_layers": 4,  # "sft" teacher's depth
+      "teacher_sft_steps": 1500,  # "sft" teacher's SFT steps (batch size and lr: sft.batch_size, sft.lr)
+      "teacher_cache_dir": "",  # cache of "sft" teachers; "" = ~/.cache/jaxrl_llm/teachers
+      "topk": 16,  # K of the teacher's top-k scores (ids, log-probs, residual log-mass)
+      "temperature": 0.0,  # teacher scoring temperature; 0 = sampler.temperature
+      "ref_teacher": "",  # S²D / Direct-OPD reference (pre-RL) teacher: "" = off | "sft" | a folder
+      "ref_teacher_d_model": 256,  # "sft" reference teacher's width
+      "ref_teacher_n_layers": 4,  # "sft" reference teacher's depth
+      "ref_teacher_sft_steps": 500,  # "sft" reference teacher's SFT steps
   })
   return c

@@ -37,20 +37,20 @@ def get_config():
   c = load_file(pathlib.Path(__file__).with_name("opd_tiny.py"))
   c.loss.name = "ppo_clip"  # with mopd.reward_advantage: the reverse-KL advantage form, weighted per domain
   c.distill.teacher = "mopd"
-  c.distill.teachers = [
+  c.distill.teachers = [  # teacher specs, one per domain (list index); fields: distill.extras.SPEC_FIELDS
       ml_collections.ConfigDict({"teacher": "sft", "teacher_d_model": 64, "teacher_n_layers": 2,
                                  "teacher_sft_steps": 150, "domain": "even"}),
       ml_collections.ConfigDict({"teacher": "sft", "teacher_d_model": 96, "teacher_n_layers": 1,
                                  "teacher_sft_steps": 150, "seed": 1, "domain": "odd"}),
   ]
   c.distill.mopd = ml_collections.ConfigDict({
-      "token_share": True,  # M1
-      "target_share": (0.7, 0.3),
-      "gap_follow": True,  # M2
-      "gap_stat": "mean",
-      "gap_alpha": 1.0,
-      "gap_reference": "anchored",
-      "gap_decay": 0.9,
-      "reward_advantage": True,
+      "token_share": True,  # M1: token-share balancing weights per domain
+      "target_share": (0.7, 0.3),  # target token share per domain; () = uniform
+      "gap_follow": True,  # M2: gap-following factors (multiply the M1 weights)
+      "gap_stat": "mean",  # m_d: a statistic of |r_t| over domain d's tokens
+      "gap_alpha": 1.0,  # the factor is clip((m_d / ref_d) ** gap_alpha, 0.05, 20)
+      "gap_reference": "anchored",  # ref_d: the first m_d seen ("anchored") or an EMA of the earlier steps' ("ema")
+      "gap_decay": 0.9,  # decay of that EMA
+      "reward_advantage": True,  # train on adv = w_b · (log p_d − log μ), with an advantage loss (ppo_clip)
   })
   return c

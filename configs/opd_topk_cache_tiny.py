@@ -28,5 +28,8 @@ def get_config():
   c.rollout.lag = 1
   c.rollout.replay.capacity = 8  # groups
   c.rollout.replay.fresh_per_step = 2  # prompts per sampler call: half of each batch is replayed
-  c.distill.topk_cache = ml_collections.ConfigDict({"enabled": True, "capacity": 4096})
+  c.distill.topk_cache = ml_collections.ConfigDict({
+      "enabled": True,  # serve a row the teacher scored before from the host cache instead of re-scoring it
+      "capacity": 4096,  # rows held (the least recently used leave first)
+  })
   return c
