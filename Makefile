@@ -70,9 +70,10 @@ test: $(VENV)/.test
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
-## Regenerate docs/losses.md from the loss registry.
+## Regenerate docs/losses.md from the loss registry and docs/config.md from the shipped configs.
 docs: $(VENV)/.base
 	$(PY) -m jaxrl_llm.docs_gen > docs/losses.md
+	$(PY) -m jaxrl_llm.config_doc > docs/config.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
