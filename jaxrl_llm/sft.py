@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import learner
+from jaxrl_llm import learner, sft_cache
 from jaxrl_llm.envs import demos as demos_lib
 from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.rollout import collect, episodes
@@ -59,22 +59,37 @@ def sft_warm_start(schedule: SftSchedule, model_cfg: ModelConfig, params, train,
                    encoder: Encoder = CHAR_ENCODER) -> tuple[Any, float]:
   """Teacher-forced SFT on reference answers so the policy starts with non-zero accuracy; prompts and
   targets (answer + EOS, or the chat end-of-turn id) through the run's `encoder`, cut at N tokens."""
+  N = schedule.max_new_tokens
+
+  def batches():
+    rng = np.random.default_rng([schedule.seed, 11])
+    for _ in range(schedule.steps):
+      exs = [train[int(i)] for i in rng.choice(len(train), schedule.batch_size)]
+      p = collect.encode_prompts(exs, P, encoder)
+      tgt, len_B = encoder.pad_targets([ex["answer"] for ex in exs], N, truncate=True)
+      mask_BN = np.arange(N)[None, :] < len_B[:, None]
+      seq, pos, seg = full_sequence(p, tgt, mask_BN, encoder.tokenizer.pad_id)
+      yield seq, pos, seg, jnp.asarray(mask_BN, jnp.float32)
+
+  return _sft(schedule, model_cfg, params, batches)
+
+
+def _sft(schedule: SftSchedule, model_cfg: ModelConfig, params, batches) -> tuple[Any, float]:
+  """`schedule.steps` AdamW steps of `learner.make_sft_step` over `batches()` (a fresh iterator of
+  (sequence, positions, segment ids, mask) per call); the result is read from `sft_cache` when an earlier
+  run computed it from the same inputs."""
   if schedule.steps <= 0:
     return params, float("nan")
-  tx = learner.make_optimizer(schedule.lr, grad_clip=1.0, warmup_steps=min(20, schedule.steps // 10))
-  opt_state = tx.init(params)
-  step_fn = learner.make_sft_step(model_cfg, tx)
-  N = schedule.max_new_tokens
-  rng = np.random.default_rng([schedule.seed, 11])
-  loss = float("nan")
-  for _ in range(schedule.steps):
-    exs = [train[int(i)] for i in rng.choice(len(train), schedule.batch_size)]
-    p = collect.encode_prompts(exs, P, encoder)
-    tgt, len_B = encoder.pad_targets([ex["answer"] for ex in exs], N, truncate=True)
-    mask_BN = np.arange(N)[None, :] < len_B[:, None]
-    seq, pos, seg = full_sequence(p, tgt, mask_BN, encoder.tokenizer.pad_id)
-    params, opt_state, loss = step_fn(params, opt_state, seq, pos, seg, jnp.asarray(mask_BN, jnp.float32))
-  return params, float(loss)
+
+  def train():
+    tx = learner.make_optimizer(schedule.lr, grad_clip=1.0, warmup_steps=min(20, schedule.steps // 10))
+    step_fn = learner.make_sft_step(model_cfg, tx)
+    state, opt_state, loss = params, tx.init(params), float("nan")
+    for batch in batches():
+      state, opt_state, loss = step_fn(state, opt_state, *batch)
+    return state, float(loss)
+
+  return sft_cache.cached(sft_cache.settings_of(model_cfg, schedule), params, batches(), train)
 
 
 def episode_record(encoder: Encoder, first: str, steps, max_turns: int,
@@ -135,15 +150,11 @@ def sft_on_demos(schedule: SftSchedule, model_cfg: ModelConfig, params, records,
   """Teacher-forced SFT on demonstration episodes (`demo_records`): `schedule.steps` AdamW steps, each on
   `schedule.batch_size` records drawn with replacement by `schedule.seed`; the loss (`learner.make_sft_step`)
   is the mean NLL of the policy tokens only (environment tokens are context)."""
-  if schedule.steps <= 0:
-    return params, float("nan")
-  tx = learner.make_optimizer(schedule.lr, grad_clip=1.0, warmup_steps=min(20, schedule.steps // 10))
-  opt_state = tx.init(params)
-  step_fn = learner.make_sft_step(model_cfg, tx)
-  rng = np.random.default_rng([schedule.seed, 12])
-  loss = float("nan")
-  for _ in range(schedule.steps):
-    batch = [records[int(i)] for i in rng.choice(len(records), schedule.batch_size)]
-    seq, pos, seg, mask = episode_batch(batch, P, N, encoder.tokenizer.pad_id)
-    params, opt_state, loss = step_fn(params, opt_state, seq, pos, seg, mask)
-  return params, float(loss)
+
+  def batches():
+    rng = np.random.default_rng([schedule.seed, 12])
+    for _ in range(schedule.steps):
+      yield episode_batch([records[int(i)] for i in rng.choice(len(records), schedule.batch_size)], P, N,
+                          encoder.tokenizer.pad_id)
+
+  return _sft(schedule, model_cfg, params, batches)

@@ -54,10 +54,18 @@ def _release_compiled_programs():
   jax.clear_caches()
 
 
+# Each distinct SFT warm start is trained once per session (`jaxrl_llm.sft_cache`): most runs of the suite start
+# from configs/tiny.py's 150-step warm start, which was re-trained by every one of them. A hit returns bitwise the
+# parameters the steps would produce, so no test sees a difference; tests/test_sft_cache.py checks that.
+if _OWNS_CACHE:
+  os.environ["JAXRL_LLM_SFT_CACHE"] = tempfile.mkdtemp(prefix="jaxrl_test_sft_")
+
+
 def pytest_unconfigure(config):
   del config
-  if _OWNS_CACHE:  # the controller (or a run without xdist); workers inherit the variable
+  if _OWNS_CACHE:  # the controller (or a run without xdist); workers inherit the variables
     shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    shutil.rmtree(os.environ["JAXRL_LLM_SFT_CACHE"], ignore_errors=True)
 
 
 def _session_root(tmp_path_factory):
