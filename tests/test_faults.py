@@ -661,3 +661,21 @@ def test_a_background_write_failure_is_named_by_its_own_step(tmp_path):
   finally:
     ckpt._mngr = real
     ckpt.close()
+
+
+# --- issue 43 item 5: a third audit ----------------------------------------------------------------------
+
+def harness_tiny(**serve):
+  """configs/harness_tiny.py, small rows, no checkpoints / tensorboard / progress bar."""
+  c = config_lib.load_file(os.path.join(ROOT, "configs", "harness_tiny.py"))
+  c.log.tensorboard, c.log.progress, c.checkpoint.every = False, False, 0
+  c.serve.max_context, c.serve.prompt_width, c.serve.max_tokens = 48, 24, 6
+  for k, v in serve.items():
+    c.serve[k] = v
+  return c
+
+
+def test_a_harness_module_that_does_not_import_names_the_field(tmp_path):
+  # issue 43 (c): serve.harness=nosuchmodule:run ended with "error: ModuleNotFoundError: ..." naming no field.
+  with pytest.raises(config_lib.ConfigError, match=r"config\.serve\.harness='nosuchmodule:run'.*ModuleNotFoundError"):
+    loop.run(harness_tiny(harness="nosuchmodule:run"), str(tmp_path / "run"))

@@ -66,11 +66,18 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
 
 
 def load_harness(spec: str):
-  """The callable of "module:function"."""
+  """The callable of "module:function"; a module that does not import, or no such callable, is a `ConfigError`
+  naming `config.serve.harness`."""
+  from jaxrl_llm.config import ConfigError  # noqa: PLC0415
   module, _, name = spec.partition(":")
-  fn = getattr(importlib.import_module(module), name, None)
+  try:
+    mod = importlib.import_module(module)
+  except Exception as e:  # noqa: BLE001 -- the harness module is user code: anything can go wrong importing it
+    raise ConfigError(f"config.serve.harness={spec!r}: cannot import {module!r} "
+                      f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+  fn = getattr(mod, name, None)
   if not callable(fn):
-    raise ValueError(f"serve.harness={spec!r}: {module} has no callable {name!r}")
+    raise ConfigError(f"config.serve.harness={spec!r}: {module} has no callable {name!r}")
   return fn
 
 
