@@ -152,9 +152,12 @@ def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
   if t:
     lines.append(f"{'seconds per learner step':<28}{'':>12}{np.median(t):>12.3f}")
   lines.append(f"{'learner steps':<28}{'':>12}{len(rows):>12d}")
-  skipped = sum(1 for r in rows if r.get("update_skipped"))
+  skipped = sum(1 for r in rows if r.get("update_skipped") and not r.get("updates_skipped_empty"))
   if skipped:
     lines.append(f"{'updates skipped (non-finite)':<28}{'':>12}{skipped:>12d}")
+  empty = sum(int(r.get("updates_skipped_empty") or 0) for r in rows)
+  if empty:
+    lines.append(f"{'updates skipped (no sample)':<28}{'':>12}{empty:>12d}")
   errors = sum(int(r.get("reward_errors") or 0) for r in rows)
   if errors:
     lines.append(f"{'reward errors / timeouts':<28}{'':>12}{errors:>12d}")

@@ -684,3 +684,41 @@ def test_a_harness_module_that_does_not_import_names_the_field(tmp_path):
   # issue 43 (c): serve.harness=nosuchmodule:run ended with "error: ModuleNotFoundError: ..." naming no field.
   with pytest.raises(config_lib.ConfigError, match=r"config\.serve\.harness='nosuchmodule:run'.*ModuleNotFoundError"):
     loop.run(harness_tiny(harness="nosuchmodule:run"), str(tmp_path / "run"))
+
+
+def test_a_step_whose_every_sample_failed_leaves_the_weights_alone(monkeypatch):
+  # issue 43 (e): a batch whose every reward call failed still applied an AdamW update (moments, weight decay):
+  # now it skips the update, counted by updates_skipped_empty; the next, normal step still updates.
+  import jax
+  from jaxrl_llm.rollout import sources
+  from test_loop import fresh_run
+  broken = [True]
+
+  def reward(prompt, answer, completion):
+    if broken[0]:
+      raise RuntimeError("reward bug")
+    return float(len(completion) % 2)
+  _with_reward(monkeypatch, reward)
+  c = fast(optim__warmup_steps=0, optim__weight_decay=0.01)
+  c.loss.entropy_coef = 0.01  # a gradient even when every reward is equal
+  r, state, extra, store = fresh_run(c)
+  source = sources.get("sync")(r.ctx, store)
+  leaves = lambda tree: [np.array(x) for x in jax.tree.leaves(jax.device_get(tree))]
+  try:
+    ro = source.next_batch(0, store.latest_version)
+    assert ro.stat("reward_errors") == len(ro.reward_B)
+    before = leaves((state.params, state.opt_state))
+    state, m, _ = loop._learn(r, store, state, extra, ro, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, leaves((state.params, state.opt_state))))
+    assert (m["updates_skipped_empty"], m["updates_applied"], m["update_skipped"]) == (1, 0, 1)
+    assert m["skipped_consecutive"] == 0  # nothing was non-finite
+    assert store.latest_version == 0  # nothing published
+    broken[0] = False
+    ro = source.next_batch(1, store.latest_version)
+    assert ro.stat("reward_errors") == 0
+    params = leaves(state.params)
+    state, m, _ = loop._learn(r, store, state, extra, ro, 1)
+    assert (m["updates_skipped_empty"], m["updates_applied"], m["update_skipped"]) == (0, 1, 0)
+    assert not all(np.array_equal(a, b) for a, b in zip(params, leaves(state.params)))
+  finally:
+    source.close()
