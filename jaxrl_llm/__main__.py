@@ -221,7 +221,8 @@ def _main():
           f"(resumed at step {info['resumed_from_step']}); use another --workdir or a larger --config.num_steps")
   if rows:
     plot_path = os.path.join(_WORKDIR.value, "reward_accuracy.png")
-    metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})")
+    metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})",
+                 initial_eval=info.get("eval_accuracy_initial"))
     print(metrics.summary_table(rows, info.get("eval_accuracy_initial")))
     if info.get("time_sft_s"):
       print(f"SFT warm start: {info['time_sft_s']:.1f} s; held-out accuracy 'start' is after it, before RL")

@@ -722,3 +722,19 @@ def test_a_step_whose_every_sample_failed_leaves_the_weights_alone(monkeypatch):
     assert not all(np.array_equal(a, b) for a, b in zip(params, leaves(state.params)))
   finally:
     source.close()
+
+
+def test_the_plot_held_out_curve_starts_with_the_before_accuracy(tmp_path):
+  # issue 43 item 4: `make demo`'s plot drew held-out accuracy from the first evaluation in metrics.jsonl (step 9)
+  # on, so the "start" accuracy that the summary prints was not on it.
+  from jaxrl_llm import metrics
+  rows = [{"step": t, "reward_mean": 0.1 * t, **({"eval_accuracy": 0.3 + t / 100} if t % 10 == 9 else {})}
+          for t in range(20)]
+  series = metrics.plot_series(rows, initial_eval=0.25)
+  assert series["held_out"] == ([0, 10, 20], [0.25, 0.39, 0.49])  # before, after step 9's update, the final one
+  assert series["reward"] == (list(range(20)), [0.1 * t for t in range(20)])
+  start, end = metrics.summary_table(rows, 0.25).split("held-out accuracy")[1].split()[:2]
+  assert (float(start), float(end)) == (0.25, 0.49)  # the summary's start and end are the curve's ends
+  assert metrics.plot_series(rows)["held_out"][0] == [10, 20]  # no initial evaluation: nothing at 0
+  metrics.plot(rows, str(tmp_path / "p.png"), initial_eval=0.25)
+  assert os.path.getsize(tmp_path / "p.png") > 0
