@@ -738,3 +738,13 @@ def test_the_plot_held_out_curve_starts_with_the_before_accuracy(tmp_path):
   assert metrics.plot_series(rows)["held_out"][0] == [10, 20]  # no initial evaluation: nothing at 0
   metrics.plot(rows, str(tmp_path / "p.png"), initial_eval=0.25)
   assert os.path.getsize(tmp_path / "p.png") > 0
+
+
+def test_speculative_metrics_in_async_mode(tmp_path):
+  # issue 43 (f): sampler.spec_gamma in rollout.mode=async speculated but reported no spec_* metrics.
+  c = fast(rollout__mode="async", rollout__lag=1, sampler__spec_gamma=2, sampler__spec_draft_layers=1)
+  c.checkpoint.every = 0
+  rows = loop.run(c, str(tmp_path / "run"))
+  for r in rows:
+    assert 0.0 <= r["spec_accept_rate"] <= 1.0, r
+    assert 1.0 <= r["spec_tokens_per_call"] <= 3.0, r  # at most γ + 1 tokens per verification call
