@@ -748,3 +748,44 @@ def test_speculative_metrics_in_async_mode(tmp_path):
   for r in rows:
     assert 0.0 <= r["spec_accept_rate"] <= 1.0, r
     assert 1.0 <= r["spec_tokens_per_call"] <= 3.0, r  # at most γ + 1 tokens per verification call
+
+
+_SPINNING_ENV = """
+from jaxrl_llm import envs
+@envs.register("test_spin")
+class Spin:
+  def __init__(self, max_turns=4):
+    pass
+  def reset(self, seed):
+    return "guess:"
+  def step(self, action):
+    while True:  # never returns, never sleeps
+      pass
+"""
+
+
+def test_a_spinning_environment_run_exits(tmp_path):
+  # issue 43 (a): env.step busy-looping in Python with env.timeout_s=1: the run counted the timeouts and wrote its
+  # checkpoint and run_info.json, but the process never exited (the spinning threads starved it of the GIL).
+  d = tmp_path / "run"
+  args = ["--config=configs/agent_tiny.py", f"--workdir={d}", "--config.env.name=test_spin",
+          "--config.env.timeout_s=1", "--config.num_steps=2", "--config.checkpoint.every=0",
+          "--config.log.tensorboard=False", "--config.log.progress=False"]
+  env = {**ENV, "JAXRL_LLM_HUGE_PAGES": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+  p = subprocess.Popen([sys.executable, "-c", _WRAPPED_CLI.format(patch=_SPINNING_ENV), *args], cwd=ROOT, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    t0 = time.time()
+    while not (d / "run_info.json").exists():
+      assert p.poll() is None, p.stdout.read()[-3000:]
+      assert time.time() - t0 < 400, "no run_info.json within 400 s"
+      time.sleep(0.5)
+    out, _ = p.communicate(timeout=1 + 60)  # env.timeout_s plus a margin
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  assert p.returncode == 0, out[-3000:]
+  rows = read_jsonl(str(d / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [0, 1] and all(r["env_timeouts"] == r["env_episodes"] > 0 for r in rows)
+
