@@ -789,3 +789,42 @@ def test_a_spinning_environment_run_exits(tmp_path):
   rows = read_jsonl(str(d / "metrics.jsonl"))
   assert [r["step"] for r in rows] == [0, 1] and all(r["env_timeouts"] == r["env_episodes"] > 0 for r in rows)
 
+
+def blocking_harness(base_url, episode_id, seed):
+  """A harness that never returns (and never calls the endpoint)."""
+  threading.Event().wait()
+
+
+def test_a_harness_that_never_returns_cannot_fail_a_sigterm(tmp_path):
+  # issue 43 (b): a harness blocking forever and a SIGTERM: the checkpoint was saved, then "error: RuntimeError:
+  # rollout workers did not stop within 60.0 s" and exit 1 (a worker joined its G harness threads one after the
+  # other, serve.timeout_s each), without run_info.json. Now the run exits 0 with both, within a bounded time.
+  d = tmp_path / "run"
+  c = harness_tiny()
+  over = {"serve.harness": "test_faults:blocking_harness", "serve.timeout_s": 5.0, "serve.concurrency": 16,
+          "serve.max_context": c.serve.max_context, "serve.prompt_width": c.serve.prompt_width,
+          "serve.max_tokens": c.serve.max_tokens, "rollout.group_size": 16, "rollout.prompts_per_step": 1,
+          "num_steps": 50, "log.tensorboard": False, "log.progress": False, "checkpoint.every": 0}
+  env = {**ENV, "PYTHONPATH": os.pathsep.join((os.path.join(ROOT, "tests"), ENV["PYTHONPATH"]))}
+  p = subprocess.Popen([sys.executable, "-m", "jaxrl_llm", "--config=configs/harness_tiny.py", f"--workdir={d}",
+                        *[f"--config.{k}={v}" for k, v in over.items()]], cwd=ROOT, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  path = d / "metrics.jsonl"
+  try:
+    t0 = time.time()
+    while not (path.exists() and len(open(path).readlines()) >= 1):
+      assert p.poll() is None, p.stdout.read()[-3000:]
+      assert time.time() - t0 < 400, "no learner step within 400 s"
+      time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=5 + 45)  # serve.timeout_s plus a margin
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  assert p.returncode == 0 and "preempted" in out, out[-3000:]
+  info = json.load(open(d / "run_info.json"))
+  assert info["stopped_by_signal"] == signal.SIGTERM
+  rows = read_jsonl(str(path))
+  assert max(int(x) for x in os.listdir(d / "checkpoints") if x.isdigit()) == len(rows)
+  assert all(r["serve_timeouts"] == r["serve_episodes"] == 16 and r["updates_skipped_empty"] == 1 for r in rows)

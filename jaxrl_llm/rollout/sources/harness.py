@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -37,6 +38,7 @@ from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.rollout.buffer import collate, group_record, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
+from jaxrl_llm.tasks.reward import interrupt_thread
 
 FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long")
 
@@ -83,7 +85,8 @@ def load_harness(spec: str):
 
 def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float) -> list[str | None]:
   """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
-  "errors" (it raised) / "timeouts" (still running after `timeout_s`: left behind, its later calls get a 404)."""
+  "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread,
+  its later calls get a 404). Returns within `timeout_s` (one deadline for all the threads)."""
   status: list[str | None] = ["timeouts"] * len(episode_ids)
 
   def one(i: int) -> None:
@@ -97,9 +100,14 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
              for i, e in enumerate(episode_ids)]
   for t in threads:
     t.start()
+  deadline = time.monotonic() + timeout_s
   for t in threads:
-    t.join(timeout_s)
-  return list(status)
+    t.join(max(0.0, deadline - time.monotonic()))
+  out = list(status)
+  for t in threads:  # left behind; one spinning in Python code would starve the process of the GIL: stopped there
+    if t.is_alive() and t.ident is not None:
+      interrupt_thread(t.ident)
+  return out
 
 
 def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int, version: int) -> Rollout:
@@ -221,13 +229,15 @@ class Harness:
     self.next_request_id = int((state or {}).get("next_request_id", 0))
 
   def close(self) -> None:
-    """Stops the endpoint first (a harness still playing then fails fast), then the worker threads."""
+    """Stops the endpoint first (a harness still playing then fails fast), then the worker threads: each returns
+    within `serve.timeout_s` (`play`); one still running after twice that is left behind (a daemon thread), so a
+    harness that never returns cannot fail the run's exit."""
     if self.service is not None:
       self.service.close()
       self.service = None
     if self.engine is not None:
       self.next_request_id = self.engine.state()["next_request_id"]
       try:
-        self.engine.stop(timeout=max(60.0, 2 * self.s.timeout_s))
+        self.engine.stop(timeout=max(60.0, 2 * self.s.timeout_s), abandon=True)
       finally:
         self.engine = None
