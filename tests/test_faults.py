@@ -5,6 +5,8 @@ async mode, huge / NaN rewards, a spinning reward in process mode, errors that u
 SIGINT, optim.max_skips and runs whose every update is skipped, validation of sft / eval fields.
 Issue 31 (at the end): damaged metrics.jsonl on resume, a looping chat template, error output after
 checkpoint write failures / Ctrl-C twice / a symlinked step, silent nonsense configs, Orbax's tracked_metric.
+Issue 43 (at the end): a spinning environment, a harness that never returns + SIGTERM, a harness module that does
+not import, steps whose every sample failed, speculative metrics in async mode, the plot's held-out curve.
 """
 
 import base64
