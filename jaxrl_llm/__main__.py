@@ -117,7 +117,8 @@ class _Background:
   instead of stderr: a failed checkpoint write or a Ctrl-C during a save makes several threads fail, and
   their tracebacks used to bury the one `error:` line. Installed for the run (not with --debug): Python's
   thread, unraisable and callback hooks, and log records that carry a traceback or are errors; after the
-  `error:` line (`last_word`) the process's stderr itself goes to the log, so that line stays the last."""
+  `error:` line (`last_word`; it prints the `note:` line just before, when none was printed yet and threads
+  are still running that may fail after it) the process's stderr itself goes to the log: that line stays the last."""
 
   def __init__(self):
     self.path = None
@@ -173,8 +174,17 @@ class _Background:
       fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(fd, 2)
     os.close(fd)
+    if path is not None and not self.noted and _threads_left():  # e.g. Orbax's save threads after a Ctrl-C: what
+      self.noted = True                                          # they report goes to the log, said before `line`
+      os.write(stderr, f"note: tracebacks of background threads go to {path}\n".encode())
     os.write(stderr, (line + "\n").encode())
     os.close(stderr)
+
+
+def _threads_left() -> bool:
+  """Whether threads that the interpreter waits for at exit (not daemon threads) are still running."""
+  import threading
+  return any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
 
 
 _BACKGROUND = _Background()
@@ -211,7 +221,8 @@ def _main():
           f"(resumed at step {info['resumed_from_step']}); use another --workdir or a larger --config.num_steps")
   if rows:
     plot_path = os.path.join(_WORKDIR.value, "reward_accuracy.png")
-    metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})")
+    metrics.plot(rows, plot_path, title=f"{c.loss.name}, {c.rollout.mode} (lag {c.rollout.lag})",
+                 initial_eval=info.get("eval_accuracy_initial"))
     print(metrics.summary_table(rows, info.get("eval_accuracy_initial")))
     if info.get("time_sft_s"):
       print(f"SFT warm start: {info['time_sft_s']:.1f} s; held-out accuracy 'start' is after it, before RL")

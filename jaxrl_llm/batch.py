@@ -32,6 +32,18 @@ def prox_logp(run, store: ParamStore, state, extra, ro: Rollout, seq, routes=Non
   return old_logp.compute(run.c.rollout.old_logp, ctx, ro, seq, routes)
 
 
+def _every_sample_failed(ro: Rollout) -> bool:
+  """Whether no row of `ro` has a usable outcome: every reward call or episode failed (raised, timed out, an
+  invalid action: the `reward_errors` stat) or never started (`env_too_long`)."""
+  B = len(ro.reward_B)
+  return B > 0 and int(ro.stat("reward_errors") or 0) + int(ro.stat("env_too_long") or 0) >= B
+
+
+def _distills(c: ml_collections.ConfigDict) -> bool:
+  """Whether the loss learns from a teacher's log-probs (not from rewards): failed rewards leave its samples usable."""
+  return any(n.startswith("teacher") for n in losses.get(c.loss.name).needs)
+
+
 def make_batch(run, store: ParamStore, state, extra, ro: Rollout) -> tuple[Rollout, dict]:
   """(the learner's record of rollout `ro`, host metrics): `run` is the loop's `wiring.Run`."""
   c = run.c
@@ -41,6 +53,8 @@ def make_batch(run, store: ParamStore, state, extra, ro: Rollout) -> tuple[Rollo
   if ro.adv_weight_B is not None:  # replay: over-stale groups down-weighted, after group normalisation
     adv_B = adv_B * jnp.asarray(ro.adv_weight_B)
   info = {}
+  if _every_sample_failed(ro) and not _distills(c):  # rewards of failures only: nothing to learn from (the
+    mask = jnp.zeros_like(mask)                        # learner skips an update with no token, `updates_skipped_empty`)
   if c.rollout.dynamic_sampling:  # DAPO: groups whose rewards are all equal leave the loss and its denominator
     B = mask.shape[0]
     keep_B = advantages.dapo_keep_mask(jnp.asarray(ro.reward_B), jnp.arange(B) // c.rollout.group_size,

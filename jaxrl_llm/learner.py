@@ -26,6 +26,8 @@ in every mode. With n = E = 1 a version is one optimiser update, as before. Insi
 sees `current_version` = the version at the start of the step. A non-finite update is skipped on its
 own (the others still apply); `update_skipped` = 1 only when every update of the step was skipped,
 `updates_applied` counts the applied ones and `skipped_consecutive` counts consecutive skipped updates.
+An update on a (mini)batch with no token to train on (`mask_BN` all 0: every sample failed or was filtered) is
+skipped too, counted by `updates_skipped_empty` (not in `skipped_consecutive`: nothing was non-finite).
 
 LoRA (`TrainState.params` a policy with adapters, `models.lora`): the trainable pytree is the adapters
 (`lora.trainable`), so gradients, grad clipping, weight decay and the optimiser's moments cover them only; the
@@ -354,25 +356,29 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
 
   def update(state: TrainState, batch: Batch, key: Array, heads: dict):
-    """One optimiser update on `batch`: (state with new params / opt / loss state / skips, finite, loss,
-    aux, grads). `step` and `version` are left to the caller (they count learner steps). `heads`: the
-    batch-wide arrays `_take_shared` took out of `batch`."""
+    """One optimiser update on `batch`: (state with new params / opt / loss state / skips, applied, loss,
+    aux, grads, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
+    the caller (they count learner steps). `heads`: the batch-wide arrays `_take_shared` took out of `batch`."""
     own = lora.trainable(state.params)  # the adapters of a LoRA policy (the base is a constant), else all params
     trainable = (own, state.hook_params) if perturbed else own
     loss, aux, grads = accumulate(trainable, state, batch, key, heads)
     finite = jnp.isfinite(loss) & _all_finite(grads)
+    # A batch with no token to train on (every sample failed or masked) moves nothing: AdamW's moments and weight
+    # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
+    empty = ~jnp.any(batch.mask_BN > 0)
+    apply = finite & ~empty
     updates, opt_state = tx.update(grads, state.opt_state, trainable)
     new_trainable = optax.apply_updates(trainable, updates)
     params, hook_params = new_trainable if perturbed else (new_trainable, None)
     params = lora.with_trainable(state.params, params)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     new_loss_state = aux.pop("state", state.loss_state)
     new_state = state.replace(
         params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
-        skipped=jnp.where(finite, 0, state.skipped + 1),
+        skipped=jnp.where(finite, jnp.where(empty, state.skipped, 0), state.skipped + 1),
         hook_params=keep(hook_params, state.hook_params) if perturbed else None)
-    return new_state, finite, loss, aux, grads
+    return new_state, apply, loss, aux, grads, empty
 
   def finish(state: TrainState, new_state: TrainState, applied: Array, aux: dict, metrics: dict):
     new_state = new_state.replace(step=state.step + 1, version=state.version + applied.astype(jnp.int32))
@@ -389,10 +395,11 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     batch, heads = _take_shared(batch)
     if n_updates > 1:
       return multi_update_step(state, batch, key, heads)
-    new_state, finite, loss, aux, grads = update(state, batch, key, heads)
+    new_state, applied, loss, aux, grads, empty = update(state, batch, key, heads)
     s, c = aux["ratio_old_abs_dev"]
-    return finish(state, new_state, finite, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
-                                                  "updates_applied": finite.astype(jnp.int32),
+    return finish(state, new_state, applied, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
+                                                   "updates_applied": applied.astype(jnp.int32),
+                                                   "updates_skipped_empty": empty.astype(jnp.int32),
                                                   "ratio_old_abs_dev_last": s / jnp.maximum(c, 1.0)})
 
   def multi_update_step(state: TrainState, batch: Batch, key: Array, heads: dict):
@@ -409,21 +416,22 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
 
     def one(st, xs):
       mb, i = xs
-      st, finite, loss, aux, grads = update(st, mb, jax.random.fold_in(key, i), heads)
-      return st, (finite, loss, optax.global_norm(grads), aux)
+      st, applied, loss, aux, grads, empty = update(st, mb, jax.random.fold_in(key, i), heads)
+      return st, (applied, empty, loss, optax.global_norm(grads), aux)
 
     def epoch(st, e):
       return jax.lax.scan(one, st, (mbs, e * minibatches + jnp.arange(minibatches)))
 
-    new_state, (finite_RM, loss_RM, gnorm_RM, aux_RM) = jax.lax.scan(epoch, state, jnp.arange(epochs))
+    new_state, (applied_RM, empty_RM, loss_RM, gnorm_RM, aux_RM) = jax.lax.scan(epoch, state, jnp.arange(epochs))
     flat = lambda x: x.reshape(n_updates, *x.shape[2:])
     aux = _combine_micro(jax.tree.map(flat, aux_RM))
     drift_s, drift_c = aux_RM["ratio_old_abs_dev"]
     metrics = {"loss": loss_RM.mean(), "grad_norm": gnorm_RM.mean(),
-               "updates_applied": finite_RM.sum().astype(jnp.int32),
+               "updates_applied": applied_RM.sum().astype(jnp.int32),
+               "updates_skipped_empty": empty_RM.sum().astype(jnp.int32),
                # the last update's drift from π_old: > 0 once earlier minibatches moved the policy
                "ratio_old_abs_dev_last": flat(drift_s)[-1] / jnp.maximum(flat(drift_c)[-1], 1.0)}
-    return finish(state, new_state, finite_RM.any(), aux, metrics)
+    return finish(state, new_state, applied_RM.any(), aux, metrics)
 
   return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 

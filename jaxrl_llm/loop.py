@@ -230,16 +230,20 @@ def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, star
                     failure: str | None) -> None:
   """Writes run_info.json; raises RunError on `failure` or when every update of this call was skipped."""
   skipped = sum(1 for row in rows if row.get("update_skipped"))
+  # steps with no token to train on (every sample failed) skip their update too, but nothing was non-finite
+  nonfinite = sum(1 for row in rows if row.get("update_skipped") and not row.get("updates_skipped_empty"))
   info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"),
           **{k: v for k, v in meta.items() if k.startswith("eval_episode_")},  # episode_eval, with an env
           "sft_final_loss": meta.get("sft_final_loss"),
           "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
           "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals(),
           "prompts_dropped": r.prompts_dropped, "remat_auto": r.remat_auto,
-          "updates_skipped": skipped, "reward_errors": sum(int(row.get("reward_errors") or 0) for row in rows),
+          "updates_skipped": skipped,
+          "updates_skipped_empty": sum(int(row.get("updates_skipped_empty") or 0) for row in rows),
+          "reward_errors": sum(int(row.get("reward_errors") or 0) for row in rows),
           "stopped_by_signal": flag.signum if flag is not None and flag.requested else None, "error": failure}
-  if failure is None and rows and skipped == len(rows):
-    failure = (f"every update of this run ({skipped} of {len(rows)} learner steps) was skipped as non-finite: the "
+  if failure is None and rows and nonfinite == len(rows):
+    failure = (f"every update of this run ({nonfinite} of {len(rows)} learner steps) was skipped as non-finite: the "
                "policy did not change. Check optim.lr, sampler.temperature and the loss inputs (metrics.jsonl)")
     info["error"] = failure
   if multiprocess.is_writer():

@@ -152,29 +152,44 @@ def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
   if t:
     lines.append(f"{'seconds per learner step':<28}{'':>12}{np.median(t):>12.3f}")
   lines.append(f"{'learner steps':<28}{'':>12}{len(rows):>12d}")
-  skipped = sum(1 for r in rows if r.get("update_skipped"))
+  skipped = sum(1 for r in rows if r.get("update_skipped") and not r.get("updates_skipped_empty"))
   if skipped:
     lines.append(f"{'updates skipped (non-finite)':<28}{'':>12}{skipped:>12d}")
+  empty = sum(int(r.get("updates_skipped_empty") or 0) for r in rows)
+  if empty:
+    lines.append(f"{'updates skipped (no sample)':<28}{'':>12}{empty:>12d}")
   errors = sum(int(r.get("reward_errors") or 0) for r in rows)
   if errors:
     lines.append(f"{'reward errors / timeouts':<28}{'':>12}{errors:>12d}")
   return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, title: str = "") -> None:
-  """Writes a PNG with training reward and held-out accuracy against learner step."""
+def plot_series(rows: list[dict], initial_eval: float | None = None) -> dict[str, tuple[list, list]]:
+  """The plot's data: {"reward": (steps, mean train rewards), "held_out": (steps, held-out accuracies)}.
+
+  x is the number of learner steps done before the measurement: the rollouts of step t come from the policy
+  after t updates; step t's evaluation runs after its update (t + 1). The held-out curve starts at 0 with
+  `initial_eval` (run_info's `eval_accuracy_initial`, the "start" of the summary) when it was measured."""
+  steps = [r["step"] for r in rows if r.get("reward_mean") is not None]
+  reward = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+  ev = [(r["step"] + 1, r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+  if initial_eval is not None:
+    ev = [(0, initial_eval)] + ev
+  return {"reward": (steps, reward), "held_out": ([s_ for s_, _ in ev], [a for _, a in ev])}
+
+
+def plot(rows: list[dict], path: str, title: str = "", initial_eval: float | None = None) -> None:
+  """Writes a PNG with training reward and held-out accuracy against learner step (`plot_series`)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  steps = [r["step"] for r in rows if r.get("reward_mean") is not None]
-  reward = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
-  ev = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+  series = plot_series(rows, initial_eval)
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  ax.plot(steps, reward, lw=1, alpha=0.6, label="train reward (mean)")
-  if ev:
-    ax.plot([s for s, _ in ev], [a for _, a in ev], "o-", label="held-out greedy accuracy")
-  ax.set_xlabel("learner step")
+  ax.plot(*series["reward"], lw=1, alpha=0.6, label="train reward (mean)")
+  if series["held_out"][0]:
+    ax.plot(*series["held_out"], "o-", label="held-out greedy accuracy")
+  ax.set_xlabel("learner steps done")
   ax.set_ylim(-0.02, 1.02)
   ax.grid(alpha=0.3)
   ax.legend(loc="lower right")

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import threading
 import time
+import warnings
 from typing import Any, Callable, Protocol
 
 import jax
@@ -395,20 +396,25 @@ class AsyncRollout:
     self._counted = total
     return out
 
-  def stop(self, timeout: float = 60.0) -> None:
+  def stop(self, timeout: float = 60.0, abandon: bool = False) -> None:
     """Stops the workers after their current step (a group; a decode chunk for a `SlotWorker`, which then
-    abandons the groups it holds) and joins them (at most `timeout` s each).
+    abandons the groups it holds) and joins them (at most `timeout` s in all).
 
     Raises a worker exception that `next_batch` has not surfaced yet, or RuntimeError when a worker
-    does not finish in time.
+    does not finish in time; with `abandon`, workers still running then are left behind with a warning (daemon
+    threads: they cannot hold the process; the groups they make are never consumed).
     """
     self._stop.set()
     self._notify_workers()
+    deadline = time.monotonic() + timeout
     for t in self._threads:
-      t.join(timeout)
+      t.join(max(0.0, deadline - time.monotonic()))
     alive = [t.name for t in self._threads if t.is_alive()]
     self._raise_if_failed()
-    if alive:
+    if alive and abandon:
+      warnings.warn(f"rollout workers still running after {timeout} s were left behind: {alive}", RuntimeWarning,
+                    stacklevel=2)
+    elif alive:
       raise RuntimeError(f"rollout workers did not stop within {timeout} s: {alive}")
 
   def __enter__(self) -> "AsyncRollout":

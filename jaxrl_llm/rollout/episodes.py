@@ -38,8 +38,8 @@ are exactly what the sampler saw at every turn and the learner's recomputed log-
 (-1 on padding; an observation belongs to the turn whose action it answers); `reward_B` the
 episode's return (sum of step rewards).
 
-Every environment call (`reset`, `step`) runs under the time limit of rewards (`tasks.reward`, on its
-worker threads): an environment that raises ("error"), overruns `timeout_s` ("timeout") or rejects the
+Every environment call (`reset`, `step`, `close`) runs under the time limit of rewards (`tasks.reward`, on its
+worker threads; an overrunning call that runs Python code is interrupted there): an environment that raises ("error"), overruns `timeout_s` ("timeout") or rejects the
 action (`envs.InvalidAction`, "invalid") ends that episode with return 0, counted in the stats; the
 batch still forms. Episodes that hit the token budget end "truncated" (return so far); an episode whose first
 message is longer than the prompt width P is "too_long" (return 0, no tokens: it never starts). The stats:
@@ -230,12 +230,11 @@ def run_episodes(gen, params, seeds: Sequence[int], group_size: int, settings: E
   finally:
     if poll is not None:
       poll(None)
-    for env in env_list:  # environments holding resources (a simulator process, a server) release them now
-      if callable(getattr(env, "close", None)):
-        try:
-          env.close()
-        except Exception:  # pylint: disable=broad-except  # a failing close costs nothing more: the batch is formed
-          pass
+    # Environments holding resources (a simulator process, a server) release them now, under the time limit: a
+    # close that fails or hangs costs nothing more (the batch is formed).
+    closes = [(env.close,) for env in env_list if callable(getattr(env, "close", None))]
+    if closes:
+      env_calls(closes, settings.timeout_s, settings.workers)
 
 
 def _run_episodes(gen, params, seeds, group_size, settings, key, version, width, keep_turns, poll, mesh,

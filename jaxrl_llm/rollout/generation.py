@@ -25,6 +25,8 @@ from jaxrl_llm.sampling import behavior, continuous, generate
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import RewardPolicy
 
+SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
+
 
 @functools.partial(jax.jit, static_argnums=1)
 def request_keys(key, n: int):
@@ -101,7 +103,8 @@ class Generation:
     """The record of sampled completions: rewards scored (each row once, by the process that owns it;
     a reward that raises or hangs costs that sample), μ's log-probs, per-token versions, routes when kept,
     μ's top-k and Monte-Carlo candidates when the sampler recorded them.
-    `stats` (host bookkeeping) is added to the record's, with the number of failed reward calls."""
+    `stats` (host bookkeeping) is added to the record's, with the number of failed reward calls and speculative
+    decoding's metrics (`SPEC_STATS`) when the sampler speculated."""
     reward_B, status = multiprocess.score_rows(
         lambda ex, t: collect.score_completions(self.task, ex, t, self.reward, tokenizer=self.encoder.tokenizer)[:2],
         examples, out["tokens_BN"], owners)
@@ -114,4 +117,5 @@ class Generation:
                    segment_ids_BT=out["segment_ids_BT"], mask_BN=out["mask_BN"],
                    behavior_logp_BN=out["behavior_logp_BN"], versions_BN=np.asarray(versions_BN, np.int32),
                    reward_B=np.asarray(reward_B, np.float32), routes_BTLk=routes, **recorded,
-                   stats={"reward_errors": int(status.get("error", 0) + status.get("timeout", 0)), **stats})
+                   stats={"reward_errors": int(status.get("error", 0) + status.get("timeout", 0)),
+                          **{k: float(out[k]) for k in SPEC_STATS if k in out}, **stats})

@@ -6,8 +6,11 @@ Status of one call:
              string, ...) → reward 0.0;
   "timeout"  fn did not return within ``timeout_s`` → reward 0.0.
 
-Threads (default) are cheap, but Python cannot kill a thread: a timed-out call keeps running in a
-daemon thread (it cannot block interpreter exit) until it returns on its own. At most
+Threads (default) are cheap, but Python cannot kill a thread: a timed-out call is interrupted by an
+exception raised in its thread (`_Abandoned`, delivered between two Python bytecodes, so a call spinning in
+Python code stops: it would otherwise hold a share of the GIL for good and starve the process, its exit
+included), but a call blocked or spinning inside C code keeps running in a daemon thread (it cannot block
+interpreter exit) until it returns on its own. At most
 ``MAX_STUCK_THREADS`` such threads are tolerated; beyond that, calls that find no working thread are
 scored "timeout" at once (with a warning) instead of starting more threads. For reward code that
 may hang or spin for good (a sympy simplification, a regex catastrophe), pass ``use_process=True``
@@ -90,6 +93,18 @@ def _as_reward(value: Any, max_abs: float = DEFAULT_MAX_ABS) -> tuple[float, str
   return 0.0, "error"
 
 
+class _Abandoned(BaseException):
+  """Raised inside a lane thread whose call overran its time limit (`interrupt_thread`): user code that runs Python
+  bytecode stops there; `_run_into` scores it like any failure (the call is already scored "timeout")."""
+
+
+def interrupt_thread(thread_id: int) -> None:
+  """Raises `_Abandoned` in thread `thread_id` at its next bytecode (CPython's PyThreadState_SetAsyncExc): stops
+  Python code a time limit gave up on (an environment call, a harness); code inside a C call is not stopped."""
+  import ctypes  # noqa: PLC0415
+  ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(_Abandoned))
+
+
 def _run_into(box: dict, fn: Callable, args: Sequence, done: threading.Event) -> None:
   try:
     box["value"] = fn(*args)
@@ -111,6 +126,7 @@ class _Batch:
     self.results: list[tuple[float, str] | None] = [None] * len(self.args)
     self.next = 0
     self.running: dict[int, float] = {}
+    self.lanes: dict[int, int] = {}  # running call -> the thread id of the lane running it
     self.abandoned: set[int] = set()
     self.finished = 0
     self.lock = threading.Lock()
@@ -158,23 +174,32 @@ class _LanePool:
 
   def _lane(self) -> None:
     _LIMITED.active = True
-    while True:
-      batch = self._queue.get()
+    stuck = False  # this lane's call was abandoned: counted in `_stuck` until the lane retires
+    try:
       while True:
-        with batch.lock:
-          if batch.next >= len(batch.args):
-            break
-          i = batch.next
-          batch.next += 1
-          batch.running[i] = time.monotonic()
-        box: dict = {}
-        _run_into(box, batch.fn, batch.args[i], threading.Event())
-        with batch.lock:
-          if i in batch.abandoned:  # the waiter gave up on this call (and maybe started a replacement lane)
-            with self._lock:
-              self._stuck -= 1
-            return
-          batch.record(i, (0.0, "error") if box.get("raised") else _as_reward(box.get("value"), batch.max_abs))
+        batch = self._queue.get()
+        while True:
+          with batch.lock:
+            if batch.next >= len(batch.args):
+              break
+            i = batch.next
+            batch.next += 1
+            batch.running[i] = time.monotonic()
+            batch.lanes[i] = threading.get_ident()
+          box: dict = {}
+          _run_into(box, batch.fn, batch.args[i], threading.Event())
+          with batch.lock:
+            batch.lanes.pop(i, None)
+            if i in batch.abandoned:  # the waiter gave up on this call (and maybe started a replacement lane)
+              stuck = True
+              return
+            batch.record(i, (0.0, "error") if box.get("raised") else _as_reward(box.get("value"), batch.max_abs))
+    except _Abandoned:  # the interrupt of an abandoned call arrived after the call had returned
+      stuck = True
+    finally:
+      if stuck:
+        with self._lock:
+          self._stuck -= 1
 
   def _spawn(self) -> None:
     threading.Thread(target=self._lane, daemon=True, name="reward-lane").start()
@@ -217,6 +242,8 @@ class _LanePool:
         for i in overdue:
           batch.abandoned.add(i)
           batch.record(i, (0.0, "timeout"))
+          if i in batch.lanes:  # still in the call (the lane needs `batch.lock` to leave it): stop Python code there
+            interrupt_thread(batch.lanes[i])
           with self._lock:
             self._stuck += 1
             replace = self._lanes + self._stuck <= lanes + self.max_stuck

@@ -52,6 +52,7 @@ from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
 from jaxrl_llm.rollout import async_slots, episodes
 from jaxrl_llm.rollout.buffer import collate, lag
+from jaxrl_llm.rollout.generation import SPEC_STATS
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
 
@@ -79,6 +80,17 @@ def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
   return ae.AsyncRollout(store, fn, next_request_id=jax.process_index(), **kw)
 
 
+def spec_means(groups: list[Rollout]) -> dict:
+  """Speculative decoding's metrics of a batch (`SPEC_STATS`): the mean over the groups that carry them (each group
+  is one sampler call); {} without speculation."""
+  out = {}
+  for k in SPEC_STATS:
+    vals = [float(g.stat(k)) for g in groups if g.stat(k, None) is not None]
+    if vals:
+      out[k] = float(np.mean(vals))
+  return out
+
+
 def merge_processes(parts: list[Rollout]) -> Rollout:
   """One batch from the processes' own batches (`Async.next_batch`): rows in process order, groups
   renumbered, counts and lag histograms added, `time_*` of the slowest process, request ids joined."""
@@ -96,6 +108,8 @@ def merge_processes(parts: list[Rollout]) -> Rollout:
       stats[k] = sorted(i for v in vals for i in v)
     elif k.startswith("time_"):
       stats[k] = max(vals)
+    elif k in SPEC_STATS:  # rates: the processes' mean
+      stats[k] = float(np.mean(vals))
     else:  # reward_errors, async_dropped_stale / _buffered / _running: counts
       stats[k] = sum(vals)
   return Rollout(**arrays, stats=stats)
@@ -140,7 +154,7 @@ class Async:
         async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
         time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
-        **{name: st[k] for k, name in SLOT_COUNTERS.items() if k in st},
+        **{name: st[k] for k, name in SLOT_COUNTERS.items() if k in st}, **spec_means(groups),
         request_ids=sorted({int(g.stat("request_id")) for g in groups}))
     if not multiprocess.multi():
       return ro

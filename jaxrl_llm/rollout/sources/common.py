@@ -13,10 +13,9 @@ import numpy as np
 
 from jaxrl_llm.record import Rollout, rows
 from jaxrl_llm.rollout import episodes
+from jaxrl_llm.rollout.generation import SPEC_STATS  # noqa: F401 (speculative decoding's metrics; re-exported)
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import SourceContext
-
-SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
 
 
 def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int | None = None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -37,6 +38,7 @@ from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.rollout.buffer import collate, group_record, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
+from jaxrl_llm.tasks.reward import interrupt_thread
 
 FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long")
 
@@ -66,17 +68,25 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
 
 
 def load_harness(spec: str):
-  """The callable of "module:function"."""
+  """The callable of "module:function"; a module that does not import, or no such callable, is a `ConfigError`
+  naming `config.serve.harness`."""
+  from jaxrl_llm.config import ConfigError  # noqa: PLC0415
   module, _, name = spec.partition(":")
-  fn = getattr(importlib.import_module(module), name, None)
+  try:
+    mod = importlib.import_module(module)
+  except Exception as e:  # noqa: BLE001 -- the harness module is user code: anything can go wrong importing it
+    raise ConfigError(f"config.serve.harness={spec!r}: cannot import {module!r} "
+                      f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+  fn = getattr(mod, name, None)
   if not callable(fn):
-    raise ValueError(f"serve.harness={spec!r}: {module} has no callable {name!r}")
+    raise ConfigError(f"config.serve.harness={spec!r}: {module} has no callable {name!r}")
   return fn
 
 
 def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float) -> list[str | None]:
   """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
-  "errors" (it raised) / "timeouts" (still running after `timeout_s`: left behind, its later calls get a 404)."""
+  "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread,
+  its later calls get a 404). Returns within `timeout_s` (one deadline for all the threads)."""
   status: list[str | None] = ["timeouts"] * len(episode_ids)
 
   def one(i: int) -> None:
@@ -90,9 +100,14 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
              for i, e in enumerate(episode_ids)]
   for t in threads:
     t.start()
+  deadline = time.monotonic() + timeout_s
   for t in threads:
-    t.join(timeout_s)
-  return list(status)
+    t.join(max(0.0, deadline - time.monotonic()))
+  out = list(status)
+  for t in threads:  # left behind; one spinning in Python code would starve the process of the GIL: stopped there
+    if t.is_alive() and t.ident is not None:
+      interrupt_thread(t.ident)
+  return out
 
 
 def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int, version: int) -> Rollout:
@@ -214,13 +229,15 @@ class Harness:
     self.next_request_id = int((state or {}).get("next_request_id", 0))
 
   def close(self) -> None:
-    """Stops the endpoint first (a harness still playing then fails fast), then the worker threads."""
+    """Stops the endpoint first (a harness still playing then fails fast), then the worker threads: each returns
+    within `serve.timeout_s` (`play`); one still running after twice that is left behind (a daemon thread), so a
+    harness that never returns cannot fail the run's exit."""
     if self.service is not None:
       self.service.close()
       self.service = None
     if self.engine is not None:
       self.next_request_id = self.engine.state()["next_request_id"]
       try:
-        self.engine.stop(timeout=max(60.0, 2 * self.s.timeout_s))
+        self.engine.stop(timeout=max(60.0, 2 * self.s.timeout_s), abandon=True)
       finally:
         self.engine = None
