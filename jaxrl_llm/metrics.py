@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -46,6 +47,23 @@ def json_safe(x):
   return x
 
 
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever it is installed, only
+  to accept torch tensors (we log Python numbers); that import took 1.7 s of every run's start-up where torch is
+  installed (the test environment: every `python -m jaxrl_llm` a test launches paid it). A `None` entry in
+  `sys.modules` makes that one `import torch` fail as if torch were absent; it is removed at once, so a later
+  import of torch works as usual."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    from tensorboardX import SummaryWriter  # lazy: optional dependency at import time
+    return SummaryWriter
+  sys.modules["torch"] = None
+  try:
+    from tensorboardX import SummaryWriter  # lazy: optional dependency at import time
+  finally:
+    sys.modules.pop("torch", None)
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Appends metric rows to DIR/metrics.jsonl and (optionally) TensorBoard events beside it."""
 
@@ -55,8 +73,7 @@ class MetricsWriter:
     self._f = open(self.path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
-      from tensorboardX import SummaryWriter  # lazy: optional dependency at import time
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      self._tb = _summary_writer_class()(os.path.join(workdir, "tb"))
 
   def write(self, row: dict[str, Any]) -> None:
     row = json_safe(row)
