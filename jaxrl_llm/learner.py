@@ -36,6 +36,8 @@ frozen base joins them inside the loss (`lora.with_trainable`) as a constant and
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any, Callable
 
 import jax
@@ -130,6 +132,45 @@ def grouped_completion_logprobs(params, sequence_BT, positions_BT, segment_ids_B
                                with_entropy=with_entropy, gather_ids_BTk=gather_ids_BNk, return_hidden=return_hidden)
 
 
+def _static_key(x):
+  """A hashable stand-in for a builder argument: containers by value, anything else as it hashes (a function or
+  an optimiser by identity). TypeError for an unhashable leaf (a pytree of shardings holding dicts)."""
+  if isinstance(x, dict):
+    return ("dict", tuple(sorted((k, _static_key(v)) for k, v in x.items())))
+  if isinstance(x, (list, tuple)):
+    return (type(x).__name__, tuple(_static_key(v) for v in x))
+  hash(x)
+  return (type(x), x)  # 1, 1.0 and True hash alike but are different arguments
+
+
+def _once_per_static_args(make: Callable) -> Callable:
+  """`make` (a builder of a jitted function) called once per distinct arguments in a process (the last 64 kept).
+
+  jit caches compiled programs per function object, so a builder that returns a fresh closure on every call
+  re-traces, re-lowers and re-compiles (or re-loads from the persistent cache) the same program for every run a
+  process starts: the test suite starts hundreds, an experiment script or notebook several. Equal arguments now
+  return the same jitted function, and with it its compiled programs. Arguments that cannot be hashed build anew.
+  """
+  cache: collections.OrderedDict = collections.OrderedDict()
+
+  @functools.wraps(make)
+  def build(*args, **kw):
+    try:
+      key = _static_key((args, kw))
+    except TypeError:
+      return make(*args, **kw)
+    if key in cache:
+      cache.move_to_end(key)
+      return cache[key]
+    fn = cache[key] = make(*args, **kw)
+    if len(cache) > 64:
+      cache.popitem(last=False)
+    return fn
+
+  return build
+
+
+@_once_per_static_args
 def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.98,
                    grad_clip: float = 1.0, warmup_steps: int = 0) -> optax.GradientTransformation:
   sched = optax.linear_schedule(0.0, lr, warmup_steps) if warmup_steps > 0 else lr
@@ -201,6 +242,7 @@ def _jit_shardings(in_shardings, out_shardings) -> dict:
   return {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
 
 
+@_once_per_static_args
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, loss_name: str,
                     loss_hparams: dict | None = None, *, temperature: float = 1.0,
                     agg_mode: str = "token-mean", drop_rejected: bool = False, norm_len: float | None = None,
@@ -436,6 +478,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 
 
+@_once_per_static_args
 def make_score_fn(model_cfg: ModelConfig, temperature: float, group_size: int = 1):
   """Jitted no-grad scorer `(params, batch_fields..., routes_BTLk=None) -> logp_BN` (old-log-prob
   recompute, reference). `routes_BTLk` replays an MoE sampler's expert ids (R3).
@@ -457,6 +500,7 @@ def make_score_fn(model_cfg: ModelConfig, temperature: float, group_size: int = 
   return score
 
 
+@_once_per_static_args
 def fuse_reference(train_step: Callable, score: Callable, in_shardings=None, out_shardings=None) -> Callable:
   """`step(state, batch, key, ref_params) -> (state, metrics)`: scores the batch under the frozen
   reference policy (`score`, from `make_score_fn`; no gradient flows into it) and runs `train_step`
@@ -476,6 +520,7 @@ def fuse_reference(train_step: Callable, score: Callable, in_shardings=None, out
   return jax.jit(step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
 
 
+@_once_per_static_args
 def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation):
   """Jitted supervised step: mean negative log-likelihood of the target tokens (temperature 1)."""
 
