@@ -33,10 +33,16 @@ def prox_logp(run, store: ParamStore, state, extra, ro: Rollout, seq, routes=Non
 
 
 def _every_sample_failed(ro: Rollout) -> bool:
-  """Whether no row of `ro` has a usable outcome: every reward call or episode failed (raised, timed out, an
-  invalid action: the `reward_errors` stat) or never started (`env_too_long`)."""
+  """Whether no row of `ro` has a usable outcome: every reward call failed (raised or timed out: `reward_errors`),
+  or, with episodes, every environment failed (`env_errors`, `env_timeouts`) or never started (`env_too_long`).
+  An episode ended by an invalid action is the policy's doing, a sample like any other (`reward_errors` counts it
+  too, so episodes are judged by the environment's own counters)."""
   B = len(ro.reward_B)
-  return B > 0 and int(ro.stat("reward_errors") or 0) + int(ro.stat("env_too_long") or 0) >= B
+  if ro.stat("env_errors", None) is None:
+    failed = int(ro.stat("reward_errors") or 0)
+  else:
+    failed = sum(int(ro.stat(k) or 0) for k in ("env_errors", "env_timeouts", "env_too_long"))
+  return B > 0 and failed >= B
 
 
 def _distills(c: ml_collections.ConfigDict) -> bool:

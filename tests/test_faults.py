@@ -726,6 +726,25 @@ def test_a_step_whose_every_sample_failed_leaves_the_weights_alone(monkeypatch):
     source.close()
 
 
+def test_which_batches_count_as_every_sample_failed():
+  # Episodes are judged by the environment's own counters: an episode ended by an invalid action (counted in
+  # reward_errors too) is a sample of the policy's behaviour to learn from, not a failure.
+  from jaxrl_llm import batch as batch_lib
+
+  class Ro:
+    def __init__(self, **stats):
+      self.reward_B, self.stats = [0.0] * 4, stats
+
+    def stat(self, name, default=0):
+      return self.stats.get(name, default)
+
+  failed = batch_lib._every_sample_failed  # pylint: disable=protected-access
+  assert failed(Ro(reward_errors=4)) and not failed(Ro(reward_errors=3))  # single-turn rewards
+  assert not failed(Ro(reward_errors=4, env_errors=0, env_timeouts=0, env_invalid=4, env_too_long=0))
+  assert failed(Ro(reward_errors=3, env_errors=2, env_timeouts=1, env_invalid=0, env_too_long=1))
+  assert not failed(Ro(reward_errors=3, env_errors=2, env_timeouts=1, env_invalid=1, env_too_long=0))
+
+
 def test_the_plot_held_out_curve_starts_with_the_before_accuracy(tmp_path):
   # issue 43 item 4: `make demo`'s plot drew held-out accuracy from the first evaluation in metrics.jsonl (step 9)
   # on, so the "start" accuracy that the summary prints was not on it.

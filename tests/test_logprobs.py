@@ -126,8 +126,10 @@ def test_query_start_equals_slicing_values_and_gradients(cfg, q0):
       out = {k: v if k in ("router_aux_loss", "routes_BTLk") else v[:, q0:] for k, v in out.items()}
     return jnp.sum(out["logp_BT"] * weight_T[None, q0:]) + 0.1 * jnp.sum(out["entropy_BT"]), out
 
-  (l_full, full), g_full = jax.value_and_grad(loss, has_aux=True)(params, 0)
-  (l_q0, sliced), g_q0 = jax.value_and_grad(loss, has_aux=True)(params, q0)
+  # jitted: eagerly, the scanned layers' value-and-grad dispatched op by op (33 s of a 1-layer test on 2 cores)
+  grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+  (l_full, full), g_full = grad(params, 0)
+  (l_q0, sliced), g_q0 = grad(params, q0)
   assert sliced["logp_BT"].shape == (2, T - q0)
   for name in ("logp_BT", "entropy_BT"):
     np.testing.assert_allclose(sliced[name], full[name], rtol=1e-5, atol=1e-5, err_msg=name)
