@@ -33,9 +33,12 @@ _OWNS_CACHE = "JAXRL_TEST_XLA_CACHE" not in os.environ  # False in xdist workers
 if _OWNS_CACHE:
   os.environ["JAXRL_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxrl_test_xla_")
 _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXRL_TEST_XLA_CACHE"]
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+# Every program, however quick to compile: a run compiles ~36 programs, most of them small glue ops under 0.1 s,
+# which each xdist module (after `_release_compiled_programs`) and each launched process compiled again. Measured
+# on a 2-step tiny run in a second process: 0.5 s of compiles at a 0.1 s threshold, none at 0 (run 2.3 -> 1.6 s).
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # Implicit rank promotion ([B, N] op [B]) raises in every in-process test: broadcasts are spelled out
 # (`x[:, None]`, `jnp.expand_dims`, `jnp.broadcast_to`), so a shape bug cannot hide behind one. The
 # `python -m jaxrl_llm` subprocesses some tests launch keep JAX's default ("allow").
