@@ -73,9 +73,10 @@ def test_both_replays_equal_naive_values_and_gradients():
   lp_tree = mw.logit_tree_logprobs(PARAMS, tree, CFG, T)
   np.testing.assert_allclose(np.asarray(lp_packed * lm), np.asarray(naive), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(lp_tree), np.asarray(naive), rtol=1e-5, atol=1e-5)
-  g_naive = jax.grad(lambda p: _naive(p, end, LOSS).sum())(PARAMS)
-  g_packed = jax.grad(lambda p: (mw.packed_logprobs(p, packed, CFG) * lm).sum())(PARAMS)
-  g_tree = jax.grad(lambda p: mw.logit_tree_logprobs(p, tree, CFG, T).sum())(PARAMS)
+  # jitted: eagerly, each gradient dispatched the scanned layers' backward op by op
+  g_naive = jax.jit(jax.grad(lambda p: _naive(p, end, LOSS).sum()))(PARAMS)
+  g_packed = jax.jit(jax.grad(lambda p: (mw.packed_logprobs(p, packed, CFG) * lm).sum()))(PARAMS)
+  g_tree = jax.jit(jax.grad(lambda p: mw.logit_tree_logprobs(p, tree, CFG, T).sum()))(PARAMS)
   for a, b, c in zip(jax.tree_util.tree_leaves(g_naive), jax.tree_util.tree_leaves(g_packed),
                      jax.tree_util.tree_leaves(g_tree)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
