@@ -64,7 +64,7 @@ demo-tiny: $(VENV)/.base $(VENV)/.jax-$(JAX_EXTRA)
 
 ## The whole test suite (slow end-to-end tests included), 2 workers.
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n 2 --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25 tests
 
 ## Everything except tests marked slow.
 test-fast: $(VENV)/.test

@@ -69,6 +69,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
 
 def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   r = setup(c)
+  compiled_before = _compiled(r)
   store = new_store(r)
   slots = sources.retention(r.ctx.settings)
   config_json = json.loads(c.to_json_best_effort())  # the resolved config, stored with every checkpoint
@@ -131,7 +132,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
     ckpt.close()
     if flag is not None:
       flag.uninstall()
-  _write_run_info(c, r, store, workdir, meta, start, rows, flag, failure)
+  _write_run_info(c, r, store, workdir, meta, start, rows, flag, failure, compiled_before)
   return rows
 
 
@@ -226,8 +227,15 @@ def _progress_bar(c, start: int):
   return tqdm(total=c.num_steps, initial=start, desc="learner steps", dynamic_ncols=True)
 
 
+def _compiled(r: Run) -> dict[str, int]:
+  """Compiled programs of the run's train step, sampler and scorer held by this process. The learner's builders
+  return one function per static configuration (`learner._once_per_static_args`), so an earlier run in the process
+  may have compiled some: run_info counts those this run added."""
+  return {"train_step": r.train_step._cache_size(), "generate": generate._cache_size(), "score": r.score._cache_size()}
+
+
 def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, start: int, rows: list[dict], flag,
-                    failure: str | None) -> None:
+                    failure: str | None, compiled_before: dict[str, int]) -> None:
   """Writes run_info.json; raises RunError on `failure` or when every update of this call was skipped."""
   skipped = sum(1 for row in rows if row.get("update_skipped"))
   # steps with no token to train on (every sample failed) skip their update too, but nothing was non-finite
@@ -235,8 +243,8 @@ def _write_run_info(c, r: Run, store: ParamStore, workdir: str, meta: dict, star
   info = {"eval_accuracy_initial": meta.get("eval_accuracy_initial"),
           **{k: v for k, v in meta.items() if k.startswith("eval_episode_")},  # episode_eval, with an env
           "sft_final_loss": meta.get("sft_final_loss"),
-          "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start, "compiles_train_step": r.train_step._cache_size(),
-          "compiles_generate": generate._cache_size(), "compiles_score": r.score._cache_size(), **store.sync_totals(),
+          "time_sft_s": meta.get("time_sft_s"), "resumed_from_step": start,
+          **{f"compiles_{k}": n - compiled_before[k] for k, n in _compiled(r).items()}, **store.sync_totals(),
           "prompts_dropped": r.prompts_dropped, "remat_auto": r.remat_auto,
           "updates_skipped": skipped,
           "updates_skipped_empty": sum(int(row.get("updates_skipped_empty") or 0) for row in rows),
