@@ -45,45 +45,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-def _memory_maps() -> int:
-  """How many memory maps this process holds (0 where /proc cannot tell)."""
-  try:
-    with open("/proc/self/maps", "rb") as f:
-      return sum(1 for _ in f)
-  except OSError:
-    return 0
-
-
-def _resident_bytes() -> int:
-  try:
-    with open("/proc/self/statm") as f:
-      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-  except (OSError, ValueError, IndexError):
-    return 0
-
-
-def _map_limit() -> int:
-  try:
-    with open("/proc/sys/vm/max_map_count") as f:
-      return int(f.read())
-  except (OSError, ValueError):
-    return 65530
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Drops every compiled program when a test module ends with the process past half its memory-map limit. XLA:CPU
-  maps each executable's code into the process (about 3 memory maps each, measured: 400 compiles took a process
-  from 435 to 1,722 maps, `jax.clear_caches()` back to 514), and an xdist worker that runs half the suite compiles
-  enough programs to reach the kernel's `vm.max_map_count` (65,530 here): the next compile then segfaults inside
-  LLVM (seen three times at ~75 % of a full run, in whichever test compiled next). Clearing after every module
-  made each module trace, lower and load again the programs the previous ones had (the sampler's, the glue ops of
-  every run); clearing only near the limit keeps them. Later modules load dropped programs from the session's
-  persistent cache. Past 4 GiB resident it clears too: a program can hold the arrays it closes over (a real model's
-  weights) for as long as it is cached."""
+  """Drops every compiled program when a test module ends. XLA:CPU maps each executable's code into the process
+  (about 3 memory maps each, measured: 400 compiles took a process from 435 to 1,722 maps, `jax.clear_caches()`
+  back to 514), and an xdist worker that runs half of today's suite compiles enough programs to reach the kernel's
+  `vm.max_map_count` (65,530 here): the next compile then segfaults inside LLVM (seen three times at ~75 % of a
+  full run, in whichever test compiled next). Later modules load their programs from the session's persistent
+  cache instead. (Clearing only near the map limit was tried: the suite took as long, 1629 s against 1637 s, and
+  the larger workers broke an RSS-peak test of bench/.)"""
   yield
-  if _memory_maps() > _map_limit() // 2 or _resident_bytes() > 4 * 2**30:
-    jax.clear_caches()
+  jax.clear_caches()
 
 
 # Each distinct SFT warm start is trained once per session (`jaxrl_llm.sft_cache`): most runs of the suite start
