@@ -186,6 +186,9 @@ def get_config():
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # learner steps between checkpoints (0 = only on SIGTERM / at the end)
+  # False: no checkpoint after the last step unless `every` falls on it (metrics-only sweeps and smoke runs of
+  # a large model: its weights and AdamW moments are written for nothing); SIGTERM / Ctrl-C still save.
+  c.checkpoint.final = True  # write a checkpoint after the last step
   c.checkpoint.keep = 3  # newest checkpoints kept (with eval.every > 0 the best by eval_accuracy too)
   # A resumed run whose config differs from its checkpoint's in a field that changes shapes or semantics:
   # "error" stops with the list of fields; "resume" resumes anyway (deliberate: the arrays must still fit);

@@ -173,6 +173,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_serve(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
+  _need(isinstance(c.checkpoint.final, bool), "checkpoint.final", c.checkpoint.final, "must be a bool")
   change = read(c, "checkpoint.config_change")
   _need(change in CONFIG_CHANGE, "checkpoint.config_change", change, f"must be one of {CONFIG_CHANGE}")
   try:
@@ -521,8 +522,8 @@ def _validate_reward(c: ml_collections.ConfigDict) -> None:
 
 
 # Fields a resumed run may change: they affect neither array shapes nor what a learner step computes.
-RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.keep", "checkpoint.config_change", "eval.every",
-             "reward.timeout_s", "reward.executor", "reward.workers", "rollout.num_workers", "sft.save_to",
+RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.final", "checkpoint.keep",
+             "checkpoint.config_change", "eval.every", "reward.timeout_s", "reward.executor", "reward.workers", "rollout.num_workers", "sft.save_to",
              "task.data_dir", "sft.demos", "sft.demo_player")  # the warm start's demos: it never runs on resume
 
 

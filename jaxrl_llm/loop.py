@@ -114,7 +114,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", eval=row.get("eval_accuracy", ""))
       preempted = multiprocess.agree_stop(flag)  # a signal on any process stops all after this step
       stop = preempted or failure is not None
-      if stop or (c.checkpoint.every > 0 and (t + 1) % c.checkpoint.every == 0) or t + 1 == c.num_steps:
+      if stop or (c.checkpoint.every > 0 and (t + 1) % c.checkpoint.every == 0) or (
+          t + 1 == c.num_steps and c.checkpoint.final):
         best = {"eval_accuracy": row["eval_accuracy"]} if "eval_accuracy" in row else None  # keep-N + best
         # the source's state (buffered groups, ids, counters): a resumed run samples what this one would
         run_state.save(ckpt, t + 1, state, store, extra, slots, meta,

@@ -15,6 +15,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # An XLA_FLAGS that sets the level already is left alone.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# XLA:CPU's newer fusion emitters (MLIR) take ~3x longer to compile the tests' programs than the elemental
+# emitters this turns back on, and compiling is most of the suite's time: one tiny learner step 1.55 -> 0.44 s
+# of backend compile; tests/test_every_loss.py (34 distinct train steps) 110 -> 61 s alone; the whole suite
+# (`pytest -q -n 2 --dist worksteal tests`, 2 idle cores) 1582 -> 913 s. The real model's compute-bound steps
+# run slower with it (test_smollm2_grpo_two_steps 40 -> 46 s alone). Programs may round differently than
+# under the default emitters, which no test may depend on (no bitwise equality of two different programs).
+if "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false").strip()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)

@@ -52,6 +52,7 @@ def test_fixed_lag_is_bitwise_repeatable_and_lags_are_exact(tmp_path):
   assert_learns(a)
   assert strip(a) == strip(b)
   assert strip(read_jsonl(str(tmp_path / "a" / "metrics.jsonl"))) == strip(a)
+  assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["5"]  # checkpoint.final (every=50 never falls)
   assert [r["behavior_version"] for r in a] == [0, 0, 0, 1, 2]
   assert all(r["entropy"] > 0 for r in a)  # logged every step
   assert [r["lag_max"] for r in a] == [0, 1, 2, 2, 2]
@@ -65,7 +66,9 @@ def test_staged_mode_and_bf16_sampler_mismatch(tmp_path):
   c = tiny(rollout__mode="staged", rollout__lag=3, sampler__dtype="bfloat16", loss__name="pg")
   c.num_steps = 4
   c.eval.every = 0
+  c.checkpoint.final = False  # metrics only
   rows = loop.run(c, str(tmp_path / "s"))
+  assert not os.path.exists(tmp_path / "s" / "checkpoints") or os.listdir(tmp_path / "s" / "checkpoints") == []
   assert [r["behavior_version"] for r in rows] == [0, 0, 0, 3]
   assert [r["lag_max"] for r in rows] == [0, 1, 2, 0]
   # bf16 sampler vs fp32 learner: a real, measured mismatch at lag 0.

@@ -108,6 +108,7 @@ def test_smollm2_grpo_two_steps(smollm2, tmp_path):
       # enough that a group of 4 has unequal rewards (2-digit: all-zero groups, zero gradient, at this size).
       "task.kwargs.num_digits": 1, "log.progress": False})
   rows = loop.run(c, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # the real model's weights and moments, saved
   _check_run(tmp_path, rows, 2)
   assert rows[0]["completion_len"] > 0
 
@@ -123,7 +124,8 @@ def test_smollm2_opd_two_steps(smollm2, tmp_path):
   c = _config("smollm2_opd.py", **{
       "model.init_from": str(student), "distill.teacher": str(smollm2), "num_steps": 2,
       "rollout.prompts_per_step": 2, "rollout.group_size": 2, "sampler.max_new_tokens": 8, "task.held_out": 4,
-      "eval.num_prompts": 4, "eval.every": 2, "log.progress": False})
+      "eval.num_prompts": 4, "eval.every": 2, "log.progress": False,
+      "checkpoint.final": False})  # the GRPO test writes the real model's checkpoint
   rows = loop.run(c, str(tmp_path / "run"))
   _check_run(tmp_path / "run", rows, 2)
   # Reverse KL to the teacher is a signal on every token: positive for an 8-layer copy of a 30-layer model.
@@ -187,14 +189,13 @@ def test_smollm2_tool_agent_two_steps(smollm2, tmp_path):
       "model.init_from": str(smollm2), "num_steps": 2, "rollout.prompts_per_step": 1, "rollout.group_size": 2,
       "env.max_turns": 2, "env.turn_tokens": 32, "env.max_episode_tokens": 64, "env.prompt_width": 256,
       "model.remat": False,  # 2 rows of 320 tokens: no memory to save, and a quarter of the learner's time
-      "log.progress": False})
+      "log.progress": False, "checkpoint.final": False})
   c.env.name, c.env.kwargs = "test_copy_tool_call", config_lib.ml_collections.ConfigDict()
   rows = loop.run(c, str(tmp_path))
   assert [r["step"] for r in rows] == [0, 1] and all(math.isfinite(r["loss"]) for r in rows), rows
   assert sum(r["env_episodes"] for r in rows) == 4 and sum(r["env_too_long"] for r in rows) == 0
   assert sum(r["env_tool_calls"] + r["env_tool_malformed"] for r in rows) > 0, rows  # it tried to call the tool
   assert all(r["mismatch_abs_max"] < 1e-4 for r in rows), rows
-  shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
 
 
 class CountOn:
@@ -221,7 +222,7 @@ def test_smollm2_long_horizon_with_eviction_and_sdcc(smollm2, tmp_path):
   c = _config("smollm2_agent.py", **{
       "model.init_from": str(smollm2), "num_steps": 2, "rollout.prompts_per_step": 1, "rollout.group_size": 2,
       "env.max_turns": 3, "env.turn_tokens": 6, "env.max_episode_tokens": 128, "env.prompt_width": 64,
-      "model.remat": False, "log.progress": False, "loss.name": "sdcc"})
+      "model.remat": False, "log.progress": False, "loss.name": "sdcc", "checkpoint.final": False})
   c.env.name, c.env.kwargs = "test_count_on", config_lib.ml_collections.ConfigDict()
   c.env.evict, c.env.context_budget, c.env.keep_last_turns = "drop_oldest", 1, 1
   rows = loop.run(c, str(tmp_path))
@@ -229,4 +230,3 @@ def test_smollm2_long_horizon_with_eviction_and_sdcc(smollm2, tmp_path):
   assert all(r["env_evictions"] == 2 for r in rows), rows  # turn 2 of both episodes
   assert all(r["eviction_frac"] > 0 and math.isfinite(r["sdcc_kl"]) for r in rows), rows
   assert all(r["mismatch_abs_max"] < 1e-3 for r in rows), rows
-  shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)

@@ -77,8 +77,13 @@ def test_records_leave_the_samples_unchanged_and_are_off_by_default(name):
   off = run(dataclasses.replace(sc, behavior_topk=0, mc_samples=0))
   on = run(sc)
   assert not set(off) & set(RECORDS)
-  for k, v in off.items():  # same key: every output of the plain sampler is bitwise the same
-    np.testing.assert_array_equal(on[k], v, err_msg=k)
+  # Same key: the same tokens; the same log-probs up to rounding (the program with the records is another
+  # computation, whose fusions XLA may round differently: 1 float32 ulp seen at --xla_cpu_use_fusion_emitters=false).
+  for k, v in off.items():
+    if np.issubdtype(np.asarray(v).dtype, np.floating):
+      np.testing.assert_allclose(on[k], v, rtol=1e-6, atol=1e-6, err_msg=k)
+    else:
+      np.testing.assert_array_equal(on[k], v, err_msg=k)
   assert on["behavior_topk_ids_BNk"].shape == (B, N, sc.behavior_topk)
   if sc.mc_samples:
     assert on["mc_ids_BNJ"].shape == on["mc_behavior_logp_BNJ"].shape == (B, N, sc.mc_samples)
