@@ -177,7 +177,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   change = read(c, "checkpoint.config_change")
   _need(change in CONFIG_CHANGE, "checkpoint.config_change", change, f"must be one of {CONFIG_CHANGE}")
   try:
-    losses.make_hparams(spec, dict(c.loss.hparams))
+    losses.make_hparams(spec, losses.run_hparams(c))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.{e}") from None
   _need(c.loss.agg_mode in losses.MODES, "loss.agg_mode", c.loss.agg_mode, f"must be one of {losses.MODES}")

@@ -315,7 +315,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   if remat_auto is not None and multiprocess.is_writer():
     print(remat_auto.line(), flush=True)
   check_lora(c, model_cfg)
-  hp_over = dict(c.loss.hparams)
+  hp_over = losses.run_hparams(c)
   tx = learner.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.b1, c.optim.b2, c.optim.grad_clip,
                               c.optim.warmup_steps)
   hook_params, tx = learner.perturb_hook(c.loss.name, model_cfg, tx, hp_over)
@@ -431,7 +431,7 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   sampler_mesh = sharding.make_mesh(data=len(sampler_devices), devices=sampler_devices) if sampler_devices else mesh
   psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
   spec = losses.get(c.loss.name)
-  loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
+  loss_state = spec.init_state(losses.make_hparams(spec, losses.run_hparams(c))) if spec.init_state else None
   shapes = jax.eval_shape(lambda: learner.init_state(init_params(model_cfg, key), tx, loss_state, hook_params))
   ssh = sharding.state_shardings(shapes, psh, tx, mesh)
   B = c.rollout.prompts_per_step * c.rollout.group_size
@@ -469,7 +469,7 @@ def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   distilled speculative drafter, its initial state (a copy of the policy's first k layers)."""
   c = run.c
   spec = losses.get(c.loss.name)
-  loss_state = spec.init_state(losses.make_hparams(spec, dict(c.loss.hparams))) if spec.init_state else None
+  loss_state = spec.init_state(losses.make_hparams(spec, losses.run_hparams(c))) if spec.init_state else None
   copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)
   extra = {"ref": copy(reference_of(params)) if uses_reference(c) else None,
            "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None,

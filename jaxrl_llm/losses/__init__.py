@@ -15,7 +15,7 @@ from jaxrl_llm.losses.core import kl_to_ref_term, entropy_term  # noqa: F401
 from jaxrl_llm.losses.reduce import MODES, combine_metrics, reduce, reduce_parts  # noqa: F401
 from jaxrl_llm.losses.registry import (  # noqa: F401
     LossSpec, check_needs, check_shapes, get, make_hparams, micro_batching_error, missing_needs, names, register,
-    unregister)
+    run_hparams, unregister)
 
 _INFRA = {"core", "dense", "reduce", "registry"}
 # Every other module in this package is a loss file; importing it registers the loss.

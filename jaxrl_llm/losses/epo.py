@@ -24,8 +24,8 @@ class Hparams:
   band_low: float = 0.8  # in-band: band_low·H_hist < H < band_high·H_hist.
   band_high: float = 1.2
   out_range_penalty: float = 0.1  # the indicator's value out of band (scales the hinge too).
-  smooth_penalty: str = "indicator"  # "indicator" (released code: no gradient) | "hinge" (has a gradient).
-  smooth_from_turn: int = 25  # penalty only on tokens with turn >= this (code: max_step 50 // 2).
+  smooth_penalty: str = "hinge"  # "hinge" (paper: has a gradient) | "indicator" (released code: no gradient).
+  smooth_from_turn: int = 25  # penalty on turns >= this; a run: env.max_turns // 2 (code: max_step // 2).
   smooth_schedule: bool = True  # multiply the penalty by the epoch weight w_k (`enable_smooth_weights`).
   schedule_steps: int = 150  # horizon of w_k (`entropy_smooth_max_epochs`).
   schedule_slow: float = 2.0  # first-half decay rate (1 → 0.8).
@@ -88,9 +88,12 @@ def epo(inputs, hp: Hparams):
   phase schedule on the loss-call step (1 → 0.8 → 0 over `schedule_steps`).
   Paper: Xu et al. 2025, "EPO: Entropy-regularized Policy Optimization" (arXiv 2509.22576); code
   `WujiangXu/EPO:verl/workers/actor/dp_actor.py` (generate_entropy_penalty). methods-rl §7.6.
-  Faithful to the released code by default: P is a constant 0.1 out-of-band indicator, so it shifts
-  the loss value but contributes **no gradient** — only the plain entropy bonus −β·H does.
-  `smooth_penalty="hinge"` is the differentiable reading of the paper (distance outside the band).
+  Faithful to the paper by default: `smooth_penalty="hinge"` penalises the distance outside the band
+  (0.1 per unit of entropy), so the smoothing term has a gradient that pushes H back into the band.
+  The released code's P is a constant 0.1 out-of-band indicator (`smooth_penalty="indicator"`): it
+  shifts the loss value but contributes **no gradient**, leaving EPO as PPO plus an entropy bonus.
+  The smoothing starts at half the run's turn limit (`env.max_turns // 2`, the code's `max_step // 2`;
+  `smooth_from_turn` overrides it; 25 outside a run: half the code's 50-step ALFWorld limit).
   Differences from the code, by design: the history is a per-turn running mean carried in
   aux["state"] (sums and token counts over all past calls, detached; the current batch is added
   *after* computing the penalty) instead of the trainer-supplied array; the turn gate is per token
@@ -132,4 +135,11 @@ def epo(inputs, hp: Hparams):
   return core.apply_mask(loss, mask), aux
 
 
-registry.register("epo", epo, Hparams, needs=("prox_logp", "entropy", "turn", "state"), init_state=init_state)
+def run_defaults(c) -> dict:
+  """Smoothing from half the episode's turn limit (the released code's max_step // 2)."""
+  env = c.get("env")
+  return {"smooth_from_turn": env.max_turns // 2} if env is not None and "max_turns" in env else {}
+
+
+registry.register("epo", epo, Hparams, needs=("prox_logp", "entropy", "turn", "state"), init_state=init_state,
+                  run_defaults=run_defaults)

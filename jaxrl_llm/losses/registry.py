@@ -60,6 +60,9 @@ class LossSpec(NamedTuple):
   Hparams: type
   needs: frozenset[str]
   init_state: Callable[[Any], Any] | None  # hp -> initial carried state (None if stateless)
+  # run config -> {hyper-parameter: value}: defaults that depend on the run (EPO's smoothing starts at half the
+  # episode's turn limit); `loss.hparams` overrides them (`run_hparams`)
+  run_defaults: Callable[[Any], dict] | None = None
 
   @property
   def doc(self) -> str:
@@ -69,7 +72,7 @@ class LossSpec(NamedTuple):
 _REGISTRY: dict[str, LossSpec] = {}
 
 
-def register(name: str, fn, Hparams: type, needs=(), init_state=None) -> LossSpec:
+def register(name: str, fn, Hparams: type, needs=(), init_state=None, run_defaults=None) -> LossSpec:
   """Registers a loss. Duplicate names and unknown needs raise ValueError."""
   if name in _REGISTRY:
     raise ValueError(f"loss {name!r} is already registered")
@@ -80,7 +83,7 @@ def register(name: str, fn, Hparams: type, needs=(), init_state=None) -> LossSpe
     raise ValueError(f"loss {name!r} declares unknown needs {sorted(unknown)}; known: {sorted(NEED_FIELDS)}")
   if "state" in needs and init_state is None:
     raise ValueError(f"loss {name!r} needs 'state' but gives no init_state")
-  spec = LossSpec(name, fn, Hparams, frozenset(needs), init_state)
+  spec = LossSpec(name, fn, Hparams, frozenset(needs), init_state, run_defaults)
   _REGISTRY[name] = spec
   return spec
 
@@ -194,6 +197,12 @@ def check_shapes(inputs: LossInputs) -> None:
               (B, N, None))
       D = np.shape(head.hidden_BND)[-1]
       _assert(f"{name}.w_DV", head.w_DV, f"[D, V] with D = {D} like {name}.hidden_BND", chex.assert_shape, (D, None))
+
+
+def run_hparams(c) -> dict:
+  """The hyper-parameter overrides of run config `c`: `c.loss.hparams` over the loss's run-derived defaults."""
+  spec = get(c.loss.name)
+  return {**(spec.run_defaults(c) if spec.run_defaults else {}), **dict(c.loss.hparams)}
 
 
 def make_hparams(spec: LossSpec, overrides: dict | None = None):

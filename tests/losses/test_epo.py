@@ -113,7 +113,7 @@ def test_hinge_pushes_entropy_back_into_band():
 
 
 def test_gates_turn_threshold_and_missing_history():
-  hp = _hp(smooth_from_turn=2)
+  hp = _hp(smooth_from_turn=2, smooth_penalty="indicator")
   loss_BN, _ = SPEC.fn(_inputs(), hp)
   p, _ = _penalty_np(np.where(MASK > 0, ENT, 0.0), hp)
   assert p[0, 2] == 0.0 and p[1, 3] == hp.out_range_penalty and p[1, 4] == 0.0
@@ -185,3 +185,31 @@ def test_padding_nan_entropy_and_inf_logp_are_finite():
   g_lp, g_ent = _grads(_inputs(), _hp(smooth_penalty="hinge"))
   assert np.all(np.isfinite(g_lp)) and np.all(np.isfinite(g_ent))
   assert g_lp[0, 4] == 0.0 and g_ent[0, 4] == 0.0
+
+
+def test_default_smoothing_has_a_gradient():
+  """The default penalty (the paper's smoothing) moves the parameters: out of band, d loss / d H is the bonus's
+  −β/n scaled by (1 − λ·0.1·sign); under the released code's indicator it would be −β/n everywhere."""
+  hp = E.Hparams(max_turns=4, smooth_from_turn=1, smooth_schedule=False, entropy_coef=0.01, smooth_coef=2.0)
+  assert hp.smooth_penalty == "hinge"
+  _, g_ent = _grads(_inputs(), hp)
+  n, beta = MASK.sum(), 0.01
+  # (0,2): turn 1, H=3.0 above the band (1.6, 2.4); (1,1): H=1.0 below it; (1,0): H=2.0 in band
+  np.testing.assert_allclose(g_ent[0, 2], -beta * (1 - 2.0 * 0.1) / n, rtol=1e-5)
+  np.testing.assert_allclose(g_ent[1, 1], -beta * (1 + 2.0 * 0.1) / n, rtol=1e-5)
+  np.testing.assert_allclose(g_ent[1, 0], -beta / n, rtol=1e-5)
+
+
+def test_a_run_smooths_from_half_its_turn_limit():
+  """configs/epo_tiny.py (4 turns): smoothing starts at turn 2, inside the episode (the code's max_step // 2),
+  not at the 50-step default's 25; loss.hparams still overrides it."""
+  import os
+  from jaxrl_llm.config import load_file
+  c = load_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "epo_tiny.py"))
+  assert c.env.max_turns == 4
+  hp = losses.make_hparams(SPEC, losses.run_hparams(c))
+  assert hp.smooth_from_turn == 2 and hp.smooth_penalty == "hinge"
+  c.loss.hparams.smooth_from_turn = 3
+  assert losses.make_hparams(SPEC, losses.run_hparams(c)).smooth_from_turn == 3
+  c.loss.name = "ppo_clip"  # other losses derive nothing from the run
+  assert losses.run_hparams(c) == {"smooth_from_turn": 3}
