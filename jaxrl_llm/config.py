@@ -231,8 +231,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_env(c)
   missing = losses.missing_needs(spec, available_needs(c))
   if missing:
+    hints = "".join(f"; {n}: {NEED_HINTS[n]}" for n in missing if n in NEED_HINTS)
     raise ConfigError(f"config.loss.name={c.loss.name!r}: needs {missing}, which this run does not provide "
-                      f"(available: {sorted(available_needs(c))})")
+                      f"(available: {sorted(available_needs(c))}){hints}")
 
 
 def _validate_packing(c: ml_collections.ConfigDict, spec, n_devices: int) -> None:
@@ -741,6 +742,10 @@ def sampler_needs(c: ml_collections.ConfigDict) -> tuple[str, ...]:
 
 
 register_needs("sampler", sampler_needs)
+register_needs("old_logp", lambda c: ("ewma_prox",) if c.rollout.old_logp == "ewma" else ())  # PPO-EWMA's π_prox
+# How a run provides a need the RL loop does not always have (named in the missing-needs error).
+NEED_HINTS = {"ewma_prox": "set config.rollout.old_logp='ewma' (π_prox from an EWMA copy of the weights)",
+              "turn": "multi-turn episodes: an env section (configs/agent_tiny.py)"}
 register_needs("env", lambda c: ("turn",) if env_on(c) else ())  # episodes number their turns (`turn_BN`)
 # The sinks + window cache records what each token saw: the learner runs the shadow forward (`losses.smd`).
 register_needs("kv_cache", lambda c: ("shadow",) if read(c, "sampler.kv_cache") == "window" else ())

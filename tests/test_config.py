@@ -97,9 +97,17 @@ def test_every_rl_loss_is_runnable_by_the_loop():
   from jaxrl_llm import losses
   rl = [n for n in losses.names() if not losses.missing_needs(losses.get(n), config_lib.available_needs(load()))]
   for name in ("pg", "ppo_clip", "gspo", "cispo", "tis", "mis", "icepop", "minirl", "decoupled_ppo", "a3po",
-               "ppo_ewma", "vespo", "m2po", "sat", "sat_gspo", "dppo", "drpo", "mu_grpo", "delightful_pg", "r2vpo",
+               "vespo", "m2po", "sat", "sat_gspo", "dppo", "drpo", "mu_grpo", "delightful_pg", "r2vpo",
                "hispo", "alp"):
     assert name in rl
+  # PPO-EWMA anchors to the EWMA copy of the weights: only a run that keeps one provides its π_prox
+  assert "ppo_ewma" not in rl
+  c = load()
+  c.loss.name = "ppo_ewma"
+  with pytest.raises(config_lib.ConfigError, match=r"needs \['ewma_prox'\].*rollout\.old_logp='ewma'"):
+    config_lib.validate(c)
+  c.rollout.old_logp = "ewma"
+  config_lib.validate(c)
 
 
 @pytest.mark.parametrize("field,value,needle", [

@@ -17,7 +17,9 @@ def ppo_ewma(inputs, hp: Hparams):
   """PPO-EWMA: decoupled PPO with π_prox = π_{θ_EWMA}; ℓ_t = w·max(-Â·r, -Â·clip(r)), r = π_θ/π_EWMA, w = sg(π_EWMA/μ).
 
   θ_EWMA ← β_prox·θ_EWMA + (1-β_prox)·θ after every optimiser step; its log-probs of the sampled tokens
-  arrive in `prox_logp_BN` (an extra forward pass of the EWMA copy). Centring the trust region on an
+  arrive in `prox_logp_BN` (an extra forward pass of the EWMA copy): the loss needs `ewma_prox`, which only a
+  run with `rollout.old_logp="ewma"` provides (`rollout.ewma_beta` = β_prox; configs/ppo_ewma_tiny.py), so it
+  cannot silently run as decoupled PPO against a recomputed π_old. Centring the trust region on an
   average of recent policies makes PPO batch-size invariant. Filter and denominator as in decoupled_ppo.
   Paper: Hilton, Cobbe, Schulman 2021, "Batch size-invariance for policy optimization" (arXiv 2110.00641).
   The "revised PPO-EWMA" of Guan et al. (arXiv 2605.12070, "missing old logits") could not be pinned
@@ -27,4 +29,4 @@ def ppo_ewma(inputs, hp: Hparams):
   return decoupled_ppo.decoupled_ppo(inputs, hp)
 
 
-registry.register("ppo_ewma", ppo_ewma, Hparams, needs=("prox_logp", "behavior_logp"))
+registry.register("ppo_ewma", ppo_ewma, Hparams, needs=("prox_logp", "behavior_logp", "ewma_prox"))

@@ -35,6 +35,9 @@ NEED_FIELDS: dict[str, tuple[str, ...]] = {
     # Not an input field: the learner computes logp_BN with the ALP perturbed forward and trains the
     # per-layer log σ (`hp.perturb_std`, `hp.perturb_lr`) alongside the model (see learner.py).
     "perturb": (),
+    # Not an input field either: prox_logp_BN must come from the EWMA copy of past weights (`rollout.old_logp="ewma"`,
+    # PPO-EWMA); a run that recomputes π_old at the generating version would be plain decoupled PPO.
+    "ewma_prox": (),
     "student_logits": ("student_logits_BNV",),
     "teacher_logits": ("teacher_logits_BNV",),
     "student_topk": ("student_topk_logp_BNk",),
