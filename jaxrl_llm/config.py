@@ -302,6 +302,14 @@ def uses_reference(c: ml_collections.ConfigDict) -> bool:
   return c.loss.kl_coef > 0 or "ref_logp" in losses.get(c.loss.name).needs
 
 
+def scores_prox(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run scores π_old at all: only for a loss that reads it (the `prox_logp` need). A-3PO (π_prox
+  interpolated from μ and π_θ), plain PG, DPPO, μ-GRPO, the OPD losses, ... read no π_old, so no source, worker or
+  learner pays its forward pass (A-3PO's saving), whatever `rollout.old_logp` says."""
+  from jaxrl_llm import losses  # local: keep `import jaxrl_llm.config` light
+  return "prox_logp" in losses.get(c.loss.name).needs
+
+
 def lora_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run trains LoRA adapters (`model.lora.rank` > 0; configs without the section: no)."""
   lo = c.model.get("lora")

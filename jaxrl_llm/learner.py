@@ -364,7 +364,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
     lr = core.safe_log_ratio(out["logp_BT"], batch.behavior_logp_BN, batch.mask_BN)
     aux["kl_mu_k1"] = core.metric(-lr, batch.mask_BN)
     aux["kl_mu_k3"] = core.metric(jnp.exp(lr) - lr - 1.0, batch.mask_BN)
-    # Training–inference mismatch |π_old − μ| (precision / kernels; equal versions under `recompute`).
+    # Training–inference mismatch |π_old − μ| (precision / kernels; equal versions under `recompute`). A loss
+    # that reads no π_old gets none scored (`config.scores_prox`): π_θ stands in, and on stale batches this
+    # then measures |π_θ − μ|, staleness included.
     mism_BN = jnp.abs(core.safe_log_ratio(prox_BN, batch.behavior_logp_BN, batch.mask_BN))
     # Drift of π_θ from π_old, |π_θ/π_old − 1|: exactly 0 with one update per batch and π_old current,
     # > 0 once earlier minibatches of the same batch have moved the policy.

@@ -60,7 +60,7 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
                             reuse_limit=r.reuse_limit, recency=r.recency, stale_policy=r.stale_policy,
                             max_lag=r.max_lag, decay=r.decay)
   return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
-                         lag=ro.lag, old_logp=ro.old_logp, num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
+                         lag=ro.lag, old_logp=ro.old_logp if config_lib.scores_prox(c) else "none", num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
                          prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay,
                          env=env_settings(c), serve=serve_settings(c))
 

@@ -178,3 +178,21 @@ def test_old_logp_strategies_are_the_config_names_and_one_call_serves_every_mode
                        "harness": False}
   assert old_logp.is_current("recompute", True, False) and not old_logp.is_current("recompute", False, False)
   assert not old_logp.is_current("step_start", True, True)  # ALP: a perturbed learner forward
+
+
+@pytest.mark.parametrize("loss, scored", [("a3po", False), ("pg", False), ("ppo_clip", True)])
+def test_a_loss_without_pi_old_gets_none_scored(loss, scored):
+  """A-3PO interpolates π_prox from μ and π_θ: no source or learner pays a π_old forward for it (nor for any loss
+  without the `prox_logp` need); a loss that reads π_old still gets it, scored at generation for a stale batch."""
+  c = tiny(rollout__mode="fixed_lag", rollout__lag=2, loss__name=loss)
+  r, state, extra, store = fresh_run(c)
+  assert wiring.rollout_settings(c).old_logp == ("recompute" if scored else "none")
+  import dataclasses
+  from jaxrl_llm.rollout import old_logp
+  calls = []
+  counted = lambda *a, **k: calls.append(1) or r.ctx.score(*a, **k)
+  ro = sources.get("fixed_lag")(dataclasses.replace(r.ctx, score=counted), store).next_batch(0, store.latest_version)
+  assert (ro.prox_logp_BN is not None) == scored and bool(calls) == scored
+  # the learner's side: a batch that arrives without π_old (async groups, a resumed queue) is scored only if read
+  assert (loop.prox_logp(r, store, state, extra, ro.replace(prox_logp_BN=None), old_logp.rollout_seq(ro))
+          is not None) == scored
