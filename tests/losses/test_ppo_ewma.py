@@ -64,5 +64,6 @@ def test_on_policy_equals_pg():
 
 
 def test_registered_needs_and_doc():
-  assert SPEC.needs == frozenset({"prox_logp", "behavior_logp"})
+  # ewma_prox: only a run with rollout.old_logp="ewma" provides its π_prox (tests/test_config.py, tests/test_ewma.py)
+  assert SPEC.needs == frozenset({"prox_logp", "behavior_logp", "ewma_prox"})
   assert "2605.12070" in SPEC.doc and "could not be pinned" in SPEC.doc
