@@ -19,7 +19,9 @@ from jaxrl_llm.config import load_file
 def get_config():
   c = load_file(pathlib.Path(__file__).with_name("tiny.py"))
   c.env = ml_collections.ConfigDict()
-  c.env.name = "guess_number"  # a registered environment (jaxrl_llm.envs); "" = single-turn
+  # A registered environment (jaxrl_llm.envs), an installed package's entry point (group "jaxrl_llm.envs") or
+  # "package.module:factory" (any importable module; docs/agents.md); "" = single-turn.
+  c.env.name = "guess_number"  # the environment: a registered name, an entry point or "module:factory"; "" = off
   c.env.kwargs = ml_collections.ConfigDict({"max_turns": 4})  # the environment's own arguments
   c.env.max_turns = 4  # turns the runner plays at most
   c.env.turn_tokens = 3  # policy tokens per turn at most (stop id included)

@@ -607,8 +607,10 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   for k in e.keys():
     _need(k in ENV_FIELDS, f"env.{k}", e[k], f"unknown field; the env section takes {ENV_FIELDS}")
   from jaxrl_llm import envs  # local: text only (numpy), but keep `import jaxrl_llm.config` light
-  _need(e.name in envs.names(), "env.name", e.name, f"unknown environment; valid names: {envs.names()}")
-  accepted = envs.kwarg_names(e.name)
+  try:  # a registered name, an installed entry point or `package.module:factory` (imported here)
+    accepted = envs.kwarg_names(e.name)
+  except ValueError as err:
+    raise ConfigError(f"config.env.name={e.name!r}: {err}") from None
   for k, v in dict(read(c, "env.kwargs")).items():
     _need(k in accepted, f"env.kwargs.{k}", v,
           f"environment {e.name!r} takes no such argument (its arguments: {accepted})")
