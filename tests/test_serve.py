@@ -219,6 +219,43 @@ def test_bad_input_is_refused_before_the_sampler(chat_tok, path, body, headers, 
   assert sampler.calls == 0
 
 
+def test_every_setting_that_would_change_mu_is_refused_naming_it(chat_tok):
+  """Issue 48: fields that change the sampling distribution (or what a completion is) get a 400 naming the field,
+  never a silent 200; their neutral values pass; errors about the episode name where its id came from; unknown
+  routes and wrong methods answer in OpenAI's error shape too."""
+  tok = chat_tok
+  end = [tok.end_of_turn_id]
+  svc, sampler = stub_service(tok, [tok.encode("1") + end] * 4, auto_open=True)
+  refused = [("best_of", 2), ("seed", 7), ("min_tokens", 3), ("ignore_eos", True), ("stop_token_ids", [5]),
+             ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
+             ("tool_choice", {"type": "function", "function": {"name": "add"}}), ("guided_regex", "[0-9]+"),
+             ("echo", True), ("suffix", "x"), ("continue_final_message", True)]
+  post = lambda path, body, **kw: httpx.post(svc.base_url + path, json=body, timeout=HANG, **kw)
+  comp = {"model": "jaxrl-policy", "prompt": "hi", "user": "c"}
+  try:
+    for field, value in refused:
+      for path, base in (("/v1/chat/completions", _CHAT), ("/v1/completions", comp)):
+        r = post(path, {**base, field: value})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and "not served" in err["message"], (field, r.text)
+    r = post("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {"min_tokens": 2}},
+             headers={"X-Episode-Id": "g"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.min_tokens", r.text
+    assert sampler.calls == 0
+    neutral = {"best_of": 1, "seed": None, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+               "response_format": {"type": "text"}, "tool_choice": "auto", "echo": False, "suffix": None}
+    assert post("/v1/chat/completions", {**_CHAT, **neutral}).status_code == 200
+    assert sampler.calls == 1
+    r = post("/v1/chat/completions", {**_CHAT, "max_completion_tokens": 10**6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    for route, method in (("/v1/nope", "POST"), ("/v1/chat/completions", "GET")):
+      r = httpx.request(method, svc.base_url + route, timeout=HANG)
+      err = r.json()["error"]
+      assert r.status_code in (404, 405) and set(err) == {"message", "type", "param", "code"}, r.text
+  finally:
+    svc.close()
+
+
 def test_unknown_and_ended_episodes(chat_tok):
   tok = chat_tok
   svc, sampler = stub_service(tok, [tok.encode("1") + [tok.end_of_turn_id]], auto_open=False)
@@ -226,6 +263,7 @@ def test_unknown_and_ended_episodes(chat_tok):
     post = lambda user: httpx.post(svc.base_url + "/v1/chat/completions", json={**_CHAT, "user": user}, timeout=HANG)
     r = post("stray")
     assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
+    assert r.json()["error"]["param"] == "user"  # where the id came from (the header's name only when it is used)
     svc.recorder.open("mine")
     assert post("mine").status_code == 200
     assert httpx.post(svc.base_url + "/v1/episodes/mine/reward", json={"reward": 0.5}, timeout=HANG).status_code == 200

@@ -14,9 +14,11 @@ Routes (served on 127.0.0.1 only):
 
 Every completion call belongs to an episode: header `X-Episode-Id`, else the body's `user` field. μ must be the
 training distribution, so a temperature / top_p / top_k other than the run's sampler settings, penalties or a
-logit bias, streaming, stop strings and `n` > 1 are refused. Bad input gets an OpenAI-style error `{"error":
-{"message", "type", "param", "code"}}` (400 malformed or refused, 404 unknown model or episode, 409 an ended
-episode) before anything is queued for the sampler. The completion ids include the stop id the sampler drew (it is trained on).
+logit bias, streaming, stop strings, `n` > 1 and the `UNSERVED` fields (best_of, seed, min_tokens, ignore_eos,
+stop_token_ids but on the token-in route, response_format and guided decoding, tool_choice other than "auto",
+echo, suffix, continue_final_message) are refused with a 400 naming the field. Bad input gets an OpenAI-style
+error `{"error": {"message", "type", "param", "code"}}` (400 malformed or refused, 404 unknown model, episode or
+route, 405 a wrong method, 409 an ended episode) before anything is queued for the sampler. The completion ids include the stop id the sampler drew (it is trained on).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # the `serve` extra (route annotations are resolved from module globals)
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl_llm.serve import chat
 from jaxrl_llm.serve.batcher import TOPK, Batcher, Completion
@@ -106,9 +109,38 @@ def _check_model(ep: Endpoint, body: dict, required: bool = True) -> None:
                    "model_not_found")
 
 
-def _sampling(ep: Endpoint, body: dict, where: str = "") -> int:
-  """Checks the sampling fields against μ's settings; returns max_tokens."""
+# Request fields that would change μ (the distribution a completion is drawn from, which the record says it was drawn
+# from) or what a completion is: refused with a 400 naming the field rather than ignored, so a harness never believes
+# a setting took effect. Their neutral values pass. (name, whether a value is refused, why)
+_MASKS_STOP = "it masks the stop ids, so μ would not be the distribution the completion was drawn from"
+_CONSTRAINS = "constrained decoding changes μ: the recorded log-probs would not be the ones sampled from"
+UNSERVED = (
+    ("best_of", lambda v: v not in (None, 1), "it keeps the best of several samples, which is not a sample of μ"),
+    ("seed", lambda v: v is not None, "the run draws every sampling key from its own seed (`seed` of the config)"),
+    ("min_tokens", lambda v: v not in (None, 0), _MASKS_STOP),
+    ("ignore_eos", bool, _MASKS_STOP),
+    ("stop_token_ids", bool, "a completion ends at the policy's stop ids (a cut one would not be what μ sampled)"),
+    ("response_format", lambda v: v not in (None, {"type": "text"}), _CONSTRAINS),
+    ("tool_choice", lambda v: v not in (None, "auto"), _CONSTRAINS + " (only 'auto' is served)"),
+    *((f, bool, _CONSTRAINS) for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                       "structured_outputs")),
+    ("echo", bool, "the response holds the completion only"),
+    ("suffix", bool, "insertion is not served; a completion continues the prompt"),
+    ("continue_final_message", bool, "the prompt always ends with the template's generation prompt"),
+)
+
+
+def _unserved(body: dict, where: str, allow: tuple[str, ...] = ()) -> None:
+  for name, refused, why in UNSERVED:
+    if name in body and name not in allow and refused(body[name]):
+      raise ApiError(400, f"{where}{name}={body[name]!r} is not served: {why}", where + name, "unsupported_value")
+
+
+def _sampling(ep: Endpoint, body: dict, where: str = "", allow: tuple[str, ...] = ()) -> int:
+  """Checks the sampling fields against μ's settings (and refuses the `UNSERVED` ones but `allow`); returns
+  max_tokens."""
   lim = ep.limits
+  _unserved(body, where, allow)
   t = _number(body, "temperature", where)
   if t is not None and abs(t - lim.temperature) > 1e-6:
     raise ApiError(400, f"temperature={t} is not served: completions are sampled at the run's sampler temperature "
@@ -140,14 +172,19 @@ def _sampling(ep: Endpoint, body: dict, where: str = "") -> int:
   if stop:
     raise ApiError(400, "stop strings are not supported: a completion ends at the policy's stop ids (a cut "
                    "completion would not be what μ sampled)", where + "stop", "unsupported_value")
-  mt = _field(body, "max_completion_tokens", int, None, where=where)
-  mt = _field(body, "max_tokens", int, mt, where=where) if mt is None else mt
+  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  mt = _field(body, name, int, None, where=where)
   if mt is None:
     return lim.max_tokens
   if not 1 <= mt <= lim.max_tokens:
-    raise ApiError(400, f"max_tokens={mt} must be in [1, {lim.max_tokens}] (serve.max_tokens)", where + "max_tokens",
+    raise ApiError(400, f"{where}{name}={mt} must be in [1, {lim.max_tokens}] (serve.max_tokens)", where + name,
                    "invalid_value")
   return mt
+
+
+def _id_param(body: dict, header: str | None) -> str:
+  """Where the episode id came from, for an error about it: the header, else the body's `user`."""
+  return "X-Episode-Id" if header else "user"
 
 
 def _episode_id(body: dict, header: str | None) -> str:
@@ -218,14 +255,16 @@ def _tools(body: dict) -> list[dict] | None:
 
 # ---- serving ----
 
-async def _complete(ep: Endpoint, episode_id: str, prompt: list[int], max_tokens: int, top: int) -> Completion:
-  """Queues the call for the batcher and waits for its completion (the episode is checked first)."""
+async def _complete(ep: Endpoint, episode_id: str, prompt: list[int], max_tokens: int, top: int,
+                    id_param: str = "X-Episode-Id") -> Completion:
+  """Queues the call for the batcher and waits for its completion (the episode is checked first; an error about it
+  names `id_param`, where the id came from)."""
   try:
     ep.recorder.get(episode_id)
   except UnknownEpisode:
-    raise ApiError(404, f"unknown episode {episode_id!r}", "X-Episode-Id", "episode_not_found") from None
+    raise ApiError(404, f"unknown episode {episode_id!r}", id_param, "episode_not_found") from None
   except EpisodeEnded as e:
-    raise ApiError(409, str(e), "X-Episode-Id", "episode_ended") from None
+    raise ApiError(409, str(e), id_param, "episode_ended") from None
   try:
     return await asyncio.wrap_future(ep.batcher.submit(prompt, max_tokens, top))
   except Exception as e:  # pylint: disable=broad-except  # the sampler failed or the server is stopping
@@ -268,15 +307,16 @@ async def chat_completions(ep: Endpoint, body: dict, episode_header: str | None)
   try:
     history = ep.recorder.history(episode_id)
   except UnknownEpisode:
-    raise ApiError(404, f"unknown episode {episode_id!r}", "X-Episode-Id", "episode_not_found") from None
+    raise ApiError(404, f"unknown episode {episode_id!r}", _id_param(body, episode_header),
+                   "episode_not_found") from None
   except EpisodeEnded as e:
-    raise ApiError(409, str(e), "X-Episode-Id", "episode_ended") from None
+    raise ApiError(409, str(e), _id_param(body, episode_header), "episode_ended") from None
   try:
     prompt, _ = chat.prompt_ids(ep.encoder, messages, tools, history)
   except ValueError as e:  # a template that cannot render these messages / tools
     raise ApiError(400, f"the messages cannot be rendered: {str(e)[:300]}", "messages", "invalid_value") from None
   _check_context(ep, len(prompt), max_tokens)
-  c = await _complete(ep, episode_id, prompt, max_tokens, top)
+  c = await _complete(ep, episode_id, prompt, max_tokens, top, _id_param(body, episode_header))
   text = ep.encoder.tokenizer.decode(_without_stop(ep, c.ids))
   message, called = chat.assistant_message(text, tools)
   _record(ep, episode_id, prompt, c, chat.served_turn(messages, message, prompt, c.ids, c.finish_reason == "stop"))
@@ -310,7 +350,7 @@ async def completions(ep: Endpoint, body: dict, episode_header: str | None) -> d
     raise ApiError(400, "logprobs must be in [0, 5]", "logprobs", "invalid_value")
   episode_id = _episode_id(body, episode_header)
   _check_context(ep, len(prompt), max_tokens)
-  c = await _complete(ep, episode_id, prompt, max_tokens, lp_n or 0)
+  c = await _complete(ep, episode_id, prompt, max_tokens, lp_n or 0, _id_param(body, episode_header))
   _record(ep, episode_id, prompt, c)
   choice = {"index": 0, "text": ep.encoder.tokenizer.decode(_without_stop(ep, c.ids)),
             "finish_reason": c.finish_reason, "logprobs": None}
@@ -332,12 +372,12 @@ async def generate(ep: Endpoint, body: dict, episode_header: str | None) -> dict
   _check_model(ep, body, required=False)
   prompt = _token_ids(ep, _field(body, "token_ids", list), "token_ids")
   sp = _field(body, "sampling_params", dict, {})
-  max_tokens = _sampling(ep, sp, where="sampling_params.")
+  max_tokens = _sampling(ep, sp, where="sampling_params.", allow=("stop_token_ids",))  # honoured: the cut below
   stop_ids = _token_ids(ep, _field(sp, "stop_token_ids", list, [], where="sampling_params."),
                         "sampling_params.stop_token_ids")
   episode_id = _episode_id(body, episode_header)
   _check_context(ep, len(prompt), max_tokens)
-  c = await _complete(ep, episode_id, prompt, max_tokens, 0)
+  c = await _complete(ep, episode_id, prompt, max_tokens, 0, _id_param(body, episode_header))
   cut = next((n + 1 for n, t in enumerate(c.ids) if t in set(stop_ids)), None)
   if cut is not None and cut < len(c.ids):
     c = dataclasses.replace(c, ids=c.ids[:cut], logprobs=c.logprobs[:cut], finish_reason="stop")
@@ -372,6 +412,13 @@ def make_app(ep: Endpoint):
   async def _api_error(request, e: ApiError):
     del request
     return JSONResponse(e.body(), status_code=e.status)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(request, e: StarletteHTTPException):
+    """An unknown route or a wrong method: OpenAI's error shape too (not FastAPI's `{"detail": ...}`)."""
+    code = {404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+    err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code)
+    return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
   async def _body(request: Request) -> dict:
     raw = await request.body()
