@@ -175,9 +175,14 @@ def summary_table(rows: list[dict], initial_eval: float | None = None) -> str:
   empty = sum(int(r.get("updates_skipped_empty") or 0) for r in rows)
   if empty:
     lines.append(f"{'updates skipped (no sample)':<28}{'':>12}{empty:>12d}")
-  errors = sum(int(r.get("reward_errors") or 0) for r in rows)
-  if errors:
-    lines.append(f"{'reward errors / timeouts':<28}{'':>12}{errors:>12d}")
+  count = lambda *keys: sum(int(r.get(k) or 0) for r in rows for k in keys)
+  if any("env_errors" in r for r in rows):  # episodes: `reward_errors` also counts the policy's invalid actions
+    for label, keys in (("env errors / timeouts", ("env_errors", "env_timeouts")),
+                        ("invalid actions (episodes)", ("env_invalid",))):
+      if count(*keys):
+        lines.append(f"{label:<28}{'':>12}{count(*keys):>12d}")
+  elif count("reward_errors"):
+    lines.append(f"{'reward errors / timeouts':<28}{'':>12}{count('reward_errors'):>12d}")
   return "\n".join(lines)
 
 

@@ -849,3 +849,16 @@ def test_a_harness_that_never_returns_cannot_fail_a_sigterm(tmp_path):
   rows = read_jsonl(str(path))
   assert max(int(x) for x in os.listdir(d / "checkpoints") if x.isdigit()) == len(rows)
   assert all(r["serve_timeouts"] == r["serve_episodes"] == 16 and r["updates_skipped_empty"] == 1 for r in rows)
+
+
+def test_the_summary_counts_environment_failures_apart_from_invalid_actions():
+  # issue 48 (4): the summary's "reward errors / timeouts" line of an episode run also counted invalid actions (the
+  # policy's samples, `reward_errors` counts them): episodes now report the environment's failures and them apart.
+  from jaxrl_llm import metrics
+  ep = [{"step": 0, "reward_mean": 0.0, "reward_errors": 5, "env_errors": 1, "env_timeouts": 2, "env_invalid": 2},
+        {"step": 1, "reward_mean": 0.0, "reward_errors": 1, "env_errors": 0, "env_timeouts": 0, "env_invalid": 1}]
+  lines = {line[:28].strip(): line.split()[-1] for line in metrics.summary_table(ep).splitlines() if line.strip()}
+  assert lines["env errors / timeouts"] == "3" and lines["invalid actions (episodes)"] == "3"
+  assert "reward errors / timeouts" not in lines
+  single = [{"step": 0, "reward_mean": 0.0, "reward_errors": 4}]
+  assert metrics.summary_table(single).splitlines()[-1].split()[-1] == "4"
