@@ -532,7 +532,8 @@ def _validate_reward(c: ml_collections.ConfigDict) -> None:
 
 # Fields a resumed run may change: they affect neither array shapes nor what a learner step computes.
 RESUMABLE = ("num_steps", "log.", "dist.", "checkpoint.every", "checkpoint.final", "checkpoint.keep",
-             "checkpoint.config_change", "eval.every", "reward.timeout_s", "reward.executor", "reward.workers", "rollout.num_workers", "sft.save_to",
+             "checkpoint.config_change", "eval.every", "reward.timeout_s", "reward.executor", "reward.workers",
+             "rollout.num_workers", "sft.save_to",
              "task.data_dir", "sft.demos", "sft.demo_player")  # the warm start's demos: it never runs on resume
 
 

@@ -59,8 +59,9 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
     replay = ReplaySettings(capacity=r.capacity, fresh_per_step=r.fresh_per_step or ro.prompts_per_step,
                             reuse_limit=r.reuse_limit, recency=r.recency, stale_policy=r.stale_policy,
                             max_lag=r.max_lag, decay=r.decay)
+  old_logp = ro.old_logp if config_lib.scores_prox(c) else "none"  # a loss that reads no π_old: none is scored
   return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
-                         lag=ro.lag, old_logp=ro.old_logp if config_lib.scores_prox(c) else "none", num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
+                         lag=ro.lag, old_logp=old_logp, num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
                          prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay,
                          env=env_settings(c), serve=serve_settings(c))
 

@@ -18,7 +18,8 @@ logit bias, streaming, stop strings, `n` > 1 and the `UNSERVED` fields (best_of,
 stop_token_ids but on the token-in route, response_format and guided decoding, tool_choice other than "auto",
 echo, suffix, continue_final_message) are refused with a 400 naming the field. Bad input gets an OpenAI-style
 error `{"error": {"message", "type", "param", "code"}}` (400 malformed or refused, 404 unknown model, episode or
-route, 405 a wrong method, 409 an ended episode) before anything is queued for the sampler. The completion ids include the stop id the sampler drew (it is trained on).
+route, 405 a wrong method, 409 an ended episode) before anything is queued for the sampler. The completion ids
+include the stop id the sampler drew (it is trained on).
 """
 
 from __future__ import annotations
