@@ -29,7 +29,9 @@ read raises `InvalidAction`: the episode ends with return 0 and is counted ("inv
 environment that raises anything else ("error"), returns something malformed ("error") or overruns its
 time limit ("timeout") is (`jaxrl_llm.rollout.episodes`). One instance plays one episode at a time (the
 runner makes one per row); an optional `close()` is called when the runner's batch is formed (release a
-simulator process or a server connection there).
+simulator process or a server connection there), under the same time limit, on every instance: also on one
+whose `reset` / `step` overran its limit and may still be running in its thread, so `close` must tolerate a
+call in progress (ScienceWorld's defers the release until the call returns).
 """
 
 from __future__ import annotations
