@@ -21,8 +21,17 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # (`pytest -q -n 2 --dist worksteal tests`, 2 idle cores) 1582 -> 913 s. The real model's compute-bound steps
 # run slower with it (test_smollm2_grpo_two_steps 40 -> 46 s alone). Programs may round differently than
 # under the default emitters, which no test may depend on (no bitwise equality of two different programs).
-if "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " --xla_cpu_use_fusion_emitters=false").strip()
+# jax is not pinned and XLA aborts on a flag it does not know: the first process (pytest, or its xdist controller)
+# tries the flag in a child once; the workers and launched runs inherit the outcome through the environment.
+_EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and "JAXRL_TEST_EMITTERS" not in os.environ:
+  import subprocess  # noqa: E402
+  _with = f"{os.environ['XLA_FLAGS']} {_EMITTER_FLAG}".strip()
+  _probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, timeout=600,
+                          env={**os.environ, "XLA_FLAGS": _with, "JAX_PLATFORMS": "cpu"})
+  os.environ["JAXRL_TEST_EMITTERS"] = "elemental" if _probe.returncode == 0 else "default (the flag is unknown)"
+  if _probe.returncode == 0:
+    os.environ["XLA_FLAGS"] = _with
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
