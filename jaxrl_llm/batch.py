@@ -26,9 +26,9 @@ def prox_is_current(c: ml_collections.ConfigDict) -> bool:
 
 def prox_logp(run, store: ParamStore, state, extra, ro: Rollout, seq, routes=None) -> jax.Array | None:
   """The learner-side π_old of the sampled tokens by the run's `rollout.old_logp` strategy (`jaxrl_llm.rollout.old_logp`);
-  None when π_old is the current parameters (`prox_is_current`) or the loss reads none (`config.scores_prox`): the
-  learner uses sg(log π_θ)."""
-  if prox_is_current(run.c) or not config_lib.scores_prox(run.c):
+  None when π_old is the current parameters (`prox_is_current`) or the loss reads none
+  (`config.old_logp_strategy`): the learner uses sg(log π_θ)."""
+  if prox_is_current(run.c) or config_lib.old_logp_strategy(run.c) == "none":
     return None  # the learner takes sg(log π_θ) from its own forward: no separate scoring pass
   ctx = old_logp.OldLogpContext(run.score, store, state.params, state.version, extra["ewma"])
   return old_logp.compute(run.c.rollout.old_logp, ctx, ro, seq, routes)

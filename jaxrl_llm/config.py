@@ -310,6 +310,12 @@ def scores_prox(c: ml_collections.ConfigDict) -> bool:
   return "prox_logp" in losses.get(c.loss.name).needs
 
 
+def old_logp_strategy(c: ml_collections.ConfigDict) -> str:
+  """The π_old strategy the run carries out: `rollout.old_logp`, or "none" when the loss reads no π_old
+  (`scores_prox`; then nothing scores it and no EWMA copy is kept)."""
+  return c.rollout.old_logp if scores_prox(c) else "none"
+
+
 def lora_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run trains LoRA adapters (`model.lora.rank` > 0; configs without the section: no)."""
   lo = c.model.get("lora")

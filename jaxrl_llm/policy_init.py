@@ -84,7 +84,7 @@ def step_shape(c: ml_collections.ConfigDict, width: int) -> memory.StepShape:
   if config_lib.lora_on(c):
     rank = c.model.lora.rank
     weights = tuple(model_fields.LORA_TARGETS[t] for t in model_fields.parse_lora_targets(c.model.lora.targets))
-  copies = int(config_lib.uses_reference(c)) + int(c.rollout.old_logp == "ewma")
+  copies = int(config_lib.uses_reference(c)) + int(config_lib.old_logp_strategy(c) == "ewma")
   return memory.StepShape(rows=B, prompt=width, new=T - width, micro_rows=micro, frozen_copies=copies,
                           lora_rank=rank, lora_weights=weights, sampler_dtype=c.sampler.dtype)
 

@@ -59,9 +59,9 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
     replay = ReplaySettings(capacity=r.capacity, fresh_per_step=r.fresh_per_step or ro.prompts_per_step,
                             reuse_limit=r.reuse_limit, recency=r.recency, stale_policy=r.stale_policy,
                             max_lag=r.max_lag, decay=r.decay)
-  old_logp = ro.old_logp if config_lib.scores_prox(c) else "none"  # a loss that reads no π_old: none is scored
   return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
-                         lag=ro.lag, old_logp=old_logp, num_workers=ro.num_workers, partial_chunk=ro.partial_chunk,
+                         lag=ro.lag, old_logp=config_lib.old_logp_strategy(c), num_workers=ro.num_workers,
+                         partial_chunk=ro.partial_chunk,
                          prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay,
                          env=env_settings(c), serve=serve_settings(c))
 
@@ -413,6 +413,12 @@ def lora_base_id(c: ml_collections.ConfigDict) -> dict | None:
   return {"init_from_sha256": h.hexdigest()}
 
 
+def initial_loss_state(c: ml_collections.ConfigDict):
+  """The loss's carried state at step 0 (its `init_state` on the run's hyper-parameters), or None if stateless."""
+  spec = losses.get(c.loss.name)
+  return spec.init_state(losses.make_hparams(spec, losses.run_hparams(c))) if spec.init_state else None
+
+
 def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   """Mesh, learner (FSDP + tensor) and sampler (tensor / replicated) layouts, and the train step's
   explicit in/out shardings, for a multi-device `config.mesh` (see docs/scaling.md).
@@ -431,8 +437,7 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
     sampler_devices = multiprocess.split_devices(devices, 1)[1]
   sampler_mesh = sharding.make_mesh(data=len(sampler_devices), devices=sampler_devices) if sampler_devices else mesh
   psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
-  spec = losses.get(c.loss.name)
-  loss_state = spec.init_state(losses.make_hparams(spec, losses.run_hparams(c))) if spec.init_state else None
+  loss_state = initial_loss_state(c)
   shapes = jax.eval_shape(lambda: learner.init_state(init_params(model_cfg, key), tx, loss_state, hook_params))
   ssh = sharding.state_shardings(shapes, psh, tx, mesh)
   B = c.rollout.prompts_per_step * c.rollout.group_size
@@ -469,11 +474,10 @@ def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal) and, with a
   distilled speculative drafter, its initial state (a copy of the policy's first k layers)."""
   c = run.c
-  spec = losses.get(c.loss.name)
-  loss_state = spec.init_state(losses.make_hparams(spec, losses.run_hparams(c))) if spec.init_state else None
+  loss_state = initial_loss_state(c)
   copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)
   extra = {"ref": copy(reference_of(params)) if uses_reference(c) else None,
-           "ewma": ewma_init(params) if c.rollout.old_logp == "ewma" else None,
+           "ewma": ewma_init(params) if config_lib.old_logp_strategy(c) == "ewma" else None,
            "drafter": run.drafter.init(params) if run.drafter is not None else None}
   hook = jax.tree.map(lambda x: jnp.array(x, copy=True), run.hook_params) if run.hook_params is not None else None
   if run.mesh is None:

@@ -187,6 +187,9 @@ def test_a_loss_without_pi_old_gets_none_scored(loss, scored):
   c = tiny(rollout__mode="fixed_lag", rollout__lag=2, loss__name=loss)
   r, state, extra, store = fresh_run(c)
   assert wiring.rollout_settings(c).old_logp == ("recompute" if scored else "none")
+  # nor is an EWMA copy kept for it (old_logp="ewma" with a loss that reads no π_old)
+  from jaxrl_llm import config as config_lib
+  assert config_lib.old_logp_strategy(tiny(loss__name=loss, rollout__old_logp="ewma")) == ("ewma" if scored else "none")
   import dataclasses
   from jaxrl_llm.rollout import old_logp
   calls = []

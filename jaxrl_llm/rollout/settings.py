@@ -47,7 +47,7 @@ class RolloutSettings:
   group_size: int
   seed: int
   lag: int = 0  # fixed_lag's k, staged's stage length, async's η
-  old_logp: str = "recompute"  # `rollout.old_logp`; "none" when the loss reads no π_old (`config.scores_prox`)
+  old_logp: str = "recompute"  # `rollout.old_logp`; "none" when the loss reads no π_old (`config.old_logp_strategy`)
   num_workers: int = 1  # async rollout threads
   partial_chunk: int = 0  # async partial rollouts: decode steps between parameter switches (0 = off)
   prox_in_worker: bool = False  # async + recompute: the workers score π_old

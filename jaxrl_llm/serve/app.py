@@ -183,7 +183,7 @@ def _sampling(ep: Endpoint, body: dict, where: str = "", allow: tuple[str, ...] 
   return mt
 
 
-def _id_param(body: dict, header: str | None) -> str:
+def _id_param(header: str | None) -> str:
   """Where the episode id came from, for an error about it: the header, else the body's `user`."""
   return "X-Episode-Id" if header else "user"
 
@@ -308,16 +308,16 @@ async def chat_completions(ep: Endpoint, body: dict, episode_header: str | None)
   try:
     history = ep.recorder.history(episode_id)
   except UnknownEpisode:
-    raise ApiError(404, f"unknown episode {episode_id!r}", _id_param(body, episode_header),
+    raise ApiError(404, f"unknown episode {episode_id!r}", _id_param(episode_header),
                    "episode_not_found") from None
   except EpisodeEnded as e:
-    raise ApiError(409, str(e), _id_param(body, episode_header), "episode_ended") from None
+    raise ApiError(409, str(e), _id_param(episode_header), "episode_ended") from None
   try:
     prompt, _ = chat.prompt_ids(ep.encoder, messages, tools, history)
   except ValueError as e:  # a template that cannot render these messages / tools
     raise ApiError(400, f"the messages cannot be rendered: {str(e)[:300]}", "messages", "invalid_value") from None
   _check_context(ep, len(prompt), max_tokens)
-  c = await _complete(ep, episode_id, prompt, max_tokens, top, _id_param(body, episode_header))
+  c = await _complete(ep, episode_id, prompt, max_tokens, top, _id_param(episode_header))
   text = ep.encoder.tokenizer.decode(_without_stop(ep, c.ids))
   message, called = chat.assistant_message(text, tools)
   _record(ep, episode_id, prompt, c, chat.served_turn(messages, message, prompt, c.ids, c.finish_reason == "stop"))
@@ -351,7 +351,7 @@ async def completions(ep: Endpoint, body: dict, episode_header: str | None) -> d
     raise ApiError(400, "logprobs must be in [0, 5]", "logprobs", "invalid_value")
   episode_id = _episode_id(body, episode_header)
   _check_context(ep, len(prompt), max_tokens)
-  c = await _complete(ep, episode_id, prompt, max_tokens, lp_n or 0, _id_param(body, episode_header))
+  c = await _complete(ep, episode_id, prompt, max_tokens, lp_n or 0, _id_param(episode_header))
   _record(ep, episode_id, prompt, c)
   choice = {"index": 0, "text": ep.encoder.tokenizer.decode(_without_stop(ep, c.ids)),
             "finish_reason": c.finish_reason, "logprobs": None}
@@ -378,7 +378,7 @@ async def generate(ep: Endpoint, body: dict, episode_header: str | None) -> dict
                         "sampling_params.stop_token_ids")
   episode_id = _episode_id(body, episode_header)
   _check_context(ep, len(prompt), max_tokens)
-  c = await _complete(ep, episode_id, prompt, max_tokens, 0, _id_param(body, episode_header))
+  c = await _complete(ep, episode_id, prompt, max_tokens, 0, _id_param(episode_header))
   cut = next((n + 1 for n, t in enumerate(c.ids) if t in set(stop_ids)), None)
   if cut is not None and cut < len(c.ids):
     c = dataclasses.replace(c, ids=c.ids[:cut], logprobs=c.logprobs[:cut], finish_reason="stop")
