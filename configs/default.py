@@ -51,7 +51,8 @@ def get_config():
   c.model.layer_unroll = 0  # layers per scan iteration; 0 = unroll all (fast on CPU), 1 = rolled (short compiles)
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
   # LoRA (jaxrl_llm.models.lora): train low-rank adapters only, the base frozen (and not checkpointed: the run
-  # re-reads it from model.init_from, checked by checksum, or re-draws it from the seed). Needs sft.steps = 0.
+  # re-reads it from model.init_from, checked by checksum, or re-draws it from the seed, and repeats the SFT warm start
+  # when sft.steps > 0: the adapters train over the warm-started base, its checksum in every checkpoint).
   c.model.lora = ml_collections.ConfigDict()
   c.model.lora.rank = 0  # r; 0 = off (full fine-tuning)
   c.model.lora.alpha = 16.0  # adapter scale alpha / r

@@ -1,7 +1,8 @@
 """LoRA on the smallest end-to-end run (configs/tiny.py): rank-4 adapters on every projection, base frozen.
 
-A LoRA run adapts a fixed base, so there is no SFT warm start (`sft.steps = 0`): the tiny random-init base is
-the one its seed draws, recorded in every checkpoint instead of the weights. Used by tests/test_lora.py.
+Here without an SFT warm start (`sft.steps = 0`): the tiny random-init base is the one its seed draws, recorded in
+every checkpoint instead of the weights. With `--config.sft.steps=150` the adapters train over the run's own warm
+start instead (repeated on resume, its checksum in every checkpoint). Used by tests/test_lora.py.
 
 Run:  python -m jaxrl_llm --config=configs/lora_tiny.py --workdir=/tmp/lora_tiny
 QLoRA (the frozen base through the int8 weight-only round trip): add --config.model.lora.base_quantize=int8

@@ -98,7 +98,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_task(c)
   validate_dist(c)
   _validate_model(c)
-  _validate_lora(c, n_mesh=c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert)
+  _validate_lora(c)
   if c.loss.name not in losses.names():
     raise ConfigError(f"config.loss.name={c.loss.name!r}: unknown loss; valid names: {', '.join(losses.names())}")
   spec = losses.get(c.loss.name)
@@ -322,9 +322,9 @@ def lora_on(c: ml_collections.ConfigDict) -> bool:
   return read(c, "model.lora.rank") != 0
 
 
-def _validate_lora(c: ml_collections.ConfigDict, n_mesh: int) -> None:
+def _validate_lora(c: ml_collections.ConfigDict) -> None:
   """`model.lora.*` (`model_fields.check_lora`; the rank against the layer shapes of a from-scratch model here,
-  of a checkpoint's at setup) and what LoRA runs do not support yet: each refusal names its field."""
+  of a checkpoint's at setup)."""
   lo = c.model.get("lora")
   if lo is None:
     return
@@ -336,14 +336,6 @@ def _validate_lora(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   if bad is not None:
     name, value, why = bad
     raise ConfigError(f"config.model.lora.{name}={value!r}: {why}")
-  if not lora_on(c):
-    return
-  why = "LoRA adapts a fixed base (warm-start it first: sft.save_to, then model.init_from)"
-  _need(c.sft.steps == 0, "sft.steps", c.sft.steps, f"must be 0 with model.lora.rank > 0: {why}")
-  _need(c.rollout.old_logp != "ewma", "rollout.old_logp", c.rollout.old_logp,
-        "'ewma' is not supported with model.lora.rank > 0")
-  _need(n_mesh == 1 and not read(c, "rollout.sampler_devices"), "mesh", dict(c.mesh),
-        "LoRA runs are single-device for now (all mesh axes 1, rollout.sampler_devices 0)")
 
 
 def _validate_sampler_records(c: ml_collections.ConfigDict) -> None:

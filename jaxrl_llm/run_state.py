@@ -27,7 +27,7 @@ from jaxrl_llm.policy_init import initial_policy
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.episode_eval import evaluate_run
 from jaxrl_llm.sft import SftSchedule, demo_records, sft_on_demos, sft_warm_start
-from jaxrl_llm.wiring import Run, env_settings, fresh_state, lora_base, lora_base_id, lora_policy
+from jaxrl_llm.wiring import Run, env_settings, fresh_state, lora_base, lora_base_id, lora_policy, reference_of
 
 def full_state(state, store: ParamStore, extra: dict, slots: int, host_arrays: dict) -> tuple[dict, list[int]]:
   """The checkpointed pytree: train state + `slots` snapshot slots (padded with the newest) + copies +
@@ -85,8 +85,8 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
     return None
   params = lora_policy(run.c, run.model_cfg, init_params(run.model_cfg, run.k_init), run.k_init)
   state, extra = fresh_state(run, params)
-  if lora.has_adapters(params):  # LoRA: the checkpoint holds adapters (`full_state`)
-    weights = params["lora"].weights
+  if lora.has_adapters(params):  # LoRA: the checkpoint holds adapters (`full_state`), in the learner's layout
+    weights = state.params["lora"].weights
     base = {"train": state.replace(params=weights), "snap": [weights] * slots, "snap_learner": [None] * slots,
             **extra, "ref": None}
   else:
@@ -146,13 +146,18 @@ def restore(ckpt, run: Run, store: ParamStore, slots: int, config_json: dict):
 
 def _lora_rebase(run: Run, meta: dict, step: int, directory: str, scale: float):
   """`weights -> policy`: restored adapter weights attached to the run's frozen base, read again (init_from) or
-  drawn again (seed) after checking it is the one the checkpoint's adapters were trained on."""
-  want = lora_base_id(run.c)
+  drawn again (seed), and warm-started again (sft.steps), after checking it is the one the checkpoint's adapters
+  were trained on."""
+  _, base, _ = warm_started(run)
+  want = lora_base_id(run.c, base)
   if meta.get("lora_base") != want:
     raise RunError(f"checkpoint step {step} in {directory}: its LoRA adapters were trained on the base "
-                   f"{meta.get('lora_base')}, but this run's base is {want} (model.init_from changed?)")
-  _, base = initial_policy(run.c, run.model_cfg, run.k_init, run.encoder.tokenizer.vocab_size)
+                   f"{meta.get('lora_base')}, but this run's base is {want} (model.init_from changed, or the SFT "
+                   "warm start computed a different base on this machine?)")
   base = lora_base(run.c, base)
+  if run.mesh is not None:  # the learner's layout of the base, as `fresh_state` lays out a fresh run's
+    from jaxrl_llm import sharding
+    base = sharding.reshard(base, reference_of(run.state_shardings.params))
   return lambda weights: lora.attach(base, lora.Adapters(weights, scale))
 
 
@@ -200,6 +205,28 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
   if moved:  # rows of a run that left no usable checkpoint: kept, never deleted
     print(f"no checkpoint to resume: the earlier metrics.jsonl was moved to {moved}; starting at step 0", flush=True)
   t0 = time.perf_counter()
+  model_cfg, params, sft_loss = warm_started(r)
+  meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
+  if c.sft.save_to and multiprocess.is_writer():
+    from jaxrl_llm.models import save_hf
+    save_hf(c.sft.save_to, model_cfg, params)
+    r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
+  if config_lib.lora_on(c):
+    meta["lora_base"] = lora_base_id(c, params)
+  params = lora_policy(c, model_cfg, params, r.k_init)  # LoRA: the frozen base + fresh adapters
+  state, extra = fresh_state(r, params)
+  store.publish(state.params)
+  initial = evaluate_run(r, lora.effective(state.params)) if c.eval.every > 0 else {}
+  meta["eval_accuracy_initial"] = initial.get("eval_accuracy")
+  meta.update({f"{k}_initial": v for k, v in initial.items() if k.startswith("eval_episode_")})  # with an env
+  return 0, state, extra, meta, {}
+
+
+def warm_started(r: Run) -> tuple:
+  """(model config, params, SFT loss): the initial policy (random init or `model.init_from`) after the SFT warm
+  start (`sft.steps`; on demonstration episodes when the run plays an environment). For LoRA this is the frozen
+  base, computed again on resume (`_lora_rebase`; `sft_cache` serves it when the same inputs ran before)."""
+  c = r.c
   model_cfg, params = initial_policy(c, r.model_cfg, r.k_init, r.encoder.tokenizer.vocab_size)
   if config_lib.env_on(c):  # multi-turn: SFT on scripted demonstration episodes (jaxrl_llm.envs.demos)
     es = env_settings(c)
@@ -209,20 +236,7 @@ def fresh_start(c, r: Run, store: ParamStore, workdir: str):
                                     es.max_episode_tokens, r.encoder)
   else:
     params, sft_loss = sft_warm_start(SftSchedule.from_config(c), model_cfg, params, r.train_examples, r.P, r.encoder)
-  meta = {"sft_final_loss": sft_loss, "time_sft_s": time.perf_counter() - t0}
-  if c.sft.save_to and multiprocess.is_writer():
-    from jaxrl_llm.models import save_hf
-    save_hf(c.sft.save_to, model_cfg, params)
-    r.encoder.tokenizer.save(c.sft.save_to)  # the export loads back with its tokenizer (`model.init_from`)
-  params = lora_policy(c, model_cfg, params, r.k_init)  # LoRA: the frozen base + fresh adapters
-  if lora.has_adapters(params):
-    meta["lora_base"] = lora_base_id(c)
-  state, extra = fresh_state(r, params)
-  store.publish(state.params)
-  initial = evaluate_run(r, lora.effective(state.params)) if c.eval.every > 0 else {}
-  meta["eval_accuracy_initial"] = initial.get("eval_accuracy")
-  meta.update({f"{k}_initial": v for k, v in initial.items() if k.startswith("eval_episode_")})  # with an env
-  return 0, state, extra, meta, {}
+  return model_cfg, params, sft_loss
 
 
 def source_state(name: str, meta: dict, host: dict):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.models import ModelConfig, init_params_per_leaf, param_axes, param_shapes
+from jaxrl_llm.models import ModelConfig, init_params_per_leaf, lora, param_axes, param_shapes
 
 Array = jax.Array
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -134,18 +134,27 @@ def init_params_sharded(cfg: ModelConfig, key: Array, shardings: dict) -> dict:
   return jax.jit(lambda k: init_params_per_leaf(cfg, k), out_shardings=shardings)(key)
 
 
+def with_adapters(params_sh: dict, adapters, mesh: Mesh) -> dict:
+  """`params_sh` of a base plus replicated shardings for a LoRA policy's `adapters` (`lora.Adapters`, abstract or
+  concrete): rank-r factors are small next to the weights they adapt, so every device holds them whole and the
+  merge `W + scale·(BA)ᵀ` takes W's layout (the learner's FSDP / tensor shards, the sampler's own)."""
+  return lora.attach(params_sh, jax.tree.map(lambda _: replicated(mesh), adapters))
+
+
 def state_shardings(state_shapes, params_sh, tx, mesh: Mesh):
   """Shardings of a `learner.TrainState` (abstract or concrete): params and their optimiser moments
   follow `params_sh`; step counters, loss state and hook params are replicated.
 
   Optimiser leaves that mirror a parameter are found with `optax.tree_map_params`, so any optax
-  chain (clipping, AdamW, multi_transform) works.
+  chain (clipping, AdamW, multi_transform) works. LoRA: the optimiser holds the adapters' moments only
+  (`lora.trainable`), laid out as the adapters.
   """
   import optax  # local: sharding helpers are importable without pulling in optax at import time
 
   rep = replicated(mesh)
-  trainable_sh = params_sh if state_shapes.hook_params is None else (
-      params_sh, jax.tree.map(lambda _: rep, state_shapes.hook_params))
+  own_sh = lora.trainable(params_sh)
+  trainable_sh = own_sh if state_shapes.hook_params is None else (
+      own_sh, jax.tree.map(lambda _: rep, state_shapes.hook_params))
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, state_shapes.opt_state, trainable_sh,
                                  transform_non_params=lambda _: rep,
                                  is_leaf=lambda x: isinstance(x, NamedSharding))

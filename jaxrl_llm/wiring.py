@@ -335,8 +335,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   # which doubles the largest compile of every run; the sampler, reference and teacher share it.
   score = learner.make_score_fn(model_cfg, c.sampler.temperature, group_size=c.rollout.group_size)
   if uses_reference(c):  # the reference is scored inside the step: train_step(state, batch, key, ref_params)
-    if shard_kw:
-      shard_kw["in_shardings"] = (*shard_kw["in_shardings"], mesh_kw["state_shardings"].params)
+    if shard_kw:  # the reference is plain weights (for LoRA the frozen base)
+      shard_kw["in_shardings"] = (*shard_kw["in_shardings"], reference_of(mesh_kw["state_shardings"].params))
     train_step = learner.fuse_reference(train_step, score, **shard_kw)
   if config_lib.read(c, "optim.pack_width"):  # π_old recompute (loop, sources, async workers) scores packed rows
     score = packing.packing_scorer(score, c.optim.pack_width)
@@ -396,21 +396,30 @@ def lora_base(c: ml_collections.ConfigDict, base):
   return int8_weight_only(base)
 
 
-def lora_base_id(c: ml_collections.ConfigDict) -> dict | None:
+def lora_base_id(c: ml_collections.ConfigDict, base=None) -> dict | None:
   """What a LoRA run's frozen base is, recorded in its checkpoints instead of the base itself: the sha256 of
-  `model.init_from`'s weight files, or the seed a random-init base is drawn from. None when LoRA is off."""
+  `model.init_from`'s weight files, or the seed a random-init base is drawn from; after an SFT warm start
+  (`sft.steps` > 0) also the sha256 of the warm-started `base` itself (computed again on resume: a machine
+  whose SFT differs in a bit is caught, not resumed on another base). None when LoRA is off."""
   if not config_lib.lora_on(c):
     return None
-  if not c.model.init_from:
-    return {"seed": c.seed}
   import hashlib
-  h = hashlib.sha256()
-  for name in sorted(os.listdir(c.model.init_from)):
-    if name.endswith(".safetensors"):
-      with open(os.path.join(c.model.init_from, name), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-          h.update(chunk)
-  return {"init_from_sha256": h.hexdigest()}
+  if not c.model.init_from:
+    out = {"seed": c.seed}
+  else:
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(c.model.init_from)):
+      if name.endswith(".safetensors"):
+        with open(os.path.join(c.model.init_from, name), "rb") as f:
+          for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    out = {"init_from_sha256": h.hexdigest()}
+  if c.sft.steps > 0:
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(base):
+      h.update(np.ascontiguousarray(jax.device_get(x)).tobytes())
+    out["sft_sha256"] = h.hexdigest()
+  return out
 
 
 def initial_loss_state(c: ml_collections.ConfigDict):
@@ -438,7 +447,10 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   sampler_mesh = sharding.make_mesh(data=len(sampler_devices), devices=sampler_devices) if sampler_devices else mesh
   psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
   loss_state = initial_loss_state(c)
-  shapes = jax.eval_shape(lambda: learner.init_state(init_params(model_cfg, key), tx, loss_state, hook_params))
+  policy = lambda: lora_policy(c, model_cfg, init_params(model_cfg, key), key)  # LoRA: base + adapters
+  shapes = jax.eval_shape(lambda: learner.init_state(policy(), tx, loss_state, hook_params))
+  if lora.has_adapters(shapes.params):
+    psh = sharding.with_adapters(psh, shapes.params["lora"], mesh)
   ssh = sharding.state_shardings(shapes, psh, tx, mesh)
   B = c.rollout.prompts_per_step * c.rollout.group_size
   ins, outs = sharding.train_step_shardings(ssh, mesh, sharding.LEARNER, B)
@@ -483,6 +495,9 @@ def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   if run.mesh is None:
     return learner.init_state(params, run.tx, loss_state, hook), extra
   from jaxrl_llm import sharding
-  params = sharding.reshard(params, run.state_shardings.params)
-  extra = {k: None if v is None else sharding.reshard(v, run.state_shardings.params) for k, v in extra.items()}
+  params_sh = run.state_shardings.params
+  params = sharding.reshard(params, params_sh)
+  # the reference and the EWMA copy are plain weights (for LoRA the base, the merged policy): the base's layout
+  layouts = {"ref": reference_of(params_sh), "ewma": reference_of(params_sh), "drafter": params_sh}
+  extra = {k: None if v is None else sharding.reshard(v, layouts[k]) for k, v in extra.items()}
   return sharding.init_state_sharded(params, run.tx, run.state_shardings, loss_state, hook), extra

@@ -211,12 +211,38 @@ def test_rank_is_checked_against_a_checkpoints_shapes(tmp_path):
     loop.setup(c)
 
 
-def test_lora_refuses_what_it_does_not_support():
-  with pytest.raises(config_lib.ConfigError, match=r"^config\.sft\.steps=150: must be 0 with model\.lora\.rank"):
-    config_lib.validate(lora_cfg(sft__steps=150))
-  with pytest.raises(config_lib.ConfigError, match=r"^config\.rollout\.old_logp='ewma'"):
-    config_lib.validate(lora_cfg(rollout__old_logp="ewma"))
+def test_lora_validates_with_a_warm_start_and_with_ewma():
+  config_lib.validate(lora_cfg(sft__steps=150))
+  config_lib.validate(lora_cfg(loss__name="ppo_ewma", rollout__old_logp="ewma"))
   config_lib.validate(lora_cfg(model__lora__rank=0, sft__steps=150))  # LoRA off: the full fine-tuning config
+
+
+def test_ewma_copy_of_a_lora_policy_averages_the_effective_weights():
+  """β·E + (1-β)·(W + scale·(BA)ᵀ): the average of the policy's weights, not of A and B (bilinear in them)."""
+  from jaxrl_llm.rollout.ewma import ewma_init, ewma_update
+  base, p0 = adapted(b_std=0.3, seed=0)
+  _, p1 = adapted(b_std=0.3, seed=5)
+  p1 = lora.attach(base, p1["lora"])  # same base, other adapters
+  e = ewma_init(p0)
+  assert not lora.has_adapters(e)
+  beta = 0.75
+  out = ewma_update(e, p1, beta)
+  w0 = np.asarray(base["layers"]["wq"]) + np.asarray(lora.delta(base["layers"]["wq"], p0["lora"].weights["wq"],
+                                                                 p0["lora"].scale))
+  w1 = np.asarray(base["layers"]["wq"]) + np.asarray(lora.delta(base["layers"]["wq"], p1["lora"].weights["wq"],
+                                                                 p1["lora"].scale))
+  np.testing.assert_allclose(np.asarray(out["layers"]["wq"]), beta * w0 + (1 - beta) * w1, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(out["embed"]), np.asarray(base["embed"]))
+
+
+def test_lora_ppo_ewma_runs_anchored_to_the_average(tmp_path):
+  """PPO-EWMA with adapters, on-policy so only the anchor moves the ratio (as tests/test_ewma.py without LoRA)."""
+  c = lora_cfg(loss__name="ppo_ewma", rollout__old_logp="ewma", rollout__ewma_beta=0.9, num_steps=3,
+               eval__every=0, checkpoint__every=0, rollout__mode="sync", sft__steps=150)  # warm: rewards vary
+  rows = loop.run(c, str(tmp_path))
+  dev = [max(abs(r["ratio_max"] - 1.0), 1.0 - r["ratio_ess"]) for r in rows]
+  assert dev[0] < 1e-5 and min(dev[1:]) > 1e-4, dev
+  assert all(r["grad_norm"] > 0 for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +284,23 @@ def test_resume_equals_uninterrupted_in_fixed_lag(tmp_path, sft_base):
   assert not any(name in k for k in keys for name in ("embed", "attn_norm", "lm_head", "final_norm"))
   assert any("'mu'" in k and "lora_B" in k for k in keys)
   assert json.load(open(os.path.join(ck, "meta", "metadata")))["lora_base"]["init_from_sha256"]
+
+
+@pytest.mark.slow
+def test_lora_after_an_sft_warm_start_trains_and_resumes_exactly(tmp_path):
+  """LoRA adapters over the run's own SFT warm start (no export / init_from): the warm-started base earns rewards
+  from step 0, is hashed into the checkpoint, and is warm-started again on resume (the same base: exact resume)."""
+  cfg = lambda **o: lora_cfg(**{"sft__steps": 150, "rollout__mode": "fixed_lag", "rollout__lag": 1,
+                                "checkpoint__every": 1, "num_steps": 3, "eval__every": 0, **o})
+  ref = loop.run(cfg(), str(tmp_path / "ref"))
+  assert ref[0]["reward_mean"] > 0 and all(r["grad_norm"] > 0 for r in ref)
+  d = str(tmp_path / "cut")
+  loop.run(cfg(num_steps=1), d)
+  loop.run(cfg(), d)
+  strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+  assert strip(read_jsonl(os.path.join(d, "metrics.jsonl"))) == strip(ref)
+  base_id = json.load(open(os.path.join(d, "checkpoints", "3", "meta", "metadata")))["lora_base"]
+  assert set(base_id) == {"seed", "sft_sha256"}
 
 
 def test_resume_refuses_a_different_base(tmp_path, sft_base):

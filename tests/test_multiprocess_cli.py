@@ -1,12 +1,12 @@
 """`python -m jaxrl_llm` over 2 processes x 4 forced CPU devices (gloo collectives, localhost) writes the
 metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync, staged,
-replay (over fixed_lag, with a KL to the reference policy) and on-policy distillation runs; a SIGTERM to one
+replay (over fixed_lag, with a KL to the reference policy), on-policy distillation and LoRA runs; a SIGTERM to one
 process stops both after the same step with one checkpoint, and from it both the restarted pair and one
 process over the same mesh continue the metrics of the uninterrupted run; a killed (or frozen)
 process makes the other exit 1 with a one-line error, bounded by the heartbeat timeout (no hang). Async
 (not bitwise repeatable) runs over the 2 processes with a sampler device of each process's own, keeps
 every lag within η, reports the learner's idle fraction and resumes after a SIGTERM without consuming
-a request twice. The 1-process 8-device reference also equals `loop.run` on this process's one device.
+a request twice. The 1-process 8-device reference also equals `loop.run` on this process's one device (replay, LoRA).
 
 Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
 learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import loop
+from jaxrl_llm.config import load_file
 from jaxrl_llm.metrics import read_jsonl
 from test_loop import assert_learns, tiny
 from devices import with_devices
@@ -51,7 +52,10 @@ MODES = {"sync": NO_EVAL,
          "replay": ["--config.rollout.mode=fixed_lag", "--config.rollout.lag=1", "--config.rollout.replay.capacity=8",
                     "--config.rollout.replay.fresh_per_step=2", "--config.loss.kl_coef=0.05"],
          # on-policy distillation (reverse KL against a 2-layer SFT teacher, trained once by the 1-process run)
-         "opd": ["--config=configs/opd_tiny.py", *NO_EVAL]}
+         "opd": ["--config=configs/opd_tiny.py", *NO_EVAL],
+         # LoRA adapters (replicated) over the run's own SFT warm start (the base sharded data x fsdp), with a KL
+         # to the reference (the frozen base)
+         "lora": ["--config=configs/lora_tiny.py", "--config.sft.steps=150", "--config.loss.kl_coef=0.05", *NO_EVAL]}
 
 
 def _free_port() -> int:
@@ -154,7 +158,7 @@ def reference(tmp_path_factory, built_once, teachers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "staged", "opd"])
+@pytest.mark.parametrize("mode", ["sync", "staged", "opd", "lora"])
 def test_two_processes_write_the_metrics_of_one(tmp_path, reference, teachers, mode):
   rows = _run(str(tmp_path), 2, _flags(mode, teachers))
   assert len(rows) == 4
@@ -182,6 +186,18 @@ def test_the_8_device_mesh_writes_the_metrics_of_one_device(tmp_path, reference)
   # (measured 2.5e-4 apart at step 3; 1e-2 leaves room for another machine's summation order).
   np.testing.assert_allclose([r["kl_ref"] for r in rows], [r["kl_ref"] for r in reference["replay"]],
                              rtol=1e-2, atol=0)
+
+
+@pytest.mark.slow
+def test_lora_on_the_8_device_mesh_writes_the_metrics_of_one_device(tmp_path, reference):
+  """LoRA after an SFT warm start, with a KL to the frozen base: `loop.run` here on one device against the
+  1-process run on 8 (data=2 x fsdp=4)."""
+  c = load_file(os.path.join(ROOT, "configs", "lora_tiny.py"))
+  c.sft.steps, c.loss.kl_coef, c.log.tensorboard = 150, 0.05, False
+  c.num_steps, c.eval.every, c.eval.num_prompts, c.checkpoint.every = 4, 0, 8, 2
+  rows = loop.run(c, str(tmp_path))
+  assert rows[0]["grad_norm"] > 0 and rows[0]["reward_std"] > 0 and rows[-1]["kl_ref"] > 0
+  assert_same_metrics(rows, reference["lora"])
 
 
 @pytest.mark.slow
