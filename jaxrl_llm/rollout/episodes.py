@@ -8,8 +8,9 @@ from one state) for up to `max_turns` turns with pinned parameters:
   device, refused on a mesh; it takes precedence over `kv_cache`) by continuous batching (`SlotTurns`): each
   episode's turn is one request to a slot engine, a slot freed by a short turn refilled with the next request
   (episode b's turn t draws with `fold_in(fold_in(fold_in(key, t), b), n)`, so slots change a seed's samples);
-  else by default (`kv_cache`, one device) each episode's KV cache is kept across turns and a turn prefills only
-  the appended observation; else (or on a mesh) every turn re-prefills the episode left-padded to one width
+  else by default (`kv_cache`; one process, over its sampler mesh if any) each episode's KV cache is kept across
+  turns and a turn prefills only the appended observation; else (or over several processes) every turn re-prefills
+  the episode left-padded to one width
   W = P + N (N = `max_episode_tokens`, the response budget) with `sampling.generate`;
 - turn barrier: the turn samplers play turn-synchronously (`_play_turns`: every live episode samples turn t,
   then the environments step together). With slots and no `poll` (the synchronous sources) there is no barrier
@@ -80,7 +81,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxrl_llm import envs
+from jaxrl_llm import envs, multiprocess
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import evict as evict_lib
@@ -104,7 +105,7 @@ class EnvSettings:
   workers: int = 8
   prompt_width: int = 16  # P: the initial message's bucket (left-padded)
   newest_each_turn: bool = True  # async: each turn after the first generates from the newest snapshot
-  kv_cache: bool = True  # keep each episode's KV cache across turns (one device; `rollout.turn_sampler`)
+  kv_cache: bool = True  # keep each episode's KV cache across turns (one process; `rollout.turn_sampler`)
   evict: str = "none"  # context compression before a turn (`rollout.evict`): "none" | "drop_oldest" | "summary"
   context_budget: int = 0  # live-context tokens above which a turn first evicts (with `evict`)
   keep_last_turns: int = 1  # turns a "drop_oldest" eviction always keeps
@@ -200,13 +201,14 @@ def _bucket(n: int, cap: int) -> int:
 
 def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
   """The turn sampler of a batch: continuous batching with `gen.slots` > 0 (one device: refused on a mesh), else
-  the kept KV cache with `env.kv_cache` on one device, else a re-prefill per turn (`rollout.turn_sampler`)."""
+  the kept KV cache with `env.kv_cache` in one process (over its sampler mesh, if any), else a re-prefill per turn
+  (`rollout.turn_sampler`)."""
   if getattr(gen, "slots", 0):
     if mesh is not None:
       raise ValueError("continuous batching of episode turns (rollout.slots) runs on one device, not on a sampler mesh")
     return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
-  if s.kv_cache and mesh is None:
-    return turn_sampler.CachedTurns(gen, width)
+  if s.kv_cache and not multiprocess.multi():  # several processes: each holds only its shards of the cache
+    return turn_sampler.CachedTurns(gen, width, mesh)
   return turn_sampler.Reprefill(gen, width, mesh)
 
 

@@ -7,7 +7,8 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
 
 - `Reprefill`: every turn re-prefills each context, left-padded to one width W = P + N (one compiled shape
   per batch bucket), over the run's mesh when it has one (`multiprocess.generate_on_mesh`).
-- `CachedTurns` (`env.kv_cache`, one device): each episode's KV cache lives across turns; a turn appends only
+- `CachedTurns` (`env.kv_cache`; on one device or a one-process sampler mesh, its rows along the mesh's batch
+  axes): each episode's KV cache lives across turns; a turn appends only
   the ids added since the last one (the observation) with `sampling.continuation.extend`, then decodes with
   `decode_turn`. Rows of finished episodes leave the cache (`models.cache.take_rows`). It re-prefills (as
   `Reprefill` does, into a fresh cache) on the first turn, when the parameters' version changes (async
@@ -75,8 +76,8 @@ class CachedTurns:
   """Keeps each episode's KV cache across turns (module docstring). Host state: the device cache, which cache
   row holds which episode, how many of each episode's ids it holds, and the version that computed it."""
 
-  def __init__(self, gen, width: int):
-    self.gen, self.width = gen, width
+  def __init__(self, gen, width: int, mesh=None):
+    self.gen, self.width, self.mesh = gen, width, mesh
     self.slots = 2 * width  # a re-prefilled context fills `width`; the rest is room for turns and their gaps
     self.cache: dict | None = None
     self.last_logits_bV = None
@@ -121,6 +122,10 @@ class CachedTurns:
 
   def _prefill(self, params, contexts, group_size: int) -> tuple[dict, Any]:
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
+    if self.mesh is not None:  # rows along the sampler mesh's batch axes: the cache, and every turn, follow them
+      from jaxrl_llm import sharding
+      ctx_bW, len_b = jax.device_put((ctx_bW, len_b), sharding.batch_sharding(self.mesh, sharding.SAMPLER,
+                                                                             len(contexts)))
     positions_bW, segment_ids_bW = prompt_layout(jnp.asarray(len_b), self.width)
     self.prefills += 1
     return _prefill(params, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW, model_cfg=self.gen.model_cfg,
