@@ -392,6 +392,11 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   _need(read(c, "sampler.kv_cache") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
   _need(not (read(c, "sampler.behavior_topk") or read(c, "sampler.mc_samples")), "sampler.spec_gamma", gamma,
         "records no behavior_topk / mc_samples candidates")
+  _need(not read(c, "rollout.slots"), "sampler.spec_gamma", gamma,
+        f"continuous batching (rollout.slots={read(c, 'rollout.slots')}) decodes without speculation: set one of "
+        "them to 0")
+  _need(not read(c, "model.num_experts"), "sampler.spec_gamma", gamma,
+        "speculative decoding is not built for MoE models (its verify step keeps no routes)")
 
 
 SPEC_DRAFTERS = ("layers", "distilled")
@@ -444,6 +449,9 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
   _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
         f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
+  _need(not read(c, "rollout.slots"), "rollout.slots", read(c, "rollout.slots"),
+        f"continuous batching runs in one process (its engine admits and harvests every slot on the host), not "
+        f"over {n_proc} processes")
   _need(not n_sampler or c.rollout.mode == "async", "rollout.sampler_devices", n_sampler,
         f"devices of the sampler's own are for rollout.mode='async' in multi-process runs ({n_proc} processes)")
   if c.rollout.mode == "async":
@@ -543,8 +551,8 @@ EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evi
 def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -> None:
   """`rollout.slots` / `rollout.slot_chunk`: continuous batching (`sampling.continuous`) of single completions and
   episode turns in the sources that generate whole steps with one snapshot, and of single completions in async
-  (one slot worker thread, which switches to newer versions at chunk boundaries itself), on one device, with the
-  full KV cache."""
+  (one slot worker thread, which switches to newer versions at chunk boundaries itself), with the full KV cache;
+  on one device or in one process over the sampler's mesh or devices (`_validate_multiprocess`)."""
   slots, chunk = read(c, "rollout.slots"), read(c, "rollout.slot_chunk")
   _need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "rollout.slots", slots,
         "must be an int >= 0 (0 = off)")
@@ -570,8 +578,6 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
     _need(not read(c, f"sampler.{f}"), "rollout.slots", slots, f"continuous batching does not record sampler.{f}")
   _need(not (read(c, "model.num_experts") and read(c, "model.routing_replay")), "rollout.slots", slots,
         "continuous batching does not keep an MoE sampler's routes: turn model.routing_replay off")
-  _need(n_mesh == 1 and not n_sampler, "rollout.slots", slots,
-        "continuous batching runs on one device: no multi-device config.mesh or rollout.sampler_devices")
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:

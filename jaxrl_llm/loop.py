@@ -197,7 +197,7 @@ def _skip_failure(c, m: dict, t: int) -> str | None:
 
 
 # A batch's stats that become metrics: timings, and the counters of async, replay, episodes and the served endpoint.
-STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_", "spec_")
+STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_", "spec_", "slot_")
 
 
 def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: dict) -> dict:

@@ -148,14 +148,21 @@ def test_config_refuses_slots_in_harness_and_with_records():
 
 
 def test_sync_loop_with_slots_trains_with_the_same_record_layout(tmp_path):
-  """Two sync steps with continuous batching: finite losses, and the metrics rows carry the static run's fields."""
+  """Two sync steps with continuous batching: finite losses, and the metrics rows carry the static run's fields
+  and the slot counters of each row's sampler call (4 slots, 3 decode steps a chunk)."""
   static, slots = tiny(), tiny(rollout__slots=4, rollout__slot_chunk=3)
   for c in (static, slots):
     c.num_steps, c.loss.entropy_coef = 2, 0.01  # a gradient even when every reward of a group is equal
   a = loop.run(static, str(tmp_path / "static"))
   b = loop.run(slots, str(tmp_path / "slots"))
-  assert [sorted(r) for r in b] == [sorted(r) for r in a]
+  assert [sorted(r) for r in b] == [sorted({*r, "slot_steps", "slot_live_steps"}) for r in a]
   assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in b)
+  B = slots.rollout.prompts_per_step * slots.rollout.group_size
+  # every column of a request but the first (drawn at admission, from the prefill's logits) is one live slot-step
+  lengths = [(r["completion_len"] - 1) * B for r in b]
+  for r, n in zip(b, lengths):
+    assert r["slot_live_steps"] == pytest.approx(n, abs=1e-3) and r["slot_live_steps"] <= r["slot_steps"]
+    assert r["slot_steps"] % 4 == 0  # S slots per decode step
 
 
 @pytest.mark.slow  # three short runs: ~40 s on one core

@@ -195,12 +195,15 @@ def test_cross_turn_refill_failing_environments():
                                      poll=lambda v: None))
 
 
-def test_slots_refused_on_a_mesh():
+def test_turn_sampler_choice():
+  """Slots first, then the kept cache, on one device and on a mesh (tests/test_mesh_features.py runs both there)."""
   gen = dataclasses.replace(make_gen(), slots=2, mesh=object())
-  with pytest.raises(ValueError, match="one device"):
-    episodes._turn_sampler(gen, ECHO, W, gen.mesh)
+  assert isinstance(episodes._turn_sampler(gen, ECHO, W, gen.mesh), SlotTurns)
   assert isinstance(episodes._turn_sampler(dataclasses.replace(gen, mesh=None), ECHO, W, None), SlotTurns)
   assert isinstance(episodes._turn_sampler(make_gen(), ECHO, W, None), turn_sampler.CachedTurns)
+  assert isinstance(episodes._turn_sampler(make_gen(), ECHO, W, object()), turn_sampler.CachedTurns)
+  assert isinstance(episodes._turn_sampler(make_gen(), dataclasses.replace(ECHO, kv_cache=False), W, None),
+                    turn_sampler.Reprefill)
 
 
 def test_config_accepts_episodes_with_slots_and_still_names_the_field():

@@ -24,6 +24,9 @@ COMMON = {"num_steps": 2, "eval.every": 0, "checkpoint.every": 0, "log.tensorboa
 CASES = {
     # multi-turn episodes with each episode's KV cache kept across turns, the cache's rows over the sampler mesh
     "agent_kv_cache": ("agent_tiny.py", {"env.kv_cache": True, "loss.entropy_coef": 0.01}),
+    # continuous batching (8 slots for 48 rows: refills) of single completions, and of episode turns
+    "slots": ("tiny.py", {"rollout.slots": 8}),
+    "agent_slots": ("agent_tiny.py", {"rollout.slots": 4, "loss.entropy_coef": 0.01}),
 }
 
 
@@ -81,3 +84,14 @@ def test_agent_with_kept_kv_cache_on_a_mesh(tmp_path, on_mesh):
   # re-prefill per turn would count one per turn played)
   assert [r["env_prefills"] for r in mesh] == [r["env_prefills"] for r in rows] == [1, 1]
   assert all(r["env_turns_mean"] > 1 for r in mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, counter", [("slots", "slot_live_steps"), ("agent_slots", "env_live_steps")])
+def test_continuous_batching_on_a_mesh(tmp_path, on_mesh, name, counter):
+  """Per-request keys: the slot engine draws the same tokens on the mesh as on one device."""
+  rows = loop.run(_config(name), str(tmp_path))
+  mesh = on_mesh[name]
+  assert_same_first_steps(mesh, rows)
+  assert all(r["grad_norm"] > 0 for r in rows[:1])
+  assert [r[counter] for r in mesh] == [r[counter] for r in rows] and all(r[counter] > 0 for r in mesh)

@@ -233,6 +233,15 @@ def test_run_config_validation_names_the_field():
     with pytest.raises(config_lib.ConfigError) as e:
       config_lib.validate(c)
     assert needle in str(e.value)
+  # pairs that would drop speculation silently (slots) or fail while tracing (MoE) are refused by name
+  for path, over, needle in [("tiny.py", {"rollout.slots": 4}, "config.sampler.spec_gamma=2: continuous batching"),
+                             ("moe_tiny.py", {}, "config.sampler.spec_gamma=2: speculative decoding is not built for MoE")]:
+    c = config_lib.load_file(os.path.join(root, "configs", path))
+    c.sampler.update({"spec_gamma": 2, "spec_draft_layers": 1})
+    for k, v in over.items():
+      c.rollout[k.split(".")[1]] = v
+    with pytest.raises(config_lib.ConfigError, match=needle):
+      config_lib.validate(c)
   c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
   c.sampler.update({"spec_gamma": -1, "spec_draft_layers": 1})  # -1: "auto"
   config_lib.validate(c)

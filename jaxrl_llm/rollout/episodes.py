@@ -204,8 +204,6 @@ def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
   the kept KV cache with `env.kv_cache` in one process (over its sampler mesh, if any), else a re-prefill per turn
   (`rollout.turn_sampler`)."""
   if getattr(gen, "slots", 0):
-    if mesh is not None:
-      raise ValueError("continuous batching of episode turns (rollout.slots) runs on one device, not on a sampler mesh")
     return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
   if s.kv_cache and not multiprocess.multi():  # several processes: each holds only its shards of the cache
     return turn_sampler.CachedTurns(gen, width, mesh)

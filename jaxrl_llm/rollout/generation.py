@@ -26,6 +26,10 @@ from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import RewardPolicy
 
 SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
+# continuous batching's counters of a sampler call (`sampling.continuous`): slot-steps run, and those that decoded
+# an unfinished request (1 - live / run: the share spent on free or finished slots)
+SLOT_STATS = {"slot_steps": "slot_steps", "live_steps": "slot_live_steps"}
+SAMPLER_STATS = SPEC_STATS + tuple(SLOT_STATS.values())  # what a sampler call reports beyond its rows
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -87,11 +91,9 @@ class Generation:
     the `drafter` slot's parameters when set); with `slots` > 0 the slot engine (one device), request r drawing
     with `fold_in(key, r)` (`request_keys`)."""
     if self.slots:
-      if self.mesh is not None:
-        raise ValueError("continuous batching (rollout.slots) runs on one device, not on a sampler mesh")
       out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
                                       self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
-      return {k: v for k, v in out.items() if k not in ("slot_steps", "live_steps")}, None
+      return {SLOT_STATS.get(k, k): v for k, v in out.items()}, None
     gen = generate
     if self.drafter is not None and self.drafter.params is not None:  # a distilled drafter (one device)
       gen = functools.partial(generate, draft_params=self.drafter.params)
@@ -103,8 +105,8 @@ class Generation:
     """The record of sampled completions: rewards scored (each row once, by the process that owns it;
     a reward that raises or hangs costs that sample), μ's log-probs, per-token versions, routes when kept,
     μ's top-k and Monte-Carlo candidates when the sampler recorded them.
-    `stats` (host bookkeeping) is added to the record's, with the number of failed reward calls and speculative
-    decoding's metrics (`SPEC_STATS`) when the sampler speculated."""
+    `stats` (host bookkeeping) is added to the record's, with the number of failed reward calls, speculative
+    decoding's metrics (`SPEC_STATS`) when the sampler speculated and the slot counters with continuous batching."""
     reward_B, status = multiprocess.score_rows(
         lambda ex, t: collect.score_completions(self.task, ex, t, self.reward, tokenizer=self.encoder.tokenizer)[:2],
         examples, out["tokens_BN"], owners)
@@ -118,4 +120,4 @@ class Generation:
                    behavior_logp_BN=out["behavior_logp_BN"], versions_BN=np.asarray(versions_BN, np.int32),
                    reward_B=np.asarray(reward_B, np.float32), routes_BTLk=routes, **recorded,
                    stats={"reward_errors": int(status.get("error", 0) + status.get("timeout", 0)),
-                          **{k: float(out[k]) for k in SPEC_STATS if k in out}, **stats})
+                          **{k: float(out[k]) for k in SAMPLER_STATS if k in out}, **stats})

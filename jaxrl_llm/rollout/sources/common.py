@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxrl_llm.record import Rollout, rows
 from jaxrl_llm.rollout import episodes
-from jaxrl_llm.rollout.generation import SPEC_STATS  # noqa: F401 (speculative decoding's metrics; re-exported)
+from jaxrl_llm.rollout.generation import SAMPLER_STATS, SPEC_STATS  # noqa: F401 (SPEC_STATS re-exported)
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import SourceContext
 
@@ -40,7 +40,7 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  spec = {k: float(out[k]) for k in SPEC_STATS if k in out}  # speculative decoding's metrics, when on
+  spec = {k: float(out[k]) for k in SAMPLER_STATS if k in out}  # speculative decoding's, slot counters: when on
   whole = gen.finish(out, p.examples, np.full(out["mask_BN"].shape, v_b, np.int32), owners, **spec)
   return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *spec)
 
