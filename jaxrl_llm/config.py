@@ -226,7 +226,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
             "(set sft.steps=0 to skip the warm start)")
   _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
         "must be an int >= 1")
-  _validate_packing(c, spec, n_mesh + n_sampler)
+  _validate_packing(c, spec)
   _validate_reward(c)
   _validate_env(c)
   missing = losses.missing_needs(spec, available_needs(c))
@@ -236,7 +236,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       f"(available: {sorted(available_needs(c))}){hints}")
 
 
-def _validate_packing(c: ml_collections.ConfigDict, spec, n_devices: int) -> None:
+def _validate_packing(c: ml_collections.ConfigDict, spec) -> None:
   """`optim.pack_width`: 0 (off) or a row width; the combinations `jaxrl_llm.packing` does not support are refused."""
   w = read(c, "optim.pack_width")
   _need(isinstance(w, int) and not isinstance(w, bool) and (w == 0 or w >= 2), "optim.pack_width", w,
@@ -252,8 +252,6 @@ def _validate_packing(c: ml_collections.ConfigDict, spec, n_devices: int) -> Non
     why = f"loss {c.loss.name!r} runs a shadow forward under the sampler's KV window, which is not packed"
   elif evicting(c):
     why = f"env.evict={c.env.evict!r}: evicted episodes already hold several segments per row"
-  elif n_devices > 1:
-    why = "packing runs on one device (config.mesh and rollout.sampler_devices must be 1 / 0)"
   _need(why is None, "optim.pack_width", w, why or "")
 
 

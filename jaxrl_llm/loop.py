@@ -148,14 +148,20 @@ def _open_source(r: Run, store: ParamStore, name: str, state, where: str):
   return source
 
 
-def pack_batch(c, batch: Rollout, ro: Rollout) -> tuple[Rollout, float]:
+def pack_batch(c, batch: Rollout, ro: Rollout, batch_sharding=None) -> tuple[Rollout, float]:
   """(the learner's batch, its fraction of padding token slots): packed into rows of `optim.pack_width` when on
-  (`jaxrl_llm.packing`; one packing per micro-batch of every minibatch), else the padded batch as it is."""
+  (`jaxrl_llm.packing`; one packing per micro-batch of every minibatch; on a mesh, `batch_sharding`, a row count
+  its batch axes divide), else the padded batch as it is."""
   width = config_lib.read(c, "optim.pack_width")
   if not width:
     return batch, packing.pad_frac(ro.segment_ids_BT)
   chunks = c.optim.grad_accum * config_lib.read(c, "optim.minibatches")
-  pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks)
+  shards = 1
+  if batch_sharding is not None:  # devices along the batch axes: the mesh size over the spec's leading axes
+    axes = batch_sharding.spec[0] if len(batch_sharding.spec) else None
+    for ax in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
+      shards *= batch_sharding.mesh.shape[ax]
+  pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks, shards)
   return batch.replace(pack=jax.tree.map(jax.numpy.asarray, pk)), packing.pad_frac(pk.segment_ids_RW)
 
 
@@ -164,7 +170,7 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   EWMA copy) unless the update was skipped as non-finite; distils a distilled speculative drafter on `ro`.
   Returns (state, step metrics, batch info)."""
   batch, info = make_batch(r, store, state, extra, ro)
-  batch, info["learner_pad_frac"] = pack_batch(r.c, batch, ro)
+  batch, info["learner_pad_frac"] = pack_batch(r.c, batch, ro, r.batch_sharding)
   if r.mesh is not None:  # the step's explicit in_shardings: lay the batch out along `batch`
     batch = jax.device_put(batch, r.batch_sharding)
   t_train = time.perf_counter()

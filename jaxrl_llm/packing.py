@@ -14,9 +14,12 @@ a run compiles at most 8 shapes per step function. Micro-batches and minibatches
 `optim.minibatches`) cut the batch into contiguous chunks along B; each chunk is packed on its own into R rows
 (`Packing.rows`), so the learner's reshape into chunks cuts the packed arrays along the same boundaries.
 
+On a mesh the packed rows are split over the batch axes like the padded rows (`pack(shards=...)` pads the row
+count to a multiple of the shard count); the per-sequence fields go with their sequences.
+
 Not supported (refused by `config.validate` with a ConfigError naming `optim.pack_width`): MoE (per-row routing
-and its load-balancing loss), ALP's per-row noise, the SMD shadow forward, episodes with eviction (a row already
-holds several segments) and multi-device meshes.
+and its load-balancing loss), ALP's per-row noise, the SMD shadow forward and episodes with eviction (a row
+already holds several segments).
 """
 
 from __future__ import annotations
@@ -90,8 +93,10 @@ def bucket_rows(n: int, chunk_rows: int) -> int:
   return max(1, min(chunk_rows, math.ceil(max(n, 1) / step) * step))
 
 
-def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1) -> Packing:
-  """Host-side packing of a padded batch (numpy in, numpy out): see the module docstring."""
+def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1, shards: int = 1) -> Packing:
+  """Host-side packing of a padded batch (numpy in, numpy out): see the module docstring. `shards`: the packed
+  rows are laid out over that many devices (the mesh's batch axes), so each chunk's R rows are rounded up until
+  `shards` divides the chunks' R · chunks rows (the extra rows are padding)."""
   seq, pos, seg = (np.asarray(x) for x in (sequence_BT, positions_BT, segment_ids_BT))
   B = seq.shape[0]
   if B % chunks:
@@ -100,6 +105,8 @@ def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1)
   first_B, len_B = _spans(seg)
   placed = [first_fit_decreasing(len_B[c * Bc:(c + 1) * Bc], width) for c in range(chunks)]
   R = bucket_rows(max(p[2] for p in placed), Bc)
+  q = shards // math.gcd(shards, chunks)  # R must be a multiple of q for `shards` to divide chunks · R
+  R = math.ceil(R / q) * q
   row_B = np.concatenate([p[0] for p in placed])
   start_B = np.concatenate([p[1] for p in placed])
   tokens, positions, segments = (np.zeros((chunks * R, width), np.int32) for _ in range(3))

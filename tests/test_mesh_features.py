@@ -27,6 +27,10 @@ CASES = {
     # continuous batching (8 slots for 48 rows: refills) of single completions, and of episode turns
     "slots": ("tiny.py", {"rollout.slots": 8}),
     "agent_slots": ("agent_tiny.py", {"rollout.slots": 4, "loss.entropy_coef": 0.01}),
+    # the packed learner (two sequences of 11 tokens per row of 22; π_old recomputed on packed rows at lag 1), its
+    # packed rows split over the batch axes
+    "packing": ("tiny.py", {"optim.pack_width": 22, "rollout.mode": "fixed_lag", "rollout.lag": 1,
+                            "loss.entropy_coef": 0.01}),
 }
 
 
@@ -95,3 +99,28 @@ def test_continuous_batching_on_a_mesh(tmp_path, on_mesh, name, counter):
   assert_same_first_steps(mesh, rows)
   assert all(r["grad_norm"] > 0 for r in rows[:1])
   assert [r[counter] for r in mesh] == [r[counter] for r in rows] and all(r[counter] > 0 for r in mesh)
+
+
+@pytest.mark.slow
+def test_packing_on_a_mesh(tmp_path, on_mesh):
+  rows = loop.run(_config("packing"), str(tmp_path))
+  mesh = on_mesh["packing"]
+  assert_same_first_steps(mesh, rows)
+  assert all(r["grad_norm"] > 0 for r in rows)
+  assert all(0 < r["learner_pad_frac"] < 0.1 for r in mesh)  # packed: the padded rows' tail padding is gone
+  assert [r["learner_pad_frac"] for r in mesh] == [r["learner_pad_frac"] for r in rows]
+
+
+def test_packed_rows_are_padded_to_a_multiple_of_the_shards():
+  from jaxrl_llm import packing
+  B, T = 12, 6
+  seq = np.ones((B, T), np.int32)
+  seg = np.ones((B, T), np.int32)
+  pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  for chunks, shards in [(1, 1), (1, 8), (2, 8), (3, 4), (4, 8)]:
+    pk = packing.pack(seq, pos, seg, 2 * T, chunks, shards)
+    assert pk.tokens_RW.shape[0] % shards == 0 and pk.tokens_RW.shape[0] == chunks * pk.rows
+    assert pk.rows >= B // chunks // 2  # two sequences per row at least this many rows
+    seq_back, _, real = packing.unpack(pk, T)
+    np.testing.assert_array_equal(seq_back, seq)  # every sequence kept, the extra rows only padding
+    assert real.all()
