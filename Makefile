@@ -74,6 +74,7 @@ test-fast: $(VENV)/.test
 docs: $(VENV)/.base
 	$(PY) -m jaxrl_llm.docs_gen > docs/losses.md
 	$(PY) -m jaxrl_llm.config_doc > docs/config.md
+	$(PY) -m jaxrl_llm.compat > docs/compat.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

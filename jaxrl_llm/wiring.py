@@ -251,6 +251,7 @@ class Run(NamedTuple):
   state_shardings: Any = None
   batch_sharding: Any = None
   sampler_shardings: Any = None
+  sampler_mesh: Any = None  # the devices snapshots live on: `mesh`, or the sampler's own (rollout.sampler_devices)
   encoder: Encoder = CHAR_ENCODER  # prompts -> ids (tokenizer + chat template); its tokenizer decodes completions
   prompts_dropped: int = 0  # train + test prompts longer than P tokens, left out at setup
   remat_auto: dict | None = None  # model.remat="auto": the decision and its estimate (`memory.RematChoice.record`)
@@ -348,7 +349,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   drafter = drafter_distill(c, model_cfg)
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
-                   keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("mesh"),
+                   keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("sampler_mesh"),
                    slots=config_lib.read(c, "rollout.slots"), slot_chunk=config_lib.read(c, "rollout.slot_chunk"),
                    drafter=None if drafter is None else DrafterSlot())
   return Run(drafter=drafter, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
@@ -455,7 +456,8 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   B = c.rollout.prompts_per_step * c.rollout.group_size
   ins, outs = sharding.train_step_shardings(ssh, mesh, sharding.LEARNER, B)
   return {"mesh": mesh, "state_shardings": ssh, "batch_sharding": ins[1], "in_shardings": ins, "out_shardings": outs,
-          "sampler_shardings": sharding.param_shardings(model_cfg, sampler_mesh, sharding.SAMPLER)}
+          "sampler_shardings": sharding.param_shardings(model_cfg, sampler_mesh, sharding.SAMPLER),
+          "sampler_mesh": sampler_mesh}
 
 
 def new_store(run: Run) -> ParamStore:

@@ -31,7 +31,11 @@ CASES = {
     # packed rows split over the batch axes
     "packing": ("tiny.py", {"optim.pack_width": 22, "rollout.mode": "fixed_lag", "rollout.lag": 1,
                             "loss.entropy_coef": 0.01}),
+    # a synchronous source with sampler devices of its own (snapshots live there; the prompts must go there too)
+    "sampler_devices": ("tiny.py", {"rollout.mode": "fixed_lag", "rollout.lag": 1, "loss.entropy_coef": 0.01}),
 }
+# the mesh of a case, if not MESH
+CASE_MESH = {"sampler_devices": {"mesh.data": 3, "mesh.fsdp": 2, "rollout.sampler_devices": 2}}
 
 
 def _config(name: str):
@@ -48,7 +52,7 @@ def _config(name: str):
 
 def _launch(workdir: str, name: str) -> subprocess.Popen:
   path, over = CASES[name]
-  flags = [f"--config.{k}={v}" for k, v in {**COMMON, **over, **MESH}.items()]
+  flags = [f"--config.{k}={v}" for k, v in {**COMMON, **over, **CASE_MESH.get(name, MESH)}.items()]
   env = {**with_devices(8), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   return subprocess.Popen([sys.executable, "-m", "jaxrl_llm", f"--config=configs/{path}", f"--workdir={workdir}",
                            *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -124,3 +128,10 @@ def test_packed_rows_are_padded_to_a_multiple_of_the_shards():
     seq_back, _, real = packing.unpack(pk, T)
     np.testing.assert_array_equal(seq_back, seq)  # every sequence kept, the extra rows only padding
     assert real.all()
+
+
+@pytest.mark.slow
+def test_synchronous_source_on_sampler_devices(tmp_path, on_mesh):
+  rows = loop.run(_config("sampler_devices"), str(tmp_path))
+  assert_same_first_steps(on_mesh["sampler_devices"], rows)
+  assert all(r["grad_norm"] > 0 for r in rows)

@@ -1,0 +1,280 @@
+"""Which run-level features run together: every pair of them validated, and the pairs still refused, with why.
+
+`FEATURES` names the features a researcher switches on (run modes, mesh, LoRA, packing, slots, speculative
+decoding, cache formats, μ records, episodes, teachers, MoE, replay, sparse sync, the harness, several processes,
+...), each as the config fields it sets on `configs/tiny.py` (`BASE` first). A pair merges both; two features
+that set one field to different values are alternatives (two run modes, two losses), not a pair.
+
+`REFUSED` lists the pairs `config.validate` refuses, each with the reason a researcher should read. It is checked,
+not trusted: `probe()` validates every pair (forced CPU devices for the mesh; "processes" pretends to be one of
+2 processes over the same 8 devices), and tests/test_compat.py fails when validation refuses a pair `REFUSED`
+does not list, or `REFUSED` lists a pair that validates. `python -m jaxrl_llm.compat > docs/compat.md` renders
+the page; `--run` also runs every allowed pair for one learner step (`run_pairs`, minutes) and reports the
+failures, which `config.validate` should turn into refusals or the code into runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pathlib
+import sys
+from typing import Any
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+DEVICES = 8  # the probe's forced CPU devices (mesh features below use all of them)
+# Every pair starts from configs/tiny.py without its warm start and evaluation (features add them).
+BASE = {"sft.steps": 0, "eval.every": 0, "num_steps": 1, "checkpoint.every": 0, "log.tensorboard": False}
+
+_EPISODES = {"env.name": "guess_number", "env.kwargs": {"max_turns": 4}, "env.max_turns": 4, "env.turn_tokens": 3,
+             "env.max_episode_tokens": 16, "env.timeout_s": 5.0, "env.prompt_width": 8,
+             "env.newest_each_turn": True, "env.kv_cache": True, "env.evict": "none", "env.context_budget": 0,
+             "env.keep_last_turns": 1}  # configs/agent_tiny.py's environment
+_TEACHER = {"distill.teacher": "sft", "distill.teacher_n_layers": 2, "distill.teacher_d_model": 64,
+            "distill.teacher_sft_steps": 150, "distill.temperature": 0.0, "distill.topk": 16,
+            "loss.name": "opd_reverse_kl", "loss.agg_mode": "token-mean"}  # configs/opd_tiny.py's teacher
+_SPEC = {"sampler.spec_gamma": 2, "sampler.spec_draft_layers": 1}
+
+# name -> (what it is, fields set)
+FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fixed_lag": ("rollout.mode='fixed_lag' (lag 1)", {"rollout.mode": "fixed_lag", "rollout.lag": 1}),
+    "staged": ("rollout.mode='staged' (stages of 2)", {"rollout.mode": "staged", "rollout.lag": 2}),
+    "async": ("rollout.mode='async' (η = 1)", {"rollout.mode": "async", "rollout.lag": 1}),
+    "partial": ("async partial rollouts (rollout.partial_chunk)",
+                {"rollout.mode": "async", "rollout.lag": 1, "rollout.partial_chunk": 4}),
+    "replay": ("experience replay (rollout.replay.capacity)",
+               {"rollout.mode": "fixed_lag", "rollout.lag": 1, "rollout.replay.capacity": 8,
+                "rollout.replay.fresh_per_step": 2}),
+    "harness": ("rollout.mode='harness' (an agent harness on the OpenAI endpoint)",
+                {"rollout.mode": "harness", "rollout.lag": 1, "rollout.prompts_per_step": 2,
+                 "serve.harness": "jaxrl_llm.serve.example_harness:run", "serve.max_context": 640,
+                 "serve.max_tokens": 8, "serve.prompt_width": 608}),
+    "mesh": ("a multi-device config.mesh (data 2 × fsdp 4)", {"mesh.data": 2, "mesh.fsdp": 4}),
+    "sampler_devices": ("sampler devices of its own (rollout.sampler_devices 2, learner data 3 × fsdp 2)",
+                        {"mesh.data": 3, "mesh.fsdp": 2, "rollout.sampler_devices": 2}),
+    "processes": ("several processes (2, one mesh data 2 × fsdp 4 over their devices)",
+                  {"mesh.data": 2, "mesh.fsdp": 4}),
+    "sft": ("an SFT warm start (sft.steps)", {"sft.steps": 150}),
+    "lora": ("LoRA adapters (model.lora.rank)", {"model.lora.rank": 4, "model.lora.alpha": 8.0}),
+    "qlora": ("QLoRA (model.lora.base_quantize='int8')",
+              {"model.lora.rank": 4, "model.lora.alpha": 8.0, "model.lora.base_quantize": "int8"}),
+    "moe": ("an MoE model (model.num_experts 4, routing replay on)", {"model.num_experts": 4}),
+    "packing": ("the packed learner (optim.pack_width)", {"optim.pack_width": 22}),
+    "grad_accum": ("micro-batches (optim.grad_accum 2)", {"optim.grad_accum": 2}),
+    "kl_ref": ("a KL term to the reference policy (loss.kl_coef)", {"loss.kl_coef": 0.05}),
+    "ewma": ("PPO-EWMA's anchor (rollout.old_logp='ewma')", {"loss.name": "ppo_ewma", "rollout.old_logp": "ewma"}),
+    "sparse_sync": ("sparse weight sync (rollout.weight_sync='sparse')", {"rollout.weight_sync": "sparse"}),
+    "bf16_sampler": ("a bfloat16 sampler (sampler.dtype)", {"sampler.dtype": "bfloat16"}),
+    "int8_sampler": ("an int8 weight-only sampler (sampler.quantize)", {"sampler.quantize": "int8"}),
+    "kv_int8": ("an int8 sampler KV cache (sampler.kv_cache='int8')", {"sampler.kv_cache": "int8"}),
+    "kv_window": ("a sinks + window sampler KV cache (sampler.kv_cache='window')",
+                  {"sampler.kv_cache": "window", "sampler.kv_sinks": 2, "sampler.kv_window": 6}),
+    "mu_topk": ("μ's top-k candidates recorded (sampler.behavior_topk)", {"sampler.behavior_topk": 4}),
+    "mc_samples": ("μ's Monte-Carlo candidates recorded (sampler.mc_samples)", {"sampler.mc_samples": 2}),
+    "slots": ("continuous batching (rollout.slots)", {"rollout.slots": 8}),
+    "speculative": ("speculative decoding, the policy's first layer drafting (sampler.spec_gamma)", _SPEC),
+    "drafter": ("the distilled drafter (sampler.spec_drafter='distilled')",
+                {**_SPEC, "sampler.spec_drafter": "distilled"}),
+    "episodes": ("multi-turn episodes (env.name; configs/agent_tiny.py's)", _EPISODES),
+    "eviction": ("episodes with context eviction (env.evict='drop_oldest')",
+                 {**_EPISODES, "env.evict": "drop_oldest", "env.context_budget": 8}),
+    "teacher": ("on-policy distillation from a teacher (distill.teacher; configs/opd_tiny.py's)", _TEACHER),
+}
+
+
+
+def pair(a: str, b: str) -> frozenset:
+  return frozenset((a, b))
+
+
+def _each(reason: str, a, bs) -> dict[frozenset, str]:
+  """`reason` for the pairs of every feature in `a` with every feature in `bs`."""
+  a = (a,) if isinstance(a, str) else a
+  return {pair(x, y): reason for x in a for y in bs}
+
+
+_SPECS = ("speculative", "drafter")
+_EPS = ("episodes", "eviction")
+_KV = ("kv_int8", "kv_window")
+_REC = ("mu_topk", "mc_samples")
+_NOT_BUILT = "not built yet"
+# The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
+# otherwise what is missing). Keep it short: a refusal is a last resort (docs/compat.md).
+REFUSED: dict[frozenset, str] = {
+    **_each(f"{_NOT_BUILT}: the distilled drafter's state is kept and distilled by the synchronous loop of the sync "
+            "and fixed_lag sources on one device, for a dense policy without adapters",
+            "drafter", ("staged", "async", "partial", "harness", "replay", "mesh", "sampler_devices", "processes",
+                        "lora", "qlora")),
+    **_each(f"{_NOT_BUILT}: partial rollouts decode in their own chunked loop (`sampling.partial`), which keeps the "
+            "full KV cache, records no μ candidates and does not speculate (issue 44: one engine)",
+            "partial", (*_KV, *_REC, "speculative")),
+    pair("partial", "slots"): "inherent: async slots already switch to the newest version at every slot_chunk "
+                              "boundary, keeping the cache: partial_chunk would be a second, conflicting switch",
+    **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "
+            "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
+    pair("harness", "processes"): f"{_NOT_BUILT}: one process serves the endpoint and owns every episode",
+    pair("harness", "slots"): f"{_NOT_BUILT}: the endpoint's batcher calls the static sampler (issue 44)",
+    **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
+    **_each(f"{_NOT_BUILT}: the sparse delta is applied to a sampler copy in the learner's own layout (issue 45, "
+            "sparse sync across layouts)", "sparse_sync", ("mesh", "sampler_devices", "processes")),
+    **_each(f"{_NOT_BUILT}: LoRA adapts dense projections; expert weights have no adapters", ("lora", "qlora"),
+            ("moe",)),
+    **_each(f"{_NOT_BUILT}: the sampler's MoE routes (routing replay) are recorded by the static decode loop only",
+            "moe", ("slots", *_SPECS, *_EPS)),
+    pair("moe", "packing"): f"{_NOT_BUILT}: routes and the load-balancing loss are per padded row; packed rows would "
+                            "need the routes packed with their tokens",
+    pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
+                                 "moves one span per row",
+    **_each(f"{_NOT_BUILT}: the int8 and window KV caches run in the static decode loop only (issue 44: the cache "
+            "format a property of the one engine)", _KV, ("slots", *_SPECS, *_EPS)),
+    **_each(f"{_NOT_BUILT}: μ's top-k and Monte-Carlo candidates are recorded by the static decode loop only",
+            _REC, ("slots", *_SPECS, *_EPS)),
+    **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),
+    **_each(f"{_NOT_BUILT}: episode turns decode without speculation", _SPECS, _EPS),
+    **_each(f"{_NOT_BUILT}: teachers score single completions, not episodes (issue 45: agents with teachers)",
+            "teacher", _EPS),
+    pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "
+                                "arrays every process would have to address",
+}
+
+
+def merged(names) -> dict | None:
+  """The fields of `names` together (BASE first), or None when two of them set one field differently."""
+  out = dict(BASE)
+  for n in names:
+    for k, v in FEATURES[n][1].items():
+      if k in out and k not in BASE and out[k] != v:
+        return None
+      out[k] = v
+  return out
+
+
+def config_of(fields: dict):
+  """configs/tiny.py with `fields` set (dotted names; a dict value becomes a section)."""
+  import ml_collections
+
+  from jaxrl_llm.config import load_file
+  c = load_file(CONFIG_DIR / "tiny.py")
+  for k, v in fields.items():
+    *path, key = k.split(".")
+    node = c
+    for p in path:
+      if p not in node:
+        node[p] = ml_collections.ConfigDict()
+      node = node[p]
+    node[key] = ml_collections.ConfigDict(v) if isinstance(v, dict) else v
+  return c
+
+
+@contextlib.contextmanager
+def _processes(n: int):
+  """`config.validate` as one of `n` processes would run it (its multi-process rules); devices as they are."""
+  import jax
+  saved = jax.distributed.is_initialized, jax.process_count
+  jax.distributed.is_initialized, jax.process_count = (lambda: True), (lambda: n)
+  try:
+    yield
+  finally:
+    jax.distributed.is_initialized, jax.process_count = saved
+
+
+def check(names) -> str | None:
+  """None when the features `names` validate together, else the one-line ConfigError."""
+  from jaxrl_llm import config as config_lib
+  from jaxrl_llm import loop  # noqa: F401 -- as the CLI: the run modes and the needs components provide register
+  fields = merged(names)
+  assert fields is not None, names
+  ctx = _processes(2) if "processes" in names else contextlib.nullcontext()
+  try:
+    with ctx:
+      config_lib.validate(config_of(fields))
+  except config_lib.ConfigError as e:
+    return str(e)
+  return None
+
+
+def pairs() -> list[tuple[str, str]]:
+  """Every pair of features that is a pair (not alternatives), in `FEATURES` order."""
+  return [(a, b) for a, b in itertools.combinations(FEATURES, 2) if merged((a, b)) is not None]
+
+
+def probe() -> dict[tuple[str, str], str | None]:
+  """{pair: None or its ConfigError} for every pair (needs `DEVICES` visible devices)."""
+  import jax
+  if jax.device_count() != DEVICES:
+    raise RuntimeError(f"the compatibility probe needs {DEVICES} devices (XLA_FLAGS="
+                       f"--xla_force_host_platform_device_count={DEVICES}), not {jax.device_count()}")
+  return {p: check(p) for p in pairs()}
+
+
+def run_pairs(workdir: str, only=None) -> dict[tuple[str, str], str | None]:
+  """Runs every pair that validates (or `only`) for one learner step in this process; {pair: None or the error}.
+  Several processes are not run here (tests/test_multiprocess_cli.py)."""
+  import traceback
+
+  from jaxrl_llm import loop
+  out = {}
+  for p, err in probe().items():
+    if err is not None or "processes" in p or (only is not None and p not in only):
+      continue
+    try:
+      loop.run(config_of(merged(p)), os.path.join(workdir, "__".join(p)))
+      out[p] = None
+    except Exception as e:  # noqa: BLE001 -- any failure of a pair is the result
+      out[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+      traceback.print_exc()
+    print(f"{' x '.join(p)}: {out[p] or 'ok'}", file=sys.stderr, flush=True)
+  return out
+
+
+def render(result: dict[tuple[str, str], str | None]) -> str:
+  """docs/compat.md from a probe's result."""
+  names = list(FEATURES)
+  refused = {p: e for p, e in result.items() if e is not None}
+  lines = ["# Feature compatibility", "",
+           "Generated by `python -m jaxrl_llm.compat > docs/compat.md` from `jaxrl_llm/compat.py` and "
+           "`config.validate`; `tests/test_compat.py` fails when the two disagree.", "",
+           f"{len(names)} run-level features, {len(result)} pairs (two features that set one field differently, "
+           f"such as two run modes or two losses, are alternatives, not pairs). **{len(refused)} pairs are "
+           f"refused**; every other pair validates, and `python -m jaxrl_llm.compat --run` runs each for one "
+           "learner step.", "", "## Refused pairs", ""]
+  if refused:
+    lines += ["| pair | why | the error |", "|---|---|---|"]
+    for (a, b), err in sorted(refused.items(), key=lambda kv: (names.index(kv[0][0]), names.index(kv[0][1]))):
+      why = REFUSED.get(pair(a, b), "(not listed in REFUSED)").replace("|", "\\|")
+      lines.append(f"| `{a}` × `{b}` | {why} | `{err.replace('|', '/')}` |")
+  else:
+    lines.append("None.")
+  lines += ["", "## Features", "", "| feature | what | fields (on configs/tiny.py) |", "|---|---|---|"]
+  for n, (what, fields) in FEATURES.items():
+    shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    lines.append(f"| `{n}` | {what} | {shown.replace('|', '/')} |")
+  lines += ["", f"Every pair starts from `configs/tiny.py` with {', '.join(f'{k}={v!r}' for k, v in BASE.items())}.",
+            ""]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+  if "jax" not in sys.modules:  # the mesh features need the probe's devices
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={DEVICES}"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "--json" in argv:  # tests/test_compat.py: the probe's result and each feature alone
+    import json
+    out = {"singles": {n: check((n,)) for n in FEATURES}, "pairs": [[a, b, e] for (a, b), e in probe().items()]}
+    print(json.dumps(out))
+    return
+  if "--run" in argv:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+      failed = {p: e for p, e in run_pairs(d).items() if e is not None}
+    for p, e in failed.items():
+      print(f"{' x '.join(p)}: {e}")
+    print(f"{len(failed)} pairs failed")
+    return
+  sys.stdout.write(render(probe()))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,56 @@
+"""docs/compat.md and `jaxrl_llm.compat.REFUSED` agree with `config.validate`: every feature validates alone, the
+pairs validation refuses are exactly the listed ones (a refusal without a reason, or a listed pair that now runs,
+fails here), each refusal is one line naming a field, and the page is the one the probe renders."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_llm import compat
+from devices import with_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def probed():
+  """The probe's result, in a process of 8 forced CPU devices (the mesh features use them all)."""
+  env = {**with_devices(compat.DEVICES), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  r = subprocess.run([sys.executable, "-m", "jaxrl_llm.compat", "--json"], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  return out["singles"], {(a, b): e for a, b, e in out["pairs"]}
+
+
+def test_every_feature_validates_alone(probed):
+  singles, _ = probed
+  assert singles.keys() == compat.FEATURES.keys()
+  assert {n: e for n, e in singles.items() if e is not None} == {}
+
+
+def test_refused_pairs_are_exactly_the_listed_ones(probed):
+  _, pairs = probed
+  refused = {compat.pair(a, b) for (a, b), e in pairs.items() if e is not None}
+  unlisted = sorted(tuple(sorted(p)) for p in refused - compat.REFUSED.keys())
+  stale = sorted(tuple(sorted(p)) for p in compat.REFUSED.keys() - refused)
+  assert unlisted == [], "refused by config.validate but not in compat.REFUSED (give the reason there)"
+  assert stale == [], "listed in compat.REFUSED but validates now (remove it)"
+  for (a, b), e in pairs.items():
+    if e is not None:
+      assert e.startswith("config.") and "\n" not in e, (a, b, e)
+
+
+def test_alternatives_are_not_pairs():
+  assert ("fixed_lag", "staged") not in compat.pairs() and ("ewma", "teacher") not in compat.pairs()
+  assert ("async", "partial") in compat.pairs()  # partial sets async's fields to the same values
+  assert compat.merged(("lora", "qlora"))["model.lora.base_quantize"] == "int8"
+
+
+def test_docs_compat_page_is_current(probed):
+  _, pairs = probed
+  with open(os.path.join(ROOT, "docs", "compat.md")) as f:
+    assert f.read() == compat.render(pairs), "regenerate: python -m jaxrl_llm.compat > docs/compat.md"
