@@ -33,6 +33,8 @@ _EPISODES = {"env.name": "guess_number", "env.kwargs": {"max_turns": 4}, "env.ma
              "env.keep_last_turns": 1}  # configs/agent_tiny.py's environment
 _TEACHER = {"distill.teacher": "sft", "distill.teacher_n_layers": 2, "distill.teacher_d_model": 64,
             "distill.teacher_sft_steps": 150, "distill.temperature": 0.0, "distill.topk": 16,
+            "distill.teacher_cache_dir": "", "distill.ref_teacher": "", "distill.ref_teacher_n_layers": 4,
+            "distill.ref_teacher_d_model": 256, "distill.ref_teacher_sft_steps": 500,
             "loss.name": "opd_reverse_kl", "loss.agg_mode": "token-mean"}  # configs/opd_tiny.py's teacher
 _SPEC = {"sampler.spec_gamma": 2, "sampler.spec_draft_layers": 1}
 
