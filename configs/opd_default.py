@@ -47,6 +47,7 @@ def get_config():
       "teacher_n_layers": 4,  # "sft" teacher's depth
       "teacher_sft_steps": 1500,  # "sft" teacher's SFT steps (batch size and lr: sft.batch_size, sft.lr)
       "teacher_cache_dir": "",  # cache of "sft" teachers; "" = ~/.cache/jaxrl_llm/teachers
+      "teacher_demo_player": "",  # with env.name: the scripted player the "sft" teacher imitates; "" = sft.demo_player
       "topk": 16,  # K of the teacher's top-k scores (ids, log-probs, residual log-mass)
       "temperature": 0.0,  # teacher scoring temperature; 0 = sampler.temperature
       "ref_teacher": "",  # S²D / Direct-OPD reference (pre-RL) teacher: "" = off | "sft" | a folder

@@ -134,8 +134,6 @@ REFUSED: dict[frozenset, str] = {
             _REC, ("slots", *_SPECS, *_EPS)),
     **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),
     **_each(f"{_NOT_BUILT}: episode turns decode without speculation", _SPECS, _EPS),
-    **_each(f"{_NOT_BUILT}: teachers score single completions, not episodes (issue 45: agents with teachers)",
-            "teacher", _EPS),
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "
                                 "arrays every process would have to address",
 }

@@ -55,7 +55,7 @@ ABSENT_DEFAULTS = {
     # Optional sections: absent (or env.name "") = single-turn; no distill section = no teacher.
     "env.name": "", "env.kwargs": {}, "env.newest_each_turn": True, "env.kv_cache": True, "env.evict": "none",
     "env.context_budget": 0, "env.keep_last_turns": 1,
-    "distill.ref_teacher": "",
+    "distill.ref_teacher": "", "distill.teacher_demo_player": "",
 }
 
 
@@ -640,8 +640,12 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
   moe_routes = read(c, "model.num_experts") and read(c, "model.routing_replay")
   _need(not moe_routes, "model.routing_replay", c.model.get("routing_replay"),
         f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")
-  _need(not (c.get("distill") and c.distill.get("teacher")), "distill.teacher", c.get("distill", {}).get("teacher"),
-        f"must be '' with env.name={e.name!r} (teachers score single completions)")
+  if c.get("distill") and c.distill.get("teacher") == "sft":  # the SFT teacher of an agent learns from demonstrations
+    from jaxrl_llm.envs import demos
+    player = read(c, "distill.teacher_demo_player") or read(c, "sft.demo_player")
+    _need(e.name not in envs.names() or player in demos.player_names(e.name), "distill.teacher_demo_player", player,
+          f"environment {e.name!r} has the scripted players {demos.player_names(e.name)} (the 'sft' teacher of an "
+          "agent is trained on their demonstration episodes; '' = sft.demo_player)")
 
 
 SERVE_FIELDS = ("harness", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context", "prompt_width",

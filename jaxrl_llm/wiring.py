@@ -16,8 +16,9 @@ import ml_collections
 import numpy as np
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import learner, losses, multiprocess, packing
+from jaxrl_llm import learner, losses, multiprocess, packing, sft
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
+from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.distill.drafter import DrafterDistill
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models import lora
@@ -343,8 +344,13 @@ def setup(c: ml_collections.ConfigDict) -> Run:
     score = packing.packing_scorer(score, c.optim.pack_width)
   batch_extras = None
   if c.get("distill") and c.distill.teacher:
-    batch_extras = opd.make_batch_extras(c, task=task, width=P, train_examples=train_examples,
-                                         student_cfg=model_cfg, encoder=encoder)
+    width, demos = P, None
+    if config_lib.env_on(c):  # an agent's teacher: the episodes' prompt bucket; "sft" learns from demonstrations
+      es, n = env_settings(c), config_lib.read(c, "sft.demos")
+      width = es.prompt_width
+      demos = lambda: sft.demo_records(encoder, es, teacher_lib.demo_player(c), n, c.seed)
+    batch_extras = opd.make_batch_extras(c, task=task, width=width, train_examples=train_examples,
+                                         student_cfg=model_cfg, encoder=encoder, demos=demos)
   sampler_model_cfg, samp_cfg = dataclasses.replace(model_cfg, dtype=c.sampler.dtype), sampler_config(c, tokenizer=encoder.tokenizer)
   drafter = drafter_distill(c, model_cfg)
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,

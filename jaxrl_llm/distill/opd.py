@@ -115,7 +115,7 @@ def extra_fields(loss_name: str) -> tuple[str, ...]:
 
 
 def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_examples, student_cfg,
-                      encoder: Encoder = CHAR_ENCODER):
+                      encoder: Encoder = CHAR_ENCODER, demos=None):
   """Loads (or trains once and caches) the frozen teacher; returns `extras(ro, seq, mask) -> dict`.
 
   `extras` scores the rollout's sequences with the teacher (one jitted forward) and returns the
@@ -123,15 +123,21 @@ def make_batch_extras(c: ml_collections.ConfigDict, *, task, width: int, train_e
   for full-distribution losses `teacher_head` (its [D, V] lm-head is shared by the whole batch; the
   learner does not split it into micro-batches).
   `task` is accepted for the loop's hook signature (the teacher is trained on `train_examples`);
-  `encoder` is the run's prompt encoding, whose tokenizer teacher and student share.
+  `encoder` is the run's prompt encoding, whose tokenizer teacher and student share. An agent run (`env.name`)
+  passes its episodes' prompt bucket as `width` and `demos` (a callable returning `sft.demo_records`): an "sft"
+  teacher learns from those demonstration episodes, and scores every token of an episode in its context (the
+  environment's tokens carry mask 0, so only the policy's tokens are distilled).
   """
   del task
   validate(c)
   fields = extra_fields(c.loss.name)
   if extras_lib.enabled(c):  # ADWIN horizons, several teachers (Open-MOPD), the teacher cache: distill/extras.py
+    if demos is not None:
+      raise config_lib.ConfigError("config.env.name: distill.adwin / distill.teachers / distill.topk_cache score "
+                                   "single completions only (not built for episodes yet)")
     return extras_lib.make_batch_extras(c, fields=fields, temperature=scoring_temperature(c), width=width,
                                         train_examples=train_examples, student_cfg=student_cfg, encoder=encoder)
-  cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size, encoder)
+  cfg, params = teacher_lib.load_teacher(c, width, train_examples, student_cfg.vocab_size, encoder, demos=demos)
   # Scored with a chunked lm-head; full-distribution losses also get the teacher's hidden states + lm-head.
   score = teacher_lib.make_teacher_scorer(cfg, scoring_temperature(c), c.distill.topk,
                                           head="teacher_head" in fields, group_size=c.rollout.group_size)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxrl_llm import packing, policy_init, sft
+from jaxrl_llm import config as config_lib
 from jaxrl_llm.config import task_kwargs
 from jaxrl_llm.models import ModelConfig, forward, init_params, lm_head_weights, token_logprobs
 from jaxrl_llm.models.logprobs import query_hidden, token_logprobs_shared
@@ -92,12 +93,18 @@ def cache_key(c: ml_collections.ConfigDict, width: int, vocab_size: int, encoder
   cfg, schedule = teacher_model_config(c, width, vocab_size, role), teacher_schedule(c, role)
   what = {"task": c.task.name, "kwargs": task_kwargs(c), "source": c.task.source, "seed": c.seed,
           "prompt_width": c.task.prompt_width, "model": dataclasses.asdict(cfg), "sft": dataclasses.asdict(schedule)}
+  if config_lib.env_on(c):  # an agent's teacher: trained on demonstration episodes of its environment
+    e = c.env
+    what["env"] = {"name": e.name, "kwargs": dict(config_lib.read(c, "env.kwargs")), "max_turns": e.max_turns,
+                   "prompt_width": e.prompt_width, "max_episode_tokens": e.max_episode_tokens,
+                   "demos": config_lib.read(c, "sft.demos"), "player": demo_player(c)}
   if not encoder.exact_char_widths:
     what["tokenizer"] = {"source": str(getattr(encoder.tokenizer, "source", type(encoder.tokenizer).__name__)),
                          "vocab_size": encoder.tokenizer.vocab_size, "chat": encoder.chat,
                          "system_prompt": encoder.system_prompt}
   h = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]
-  return f"{c.task.name}_s{c.seed}_d{cfg.d_model}_l{cfg.n_layers}_sft{schedule.steps}_{h}"
+  name = c.task.name if "env" not in what else "env_" + "".join(ch if ch.isalnum() else "_" for ch in c.env.name)
+  return f"{name}_s{c.seed}_d{cfg.d_model}_l{cfg.n_layers}_sft{schedule.steps}_{h}"
 
 
 def cache_dir(c: ml_collections.ConfigDict) -> str:
@@ -106,17 +113,29 @@ def cache_dir(c: ml_collections.ConfigDict) -> str:
 
 
 def train_sft_teacher(c: ml_collections.ConfigDict, width: int, train_examples,
-                      encoder: Encoder = CHAR_ENCODER, role: str = "teacher") -> tuple[ModelConfig, Any, float]:
-  """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task."""
+                      encoder: Encoder = CHAR_ENCODER, role: str = "teacher",
+                      demos=None) -> tuple[ModelConfig, Any, float]:
+  """(config, params, final SFT loss) of a freshly initialised teacher trained by SFT on the task, or for an agent
+  (`demos`: a callable returning `sft.demo_records`) on demonstration episodes (`width` the episode's prompt
+  bucket, `env.max_episode_tokens` its response budget)."""
   cfg = teacher_model_config(c, width, encoder.tokenizer.vocab_size, role)
   # Its own init key, so the teacher never shares an initialisation with the student of the same seed.
   params = init_params(cfg, jax.random.fold_in(jax.random.key(c.seed), 0x7EAC))
-  params, loss = sft.sft_warm_start(teacher_schedule(c, role), cfg, params, train_examples, width, encoder)
+  if demos is not None:
+    params, loss = sft.sft_on_demos(teacher_schedule(c, role), cfg, params, demos(), width, c.env.max_episode_tokens,
+                                    encoder)
+  else:
+    params, loss = sft.sft_warm_start(teacher_schedule(c, role), cfg, params, train_examples, width, encoder)
   return cfg, params, loss
 
 
+def demo_player(c: ml_collections.ConfigDict) -> str:
+  """The scripted player an agent's "sft" teacher imitates: `distill.teacher_demo_player`, else `sft.demo_player`."""
+  return config_lib.read(c, "distill.teacher_demo_player") or config_lib.read(c, "sft.demo_player")
+
+
 def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab_size: int,
-                 encoder: Encoder = CHAR_ENCODER, role: str = "teacher") -> tuple[ModelConfig, Any]:
+                 encoder: Encoder = CHAR_ENCODER, role: str = "teacher", demos=None) -> tuple[ModelConfig, Any]:
   """The frozen teacher (config, params): an HF folder, or the cached (trained on first use) SFT teacher.
 
   `vocab_size` is the student's model vocabulary; `encoder` the run's prompt encoding (its tokenizer
@@ -127,12 +146,12 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
   """
   from jaxrl_llm.config import ConfigError
   from jaxrl_llm.models import load_hf, save_hf
-  seq_len = width + c.sampler.max_new_tokens
+  seq_len = max(width + c.sampler.max_new_tokens, config_lib.env_length(c))  # an episode's context, with env
   source, field = c.distill[role], f"config.distill.{role}"
   if source == "sft":
     path = os.path.join(cache_dir(c), cache_key(c, width, encoder.tokenizer.vocab_size, encoder, role))
     if not os.path.exists(os.path.join(path, "config.json")):
-      cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder, role)
+      cfg, params, _ = train_sft_teacher(c, width, train_examples, encoder, role, demos)
       tmp = f"{path}.tmp{os.getpid()}"
       save_hf(tmp, cfg, params)
       encoder.tokenizer.save(tmp)
@@ -154,8 +173,8 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
   check_shared_tokenizer(c, path, encoder.tokenizer, role)
   if cfg.max_seq_len < seq_len:
     raise ConfigError(f"{field}={source!r}: the teacher's context of {cfg.max_seq_len} "
-                      f"tokens is shorter than the prompt width {width} + sampler.max_new_tokens "
-                      f"{c.sampler.max_new_tokens}")
+                      f"tokens is shorter than the run's {seq_len} (prompt width {width} + sampler.max_new_tokens "
+                      f"{c.sampler.max_new_tokens}, or an episode's context)")
   cfg = dataclasses.replace(cfg, dtype=c.model.dtype, max_seq_len=max(cfg.max_seq_len, seq_len))
   return cfg, place_teacher(params, cfg, c)
 
