@@ -118,8 +118,8 @@ REFUSED: dict[frozenset, str] = {
     pair("harness", "processes"): f"{_NOT_BUILT}: one process serves the endpoint and owns every episode",
     pair("harness", "slots"): f"{_NOT_BUILT}: the endpoint's batcher calls the static sampler (issue 44)",
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
-    **_each(f"{_NOT_BUILT}: the sparse delta is applied to a sampler copy in the learner's own layout (issue 45, "
-            "sparse sync across layouts)", "sparse_sync", ("mesh", "sampler_devices", "processes")),
+    pair("sparse_sync", "processes"): f"{_NOT_BUILT}: the changed elements are packed on one host, which would "
+                                      "need every process's shards",
     **_each(f"{_NOT_BUILT}: LoRA adapts dense projections; expert weights have no adapters", ("lora", "qlora"),
             ("moe",)),
     **_each(f"{_NOT_BUILT}: the sampler's MoE routes (routing replay) are recorded by the static decode loop only",

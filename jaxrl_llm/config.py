@@ -165,9 +165,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       "rollout.mode='async' and rollout.old_logp='recompute'")
   _need(c.rollout.weight_sync in WEIGHT_SYNC, "rollout.weight_sync", c.rollout.weight_sync,
         f"must be one of {WEIGHT_SYNC}")
-  _need(c.rollout.weight_sync != "sparse" or (n_mesh == 1 and not n_sampler), "rollout.weight_sync",
-        c.rollout.weight_sync, "sparse sync rebuilds the sampler copy in the learner's layout: use 'full' with a "
-        "multi-device config.mesh or rollout.sampler_devices")
   _validate_slots(c, n_mesh, n_sampler)
   _validate_replay(c)
   _validate_serve(c)
@@ -447,6 +444,8 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
   _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
         f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
+  _need(c.rollout.weight_sync != "sparse", "rollout.weight_sync", c.rollout.weight_sync,
+        f"sparse sync packs the changed elements on one host: use 'full' over {n_proc} processes")
   _need(not read(c, "rollout.slots"), "rollout.slots", read(c, "rollout.slots"),
         f"continuous batching runs in one process (its engine admits and harvests every slot on the host), not "
         f"over {n_proc} processes")

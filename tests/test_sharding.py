@@ -189,6 +189,38 @@ def _reshard_checks(out):
       "embed_learner_spec": str(params["embed"].sharding.spec), "embed_sampler_spec": str(snap.params["embed"].sharding.spec)}
 
 
+def _sparse_sync_checks(out):
+  """Sparse sync from the learner's layout (6 devices, fsdp 3 x tensor 2) to a sampler of its own (2 devices): every
+  publish is bit-identical to the dense cast + reshard, in the sampler's layout, with a payload below dense."""
+  import jax
+  import jax.numpy as jnp
+  from jaxrl_llm import sharding
+  from jaxrl_llm.rollout import sparse_sync as ss
+  from jaxrl_llm.rollout.param_store import ParamStore
+  cfg = _model_cfgs()[0]
+  devs = jax.devices()
+  lmesh, smesh = sharding.make_mesh(1, 3, 2, 1, devices=devs[:6]), sharding.make_mesh(2, devices=devs[6:])
+  lsh = sharding.param_shardings(cfg, lmesh, sharding.LEARNER)
+  ssh = sharding.param_shardings(cfg, smesh, sharding.SAMPLER)
+  params = sharding.init_params_sharded(cfg, jax.random.key(0), lsh)
+  sparse = ParamStore(keep_last=1, sampler_dtype=jnp.bfloat16, sampler_shardings=ssh, weight_sync="sparse")
+  dense = ParamStore(keep_last=1, sampler_dtype=jnp.bfloat16, sampler_shardings=ssh)
+  same, layout, ratios = [], [], []
+  for step in range(3):
+    if step:  # a small update: few bf16 elements flip
+      noise = jax.tree.map(lambda x: 1e-3 * jnp.ones_like(x) * (jnp.arange(x.size).reshape(x.shape) % 7 == 0), params)
+      params = jax.tree.map(lambda x, n: x + n * jnp.abs(x), params, noise)
+    a, b = sparse.acquire(sparse.publish(params)), dense.acquire(dense.publish(params))
+    same.append(all(np.array_equal(np.asarray(ss.bits(x)), np.asarray(ss.bits(y)))
+                    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params))))
+    layout.append(all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(a.params),
+                                                                              jax.tree.leaves(ssh))))
+    ratios.append(sparse.sync_metrics()["sync_payload_ratio"])
+    sparse.release(a)
+    dense.release(b)
+  out["sparse_sync"] = {"bit_identical": same, "sampler_layout": layout, "payload_ratio": ratios}
+
+
 def worker():
   """Runs every 8-device check and prints one JSON object."""
   import jax
@@ -198,6 +230,7 @@ def worker():
   _sampler_checks(out)
   _init_memory_check(out)
   _reshard_checks(out)
+  _sparse_sync_checks(out)
   print("RESULT " + json.dumps(out))
 
 
@@ -256,6 +289,13 @@ def test_publish_reshards_learner_to_sampler_layout_as_a_copy(eight):
   assert r["sampler_dtype"] == "bfloat16" and r["value_diff"] == 0.0
   assert not r["shares_buffers"]
   assert "fsdp" in r["embed_learner_spec"] and "fsdp" not in r["embed_sampler_spec"], r
+
+
+@pytest.mark.slow
+def test_sparse_sync_to_a_sampler_of_its_own_devices_is_bit_identical(eight):
+  r = eight["sparse_sync"]
+  assert r["bit_identical"] == [True] * 3 and r["sampler_layout"] == [True] * 3, r
+  assert r["payload_ratio"][0] == 1.0 and all(x < 0.9 for x in r["payload_ratio"][1:]), r  # first publish dense
 
 
 # ----------------------------------------------------------------------------------- in-process tests

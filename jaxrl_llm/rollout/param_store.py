@@ -67,8 +67,6 @@ class ParamStore:
       raise ValueError("keep_last must be >= 1")
     if weight_sync not in WEIGHT_SYNC:
       raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC}, got {weight_sync!r}")
-    if weight_sync == "sparse" and sampler_shardings is not None:
-      raise ValueError("weight_sync='sparse' needs the learner's layout (sampler_shardings=None)")
     self._keep_last = keep_last
     self._sampler_dtype = sampler_dtype
     self._sampler_shardings = sampler_shardings  # None: keep the learner's layout
@@ -136,7 +134,8 @@ class ParamStore:
       if lora.has_adapters(params):
         sampler, learner, adapters = self._lora_copies(params)
       else:
-        sampler = self.sampler_copy(params) if self._link is None else self._transform(self._link.sync(params))
+        sampler = self.sampler_copy(params) if self._link is None else \
+            self._transform(self._link.sync(params, self._sampler_shardings))
         learner = copy_tree(params) if self._keep_learner else None
       worker = self._worker_copy(sampler)
       with self._lock:

@@ -14,7 +14,10 @@ Trainer:  union = init_union(params); low = cast(params, dtype)
           at a sync: payload = pack(low, union); union = init_union(params)
 Sampler:  sampler_params = apply(sampler_params, payload)
 
-`SyncLink` runs both ends in one process, one sync per ParamStore publish (`weight_sync="sparse"`).
+`SyncLink` runs both ends in one process, one sync per ParamStore publish (`weight_sync="sparse"`). The sender
+tracks changes in the learner's layout; the receiver's copy may live in another (the sampler's layout on the same
+mesh, or its own devices, `rollout.sampler_devices`): the payload is packed on the host and scattered into the
+receiver's shards, which is where the saving is real (only indices + values cross to the sampler's devices).
 """
 
 from __future__ import annotations
@@ -126,14 +129,17 @@ def apply(sampler_params, payload: Payload):
     if tuple(w.shape) != leaf.shape:
       raise ValueError(f"payload shape {leaf.shape} does not match the sampler tensor {w.shape}")
     if leaf.indices is None:
-      out.append(jnp.asarray(leaf.values, dtype=w.dtype))
-      continue
-    n = _pad(leaf.indices.size)
-    idx = np.full((n,), w.size, np.int32)
-    idx[:leaf.indices.size] = leaf.indices
-    vals = np.zeros((n,), leaf.values.dtype)
-    vals[:leaf.values.size] = leaf.values
-    out.append(_scatter(w, jnp.asarray(idx), jnp.asarray(vals, dtype=w.dtype)))
+      new = jnp.asarray(leaf.values, dtype=w.dtype)
+    else:
+      n = _pad(leaf.indices.size)
+      idx = np.full((n,), w.size, np.int32)
+      idx[:leaf.indices.size] = leaf.indices
+      vals = np.zeros((n,), leaf.values.dtype)
+      vals[:leaf.values.size] = leaf.values
+      new = _scatter(w, jnp.asarray(idx), jnp.asarray(vals, dtype=w.dtype))
+    if isinstance(w, jax.Array) and new.sharding != w.sharding:  # the receiver keeps its own layout
+      new = jax.device_put(new, w.sharding)
+    out.append(new)
   return jax.tree.unflatten(treedef, out)
 
 
@@ -193,14 +199,21 @@ class SyncLink:
     """Next sync dense (`shared` None), or a delta from `shared`: a cast copy both ends hold (a restored snapshot)."""
     self.low = self.receiver = shared
 
-  def sync(self, params):
-    """Sends `params` (dense the first time, else the bitwise-changed elements); returns the receiver's new copy."""
+  def sync(self, params, shardings=None):
+    """Sends `params` (dense the first time, else the bitwise-changed elements); returns the receiver's new copy,
+    laid out as `shardings` (the receiver's layout: another mesh, other devices; None: the sender's)."""
     if self.receiver is None:
       low = receiver = cast(params, self.dtype)
+      if shardings is not None:
+        from jaxrl_llm.sharding import reshard  # local: the sync module stays importable without the layouts
+        receiver = reshard(low, shardings)
       n = sum(x.nbytes for x in jax.tree.leaves(low))
       stats = SyncStats(n, n, 1.0)
     else:
-      union, low = track_step(init_union(params), self.low, params, self.dtype)
+      # a restored base (`reset`) comes in the receiver's layout: the sender tracks changes in its own
+      same = lambda l, p: not isinstance(l, jax.Array) or not isinstance(p, jax.Array) or l.sharding == p.sharding
+      prev = jax.tree.map(lambda l, p: l if same(l, p) else jax.device_put(l, p.sharding), self.low, params)
+      union, low = track_step(init_union(params), prev, params, self.dtype)
       payload = pack(low, union, self.max_density)
       receiver = apply(self.receiver, payload)
       stats = SyncStats(payload_bytes(payload), dense_bytes(payload), density(union))
