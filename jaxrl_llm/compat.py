@@ -128,8 +128,7 @@ REFUSED: dict[frozenset, str] = {
                             "need the routes packed with their tokens",
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
-    **_each(f"{_NOT_BUILT}: the int8 and window KV caches run in the static decode loop only (issue 44: the cache "
-            "format a property of the one engine)", _KV, ("slots", *_SPECS, *_EPS)),
+    **_each(f"{_NOT_BUILT}: the draft-and-verify loop keeps full caches for drafter and policy", _KV, _SPECS),
     **_each(f"{_NOT_BUILT}: μ's top-k and Monte-Carlo candidates are recorded by the static decode loop only",
             _REC, ("slots", *_SPECS, *_EPS)),
     **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),

@@ -349,7 +349,8 @@ KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config im
 
 def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
   """`sampler.kv_cache` / `kv_sinks` / `kv_window` (absent: "full", 4, 64): a compressed sampler KV cache runs in
-  `generate` only (not partial rollouts, not episodes), and SMD's shadow forward needs the window's mask."""
+  every decode loop but partial rollouts' and speculative decoding's, and SMD's shadow forward needs the window's
+  mask (single completions)."""
   kind, sinks, window = read(c, "sampler.kv_cache"), read(c, "sampler.kv_sinks"), read(c, "sampler.kv_window")
   _need(kind in KV_CACHES, "sampler.kv_cache", kind, f"must be one of {KV_CACHES}")
   _need(isinstance(sinks, int) and not isinstance(sinks, bool) and sinks >= 0, "sampler.kv_sinks", sinks,
@@ -363,7 +364,8 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
   if kind != "full":
     _need(not c.rollout.partial_chunk, "sampler.kv_cache", kind,
           f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode with the full cache only")
-    _need(not env_on(c), "sampler.kv_cache", kind, "episodes (env.name) keep a full KV cache across turns")
+  if "shadow" in spec.needs:
+    _need(not env_on(c), "loss.name", spec.name, "episodes (env.name) do not record the window each token saw")
 
 
 def _validate_speculative(c: ml_collections.ConfigDict) -> None:
@@ -548,7 +550,7 @@ EVICT_POLICIES = ("none", "drop_oldest", "summary")  # `env.evict` (`rollout.evi
 def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -> None:
   """`rollout.slots` / `rollout.slot_chunk`: continuous batching (`sampling.continuous`) of single completions and
   episode turns in the sources that generate whole steps with one snapshot, and of single completions in async
-  (one slot worker thread, which switches to newer versions at chunk boundaries itself), with the full KV cache;
+  (one slot worker thread, which switches to newer versions at chunk boundaries itself), with any KV cache format;
   on one device or in one process over the sampler's mesh or devices (`_validate_multiprocess`)."""
   slots, chunk = read(c, "rollout.slots"), read(c, "rollout.slot_chunk")
   _need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "rollout.slots", slots,
@@ -569,8 +571,6 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
   _need(not (env_on(c) and c.rollout.mode == "async"), "rollout.slots", slots,
         "async continuous batching generates single completions; episodes use slots in the sync, fixed_lag and "
         "staged sources")
-  _need(read(c, "sampler.kv_cache") == "full", "rollout.slots", slots,
-        f"continuous batching decodes with sampler.kv_cache='full', not {c.sampler.get('kv_cache')!r}")
   for f in ("behavior_topk", "mc_samples"):
     _need(not read(c, f"sampler.{f}"), "rollout.slots", slots, f"continuous batching does not record sampler.{f}")
   _need(not (read(c, "model.num_experts") and read(c, "model.routing_replay")), "rollout.slots", slots,

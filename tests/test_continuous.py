@@ -46,8 +46,12 @@ def learner_logp(params, out, sc):
   return np.asarray(_score(params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], sc.temperature))
 
 
-@pytest.mark.parametrize("slots,chunk,sc", [(3, 2, SC), (4, 5, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3),
-                                                                             temperature=0.7, top_k=8))])
+@pytest.mark.parametrize("slots,chunk,sc", [
+    (3, 2, SC), (4, 5, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=0.7, top_k=8)),
+    # compressed caches: the cache format is a property of the one cache layer both loops use
+    (3, 2, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=1.0, kv_cache="int8")),
+    (4, 3, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=1.0, kv_cache="window", kv_sinks=1,
+                         kv_window=3))])
 def test_per_request_equals_static_path_with_the_same_keys(slots, chunk, sc):
   ref = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, sc))
   lengths = ref["lengths_B"]
@@ -57,9 +61,13 @@ def test_per_request_equals_static_path_with_the_same_keys(slots, chunk, sc):
                "completion_mask_BT"):
     np.testing.assert_array_equal(out[name], ref[name], err_msg=name)
   np.testing.assert_allclose(out["behavior_logp_BN"], ref["behavior_logp_BN"], atol=2e-5)
-  if not sc.truncated:  # μ is the full tempered distribution's: the learner's scores
+  if not sc.truncated and sc.kv_cache == "full":  # μ is the full tempered distribution's: the learner's scores
     np.testing.assert_allclose(out["behavior_logp_BN"] * out["mask_BN"], learner_logp(OLD, out, sc) * out["mask_BN"],
                                atol=2e-5)
+  if sc.kv_cache != "full":  # μ is the compressed cache's policy, not the learner's
+    assert np.abs((out["behavior_logp_BN"] - learner_logp(OLD, out, sc)) * out["mask_BN"]).max() > 1e-4
+  if sc.kv_cache == "window":
+    np.testing.assert_array_equal(out["kv_window_B2"], ref["kv_window_B2"])
   assert np.all(out["versions_BN"] == 0)
   # Every sampled column after column 0 (drawn at prefill) took one live slot-step; the rest were wasted.
   assert out["live_steps"] == int(lengths.sum()) - R
@@ -117,8 +125,8 @@ def test_publish_between_chunks_switches_version_and_scoring():
 
 
 def test_unsupported_settings_raise():
-  with pytest.raises(ValueError, match="kv_cache"):
-    continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, kv_cache="int8"),
+  with pytest.raises(ValueError, match="behavior_topk"):
+    continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, behavior_topk=2),
                               slots=2, chunk=2)
   with pytest.raises(ValueError, match="slots"):
     continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=0, chunk=2)

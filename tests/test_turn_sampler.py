@@ -20,10 +20,11 @@ W = 32
 bump = jax.jit(lambda p, k: jax.tree.map(lambda x: x + 0.3 * jax.random.normal(k, x.shape), p))
 
 
-def play(sampler, turns=3, rows=(0, 1, 2, 3), leave_after=None, versions=None):
-  """Plays `turns` turns on 4 episodes; episode 2 leaves after turn `leave_after`. Returns per-turn outputs."""
+def play(sampler, turns=3, rows=(0, 1, 2, 3), leave_after=None, versions=None, **kv):
+  """Plays `turns` turns on 4 episodes; episode 2 leaves after turn `leave_after`. Returns per-turn outputs.
+  `kv`: the turns' cache format (`SamplerConfig.kv_cache`, ...)."""
   gen = make_gen(0.8)
-  cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=3)
+  cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=3, **kv)
   ctx = {b: char_tok.encode("go" + str(b), add_bos=True) for b in rows}
   outs = []
   for t in range(turns):
@@ -79,3 +80,17 @@ def test_a_new_version_reprefills():
   cached = CachedTurns(make_gen(0.8), W)
   assert_same(play(cached, versions=versions), play(Reprefill(make_gen(0.8), W), versions=versions))
   assert cached.prefills == 2  # turn 0, and turn 1 (new version); turn 2 continues the cache
+
+
+@pytest.mark.parametrize("kv", [dict(kv_cache="int8"), dict(kv_cache="window", kv_sinks=1, kv_window=6)])
+def test_compressed_cache_turns_equal_reprefilled_turns(kv):
+  """The kept cache in the sampler's compressed format (int8 values, or sinks + window visibility) samples what a
+  re-prefill into that format samples, and μ is that cache's policy, not the full cache's."""
+  cached = CachedTurns(make_gen(0.8), W)
+  got = play(cached, **kv)
+  assert_same(got, play(Reprefill(make_gen(0.8), W), **kv))
+  assert cached.prefills == 1
+  full = play(Reprefill(make_gen(0.8), W))
+  diff = max(float(np.abs(got[t][b][1] - full[t][b][1]).max()) for t in range(len(got)) for b in got[t]
+             if got[t][b][0] == full[t][b][0] and len(got[t][b][0]))
+  assert diff > 1e-4  # the compressed cache changed μ

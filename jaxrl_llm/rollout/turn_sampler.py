@@ -46,7 +46,7 @@ from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
 from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
 
-_prefill = jax.jit(prefill_grouped, static_argnames=("model_cfg", "slots", "group_size"))
+_prefill = jax.jit(prefill_grouped, static_argnames=("model_cfg", "slots", "group_size", "kv_dtype", "kv_window"))
 
 
 def _bucket(n: int) -> int:
@@ -100,9 +100,10 @@ class CachedTurns:
         cache, last = take_rows(cache, idx), jnp.take(last, idx, axis=0)
       tokens_bE, len_b = pad_right(suffixes, E, self.gen.sampler_cfg.pad_id)
       start_b = np.asarray([self.cached_len[b] for b in rows_b], np.int32)
-      logits_bV, cache = extend(params, cache, tokens_bE, len_b, start_b, last, self.gen.model_cfg)
+      logits_bV, cache = extend(params, cache, tokens_bE, len_b, start_b, last, self.gen.model_cfg,
+                                cfg.kv_window_arg)
     else:
-      cache, logits_bV = self._prefill(params, contexts, cfg.group_size)
+      cache, logits_bV = self._prefill(params, contexts, cfg)
     start_b = np.asarray([len(c) for c in contexts], np.int32)
     out, self.cache, self.last_logits_bV = decode_turn(params, cache, logits_bV, start_b, key, self.gen.model_cfg,
                                                        cfg_decode)
@@ -120,7 +121,7 @@ class CachedTurns:
     turn re-prefills (every row: the cache is one batch)."""
     self.cached_len.pop(row, None)
 
-  def _prefill(self, params, contexts, group_size: int) -> tuple[dict, Any]:
+  def _prefill(self, params, contexts, cfg) -> tuple[dict, Any]:
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
     if self.mesh is not None:  # rows along the sampler mesh's batch axes: the cache, and every turn, follow them
       from jaxrl_llm import sharding
@@ -128,8 +129,9 @@ class CachedTurns:
                                                                              len(contexts)))
     positions_bW, segment_ids_bW = prompt_layout(jnp.asarray(len_b), self.width)
     self.prefills += 1
+    # the turn's cache format (full, int8, window), as `generate` keeps it
     return _prefill(params, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW, model_cfg=self.gen.model_cfg,
-                    slots=self.slots, group_size=group_size)
+                    slots=self.slots, group_size=cfg.group_size, kv_dtype=cfg.kv_dtype, kv_window=cfg.kv_window_arg)
 
 
 class SlotTurns:

@@ -27,9 +27,9 @@ from jaxrl_llm.sampling.sampler import decode_carry, emit_token, feed_previous_c
 Array = jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg",))
+@functools.partial(jax.jit, static_argnames=("model_cfg", "kv_window"))
 def extend(params: dict, cache: dict, tokens_BE: Array, len_B: Array, start_pos_B: Array, last_logits_BV: Array,
-           model_cfg: ModelConfig) -> tuple[Array, dict]:
+           model_cfg: ModelConfig, kv_window: tuple[int, int] | None = None) -> tuple[Array, dict]:
   """Appends row b's first `len_B[b]` tokens of `tokens_BE` (right-padded) at positions `start_pos_B[b]`, ...;
   returns (logits_BV of the token after each row's last appended one, the cache). A row that appends nothing
   keeps `last_logits_BV` (the logits after its last cached token, from `decode_turn`)."""
@@ -38,7 +38,7 @@ def extend(params: dict, cache: dict, tokens_BE: Array, len_B: Array, start_pos_
   real_BE = col_E[None, :] < len_B[:, None]
   positions_BE = jnp.where(real_BE, start_pos_B[:, None] + col_E[None, :], 0).astype(jnp.int32)
   h_BED, cache = hidden_with_cache(params, tokens_BE.astype(jnp.int32), cache, model_cfg, positions_BT=positions_BE,
-                                   segment_ids_BT=real_BE.astype(jnp.int32))
+                                   segment_ids_BT=real_BE.astype(jnp.int32), kv_window=kv_window)
   last_B11 = jnp.maximum(len_B - 1, 0)[:, None, None]
   h_B1D = jnp.take_along_axis(h_BED, jnp.broadcast_to(last_B11, (h_BED.shape[0], 1, h_BED.shape[2])), axis=1)
   logits_BV = logits_from_hidden(params, h_B1D, model_cfg)[:, 0]
@@ -55,14 +55,13 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
   the whole turn. Returns ({tokens_BN, mask_BN, behavior_logp_BN, lengths_B}, cache, last_logits_BV: the
   logits after each row's last sampled token, for a next `extend` that appends nothing to that row).
   """
-  if sampler_cfg.kv_cache != "full":  # episodes keep a full cache across turns
-    raise ValueError(f"decode_turn supports sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
   B, N = first_logits_BV.shape[0], sampler_cfg.max_new_tokens
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
 
   def feed(carry: dict) -> dict:
     """Feeds the previous column's token; keeps the logits after it for the rows where it is real."""
-    logits_BV, live_B, cache = feed_previous_column(decode_params, carry, start_pos_B, model_cfg)
+    logits_BV, live_B, cache = feed_previous_column(decode_params, carry, start_pos_B, model_cfg,
+                                                    sampler_cfg.kv_window_arg)
     return {**carry, "cache": cache, "last_logits_BV": jnp.where(live_B[:, None], logits_BV, carry["last_logits_BV"])}
 
   def decode(carry: dict) -> dict:

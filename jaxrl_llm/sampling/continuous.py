@@ -51,8 +51,6 @@ _SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "se
 
 def check_supported(sampler_cfg: SamplerConfig) -> None:
   """Raises ValueError for the sampler settings the slot engine does not implement."""
-  if sampler_cfg.kv_cache != "full":
-    raise ValueError(f"continuous batching decodes with sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
   if sampler_cfg.records:
     raise ValueError("continuous batching does not record μ's top-k or Monte-Carlo candidates (sampler.behavior_topk="
                      f"{sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples})")
@@ -78,7 +76,7 @@ def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, w
   column n sits at RoPE position start + n), key, live / stopped flags, logits of its next column and its
   output columns (tokens, μ log-probs, mask, versions)."""
   N = sampler_cfg.max_new_tokens
-  cache = init_cache(model_cfg, slots, width + N + chunk)
+  cache = init_cache(model_cfg, slots, width + N + chunk, sampler_cfg.kv_dtype)  # full or int8 (window: a mask)
   cache["index"] = jnp.asarray(width, jnp.int32)
   return {
       "cache": cache,
@@ -128,7 +126,8 @@ def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConf
     token_S1 = jnp.take_along_axis(st["tokens_SN"], prev_S[:, None], axis=1)
     logits_S1V, cache = forward_with_cache(decode_params, token_S1, st["cache"], model_cfg,
                                            positions_BT=(st["start_S"] + prev_S)[:, None],
-                                           segment_ids_BT=live_S[:, None].astype(jnp.int32))
+                                           segment_ids_BT=live_S[:, None].astype(jnp.int32),
+                                           kv_window=sampler_cfg.kv_window_arg)
     st = {**st, "cache": cache, "logits_SV": jnp.where(live_S[:, None], logits_S1V[:, 0], st["logits_SV"])}
     return _emit(st, version, sampler_cfg), i + 1
 
@@ -149,7 +148,8 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
   P = prompt_uP.shape[1]
   positions_uP, segment_ids_uP = prompt_layout(len_u, P)
   prompt_uP = jnp.where(segment_ids_uP > 0, prompt_uP, sampler_cfg.pad_id).astype(jnp.int32)
-  small, logits_uV = _prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P)
+  small, logits_uV = _prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P,
+                                   sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
   small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
   cache, at = state["cache"], state["cache"]["index"] - P
   new_cache = {"index": cache["index"]}
@@ -393,4 +393,7 @@ def _assemble(out: dict, prompt_RP: np.ndarray, len_R: np.ndarray, sampler_cfg: 
       "completion_mask_BT": np.concatenate([np.zeros((R, P), np.float32), mask_RN], axis=1),
       "slot_steps": slot_steps,
       "live_steps": live_steps,
+      # a sinks + window cache: what each token could see, as `generate` records it (SMD's shadow mask)
+      **({} if sampler_cfg.kv_window_arg is None else
+         {"kv_window_B2": np.broadcast_to(np.asarray(sampler_cfg.kv_window_arg, np.int32), (R, 2)).copy()}),
   }
