@@ -129,8 +129,8 @@ REFUSED: dict[frozenset, str] = {
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
     **_each(f"{_NOT_BUILT}: the draft-and-verify loop keeps full caches for drafter and policy", _KV, _SPECS),
-    **_each(f"{_NOT_BUILT}: μ's top-k and Monte-Carlo candidates are recorded by the static decode loop only",
-            _REC, ("slots", *_SPECS, *_EPS)),
+    **_each(f"{_NOT_BUILT}: the draft-and-verify loop records no μ candidates", _REC, _SPECS),
+    **_each(f"{_NOT_BUILT}: episodes do not assemble μ's candidates turn by turn", _REC, _EPS),
     **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),
     **_each(f"{_NOT_BUILT}: episode turns decode without speculation", _SPECS, _EPS),
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "

@@ -51,7 +51,9 @@ def learner_logp(params, out, sc):
     # compressed caches: the cache format is a property of the one cache layer both loops use
     (3, 2, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=1.0, kv_cache="int8")),
     (4, 3, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=1.0, kv_cache="window", kv_sinks=1,
-                         kv_window=3))])
+                         kv_window=3)),
+    # μ's records: each row's from its own key, as generate records them given per-row keys
+    (3, 2, SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), temperature=0.9, behavior_topk=3, mc_samples=3))])
 def test_per_request_equals_static_path_with_the_same_keys(slots, chunk, sc):
   ref = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, sc))
   lengths = ref["lengths_B"]
@@ -68,6 +70,14 @@ def test_per_request_equals_static_path_with_the_same_keys(slots, chunk, sc):
     assert np.abs((out["behavior_logp_BN"] - learner_logp(OLD, out, sc)) * out["mask_BN"]).max() > 1e-4
   if sc.kv_cache == "window":
     np.testing.assert_array_equal(out["kv_window_B2"], ref["kv_window_B2"])
+  if sc.records:
+    m = ref["mask_BN"] > 0
+    for name in ("behavior_topk_ids_BNk", "mc_ids_BNJ"):
+      np.testing.assert_array_equal(out[name], ref[name], err_msg=name)
+    for name in ("behavior_topk_logp_BNk", "mc_behavior_logp_BNJ"):
+      np.testing.assert_allclose(out[name], ref[name], atol=2e-5, err_msg=name)
+    np.testing.assert_array_equal(out["mc_ids_BNJ"][..., 0][m], out["tokens_BN"][m])  # column 0: the sampled token
+    assert (out["mc_ids_BNJ"][..., 1:][m] != out["mc_ids_BNJ"][..., :1][m]).any()  # real draws, not copies
   assert np.all(out["versions_BN"] == 0)
   # Every sampled column after column 0 (drawn at prefill) took one live slot-step; the rest were wasted.
   assert out["live_steps"] == int(lengths.sum()) - R
@@ -81,8 +91,11 @@ def test_generate_with_one_key_per_row_draws_each_row_alone():
     one = jax.device_get(generate(OLD, PROMPTS[r:r + 1], PROMPT_LEN[r:r + 1], KEYS[r:r + 1], CFG, SC))
     np.testing.assert_array_equal(one["tokens_BN"][0], out["tokens_BN"][r])
     np.testing.assert_allclose(one["behavior_logp_BN"][0], out["behavior_logp_BN"][r], atol=2e-5)
-  with pytest.raises(ValueError, match="one sampling key"):
-    generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, behavior_topk=2))
+  rec = SamplerConfig(max_new_tokens=N, stop_ids=(2, 3), behavior_topk=2, mc_samples=2)  # records: per row too
+  out = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, rec))
+  one = jax.device_get(generate(OLD, PROMPTS[4:5], PROMPT_LEN[4:5], KEYS[4:5], CFG, rec))
+  for name in ("mc_ids_BNJ", "behavior_topk_ids_BNk"):
+    np.testing.assert_array_equal(one[name][0], out[name][4], err_msg=name)
 
 
 def test_tokens_depend_on_the_request_key_only():
@@ -125,9 +138,6 @@ def test_publish_between_chunks_switches_version_and_scoring():
 
 
 def test_unsupported_settings_raise():
-  with pytest.raises(ValueError, match="behavior_topk"):
-    continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SamplerConfig(max_new_tokens=N, behavior_topk=2),
-                              slots=2, chunk=2)
   with pytest.raises(ValueError, match="slots"):
     continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=0, chunk=2)
 
@@ -148,11 +158,10 @@ def test_config_refuses_bad_slot_fields(field, value, match):
     validate(tiny(**{f"rollout__{field}": value}))
 
 
-def test_config_refuses_slots_in_harness_and_with_records():
+def test_config_refuses_slots_in_harness_and_takes_records():
   with pytest.raises(ConfigError, match="rollout.slots"):
     validate(tiny(rollout__slots=4, rollout__mode="harness"))  # async with slots: tests/test_async_slots.py
-  with pytest.raises(ConfigError, match="rollout.slots"):
-    validate(tiny(rollout__slots=4, sampler__behavior_topk=4))
+  validate(tiny(rollout__slots=4, sampler__behavior_topk=4, sampler__mc_samples=2))
 
 
 def test_sync_loop_with_slots_trains_with_the_same_record_layout(tmp_path):

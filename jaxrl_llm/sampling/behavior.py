@@ -14,7 +14,8 @@ column in the decode loop next to the token (`sampler.emit_token`):
       AsyncOPD's `multi_sample_policy_gradient_kl` expects), and log μ of each.
 
 The candidates draw from their own key, `fold_in(step key, MC_STREAM)`, candidate j from
-`fold_in(that, j)`: recording never changes the sampled tokens, and equal keys give equal candidates.
+`fold_in(that, j)`: recording never changes the sampled tokens, and equal keys give equal candidates. With one
+key per row (continuous batching) the step key is the row's, `fold_in(row key, column)` (`record_rows`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def record(logits_BV: Array, token_B: Array, logp_B: Array, key: Array, cfg: Sam
     out["mc_ids_BNJ"] = jnp.concatenate([token_B[:, None].astype(jnp.int32), drawn_B_], axis=1)
     out["mc_behavior_logp_BNJ"] = jnp.concatenate([logp_B[:, None], at(drawn_B_)], axis=1)
   return out
+
+
+def record_rows(logits_BV: Array, token_B: Array, logp_B: Array, keys_B: Array, steps_B: Array,
+                cfg: SamplerConfig) -> dict:
+  """`record` with one key per row (`sample.is_row_keys`): row b's records are `record` of that row alone with
+  the step key `fold_in(keys_B[b], steps_B[b])`, so they depend on its own key and column only (continuous
+  batching refills rows; `generate` with per-row keys records the same)."""
+  one = lambda l_V, t, lp, k, n: jax.tree.map(lambda x: x[0], record(l_V[None], t[None], lp[None],
+                                                                      jax.random.fold_in(k, n), cfg))
+  return jax.vmap(one)(logits_BV, token_B, logp_B, keys_B, steps_B)
 
 
 def init_records(B: int, N: int, cfg: SamplerConfig) -> dict:

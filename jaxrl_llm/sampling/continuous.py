@@ -37,6 +37,7 @@ import numpy as np
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_cache
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sample import noise_shape, row_noise, sample_token
 from jaxrl_llm.sampling.sampler import _prefill_rows, is_stop, prompt_layout
@@ -51,9 +52,6 @@ _SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "se
 
 def check_supported(sampler_cfg: SamplerConfig) -> None:
   """Raises ValueError for the sampler settings the slot engine does not implement."""
-  if sampler_cfg.records:
-    raise ValueError("continuous batching does not record μ's top-k or Monte-Carlo candidates (sampler.behavior_topk="
-                     f"{sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples})")
 
 
 def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
@@ -64,9 +62,11 @@ def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerCo
 
 
 def _write_column(buf_SN: Array, value_S: Array, col_S: Array, live_S: Array) -> Array:
-  """`buf_SN` with row s's column `col_S[s]` set to `value_S[s]` where `live_S[s]`."""
+  """`buf_SN` with row s's column `col_S[s]` set to `value_S[s]` where `live_S[s]` (trailing axes ride along:
+  a record's [S, N, k] takes [S, k] values)."""
   hit_SN = live_S[:, None] & (jnp.arange(buf_SN.shape[1])[None, :] == col_S[:, None])
-  return jnp.where(hit_SN, value_S[:, None].astype(buf_SN.dtype), buf_SN)
+  return jnp.where(hit_SN.reshape(hit_SN.shape + (1,) * (buf_SN.ndim - 2)), value_S[:, None].astype(buf_SN.dtype),
+                   buf_SN)
 
 
 def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, width: int, chunk: int,
@@ -90,7 +90,14 @@ def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, w
       "logp_SN": jnp.zeros((slots, N), jnp.float32),
       "mask_SN": jnp.zeros((slots, N), jnp.float32),
       "versions_SN": jnp.zeros((slots, N), jnp.int32),
+      **behavior.init_records(slots, N, sampler_cfg),  # μ's top-k / MC candidates, when asked ([S, N, k])
   }
+
+
+def _record_names(sampler_cfg: SamplerConfig) -> tuple[str, ...]:
+  """The state's μ record buffers ([S, N, k|J], `generate`'s output names) the sampler config asks for."""
+  return ((behavior.TOPK_FIELDS if sampler_cfg.behavior_topk else ()) +
+          (behavior.MC_FIELDS if sampler_cfg.mc_samples else ()))
 
 
 def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig) -> dict:
@@ -98,10 +105,15 @@ def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig) -> dict:
   or filled their N columns."""
   live_S, step_S = state["live_S"], state["step_S"]
   token_S, logp_S = _draw(state["logits_SV"], state["keys_S"], step_S, sampler_cfg)
+  recs = {}
+  if sampler_cfg.records:  # each row's from its own step key, as `generate` with per-row keys records them
+    got = behavior.record_rows(state["logits_SV"], token_S, logp_S, state["keys_S"], step_S, sampler_cfg)
+    recs = {name: _write_column(state[name], x, step_S, live_S) for name, x in got.items()}
   token_S = jnp.where(live_S, token_S, sampler_cfg.pad_id).astype(jnp.int32)
   stop_S = live_S & is_stop(token_S, sampler_cfg.stop_ids)
   return {
       **state,
+      **recs,
       "tokens_SN": _write_column(state["tokens_SN"], token_S, step_S, live_S),
       "logp_SN": _write_column(state["logp_SN"], logp_S, step_S, live_S),
       "mask_SN": _write_column(state["mask_SN"], jnp.ones_like(logp_S), step_S, live_S),
@@ -178,13 +190,15 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
       "logp_SN": put(state["logp_SN"], jnp.zeros((k, N), jnp.float32)),
       "mask_SN": put(state["mask_SN"], jnp.zeros((k, N), jnp.float32)),
       "versions_SN": put(state["versions_SN"], jnp.zeros((k, N), jnp.int32)),
+      **{name: put(state[name], jnp.full((k,) + state[name].shape[1:], sampler_cfg.pad_id if "ids" in name else 0,
+                                         state[name].dtype)) for name in _record_names(sampler_cfg)},
   }
   # Column 0 of the admitted rows only: the other live rows sample theirs in the next chunk.
   only_S = jnp.zeros_like(state["live_S"]).at[rows_k].set(True, mode="drop")
   emitted = _emit({**admitted, "live_S": only_S}, jnp.asarray(version, jnp.int32), sampler_cfg)
   keep = lambda a, b: jnp.where(only_S.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   out = {name: keep(emitted[name], admitted[name]) for name in
-         ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S")}
+         ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S", *_record_names(sampler_cfg))}
   return {**admitted, **out, "live_S": jnp.where(only_S, emitted["live_S"], admitted["live_S"])}
 
 
@@ -316,12 +330,19 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   out = {"tokens_BN": np.full((R, N), sampler_cfg.pad_id, np.int32), "mask_BN": np.zeros((R, N), np.float32),
          "behavior_logp_BN": np.zeros((R, N), np.float32), "versions_BN": np.zeros((R, N), np.int32),
          "finished_B": np.zeros((R,), bool)}
+  sc = sampler_cfg
+  for name, k in ((n, sc.behavior_topk) for n in behavior.TOPK_FIELDS if sc.behavior_topk):
+    out[name] = np.full((R, N, k), sc.pad_id, np.int32) if "ids" in name else np.zeros((R, N, k), np.float32)
+  for name, k in ((n, sc.mc_samples) for n in behavior.MC_FIELDS if sc.mc_samples):
+    out[name] = np.full((R, N, k), sc.pad_id, np.int32) if "ids" in name else np.zeros((R, N, k), np.float32)
   for r in range(R):
     engine.submit(r, prompt_RP[r], len_R[r], keys_R[r])
   while not engine.idle:
     for r, cols in engine.step(params, version):
       out["tokens_BN"][r], out["behavior_logp_BN"][r] = cols["tokens_N"], cols["behavior_logp_N"]
       out["mask_BN"][r], out["versions_BN"][r], out["finished_B"][r] = cols["mask_N"], cols["versions_N"], cols["finished"]
+      for name in _record_names(sc):
+        out[name][r] = cols[name]
     newer = poll(version) if poll is not None else None
     if newer is not None:
       version, params = newer
@@ -334,7 +355,8 @@ def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: 
   stack = lambda name, dtype: np.stack([np.asarray(c[name], dtype) for c in cols_R])
   out = {"tokens_BN": stack("tokens_N", np.int32), "mask_BN": stack("mask_N", np.float32),
          "behavior_logp_BN": stack("behavior_logp_N", np.float32), "versions_BN": stack("versions_N", np.int32),
-         "finished_B": np.asarray([c["finished"] for c in cols_R], bool)}
+         "finished_B": np.asarray([c["finished"] for c in cols_R], bool),
+         **{name: np.stack([np.asarray(c[name]) for c in cols_R]) for name in _record_names(sampler_cfg)}}
   out = _assemble(out, np.asarray(prompt_RP, np.int32), np.asarray(prompt_len_R, np.int32), sampler_cfg, 0, 0)
   return {k: v for k, v in out.items() if k not in ("slot_steps", "live_steps")}
 
@@ -363,10 +385,12 @@ def _harvest(state: dict, owner_S: np.ndarray, tag_S: list) -> list[tuple[Any, d
   done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]))
   if not len(done):
     return []
-  host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S")})
+  records = [k for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in state]
+  host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S",
+                                                *records)})
   out = [(tag_S[s], {"tokens_N": host["tokens_SN"][s], "behavior_logp_N": host["logp_SN"][s],
                      "mask_N": host["mask_SN"][s], "versions_N": host["versions_SN"][s],
-                     "finished": bool(host["stopped_S"][s])}) for s in done]
+                     "finished": bool(host["stopped_S"][s]), **{k: host[k][s] for k in records}}) for s in done]
   owner_S[done] = -1
   for s in done:
     tag_S[s] = None

@@ -122,7 +122,7 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
 
   `noise_NBK`: that key's Gumbel noise for every column, drawn before the loop (`predraw_noise`);
   None draws it here. The tokens are the same either way. `key` may hold one key per row (`sample.is_row_keys`):
-  row b's column n then draws with `fold_in(key[b], n)` (`sample.row_noise`); μ's records need one key.
+  row b's column n then draws with `fold_in(key[b], n)` (`sample.row_noise`), and records with that step key.
   """
   step = carry["step"]
   gumbel_BK = None if noise_NBK is None else jax.lax.dynamic_index_in_dim(noise_NBK, step, keepdims=False)
@@ -134,7 +134,11 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   live_B = ~carry["done_B"]
   recs = {}
   if sampler_cfg.records:  # μ's top-k / Monte-Carlo candidates (`behavior`), only when asked
-    recs = behavior.record(logits_BV, token_B, logp_B, step_key, sampler_cfg)
+    if step_key is None:  # one key per row: each row's records from its own step key
+      recs = behavior.record_rows(logits_BV, token_B, logp_B, key, jnp.full((key.shape[0],), step, jnp.int32),
+                                  sampler_cfg)
+    else:
+      recs = behavior.record(logits_BV, token_B, logp_B, step_key, sampler_cfg)
     recs = behavior.write_column(carry, recs, step, live_B, sampler_cfg.pad_id)
   token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
   return {
@@ -229,8 +233,6 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   shape = noise_shape(B, first_logits_BV.shape[-1], sampler_cfg)
   predraw = shape is not None and N * math.prod(shape) <= PREDRAW_MAX_ELEMENTS
   if is_row_keys(key):
-    if sampler_cfg.records:
-      raise ValueError("generate: μ's top-k / Monte-Carlo records need one sampling key, not one per row")
     draw = lambda n: row_noise(key, jnp.full((B,), n, jnp.int32), shape[1])
     noise_NBK = jax.vmap(draw)(jnp.arange(N)) if predraw else None
   else:
