@@ -104,10 +104,9 @@ _NOT_BUILT = "not built yet"
 # The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
 # otherwise what is missing). Keep it short: a refusal is a last resort (docs/compat.md).
 REFUSED: dict[frozenset, str] = {
-    **_each(f"{_NOT_BUILT}: the distilled drafter's state is kept and distilled by the synchronous loop of the sync "
-            "and fixed_lag sources on one device, for a dense policy without adapters",
-            "drafter", ("staged", "async", "partial", "harness", "replay", "mesh", "sampler_devices", "processes",
-                        "lora", "qlora")),
+    **_each(f"{_NOT_BUILT}: the distilled drafter's state lives on one device, and the harness's batcher and "
+            "partial rollouts do not speculate", "drafter", ("partial", "harness", "mesh", "sampler_devices",
+                                                              "processes")),
     **_each(f"{_NOT_BUILT}: partial rollouts decode in their own chunked loop (`sampling.partial`), which keeps the "
             "full KV cache, records no μ candidates and does not speculate (issue 44: one engine)",
             "partial", (*_KV, *_REC, "speculative")),

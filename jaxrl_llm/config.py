@@ -397,13 +397,14 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
 
 
 SPEC_DRAFTERS = ("layers", "distilled")
-DRAFTER_MODES = ("sync", "fixed_lag")  # the sources whose every sampler call goes through `Generation.sample`
+DRAFTER_MODES = ("sync", "fixed_lag", "staged", "async")  # the sources whose sampler calls read the drafter's slot
 
 
 def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   """`sampler.spec_drafter` and its distillation fields (absent: "layers", 1e-4, 1, 0.0). "distilled" keeps the
-  drafter's state in the loop and hands it to `Generation.sample`: sync and fixed_lag modes without replay, one
-  device, no continuous batching, no LoRA (the rest is refused by name rather than run untested)."""
+  drafter's state in the loop and hands it to the sampler (`Generation.drafter`): the sync, fixed_lag (with or
+  without replay), staged and async sources, LoRA policies included, on one device (the rest is refused by name
+  rather than run untested)."""
   kind = read(c, "sampler.spec_drafter")
   _need(kind in SPEC_DRAFTERS, "sampler.spec_drafter", kind, f"must be one of {SPEC_DRAFTERS}")
   lr, steps = read(c, "sampler.spec_distill_lr"), read(c, "sampler.spec_distill_steps")
@@ -424,12 +425,8 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   _need(n_mesh == 1 and not read(c, "rollout.sampler_devices"), "sampler.spec_drafter", kind,
         f"{where} runs on one device (config.mesh={dict(c.mesh)}, "
         f"rollout.sampler_devices={read(c, 'rollout.sampler_devices')})")
-  replay = c.rollout.get("replay")
-  _need(not (replay is not None and read(c, "rollout.replay.capacity")), "sampler.spec_drafter", kind,
-        f"{where} is not wired with experience replay (rollout.replay.capacity > 0)")
   _need(not read(c, "rollout.slots"), "sampler.spec_drafter", kind,
         "continuous batching (rollout.slots) decodes without speculation")
-  _need(not lora_on(c), "sampler.spec_drafter", kind, f"{where} is not wired with LoRA (model.lora.rank > 0)")
 
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:

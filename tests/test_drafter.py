@@ -190,12 +190,35 @@ def test_fixed_lag_run_with_a_distilled_drafter(tmp_path):
              for r in rows)
 
 
+@pytest.mark.parametrize("over", [
+    {"rollout.mode": "staged", "rollout.lag": 2},
+    {"rollout.mode": "fixed_lag", "rollout.lag": 1, "rollout.replay": {"capacity": 8, "fresh_per_step": 2}},
+    {"rollout.mode": "async", "rollout.lag": 1},
+    {"model.lora": {"rank": 4, "alpha": 8.0}},  # the drafter starts from the merged weights, distils towards them
+], ids=["staged", "replay", "async", "lora"])
+def test_distilled_drafter_in_every_source_and_with_lora(tmp_path, over):
+  c = drafter_config(2)
+  c.checkpoint.every = 0
+  for k, v in over.items():
+    sec, key = k.split(".")
+    if isinstance(v, dict):
+      c[sec][key].update(v)
+    else:
+      c[sec][key] = v
+  rows = loop.run(c, str(tmp_path))
+  assert len(rows) == 2
+  assert all(r["spec_drafter_kl"] > 0 and np.isfinite(r["spec_drafter_kl"]) for r in rows)
+  assert all(0 <= r["spec_accept_rate"] <= 1 for r in rows if "spec_accept_rate" in r)
+  assert any("spec_accept_rate" in r for r in rows)  # the sampler speculated with the drafter
+  assert all(r["mismatch_abs_max"] < 1e-4 for r in rows)  # speculation keeps the policy's distribution: μ = π
+
+
 def test_config_validation_names_the_field():
   c = drafter_config(1)
   validate(c)
   for over, needle in [({"sampler.spec_drafter": "eagle"}, "config.sampler.spec_drafter='eagle'"),
                        ({"sampler.spec_gamma": 0}, "config.sampler.spec_drafter='distilled'"),
-                       ({"rollout.mode": "async", "rollout.lag": 1}, "config.sampler.spec_drafter='distilled'"),
+                       ({"rollout.mode": "harness", "rollout.lag": 1}, "config.sampler.spec_drafter='distilled'"),
                        ({"sampler.spec_distill_steps": 0}, "config.sampler.spec_distill_steps=0"),
                        ({"sampler.spec_distill_lr": -1.0}, "config.sampler.spec_distill_lr=-1.0"),
                        ({"sampler.spec_distill_reward_weight": -0.5}, "config.sampler.spec_distill_reward_weight=-0.5"),

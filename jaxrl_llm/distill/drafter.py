@@ -34,6 +34,7 @@ import optax
 from flax import struct
 
 from jaxrl_llm.losses import dense
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.logprobs import query_hidden
 from jaxrl_llm.models.transformer import lm_head_weights
@@ -50,8 +51,9 @@ class DrafterState(struct.PyTreeNode):
 
 
 def init_params(policy_params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
-  """Copies (own buffers, not views) of the policy's embedding, first `n_layers` layers, final norm and head."""
-  view = speculative.layers_drafter(policy_params, model_cfg, n_layers)
+  """Copies (own buffers, not views) of the policy's embedding, first `n_layers` layers, final norm and head (a LoRA
+  policy's with its adapters merged: the drafter is a plain model)."""
+  view = speculative.layers_drafter(lora.effective(policy_params), model_cfg, n_layers)
   return jax.tree.map(lambda x: jnp.array(x, copy=True), view)
 
 

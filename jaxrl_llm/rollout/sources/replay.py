@@ -16,6 +16,7 @@ from jaxrl_llm.rollout import episodes, old_logp
 from jaxrl_llm.rollout import replay as replay_lib
 from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings
 from jaxrl_llm.rollout.sources.base import get, register
+from jaxrl_llm.rollout.generation import SAMPLER_STATS, SPEC_STATS
 from jaxrl_llm.rollout.sources.common import sync_rollout
 
 
@@ -40,6 +41,7 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
   n = s.prompts_per_step
   calls, errors, time_gen, gen_tokens = 0, 0, 0.0, 0.0
   env_stats: list[dict] = []  # multi-turn episodes' counters (`env_*`) of each call
+  sampler_stats: list[dict] = []  # speculative decoding's rates and the slot counters of each call
   while calls == 0 or buf.available(version) < n:
     fresh = sync_rollout(ctx, store, [step], version, v_b, n=rs.fresh_per_step, call=calls)[0]
     if s.old_logp == "recompute":  # π_old depends only on the generating version: score it once
@@ -48,12 +50,16 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
     errors, time_gen, calls = errors + fresh.stat("reward_errors"), time_gen + fresh.stat("time_generate_s"), calls + 1
     gen_tokens += float(fresh.mask_BN.sum())
     env_stats.append({k: v for k, v in (fresh.stats or {}).items() if k.startswith("env_")})
+    sampler_stats.append({k: fresh.stats[k] for k in SAMPLER_STATS if k in (fresh.stats or {})})
   env_counts = episodes.merge_stats(env_stats)
+  # rates (speculative decoding's): the calls' mean; counts (slot-steps): their sum
+  sampled = {k: (np.mean if k in SPEC_STATS else np.sum)([d[k] for d in sampler_stats if k in d]).item()
+             for k in {k for d in sampler_stats for k in d}}
   groups = buf.sample(np.random.default_rng([s.seed, 13, step]), n, version)
   ro = replay_lib.collate(groups, version, rs.max_lag, rs.stale_policy, rs.decay)
   down = [rs.stale_policy == "downweight" and replay_lib.is_over_stale(version - g.version, rs.max_lag) for g in groups]
   return ro.with_stats(
-      **env_counts, reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
+      **env_counts, **sampled, reward_errors=errors, time_generate_s=time_gen, generated_tokens=gen_tokens, replay_size=len(buf),
       replay_generated_groups=calls * rs.fresh_per_step,
       replay_fresh_frac=float(np.mean([g.step == step for g in groups])),
       replay_mean_uses=float(np.mean([g.uses for g in groups])),  # including this use
