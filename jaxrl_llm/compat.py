@@ -62,7 +62,7 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qlora": ("QLoRA (model.lora.base_quantize='int8')",
               {"model.lora.rank": 4, "model.lora.alpha": 8.0, "model.lora.base_quantize": "int8"}),
     "moe": ("an MoE model (model.num_experts 4, routing replay on)", {"model.num_experts": 4}),
-    "packing": ("the packed learner (optim.pack_width)", {"optim.pack_width": 22}),
+    "packing": ("the packed learner (optim.pack_width; wide enough for a harness row)", {"optim.pack_width": 640}),
     "grad_accum": ("micro-batches (optim.grad_accum 2)", {"optim.grad_accum": 2}),
     "kl_ref": ("a KL term to the reference policy (loss.kl_coef)", {"loss.kl_coef": 0.05}),
     "ewma": ("PPO-EWMA's anchor (rollout.old_logp='ewma')", {"loss.name": "ppo_ewma", "rollout.old_logp": "ewma"}),
@@ -211,11 +211,14 @@ def run_pairs(workdir: str, only=None) -> dict[tuple[str, str], str | None]:
   Several processes are not run here (tests/test_multiprocess_cli.py)."""
   import traceback
 
+  import jax
+
   from jaxrl_llm import loop
   out = {}
   for p, err in probe().items():
     if err is not None or "processes" in p or (only is not None and p not in only):
       continue
+    jax.clear_caches()  # hundreds of runs' compiled programs would exhaust the process's memory maps
     try:
       loop.run(config_of(merged(p)), os.path.join(workdir, "__".join(p)))
       out[p] = None

@@ -197,12 +197,15 @@ def check_shared_tokenizer(c: ml_collections.ConfigDict, path: str, tokenizer, r
 
 
 def place_teacher(params, cfg: ModelConfig, c: ml_collections.ConfigDict):
-  """Shards the teacher with `sharding.TEACHER` on a multi-device `config.mesh`; unchanged on one device."""
+  """Shards the teacher with `sharding.TEACHER` on a multi-device `config.mesh` (the learner's devices, which
+  score the batch); unchanged on one device."""
   m = c.get("mesh")
   if m is None or math.prod((m.data, m.fsdp, m.tensor, m.expert)) <= 1:
     return params
-  from jaxrl_llm import sharding
-  mesh = sharding.mesh_from_config(m)
+  from jaxrl_llm import multiprocess, sharding
+  # the learner's devices: with `rollout.sampler_devices` the last ones of every process are the sampler's
+  learner_devices, _ = multiprocess.split_devices(jax.devices(), config_lib.read(c, "rollout.sampler_devices"))
+  mesh = sharding.mesh_from_config(m, devices=learner_devices)
   return sharding.reshard(params, sharding.param_shardings(cfg, mesh, sharding.TEACHER))
 
 
