@@ -121,8 +121,9 @@ REFUSED: dict[frozenset, str] = {
                                       "need every process's shards",
     **_each(f"{_NOT_BUILT}: LoRA adapts dense projections; expert weights have no adapters", ("lora", "qlora"),
             ("moe",)),
-    **_each(f"{_NOT_BUILT}: the sampler's MoE routes (routing replay) are recorded by the static decode loop only",
-            "moe", ("slots", *_SPECS, *_EPS)),
+    **_each(f"{_NOT_BUILT}: episodes do not assemble the sampler's MoE routes turn by turn (routing replay)", "moe",
+            _EPS),
+    **_each(f"{_NOT_BUILT}: the draft-and-verify step records no MoE routes", "moe", _SPECS),
     pair("moe", "packing"): f"{_NOT_BUILT}: routes and the load-balancing loss are per padded row; packed rows would "
                             "need the routes packed with their tokens",
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "

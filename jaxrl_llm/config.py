@@ -571,8 +571,6 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
   _need(not (env_on(c) and c.rollout.mode == "async"), "rollout.slots", slots,
         "async continuous batching generates single completions; episodes use slots in the sync, fixed_lag and "
         "staged sources")
-  _need(not (read(c, "model.num_experts") and read(c, "model.routing_replay")), "rollout.slots", slots,
-        "continuous batching does not keep an MoE sampler's routes: turn model.routing_replay off")
 
 
 def env_on(c: ml_collections.ConfigDict) -> bool:

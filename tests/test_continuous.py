@@ -211,3 +211,20 @@ def test_a_group_shares_its_prefill_and_keeps_its_tokens():
   out = continuous.generate_slots(OLD, prompts, lens, KEYS, CFG, SC, slots=4, chunk=3)
   np.testing.assert_array_equal(out["tokens_BN"], ref["tokens_BN"])
   np.testing.assert_allclose(out["behavior_logp_BN"], ref["behavior_logp_BN"], atol=2e-5)
+
+
+def test_moe_routes_equal_the_static_paths():
+  """MoE: each request's routes (prompt and completion, read from its slots; a stop token is fed once, as `generate`
+  feeds it) equal `generate`'s at every real input position the learner replays (`routes_BTLk[:, :-1]`)."""
+  import dataclasses
+  mcfg = dataclasses.replace(CFG, num_experts=4, experts_per_token=2)
+  from jaxrl_llm.models import init_params
+  params = init_params(mcfg, jax.random.key(3))
+  ref = jax.device_get(generate(params, PROMPTS, PROMPT_LEN, KEYS, mcfg, SC))
+  real = (ref["segment_ids_BT"] > 0)[:, :-1]
+  for slots, chunk in [(3, 2), (2, 1)]:
+    out = continuous.generate_slots(params, PROMPTS, PROMPT_LEN, KEYS, mcfg, SC, slots=slots, chunk=chunk)
+    np.testing.assert_array_equal(out["tokens_BN"], ref["tokens_BN"])
+    assert out["routes_BTLk"].shape == ref["routes_BTLk"].shape
+    np.testing.assert_array_equal(out["routes_BTLk"][:, :-1][real], ref["routes_BTLk"][:, :-1][real])
+    assert out["live_steps"] == int(ref["lengths_B"].sum()) - R  # fed stop tokens are not live slot-steps

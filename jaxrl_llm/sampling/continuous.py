@@ -84,6 +84,7 @@ def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, w
       "start_S": jnp.zeros((slots,), jnp.int32),
       "keys_S": jnp.broadcast_to(key_like[:1], (slots,) + key_like.shape[1:]),
       "live_S": jnp.zeros((slots,), bool),
+      "unfed_S": jnp.zeros((slots,), bool),
       "stopped_S": jnp.zeros((slots,), bool),
       "logits_SV": jnp.zeros((slots, model_cfg.vocab_size), jnp.float32),
       "tokens_SN": jnp.full((slots, N), sampler_cfg.pad_id, jnp.int32),
@@ -100,7 +101,7 @@ def _record_names(sampler_cfg: SamplerConfig) -> tuple[str, ...]:
           (behavior.MC_FIELDS if sampler_cfg.mc_samples else ()))
 
 
-def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig) -> dict:
+def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig, feed_stops: bool = False) -> dict:
   """Samples every live slot's next column from `logits_SV`, writes it, and retires rows that emitted a stop id
   or filled their N columns."""
   live_S, step_S = state["live_S"], state["step_S"]
@@ -120,6 +121,9 @@ def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig) -> dict:
       "versions_SN": _write_column(state["versions_SN"], jnp.broadcast_to(version, step_S.shape), step_S, live_S),
       "stopped_S": state["stopped_S"] | stop_S,
       "live_S": live_S & ~stop_S & (step_S + 1 < sampler_cfg.max_new_tokens),
+      # the rows whose new column the next decode step feeds: the live ones, and with `feed_stops` (MoE: the
+      # routes of every real input token are recorded, as `generate` feeds a stop token) a just-stopped one once
+      "unfed_S": live_S & (step_S + 1 < sampler_cfg.max_new_tokens) & (~stop_S | feed_stops),
       "step_S": step_S + live_S.astype(jnp.int32),
   }
 
@@ -138,13 +142,13 @@ def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConf
     token_S1 = jnp.take_along_axis(st["tokens_SN"], prev_S[:, None], axis=1)
     logits_S1V, cache = forward_with_cache(decode_params, token_S1, st["cache"], model_cfg,
                                            positions_BT=(st["start_S"] + prev_S)[:, None],
-                                           segment_ids_BT=live_S[:, None].astype(jnp.int32),
+                                           segment_ids_BT=st["unfed_S"][:, None].astype(jnp.int32),
                                            kv_window=sampler_cfg.kv_window_arg)
     st = {**st, "cache": cache, "logits_SV": jnp.where(live_S[:, None], logits_S1V[:, 0], st["logits_SV"])}
-    return _emit(st, version, sampler_cfg), i + 1
+    return _emit(st, version, sampler_cfg, model_cfg.is_moe), i + 1
 
   def keep_going(carry: tuple[dict, Array]) -> Array:
-    return (carry[1] < chunk) & jnp.any(carry[0]["live_S"])
+    return (carry[1] < chunk) & jnp.any(carry[0]["unfed_S"])
 
   state, steps = jax.lax.while_loop(keep_going, step, ({**state, "cache": cache}, jnp.zeros((), jnp.int32)))
   return {**state, "cache": stack_cache(state["cache"])}, steps
@@ -195,10 +199,11 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
   }
   # Column 0 of the admitted rows only: the other live rows sample theirs in the next chunk.
   only_S = jnp.zeros_like(state["live_S"]).at[rows_k].set(True, mode="drop")
-  emitted = _emit({**admitted, "live_S": only_S}, jnp.asarray(version, jnp.int32), sampler_cfg)
+  emitted = _emit({**admitted, "live_S": only_S}, jnp.asarray(version, jnp.int32), sampler_cfg, model_cfg.is_moe)
   keep = lambda a, b: jnp.where(only_S.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
   out = {name: keep(emitted[name], admitted[name]) for name in
-         ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S", *_record_names(sampler_cfg))}
+         ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S", "unfed_S",
+          *_record_names(sampler_cfg))}
   return {**admitted, **out, "live_S": jnp.where(only_S, emitted["live_S"], admitted["live_S"])}
 
 
@@ -293,12 +298,12 @@ class SlotEngine:
     if not self.held:
       return []
     state = self.state
-    if np.asarray(state["live_S"]).any():
+    if np.asarray(state["unfed_S"]).any():  # live slots (and, MoE, stop tokens still to feed)
       step_before = int(np.asarray(state["step_S"]).sum())
       state, steps = decode_chunk(params, state, version, self.model_cfg, self.sampler_cfg, self.chunk)
       self.index, self.slot_steps = self.index + int(steps), self.slot_steps + self.slots * int(steps)
       self.live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
-    done = _harvest(state, self.owner_S, self.tag_S)
+    done = _harvest(state, self.owner_S, self.tag_S, self.base_S, self.width + self.sampler_cfg.max_new_tokens)
     held = self.owner_S >= 0
     d = min([self.index - self.width] + ([int(self.base_S[held].min())] if held.any() else []))
     if d > 0:  # no live request reads slots [0, d) any more
@@ -343,6 +348,8 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
       out["mask_BN"][r], out["versions_BN"][r], out["finished_B"][r] = cols["mask_N"], cols["versions_N"], cols["finished"]
       for name in _record_names(sc):
         out[name][r] = cols[name]
+      if "routes_TLk" in cols:  # MoE: the sampler's expert ids for routing replay
+        out.setdefault("routes_BTLk", np.zeros((R,) + cols["routes_TLk"].shape, np.int32))[r] = cols["routes_TLk"]
     newer = poll(version) if poll is not None else None
     if newer is not None:
       version, params = newer
@@ -356,7 +363,8 @@ def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: 
   out = {"tokens_BN": stack("tokens_N", np.int32), "mask_BN": stack("mask_N", np.float32),
          "behavior_logp_BN": stack("behavior_logp_N", np.float32), "versions_BN": stack("versions_N", np.int32),
          "finished_B": np.asarray([c["finished"] for c in cols_R], bool),
-         **{name: np.stack([np.asarray(c[name]) for c in cols_R]) for name in _record_names(sampler_cfg)}}
+         **{name: np.stack([np.asarray(c[name]) for c in cols_R]) for name in _record_names(sampler_cfg)},
+         **({"routes_BTLk": np.stack([c["routes_TLk"] for c in cols_R])} if "routes_TLk" in cols_R[0] else {})}
   out = _assemble(out, np.asarray(prompt_RP, np.int32), np.asarray(prompt_len_R, np.int32), sampler_cfg, 0, 0)
   return {k: v for k, v in out.items() if k not in ("slot_steps", "live_steps")}
 
@@ -380,17 +388,40 @@ def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int
                        model_cfg, sampler_cfg)
 
 
-def _harvest(state: dict, owner_S: np.ndarray, tag_S: list) -> list[tuple[Any, dict]]:
-  """(tag, columns) of every held slot whose request finished; frees those slots (`owner_S` -1)."""
-  done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]))
+@functools.partial(jax.jit, static_argnames=("length",))
+def _row_routes(routes_LBSk: Array, rows_d: Array, starts_d: Array, length: int) -> Array:
+  """[d, length, L, k]: the expert ids of `length` slots from `starts_d[i]` of cache row `rows_d[i]` (MoE). Slots
+  past the cache's end (columns after the request finished: it never wrote them) read as expert 0."""
+  S = routes_LBSk.shape[2]
+
+  def one(r, a):
+    idx_T = a + jnp.arange(length)
+    got_LTk = jnp.take(routes_LBSk[:, r], jnp.minimum(idx_T, S - 1), axis=1)
+    return jnp.where((idx_T < S)[None, :, None], got_LTk, 0)
+
+  return jnp.moveaxis(jax.vmap(one)(rows_d, starts_d), 1, 2)
+
+
+def _harvest(state: dict, owner_S: np.ndarray, tag_S: list, base_S: np.ndarray | None = None,
+             length: int = 0) -> list[tuple[Any, dict]]:
+  """(tag, columns) of every held slot whose request finished; frees those slots (`owner_S` -1). An MoE cache
+  also gives each request's routes ("routes_TLk", T = `length` = P + N): its prompt and completion sit in the
+  contiguous slots from `base_S` (the index at admission minus P), column n at slot base + P + n, as in
+  `generate`'s cache."""
+  done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]) & ~np.asarray(state["unfed_S"]))
   if not len(done):
     return []
+  routes = None
+  if "routes_LBSk" in state["cache"]:
+    routes = np.asarray(_row_routes(state["cache"]["routes_LBSk"], jnp.asarray(done, jnp.int32),
+                                    jnp.asarray(base_S[done], jnp.int32), length))
   records = [k for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in state]
   host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S",
                                                 *records)})
   out = [(tag_S[s], {"tokens_N": host["tokens_SN"][s], "behavior_logp_N": host["logp_SN"][s],
                      "mask_N": host["mask_SN"][s], "versions_N": host["versions_SN"][s],
-                     "finished": bool(host["stopped_S"][s]), **{k: host[k][s] for k in records}}) for s in done]
+                     "finished": bool(host["stopped_S"][s]), **{k: host[k][s] for k in records},
+                     **({} if routes is None else {"routes_TLk": routes[i]})}) for i, s in enumerate(done)]
   owner_S[done] = -1
   for s in done:
     tag_S[s] = None
