@@ -595,7 +595,7 @@ def env_length(c: ml_collections.ConfigDict) -> int:
 
 def _validate_env(c: ml_collections.ConfigDict) -> None:
   """`env`: absent or `env.name=""` = single-turn; otherwise a registered environment, the arguments it takes,
-  positive limits, no within-turn partial rollouts, and no sampler records the episodes do not keep."""
+  positive limits, no within-turn partial rollouts."""
   e = c.get("env")
   if e is None:
     return
@@ -629,9 +629,6 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
           f"must be an int >= {lo}" + (f" with env.evict={e.evict!r}" if f == "context_budget" and lo else ""))
   _need(not read(c, "rollout.partial_chunk"), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
         f"must be 0 with env.name={e.name!r} (async episodes switch versions between turns: env.newest_each_turn)")
-  for f in ("behavior_topk", "mc_samples"):
-    v = read(c, f"sampler.{f}")
-    _need(not v, f"sampler.{f}", v, f"must be 0 with env.name={e.name!r} (episodes do not record it)")
   moe_routes = read(c, "model.num_experts") and read(c, "model.routing_replay")
   _need(not moe_routes, "model.routing_replay", c.model.get("routing_replay"),
         f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")

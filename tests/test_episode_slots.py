@@ -209,11 +209,9 @@ def test_turn_sampler_choice():
 def test_config_accepts_episodes_with_slots_and_still_names_the_field():
   validate(agent(rollout__slots=4))
   validate(agent(rollout__slots=4, rollout__mode="fixed_lag", rollout__lag=1, env__kv_cache=False))
-  for over, field in (({"sampler__behavior_topk": 4}, "sampler.behavior_topk"),
-                      ({"sampler__mc_samples": 4}, "sampler.mc_samples"),
-                      ({"model__num_experts": 4, "model__routing_replay": True}, "model.routing_replay")):
-    with pytest.raises(ConfigError, match=f"config.{field}=.*episodes do not"):  # the episodes' own refusals
-      validate(agent(rollout__slots=4, **over))
+  validate(agent(rollout__slots=4, sampler__behavior_topk=4, sampler__mc_samples=4))  # μ's records: every loop
+  with pytest.raises(ConfigError, match="config.model.routing_replay=.*episodes do not"):  # the episodes' own
+    validate(agent(rollout__slots=4, model__num_experts=4, model__routing_replay=True))
   validate(agent(rollout__slots=4, sampler__kv_cache="int8"))  # the cache format is the engine's cache layer's
 
 

@@ -63,3 +63,26 @@ def test_agent_distillation_trains_in_every_source(tmp_path, teachers, mode):
   rows = loop.run(c, str(tmp_path))
   assert len(rows) == 2 and all(r["grad_norm"] > 0 and np.isfinite(r["opd_k1"]) and r["opd_k1"] > 0 for r in rows)
   assert all(r["env_turns_mean"] >= 1 for r in rows)
+
+
+@pytest.mark.parametrize("slots", [0, 4])
+def test_episode_records_of_mu_sit_at_the_policy_tokens(teachers, slots):
+  """With sampler.behavior_topk / mc_samples an episode records μ's candidates at every policy token (from the kept
+  cache, or the slot engine), and nothing at the environment's tokens."""
+  c = load(teachers, sampler__behavior_topk=3, sampler__mc_samples=2, rollout__slots=slots)
+  r, state, extra, store = fresh_run(c)
+  ro = sync_rollout(r.ctx, store, [0], 0, 0)[0]
+  m = ro.mask_BN > 0
+  tokens = ro.sequence_BT[:, -m.shape[1]:]
+  np.testing.assert_array_equal(ro.mc_ids_BNJ[..., 0][m], tokens[m])  # candidate 0 is the sampled token
+  np.testing.assert_allclose(ro.mc_behavior_logp_BNJ[..., 0][m], ro.behavior_logp_BN[m], atol=1e-6)
+  assert (ro.behavior_topk_logp_BNk[..., 0][m] >= ro.behavior_logp_BN[m] - 1e-5).all()  # top-1 is the likeliest
+  assert (ro.mc_ids_BNJ[~m] == c.sampler.get("pad_id", 0)).all() and (ro.behavior_topk_logp_BNk[~m] == 0).all()
+  assert (np.asarray(ro.turn_BN)[m] >= 1).any()  # later turns recorded too
+
+
+def test_agent_distillation_with_the_monte_carlo_estimator(tmp_path, teachers):
+  """AsyncOPD's MC reverse KL on agent episodes: the teacher scores the recorded candidates in each episode."""
+  c = load(teachers, sampler__mc_samples=3, loss__name="opd_reverse_kl_mc")
+  rows = loop.run(c, str(tmp_path))
+  assert all(r["grad_norm"] > 0 and np.isfinite(r["loss"]) for r in rows)

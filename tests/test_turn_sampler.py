@@ -94,3 +94,18 @@ def test_compressed_cache_turns_equal_reprefilled_turns(kv):
   diff = max(float(np.abs(got[t][b][1] - full[t][b][1]).max()) for t in range(len(got)) for b in got[t]
              if got[t][b][0] == full[t][b][0] and len(got[t][b][0]))
   assert diff > 1e-4  # the compressed cache changed μ
+
+
+def test_records_of_kept_cache_turns_equal_reprefilled_ones():
+  """μ's top-k and Monte-Carlo candidates of every turn: the kept cache records what a re-prefill records."""
+  recs = dict(behavior_topk=3, mc_samples=2)
+  gen = make_gen(0.8)
+  cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=3, **recs)
+  ctx = [char_tok.encode("go" + str(b), add_bos=True) for b in range(4)]
+  a = CachedTurns(make_gen(0.8), W).turn(PARAMS, 0, [0, 1, 2, 3], ctx, jax.random.key(2), cfg)
+  b = Reprefill(make_gen(0.8), W).turn(PARAMS, 0, [0, 1, 2, 3], ctx, jax.random.key(2), cfg)
+  m = np.asarray(b["mask_BN"]) > 0
+  for k in ("behavior_topk_ids_BNk", "mc_ids_BNJ"):
+    np.testing.assert_array_equal(np.asarray(a[k])[m], np.asarray(b[k])[m], err_msg=k)
+  np.testing.assert_allclose(np.asarray(a["behavior_topk_logp_BNk"])[m], np.asarray(b["behavior_topk_logp_BNk"])[m],
+                             atol=2e-5)

@@ -86,6 +86,7 @@ from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import evict as evict_lib
 from jaxrl_llm.rollout import turn_sampler
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.tasks.encoder import Encoder, check_messages
 from jaxrl_llm.tasks.reward import safe_reward_batch
 from jaxrl_llm.tasks.tokenizer import completion_text, pad_left
@@ -270,16 +271,18 @@ def _play_turns(bt: "_Batch", params, key, poll: Callable | None, keep_turns: bo
     # turn 0: the G rows of a group hold one prompt (prefilled once); later turns differ row by row
     cfg_t = bt.samp_cfg if len(rows_b) == B and t == 0 else dataclasses.replace(bt.samp_cfg, group_size=1)
     got = bt.turns.turn(params, bt.version, rows_b.tolist(), contexts, fold_in(key, t), cfg_t)
-    out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in ("tokens_BN", "lengths_B", "behavior_logp_BN")}
+    names = ("tokens_BN", "lengths_B", "behavior_logp_BN", *(k for k in bt.recs if k in got))
+    out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in names}
     for k in out:
-      out[k][idx] = got[k][:len(idx)]
+      out[k][idx] = np.asarray(got[k])[:len(idx)]
     if keep_turns:
       bt.turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
                               "behavior_logp_BN": out["behavior_logp_BN"], "live_B": bt.live.copy(),
                               "start_B": bt.used_B.copy(), "version": bt.version})
     calls, rows = [], []
     for b in idx:
-      action = bt.take(b, t, out["tokens_BN"][b], out["behavior_logp_BN"][b], int(out["lengths_B"][b]))
+      action = bt.take(b, t, out["tokens_BN"][b], out["behavior_logp_BN"][b], int(out["lengths_B"][b]),
+                       {k: out[k][b] for k in bt.recs})
       if action is not None:
         calls.append((bt.envs[b].step, action))
         rows.append(b)
@@ -311,7 +314,7 @@ def _play_refill(bt: "_Batch", params, key, keep_turns: bool) -> None:
       t = turn_of[b]
       if keep_turns:
         bt.keep_turn(t, b, o)
-      action = bt.take(b, t, o["tokens_N"], o["behavior_logp_N"], o["length"])
+      action = bt.take(b, t, o["tokens_N"], o["behavior_logp_N"], o["length"], {k: o[k] for k in bt.recs})
       if action is not None:
         calls.append((bt.envs[b].step, action))
         rows.append(b)
@@ -370,7 +373,9 @@ class _Batch:
     self.used_B = np.zeros((B,), np.int64)
     self.turns_B = np.zeros((B,), np.int32)
     self.live = np.asarray([st is None for st in self.status])
-    self.samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens, behavior_topk=0, mc_samples=0)
+    self.samp_cfg = dataclasses.replace(gen.sampler_cfg, max_new_tokens=s.turn_tokens)
+    # μ's top-k / Monte-Carlo candidates of every policy token, in the response layout (pad ids / 0 elsewhere)
+    self.recs = {name: np.array(x) for name, x in behavior.init_records(B, N, self.samp_cfg).items()}
     self.turn_outputs: list[dict] = []
     self.info_sums: dict[str, float] = {}
     self.stop_set = set(self.tok.stop_ids)
@@ -429,13 +434,17 @@ class _Batch:
     rec["live_B"][b] = True
     rec["_start"][b] = int(self.used_B[b])
 
-  def take(self, b: int, t: int, tokens_N: np.ndarray, logp_N: np.ndarray, n_b: int) -> str | None:
-    """Writes episode b's turn t (its first `n_b` sampled tokens, as far as the budget allows); returns the action
-    text its environment steps with, or None (the budget cut the turn: "truncated"; or it was the summary)."""
+  def take(self, b: int, t: int, tokens_N: np.ndarray, logp_N: np.ndarray, n_b: int,
+           recs: dict | None = None) -> str | None:
+    """Writes episode b's turn t (its first `n_b` sampled tokens, as far as the budget allows, and μ's records of
+    them, `recs`: name -> [n, k]); returns the action text its environment steps with, or None (the budget cut the
+    turn: "truncated"; or it was the summary)."""
     N, u = self.N, int(self.used_B[b])
     k = min(n_b, N - u)
     self.resp_BN[b, u:u + k] = tokens_N[:k]
     self.logp_BN[b, u:u + k] = logp_N[:k]
+    for name, x in (recs or {}).items():
+      self.recs[name][b, u:u + k] = x[:k]
     self.mask_BN[b, u:u + k] = 1.0
     self.turn_BN[b, u:u + k] = t
     self.ver_BN[b, u:] = self.version  # this turn's tokens and its observation (padding keeps the last version)
@@ -536,4 +545,4 @@ class _Batch:
                    segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=self.logp_BN,
                    versions_BN=ver_BN, reward_B=self.reward_B,
                    group_B=np.arange(B, dtype=np.int32) // self.G, turn_BN=self.turn_BN, env_mask_BN=self.env_mask_BN,
-                   extra=extra, stats=stats)
+                   extra=extra, stats=stats, **self.recs)

@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.models.cache import take_rows
-from jaxrl_llm.sampling import continuous, generate, prompt_layout
+from jaxrl_llm.sampling import behavior, continuous, generate, prompt_layout
 from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
 from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
@@ -169,8 +169,10 @@ class SlotTurns:
     engine = self.engine
     if engine.queue and engine.held < engine.slots:  # this step admits queued turns (`SlotEngine.step`)
       self.prefills += 1
+    records = behavior.TOPK_FIELDS + behavior.MC_FIELDS
     return [(tag, {"tokens_N": cols["tokens_N"], "behavior_logp_N": cols["behavior_logp_N"],
-                   "length": int(cols["mask_N"].sum())}) for tag, cols in engine.step(params, version)]
+                   "length": int(cols["mask_N"].sum()), **{k: cols[k] for k in records if k in cols}})
+            for tag, cols in engine.step(params, version)]
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     """One turn of the rows `rows_b` (episode ids): episode b draws with `fold_in(fold_in(key, b), n)`."""
@@ -183,12 +185,16 @@ class SlotTurns:
         self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg)
     N = cfg.max_new_tokens
     out = {"tokens_BN": np.full((len(rows_b), N), cfg.pad_id, np.int32),
-           "behavior_logp_BN": np.zeros((len(rows_b), N), np.float32), "lengths_B": np.zeros((len(rows_b),), np.int32)}
+           "behavior_logp_BN": np.zeros((len(rows_b), N), np.float32), "lengths_B": np.zeros((len(rows_b),), np.int32),
+           **{k: np.array(v) for k, v in behavior.init_records(len(rows_b), N, cfg).items()}}
     while not self.idle:
       for b, o in self.step(params, version):
         i = first[b]
         out["tokens_BN"][i], out["behavior_logp_BN"][i] = o["tokens_N"], o["behavior_logp_N"]
         out["lengths_B"][i] = o["length"]
+        for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS:
+          if k in o:
+            out[k][i] = o[k]
     for i, b in enumerate(rows_b):
       if first[b] != i:
         for k in out:

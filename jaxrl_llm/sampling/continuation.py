@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, logits_from_hidden, stack_cache
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sampler import decode_carry, emit_token, feed_previous_column
 
@@ -75,5 +76,6 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
   carry = {**decode_carry(cache, B, N, sampler_cfg), "last_logits_BV": first_logits_BV}
   carry = feed(jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV)))
   out = {"tokens_BN": carry["tokens_BN"], "mask_BN": carry["mask_BN"], "behavior_logp_BN": carry["logp_BN"],
-         "lengths_B": jnp.sum(carry["mask_BN"], axis=1).astype(jnp.int32)}
+         "lengths_B": jnp.sum(carry["mask_BN"], axis=1).astype(jnp.int32),
+         **{k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}}  # μ's records, if asked
   return out, stack_cache(carry["cache"]), carry["last_logits_BV"]
