@@ -107,9 +107,8 @@ REFUSED: dict[frozenset, str] = {
     **_each(f"{_NOT_BUILT}: the distilled drafter's state lives on one device, and the harness's batcher and "
             "partial rollouts do not speculate", "drafter", ("partial", "harness", "mesh", "sampler_devices",
                                                               "processes")),
-    **_each(f"{_NOT_BUILT}: partial rollouts decode in their own chunked loop (`sampling.partial`), which keeps the "
-            "full KV cache, records no μ candidates and does not speculate (issue 44: one engine)",
-            "partial", (*_KV, *_REC, "speculative")),
+    pair("partial", "speculative"): f"{_NOT_BUILT}: partial rollouts' chunked loop (`sampling.partial`) does not "
+                                    "speculate (issue 44: one engine)",
     pair("partial", "slots"): "inherent: async slots already switch to the newest version at every slot_chunk "
                               "boundary, keeping the cache: partial_chunk would be a second, conflicting switch",
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "

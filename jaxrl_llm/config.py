@@ -338,13 +338,10 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
 
 def _validate_sampler_records(c: ml_collections.ConfigDict) -> None:
   """`sampler.behavior_topk` / `sampler.mc_samples` (absent: 0): what the sampler records about μ beyond the
-  token (`sampling.behavior`); the chunked decode of partial rollouts records neither."""
+  token (`sampling.behavior`), in every decode loop but speculative decoding's."""
   for f in ("behavior_topk", "mc_samples"):
     v = read(c, f"sampler.{f}")
     _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"sampler.{f}", v, "must be an int >= 0 (0 = off)")
-    if v and c.rollout.partial_chunk:
-      raise ConfigError(f"config.sampler.{f}={v}: partial rollouts (rollout.partial_chunk="
-                        f"{c.rollout.partial_chunk}) do not record it; use rollout.partial_chunk=0")
 
 
 KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config imports no sampler; a test pins it)
@@ -352,7 +349,7 @@ KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config im
 
 def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
   """`sampler.kv_cache` / `kv_sinks` / `kv_window` (absent: "full", 4, 64): a compressed sampler KV cache runs in
-  every decode loop but partial rollouts' and speculative decoding's, and SMD's shadow forward needs the window's
+  every decode loop but speculative decoding's, and SMD's shadow forward needs the window's
   mask (single completions)."""
   kind, sinks, window = read(c, "sampler.kv_cache"), read(c, "sampler.kv_sinks"), read(c, "sampler.kv_window")
   _need(kind in KV_CACHES, "sampler.kv_cache", kind, f"must be one of {KV_CACHES}")
@@ -364,9 +361,6 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
     _need(kind == "window", "sampler.kv_cache", kind,
           f"loss {spec.name!r} trains the shadow policy, the forward under the sampler's KV visibility mask: only "
           "'window' has one (an int8 cache changes values, not visibility; 'full' has no mismatch)")
-  if kind != "full":
-    _need(not c.rollout.partial_chunk, "sampler.kv_cache", kind,
-          f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode with the full cache only")
   if "shadow" in spec.needs:
     _need(not env_on(c), "loss.name", spec.name, "episodes (env.name) do not record the window each token saw")
 

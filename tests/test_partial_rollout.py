@@ -115,3 +115,20 @@ def test_switch_with_reprefill_is_the_new_policy():
 def test_bad_chunk():
   with pytest.raises(ValueError, match="chunk_steps"):
     partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=0)
+
+
+@pytest.mark.parametrize("over", [dict(kv_cache="int8"), dict(kv_cache="window", kv_sinks=1, kv_window=3),
+                                  dict(behavior_topk=3, mc_samples=2)], ids=["int8", "window", "records"])
+def test_without_publish_equals_generate_with_compressed_caches_and_records(over):
+  """The chunked decode reads the cache format and writes μ's records as `generate` does (no switch: equal)."""
+  import dataclasses
+  sc = dataclasses.replace(SC, **over)
+  ref = jax.device_get(generate(OLD, PROMPTS, PROMPT_LEN, KEY, CFG, sc))
+  out = jax.device_get(partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, sc,
+                                                chunk_steps=2))
+  np.testing.assert_array_equal(out["tokens_BN"], ref["tokens_BN"])
+  np.testing.assert_allclose(out["behavior_logp_BN"], ref["behavior_logp_BN"], atol=2e-5)
+  for k in ("behavior_topk_ids_BNk", "mc_ids_BNJ", "kv_window_B2"):
+    if k in ref:
+      np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
+  assert ("mc_ids_BNJ" in out) == bool(sc.mc_samples) and ("kv_window_B2" in out) == (sc.kv_cache == "window")

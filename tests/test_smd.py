@@ -125,7 +125,6 @@ def _tiny():
     ({"sampler.kv_cache": "zip"}, "sampler.kv_cache"),
     ({"sampler.kv_window": 0}, "sampler.kv_window"),
     ({"sampler.kv_sinks": -2}, "sampler.kv_sinks"),
-    ({"rollout.partial_chunk": 2, "loss.name": "ppo_clip", "rollout.mode": "async"}, "sampler.kv_cache"),
 ])
 def test_config_errors_name_the_field(over, field):
   c = _tiny()

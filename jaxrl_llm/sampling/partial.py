@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, stack_cache
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sampler import emit_token, feed_previous_column, prefill_grouped, prefill_prompts
 
@@ -49,8 +50,6 @@ def _emit(carry: dict, logits_BV: Array, key: Array, version: Array, sampler_cfg
 def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, version: Array,
             model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
   """Fills the cache with the prompts and samples completion column 0; returns the decode carry."""
-  if sampler_cfg.kv_cache != "full":  # the chunked decode and its re-prefill use the full cache only
-    raise ValueError(f"partial rollouts support sampler.kv_cache='full' only, got {sampler_cfg.kv_cache!r}")
   B = prompt_tokens_BP.shape[0]
   N = sampler_cfg.max_new_tokens
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
@@ -67,6 +66,7 @@ def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Arr
       "mask_BN": jnp.zeros((B, N), jnp.float32),
       "versions_BN": jnp.zeros((B, N), jnp.int32),
       "done_B": jnp.zeros((B,), bool),
+      **behavior.init_records(B, N, sampler_cfg),  # μ's top-k / MC candidates, when asked (`emit_token` writes)
   }
   return _emit(carry, first_logits_BV, key, jnp.asarray(version, jnp.int32), sampler_cfg)
 
@@ -79,7 +79,8 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
   params, cache = decode_view(params, carry["cache"], model_cfg)  # the same decode math as `generate`
 
   def decode(carry: dict) -> dict:
-    logits_BV, _, cache = feed_previous_column(params, carry, carry["prompt_len_B"], model_cfg)
+    logits_BV, _, cache = feed_previous_column(params, carry, carry["prompt_len_B"], model_cfg,
+                                               sampler_cfg.kv_window_arg)
     return _emit({**carry, "cache": cache}, logits_BV, key, version, sampler_cfg)
 
   def keep_going(carry: dict) -> Array:
@@ -130,6 +131,7 @@ def finalize(carry: dict) -> dict:
   routes = {"routes_BTLk": jnp.moveaxis(carry["cache"]["routes_LBSk"], 0, 2)} if "routes_LBSk" in carry["cache"] else {}
   return {
       **routes,
+      **{k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry},  # μ's records, if asked
       "tokens_BN": carry["tokens_BN"],
       "mask_BN": mask_BN,
       "behavior_logp_BN": carry["logp_BN"],
@@ -155,14 +157,14 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
     chunk_steps: columns per chunk; the switch happens at column multiples of it.
     reprefill: recompute the prefix's KV cache with the new parameters at a switch (else keep it).
   Returns the `generate` dict plus `versions_BN`: the version that sampled each column (MoE:
-  `routes_BTLk` as the final KV cache holds them, see the module docstring).
+  `routes_BTLk` as the final KV cache holds them, see the module docstring), μ's records when the sampler config
+  asks for them, and `kv_window_B2` with a window cache. A compressed cache (int8, window) is kept across a switch.
   """
   if chunk_steps < 1:
     raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
-  if sampler_cfg.records:  # not implemented for the chunked decode (config.validate refuses it by field)
-    raise ValueError(f"partial rollouts do not record μ's top-k or Monte-Carlo candidates (sampler.behavior_topk="
-                     f"{sampler_cfg.behavior_topk}, sampler.mc_samples={sampler_cfg.mc_samples}); use "
-                     "rollout.partial_chunk=0")
+  if reprefill and sampler_cfg.kv_cache != "full":  # the re-prefill recomputes a full cache
+    raise ValueError(f"partial rollouts with reprefill support sampler.kv_cache='full' only, got "
+                     f"{sampler_cfg.kv_cache!r}")
   N = sampler_cfg.max_new_tokens
   try:
     carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)
@@ -179,4 +181,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       stop = min(stop + chunk_steps, N)
   finally:
     poll(None)
-  return finalize(carry)
+  out = finalize(carry)
+  if sampler_cfg.kv_window_arg is not None:  # what each token could see, as `generate` records it (SMD)
+    out["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (out["mask_BN"].shape[0], 2))
+  return out
