@@ -123,8 +123,6 @@ REFUSED: dict[frozenset, str] = {
     **_each(f"{_NOT_BUILT}: episodes do not assemble the sampler's MoE routes turn by turn (routing replay)", "moe",
             _EPS),
     **_each(f"{_NOT_BUILT}: the draft-and-verify step records no MoE routes", "moe", _SPECS),
-    pair("moe", "packing"): f"{_NOT_BUILT}: routes and the load-balancing loss are per padded row; packed rows would "
-                            "need the routes packed with their tokens",
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
     **_each(f"{_NOT_BUILT}: the draft-and-verify loop keeps full caches for drafter and policy", _KV, _SPECS),

@@ -244,8 +244,8 @@ def _validate_packing(c: ml_collections.ConfigDict, spec) -> None:
   _need(w >= row, "optim.pack_width", w, f"must hold one learner row of {row} tokens (an episode's prompt bucket + "
         "token budget, or the harness's serve.max_context)")  # single completions: checked against P at setup
   why = None
-  if read(c, "model.num_experts"):
-    why = "MoE models route per row (routing replay, load-balancing loss) and are not packed"
+  if read(c, "model.num_experts") and c.model.get("capacity_factor", 0):
+    why = "an MoE with a capacity limit (model.capacity_factor > 0) drops tokens by how many share a call"
   elif "perturb" in spec.needs:
     why = f"loss {c.loss.name!r} draws its perturbation per row (ALP) and is not packed"
   elif "shadow" in spec.needs:

@@ -161,7 +161,8 @@ def pack_batch(c, batch: Rollout, ro: Rollout, batch_sharding=None) -> tuple[Rol
     axes = batch_sharding.spec[0] if len(batch_sharding.spec) else None
     for ax in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
       shards *= batch_sharding.mesh.shape[ax]
-  pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks, shards)
+  pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks, shards,
+                    routes_BTLk=batch.routes_BTLk)  # MoE: replayed routes travel with their tokens
   return batch.replace(pack=jax.tree.map(jax.numpy.asarray, pk)), packing.pad_frac(pk.segment_ids_RW)
 
 

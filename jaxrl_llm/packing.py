@@ -17,9 +17,11 @@ a run compiles at most 8 shapes per step function. Micro-batches and minibatches
 On a mesh the packed rows are split over the batch axes like the padded rows (`pack(shards=...)` pads the row
 count to a multiple of the shard count); the per-sequence fields go with their sequences.
 
-Not supported (refused by `config.validate` with a ConfigError naming `optim.pack_width`): MoE (per-row routing
-and its load-balancing loss), ALP's per-row noise, the SMD shadow forward and episodes with eviction (a row
-already holds several segments).
+MoE: the sampler's routes (routing replay) are packed with their tokens and replayed on the packed rows; the
+load-balancing loss covers the same real tokens (its value differs from the padded path's only in which
+row-final tokens the shifted forward leaves out). Not supported (refused by `config.validate` with a ConfigError
+naming `optim.pack_width`): MoE with a capacity limit (token drops depend on how many tokens share a call), ALP's
+per-row noise, the SMD shadow forward and episodes with eviction (a row already holds several segments).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Packing:
   start_B: Array  # int32 column where the sequence's span starts in that row
   first_B: Array  # int32 padded column of the span's first token
   len_B: Array  # int32 span length (0: an empty row, placed nowhere)
+  routes_RWLk: Array | None = None  # MoE: the sampler's expert ids of every packed token (routing replay)
   rows: int = struct.field(pytree_node=False, default=1)  # packed rows per chunk
 
 
@@ -93,7 +96,8 @@ def bucket_rows(n: int, chunk_rows: int) -> int:
   return max(1, min(chunk_rows, math.ceil(max(n, 1) / step) * step))
 
 
-def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1, shards: int = 1) -> Packing:
+def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1, shards: int = 1,
+         routes_BTLk=None) -> Packing:
   """Host-side packing of a padded batch (numpy in, numpy out): see the module docstring. `shards`: the packed
   rows are laid out over that many devices (the mesh's batch axes), so each chunk's R rows are rounded up until
   `shards` divides the chunks' R · chunks rows (the extra rows are padding)."""
@@ -110,6 +114,8 @@ def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1,
   row_B = np.concatenate([p[0] for p in placed])
   start_B = np.concatenate([p[1] for p in placed])
   tokens, positions, segments = (np.zeros((chunks * R, width), np.int32) for _ in range(3))
+  routes = None if routes_BTLk is None else np.asarray(routes_BTLk)
+  routes_out = None if routes is None else np.zeros((chunks * R, width) + routes.shape[2:], np.int32)
   counts = np.zeros(chunks * R, np.int32)
   for b in range(B):
     n = int(len_B[b])
@@ -120,8 +126,10 @@ def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1,
     tokens[r, s:s + n] = seq[b, f:f + n]
     positions[r, s:s + n] = pos[b, f:f + n]
     segments[r, s:s + n] = np.where(seg[b, f:f + n] > 0, counts[r], 0)  # padding inside a span stays padding
+    if routes_out is not None:  # routes are per token: they travel with their tokens
+      routes_out[r, s:s + n] = routes[b, f:f + n]
   return Packing(tokens_RW=tokens, positions_RW=positions, segment_ids_RW=segments, row_B=row_B, start_B=start_B,
-                 first_B=first_B, len_B=len_B, rows=R)
+                 first_B=first_B, len_B=len_B, routes_RWLk=routes_out, rows=R)
 
 
 def unpack(p: Packing, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -168,16 +176,20 @@ def packed_logprobs(params, p: Packing, T: int, n_new: int, cfg: ModelConfig, te
     flat = jnp.full((R_tot * (W - 1), k), -1, jnp.int32).at[dest].set(
         jnp.asarray(gather_ids_BNk, jnp.int32).reshape(-1, k), mode="drop")
     gather_RWk = flat.reshape(R_tot, W - 1, k)
+  routes = None if p.routes_RWLk is None else p.routes_RWLk[:, :-1]
   out = token_logprobs(params, p.tokens_RW[:, :-1], p.tokens_RW[:, 1:], cfg, positions_BT=p.positions_RW[:, :-1],
                        segment_ids_BT=p.segment_ids_RW[:, :-1], temperature=temperature, with_entropy=with_entropy,
-                       gather_ids_BTk=gather_RWk, return_hidden=return_hidden, topk=topk)
+                       gather_ids_BTk=gather_RWk, return_hidden=return_hidden, topk=topk, routes_BTLk=routes)
 
   def back(x):  # [R_tot, W-1, ...] -> [B, n_new, ...], 0 where nothing is scored
     got = x.reshape(R_tot * (W - 1), *x.shape[2:])[idx_BN]
     return jnp.where(valid_BN.reshape(*valid_BN.shape, *(1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
-  return {k: back(v) for k, v in out.items() if k in ("logp_BT", "entropy_BT", "gathered_logp_BTk", "hidden_BTD",
-                                                     "topk_logp_BTk", "topk_ids_BTk", "topk_residual_logp_BT")}
+  got = {k: back(v) for k, v in out.items() if k in ("logp_BT", "entropy_BT", "gathered_logp_BTk", "hidden_BTD",
+                                                    "topk_logp_BTk", "topk_ids_BTk", "topk_residual_logp_BT")}
+  if "router_aux_loss" in out:  # MoE: the load-balancing loss over the packed rows' real tokens (a scalar)
+    got["router_aux_loss"] = out["router_aux_loss"]
+  return got
 
 
 def pad_frac(segment_ids: np.ndarray) -> float:
@@ -192,8 +204,7 @@ def packing_scorer(score, width: int):
   and in async workers)."""
 
   def packed_score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, routes_BTLk=None):
-    del routes_BTLk  # MoE is refused with packing
-    pk = jax.tree.map(jnp.asarray, pack(sequence_BT, positions_BT, segment_ids_BT, width))
+    pk = jax.tree.map(jnp.asarray, pack(sequence_BT, positions_BT, segment_ids_BT, width, routes_BTLk=routes_BTLk))
     return score(params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, pack=pk)
 
   packed_score._cache_size = score._cache_size  # the loop reports the scorer's compiles
