@@ -114,7 +114,6 @@ REFUSED: dict[frozenset, str] = {
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "
             "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
     pair("harness", "processes"): f"{_NOT_BUILT}: one process serves the endpoint and owns every episode",
-    pair("harness", "slots"): f"{_NOT_BUILT}: the endpoint's batcher calls the static sampler (issue 44)",
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
     pair("sparse_sync", "processes"): f"{_NOT_BUILT}: the changed elements are packed on one host, which would "
                                       "need every process's shards",

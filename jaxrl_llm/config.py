@@ -553,9 +553,6 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
         "must be an int >= 1")
   if not slots:
     return
-  _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.slots", slots,
-        f"continuous batching runs in the sync, fixed_lag, staged and async sources, not "
-        f"rollout.mode={c.rollout.mode!r}")
   if c.rollout.mode == "async":
     _need(c.rollout.num_workers == 1, "rollout.num_workers", c.rollout.num_workers,
           f"async with rollout.slots={slots} runs one slot worker thread holding many groups: set num_workers=1")

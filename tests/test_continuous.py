@@ -158,9 +158,7 @@ def test_config_refuses_bad_slot_fields(field, value, match):
     validate(tiny(**{f"rollout__{field}": value}))
 
 
-def test_config_refuses_slots_in_harness_and_takes_records():
-  with pytest.raises(ConfigError, match="rollout.slots"):
-    validate(tiny(rollout__slots=4, rollout__mode="harness"))  # async with slots: tests/test_async_slots.py
+def test_config_takes_slots_with_records():  # harness with slots: tests/test_serve.py; async: test_async_slots.py
   validate(tiny(rollout__slots=4, sampler__behavior_topk=4, sampler__mc_samples=2))
 
 

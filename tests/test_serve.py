@@ -392,16 +392,18 @@ def test_eight_concurrent_episodes_share_a_batch():
     np.testing.assert_array_equal(row["sequence_T"][24:][row["mask_N"] > 0], served_ids)
 
 
-def test_harness_run_trains_two_steps(tmp_path):
+@pytest.mark.parametrize("slots", [0, 4])
+def test_harness_run_trains_two_steps(tmp_path, slots):
   """The 2-step harness run as a user starts it (`python -m jaxrl_llm`, its own process: a server, harness threads
-  and XLA compiles share it, as in a real run, not a test worker's accumulated state)."""
+  and XLA compiles share it, as in a real run, not a test worker's accumulated state); with `rollout.slots` the
+  endpoint's calls decode through the slot engine."""
   import subprocess
   import sys
   wd = tmp_path / "run"
   c = harness_config()
   over = {"serve.harness": "test_serve:short_harness", "serve.max_context": c.serve.max_context,
           "serve.prompt_width": c.serve.prompt_width, "serve.max_tokens": c.serve.max_tokens,
-          "log.tensorboard": False, "log.progress": False, "checkpoint.every": 0}
+          "log.tensorboard": False, "log.progress": False, "checkpoint.every": 0, "rollout.slots": slots}
   cmd = [sys.executable, "-m", "jaxrl_llm", f"--config={os.path.join(ROOT, 'configs', 'harness_tiny.py')}",
          f"--workdir={wd}"] + [f"--config.{k}={v}" for k, v in over.items()]
   env = {**os.environ, "JAX_PLATFORMS": "cpu",

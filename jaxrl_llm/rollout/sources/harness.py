@@ -52,8 +52,11 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
   """The endpoint's sampler (`serve.batcher.SampleFn`): `turn_sampler.Reprefill` over prompts left-padded to
   `width`, at most `max_tokens` new tokens, the run's temperature / top-k / top-p (μ is the training distribution).
   Rows are padded (copies of the first) to a power-of-two bucket; μ's `topk` most likely ids are recorded only when
-  a request asks for top log-probs (the sampled tokens are the same either way)."""
-  turns = turn_sampler.Reprefill(gen, width)
+  a request asks for top log-probs (the sampled tokens are the same either way). With `gen.slots` > 0 a call's rows go
+  through the slot engine (`turn_sampler.SlotTurns`: row i draws with its own key, `fold_in(key, i)`), so one long
+  completion stops holding every row of the call."""
+  turns = (turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk) if getattr(gen, "slots", 0)
+           else turn_sampler.Reprefill(gen, width))
   base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
 
   def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
