@@ -400,8 +400,8 @@ DRAFTER_MODES = ("sync", "fixed_lag", "staged", "async")  # the sources whose sa
 def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   """`sampler.spec_drafter` and its distillation fields (absent: "layers", 1e-4, 1, 0.0). "distilled" keeps the
   drafter's state in the loop and hands it to the sampler (`Generation.drafter`): the sync, fixed_lag (with or
-  without replay), staged and async sources, LoRA policies included, on one device (the rest is refused by name
-  rather than run untested)."""
+  without replay), staged and async sources, LoRA policies included, on one device or a mesh in one process (the
+  rest is refused by name rather than run untested)."""
   kind = read(c, "sampler.spec_drafter")
   _need(kind in SPEC_DRAFTERS, "sampler.spec_drafter", kind, f"must be one of {SPEC_DRAFTERS}")
   lr, steps = read(c, "sampler.spec_distill_lr"), read(c, "sampler.spec_distill_steps")
@@ -418,10 +418,6 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   _need(gamma != 0, "sampler.spec_drafter", kind, "needs speculative decoding (sampler.spec_gamma != 0)")
   _need(c.rollout.mode in DRAFTER_MODES, "sampler.spec_drafter", kind,
         f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
-  n_mesh = c.mesh.data * c.mesh.fsdp * c.mesh.tensor * c.mesh.expert
-  _need(n_mesh == 1 and not read(c, "rollout.sampler_devices"), "sampler.spec_drafter", kind,
-        f"{where} runs on one device (config.mesh={dict(c.mesh)}, "
-        f"rollout.sampler_devices={read(c, 'rollout.sampler_devices')})")
   _need(not read(c, "rollout.slots"), "sampler.spec_drafter", kind,
         "continuous batching (rollout.slots) decodes without speculation")
 
@@ -440,6 +436,8 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
   _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
         f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
+  _need(read(c, "sampler.spec_drafter") != "distilled", "sampler.spec_drafter", read(c, "sampler.spec_drafter"),
+        f"the distilled drafter's state lives in one process: use 'layers' over {n_proc} processes")
   _need(c.rollout.weight_sync != "sparse", "rollout.weight_sync", c.rollout.weight_sync,
         f"sparse sync packs the changed elements on one host: use 'full' over {n_proc} processes")
   _need(not read(c, "rollout.slots"), "rollout.slots", read(c, "rollout.slots"),

@@ -76,7 +76,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   ckpt, restored = run_state.resume_point(c, workdir, r, store, slots, config_json)
   start, state, extra, meta, host = restored or run_state.fresh_start(c, r, store, workdir)
   if r.drafter is not None:  # the sampler drafts with the distilled drafter's (restored) parameters
-    r.ctx.gen.drafter.params = extra["drafter"].params
+    r.ctx.gen.drafter.params = sampler_drafter(r, extra["drafter"].params)
   writes = multiprocess.is_writer()  # process 0 writes the run's files; every process checkpoints
   if restored is not None and writes:
     metrics_lib.truncate_after(os.path.join(workdir, "metrics.jsonl"), start - 1)
@@ -189,9 +189,18 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   if r.drafter is not None:  # distil the speculative drafter on this batch towards the new policy (ReSpec)
     t_distill = time.perf_counter()
     extra["drafter"], dm = r.drafter.update(extra["drafter"], state.params, ro)
-    r.ctx.gen.drafter.params = extra["drafter"].params
+    r.ctx.gen.drafter.params = sampler_drafter(r, extra["drafter"].params)
     info.update(dm, time_drafter_distill_s=time.perf_counter() - t_distill)
   return state, m, info
+
+
+def sampler_drafter(r: Run, params):
+  """The distilled drafter's parameters where the sampler drafts: as they are on one device, else a copy replicated
+  over the sampler's devices (its mesh, or devices of its own; the drafter is k layers, small next to the policy)."""
+  if r.sampler_mesh is None:
+    return params
+  from jaxrl_llm import sharding
+  return sharding.reshard(params, sharding.replicated(r.sampler_mesh))
 
 
 def _skip_failure(c, m: dict, t: int) -> str | None:

@@ -506,6 +506,7 @@ def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   params_sh = run.state_shardings.params
   params = sharding.reshard(params, params_sh)
   # the reference and the EWMA copy are plain weights (for LoRA the base, the merged policy): the base's layout
-  layouts = {"ref": reference_of(params_sh), "ewma": reference_of(params_sh), "drafter": params_sh}
+  # the distilled drafter (its k layers and Adam state) is replicated over the learner's devices
+  layouts = {"ref": reference_of(params_sh), "ewma": reference_of(params_sh), "drafter": sharding.replicated(run.mesh)}
   extra = {k: None if v is None else sharding.reshard(v, layouts[k]) for k, v in extra.items()}
   return sharding.init_state_sharded(params, run.tx, run.state_shardings, loss_state, hook), extra

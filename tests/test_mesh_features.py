@@ -33,6 +33,10 @@ CASES = {
                             "loss.entropy_coef": 0.01}),
     # a synchronous source with sampler devices of its own (snapshots live there; the prompts must go there too)
     "sampler_devices": ("tiny.py", {"rollout.mode": "fixed_lag", "rollout.lag": 1, "loss.entropy_coef": 0.01}),
+    # speculative decoding with the distilled drafter (replicated over the learner's and the sampler's devices)
+    "drafter": ("tiny.py", {"model.n_layers": 2, "sampler.spec_gamma": 2, "sampler.spec_draft_layers": 1,
+                            "sampler.spec_drafter": "distilled", "sampler.spec_distill_lr": 1e-3,
+                            "loss.entropy_coef": 0.01}),
 }
 # the mesh of a case, if not MESH
 CASE_MESH = {"sampler_devices": {"mesh.data": 3, "mesh.fsdp": 2, "rollout.sampler_devices": 2}}
@@ -135,3 +139,13 @@ def test_synchronous_source_on_sampler_devices(tmp_path, on_mesh):
   rows = loop.run(_config("sampler_devices"), str(tmp_path))
   assert_same_first_steps(on_mesh["sampler_devices"], rows)
   assert all(r["grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_distilled_drafter_on_a_mesh(tmp_path, on_mesh):
+  rows = loop.run(_config("drafter"), str(tmp_path))
+  mesh = on_mesh["drafter"]
+  assert_same_first_steps(mesh, rows)
+  for a, b in zip(mesh, rows):  # the drafter distilled the same way and proposed what it proposes on one device
+    np.testing.assert_allclose(a["spec_drafter_kl"], b["spec_drafter_kl"], rtol=1e-3)
+    assert a["spec_accept_rate"] == pytest.approx(b["spec_accept_rate"], abs=1e-6)
