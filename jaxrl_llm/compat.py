@@ -126,7 +126,6 @@ REFUSED: dict[frozenset, str] = {
     **_each(f"{_NOT_BUILT}: the draft-and-verify loop keeps full caches for drafter and policy", _KV, _SPECS),
     **_each(f"{_NOT_BUILT}: the draft-and-verify loop records no μ candidates", _REC, _SPECS),
     **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),
-    **_each(f"{_NOT_BUILT}: episode turns decode without speculation", _SPECS, _EPS),
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "
                                 "arrays every process would have to address",
 }

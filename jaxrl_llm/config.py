@@ -382,7 +382,6 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")
   _need(not c.rollout.partial_chunk, "sampler.spec_gamma", gamma,
         f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode without speculation")
-  _need(not env_on(c), "sampler.spec_gamma", gamma, "episodes (env.name) decode without speculation")
   _need(read(c, "sampler.kv_cache") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
   _need(not (read(c, "sampler.behavior_topk") or read(c, "sampler.mc_samples")), "sampler.spec_gamma", gamma,
         "records no behavior_topk / mc_samples candidates")

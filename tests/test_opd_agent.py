@@ -86,3 +86,18 @@ def test_agent_distillation_with_the_monte_carlo_estimator(tmp_path, teachers):
   c = load(teachers, sampler__mc_samples=3, loss__name="opd_reverse_kl_mc")
   rows = loop.run(c, str(tmp_path))
   assert all(r["grad_norm"] > 0 and np.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("drafter", ["layers", "distilled"])
+def test_speculative_decoding_of_episode_turns(tmp_path, drafter):
+  """Episode turns speculate (re-prefilled turns through `generate`'s draft-and-verify); μ stays the policy's."""
+  from jaxrl_llm.config import load_file
+  c = load_file(os.path.join(ROOT, "configs", "agent_tiny.py"))
+  c.log.tensorboard, c.checkpoint.every, c.num_steps, c.loss.entropy_coef = False, 0, 2, 0.01
+  c.model.n_layers = 2
+  c.sampler.update({"spec_gamma": 2, "spec_draft_layers": 1, "spec_drafter": drafter})
+  rows = loop.run(c, str(tmp_path))
+  assert all(0 <= r["spec_accept_rate"] <= 1 and r["mismatch_abs_max"] < 1e-5 and r["grad_norm"] > 0 for r in rows)
+  assert all(r["env_turns_mean"] > 1 for r in rows)  # later turns, after observations, speculated too
+  if drafter == "distilled":
+    assert all(r["spec_drafter_kl"] > 0 for r in rows)

@@ -201,9 +201,11 @@ def _bucket(n: int, cap: int) -> int:
 
 
 def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
-  """The turn sampler of a batch: continuous batching with `gen.slots` > 0 (one device: refused on a mesh), else
-  the kept KV cache with `env.kv_cache` in one process (over its sampler mesh, if any), else a re-prefill per turn
-  (`rollout.turn_sampler`)."""
+  """The turn sampler of a batch (`rollout.turn_sampler`): re-prefilled turns under speculative decoding (`generate`
+  drafts and verifies), else continuous batching with `gen.slots` > 0, else the kept KV cache with `env.kv_cache` in
+  one process (over its sampler mesh, if any), else a re-prefill per turn."""
+  if gen.sampler_cfg.spec_gamma:  # speculative decoding drafts and verifies inside `generate`: re-prefilled turns
+    return turn_sampler.Reprefill(gen, width, mesh)
   if getattr(gen, "slots", 0):
     return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
   if s.kv_cache and not multiprocess.multi():  # several processes: each holds only its shards of the cache
@@ -534,6 +536,8 @@ class _Batch:
                    evict_segment_starts=tuple(tuple(x) for x in self.seg_starts))
     if isinstance(turns, turn_sampler.SlotTurns):
       stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps)
+    if getattr(turns, "spec", None):  # speculative decoding: the turns' mean acceptance and tokens per call
+      stats.update({k: float(np.mean([d[k] for d in turns.spec])) for k in turns.spec[0]})
     stats.update({f"env_{k}": v for k, v in self.info_sums.items() if f"env_{k}" not in stats})
     if keep_turns:
       for rec in self.turn_outputs:  # `_play_refill`'s: a row not in turn t had ended, so its count is final

@@ -6,7 +6,8 @@
 whole episode so far of row i (prompt ids + response ids, compact), `cfg` the turn's `SamplerConfig`.
 
 - `Reprefill`: every turn re-prefills each context, left-padded to one width W = P + N (one compiled shape
-  per batch bucket), over the run's mesh when it has one (`multiprocess.generate_on_mesh`).
+  per batch bucket), over the run's mesh when it has one (`multiprocess.generate_on_mesh`); the turn sampler of
+  speculative decoding (`sampling.generate` drafts and verifies; `spec` keeps each turn's acceptance).
 - `CachedTurns` (`env.kv_cache`; on one device or a one-process sampler mesh, its rows along the mesh's batch
   axes): each episode's KV cache lives across turns; a turn appends only
   the ids added since the last one (the observation) with `sampling.continuation.extend`, then decodes with
@@ -33,6 +34,7 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -60,12 +62,19 @@ class Reprefill:
   def __init__(self, gen, width: int, mesh=None):
     self.gen, self.width, self.mesh = gen, width, mesh
     self.prefills = 0  # one per turn
+    self.spec: list[dict] = []  # speculative decoding's metrics of each turn (`sampler.spec_gamma`)
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     del version, rows_b
     self.prefills += 1
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
-    got, _ = multiprocess.generate_on_mesh(generate, params, ctx_bW, len_b, key, self.gen.model_cfg, cfg, self.mesh)
+    fn = generate
+    drafter = getattr(self.gen, "drafter", None)
+    if drafter is not None and drafter.params is not None:  # the distilled drafter (`sampler.spec_drafter`)
+      fn = functools.partial(generate, draft_params=drafter.params)
+    got, _ = multiprocess.generate_on_mesh(fn, params, ctx_bW, len_b, key, self.gen.model_cfg, cfg, self.mesh)
+    if "spec_accept_rate" in got:
+      self.spec.append({k: float(got[k]) for k in ("spec_accept_rate", "spec_tokens_per_call")})
     return got
 
   def forget(self, row: int) -> None:

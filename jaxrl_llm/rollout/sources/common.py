@@ -74,5 +74,5 @@ def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], ve
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  counters = [k for k in whole.stats if k.startswith("env_")]
+  counters = [k for k in whole.stats if k.startswith("env_") or k in SAMPLER_STATS]  # + speculation's rates
   return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *counters)
