@@ -13,18 +13,10 @@ import pathlib
 from jaxrl_llm.config import load_file
 
 
-def _load(name):
-  return load_file(pathlib.Path(__file__).with_name(f"{name}.py"))
-
-
 def get_config():
-  c = _load("agent_tiny")
-  opd = _load("opd_default")
-  c.loss = opd.loss
-  c.optim.lr = opd.optim.lr
-  c.distill = opd.distill
-  c.distill.teacher_d_model = 64
-  c.distill.teacher_n_layers = 2
+  c = load_file(pathlib.Path(__file__).with_name("agent_tiny.py"))
+  opd = load_file(pathlib.Path(__file__).with_name("opd_tiny.py"))  # its loss, lr and 2-layer width-64 teacher
+  c.loss, c.optim.lr, c.distill = opd.loss, opd.optim.lr, opd.distill
   c.distill.teacher_sft_steps = 300
   c.distill.teacher_demo_player = "optimal"
   return c

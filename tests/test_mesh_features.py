@@ -86,12 +86,18 @@ def assert_same_first_steps(got: list[dict], want: list[dict]) -> None:
       np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-6, err_msg=f"step {b['step']} {k}")
 
 
+def twins(name: str, tmp_path, on_mesh) -> tuple[list[dict], list[dict]]:
+  """(rows on the mesh, rows on one device) of case `name`, checked to agree and to have learned from step 0."""
+  rows = loop.run(_config(name), str(tmp_path))
+  mesh = on_mesh[name]
+  assert_same_first_steps(mesh, rows)
+  assert rows[0]["grad_norm"] > 0
+  return mesh, rows
+
+
 @pytest.mark.slow
 def test_agent_with_kept_kv_cache_on_a_mesh(tmp_path, on_mesh):
-  rows = loop.run(_config("agent_kv_cache"), str(tmp_path))
-  mesh = on_mesh["agent_kv_cache"]
-  assert_same_first_steps(mesh, rows)
-  assert all(r["grad_norm"] > 0 for r in rows)
+  mesh, rows = twins("agent_kv_cache", tmp_path, on_mesh)
   # the kept cache ran on the mesh: one prefill for the first turn, every later turn appended to the cache (a
   # re-prefill per turn would count one per turn played)
   assert [r["env_prefills"] for r in mesh] == [r["env_prefills"] for r in rows] == [1, 1]
@@ -102,19 +108,13 @@ def test_agent_with_kept_kv_cache_on_a_mesh(tmp_path, on_mesh):
 @pytest.mark.parametrize("name, counter", [("slots", "slot_live_steps"), ("agent_slots", "env_live_steps")])
 def test_continuous_batching_on_a_mesh(tmp_path, on_mesh, name, counter):
   """Per-request keys: the slot engine draws the same tokens on the mesh as on one device."""
-  rows = loop.run(_config(name), str(tmp_path))
-  mesh = on_mesh[name]
-  assert_same_first_steps(mesh, rows)
-  assert all(r["grad_norm"] > 0 for r in rows[:1])
+  mesh, rows = twins(name, tmp_path, on_mesh)
   assert [r[counter] for r in mesh] == [r[counter] for r in rows] and all(r[counter] > 0 for r in mesh)
 
 
 @pytest.mark.slow
 def test_packing_on_a_mesh(tmp_path, on_mesh):
-  rows = loop.run(_config("packing"), str(tmp_path))
-  mesh = on_mesh["packing"]
-  assert_same_first_steps(mesh, rows)
-  assert all(r["grad_norm"] > 0 for r in rows)
+  mesh, rows = twins("packing", tmp_path, on_mesh)
   assert all(0 < r["learner_pad_frac"] < 0.1 for r in mesh)  # packed: the padded rows' tail padding is gone
   assert [r["learner_pad_frac"] for r in mesh] == [r["learner_pad_frac"] for r in rows]
 
@@ -136,16 +136,12 @@ def test_packed_rows_are_padded_to_a_multiple_of_the_shards():
 
 @pytest.mark.slow
 def test_synchronous_source_on_sampler_devices(tmp_path, on_mesh):
-  rows = loop.run(_config("sampler_devices"), str(tmp_path))
-  assert_same_first_steps(on_mesh["sampler_devices"], rows)
-  assert all(r["grad_norm"] > 0 for r in rows)
+  twins("sampler_devices", tmp_path, on_mesh)
 
 
 @pytest.mark.slow
 def test_distilled_drafter_on_a_mesh(tmp_path, on_mesh):
-  rows = loop.run(_config("drafter"), str(tmp_path))
-  mesh = on_mesh["drafter"]
-  assert_same_first_steps(mesh, rows)
+  mesh, rows = twins("drafter", tmp_path, on_mesh)
   for a, b in zip(mesh, rows):  # the drafter distilled the same way and proposed what it proposes on one device
     np.testing.assert_allclose(a["spec_drafter_kl"], b["spec_drafter_kl"], rtol=1e-3)
     assert a["spec_accept_rate"] == pytest.approx(b["spec_accept_rate"], abs=1e-6)
