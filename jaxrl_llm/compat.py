@@ -116,8 +116,8 @@ REFUSED: dict[frozenset, str] = {
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
     pair("sparse_sync", "processes"): f"{_NOT_BUILT}: the changed elements are packed on one host, which would "
                                       "need every process's shards",
-    **_each(f"{_NOT_BUILT}: LoRA adapts dense projections; expert weights have no adapters", ("lora", "qlora"),
-            ("moe",)),
+    **_each(f"{_NOT_BUILT}: expert weights have no adapters (an MoE model takes adapters on its attention "
+            "projections: model.lora.targets='q_proj,k_proj,v_proj,o_proj')", ("lora", "qlora"), ("moe",)),
     **_each(f"{_NOT_BUILT}: episodes do not assemble the sampler's MoE routes turn by turn (routing replay)", "moe",
             _EPS),
     **_each(f"{_NOT_BUILT}: the draft-and-verify step records no MoE routes", "moe", _SPECS),

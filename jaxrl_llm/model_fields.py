@@ -89,8 +89,10 @@ def check_lora(f: Mapping[str, Any] | None, rank, alpha, targets, dropout=0.0,
   if base_quantize not in LORA_BASE_QUANTIZE:
     return "base_quantize", base_quantize, f"must be one of {LORA_BASE_QUANTIZE}"
   if f is not None:
-    if f.get("num_experts"):
-      return "rank", rank, "LoRA adapts dense models only (model.num_experts must be 0)"
+    mlp = [t for t in names if LORA_TARGETS[t] in ("w_gate", "w_up", "w_down")]
+    if f.get("num_experts") and mlp:  # the attention projections of an MoE model are dense: those adapt
+      return "targets", targets, (f"{', '.join(mlp)}: an MoE model's MLP weights are its experts, which have no "
+                                  "adapters; target the attention projections (q_proj,k_proj,v_proj,o_proj)")
     for t in names:
       n_in, n_out = lora_dims(f, LORA_TARGETS[t])
       if rank > min(n_in, n_out):
