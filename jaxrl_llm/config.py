@@ -393,13 +393,13 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
 
 
 SPEC_DRAFTERS = ("layers", "distilled")
-DRAFTER_MODES = ("sync", "fixed_lag", "staged", "async")  # the sources whose sampler calls read the drafter's slot
+DRAFTER_MODES = ("sync", "fixed_lag", "staged", "async", "harness")  # the sources whose sampler reads the drafter
 
 
 def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   """`sampler.spec_drafter` and its distillation fields (absent: "layers", 1e-4, 1, 0.0). "distilled" keeps the
   drafter's state in the loop and hands it to the sampler (`Generation.drafter`): the sync, fixed_lag (with or
-  without replay), staged and async sources, LoRA policies included, on one device or a mesh in one process (the
+  without replay), staged, async and harness sources, LoRA policies included, on one device or a mesh in one process (the
   rest is refused by name rather than run untested)."""
   kind = read(c, "sampler.spec_drafter")
   _need(kind in SPEC_DRAFTERS, "sampler.spec_drafter", kind, f"must be one of {SPEC_DRAFTERS}")

@@ -392,8 +392,8 @@ def test_eight_concurrent_episodes_share_a_batch():
     np.testing.assert_array_equal(row["sequence_T"][24:][row["mask_N"] > 0], served_ids)
 
 
-@pytest.mark.parametrize("slots", [0, 4])
-def test_harness_run_trains_two_steps(tmp_path, slots):
+@pytest.mark.parametrize("slots, drafter", [(0, False), (4, False), (0, True)], ids=["static", "slots", "drafter"])
+def test_harness_run_trains_two_steps(tmp_path, slots, drafter):
   """The 2-step harness run as a user starts it (`python -m jaxrl_llm`, its own process: a server, harness threads
   and XLA compiles share it, as in a real run, not a test worker's accumulated state); with `rollout.slots` the
   endpoint's calls decode through the slot engine."""
@@ -404,6 +404,9 @@ def test_harness_run_trains_two_steps(tmp_path, slots):
   over = {"serve.harness": "test_serve:short_harness", "serve.max_context": c.serve.max_context,
           "serve.prompt_width": c.serve.prompt_width, "serve.max_tokens": c.serve.max_tokens,
           "log.tensorboard": False, "log.progress": False, "checkpoint.every": 0, "rollout.slots": slots}
+  if drafter:  # the endpoint's calls speculate with the distilled drafter, distilled after every learner step
+    over.update({"model.n_layers": 2, "sampler.spec_gamma": 2, "sampler.spec_draft_layers": 1,
+                 "sampler.spec_drafter": "distilled"})
   cmd = [sys.executable, "-m", "jaxrl_llm", f"--config={os.path.join(ROOT, 'configs', 'harness_tiny.py')}",
          f"--workdir={wd}"] + [f"--config.{k}={v}" for k, v in over.items()]
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -422,6 +425,8 @@ def test_harness_run_trains_two_steps(tmp_path, slots):
     assert r["serve_episodes"] == 8 and r["serve_failed"] == r["serve_errors"] == 2
     assert r["mismatch_abs_max"] < 1e-5  # π_old recomputed at each token's version equals the served μ
   assert sum(r["updates_applied"] for r in rows) >= 1
+  if drafter:
+    assert all(r["spec_drafter_kl"] > 0 for r in rows)
 
 
 def test_failed_harness_costs_its_episode_only(chat_tok):
@@ -475,3 +480,19 @@ def test_serve_validation_names_the_field(field, value):
   c.serve[field] = value
   with pytest.raises(ConfigError, match=f"config.serve.{field}="):
     config_lib.validate(c)
+
+
+def test_speculating_sampler_answers_top_logprobs():
+  """With speculative decoding on, a call that asks for top log-probs decodes without it (the draft-and-verify loop
+  records no candidates; the distribution is the same) instead of failing; other calls speculate."""
+  import dataclasses
+  import jax
+  from jaxrl_llm.rollout.sources.harness import make_sample_fn
+  from test_episodes import PARAMS, make_gen
+  g = make_gen(0.8)
+  g = dataclasses.replace(g, sampler_cfg=dataclasses.replace(g.sampler_cfg, spec_gamma=2, spec_draft_layers=1))
+  sample = make_sample_fn(g, 16, 4, 4)
+  ctx = [[1, 5, 6], [1, 7]]
+  plain = sample(PARAMS, 0, ctx, jax.random.key(0), 0)
+  top = sample(PARAMS, 0, ctx, jax.random.key(0), 3)
+  assert "behavior_topk_ids_BNk" not in plain and top["behavior_topk_ids_BNk"].shape[:2] == top["tokens_BN"].shape
