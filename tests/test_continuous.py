@@ -138,6 +138,9 @@ def test_publish_between_chunks_switches_version_and_scoring():
 
 
 def test_unsupported_settings_raise():
+  with pytest.raises(ValueError, match="spec_gamma"):
+    continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG,
+                              SamplerConfig(max_new_tokens=N, spec_gamma=2, spec_draft_layers=1), slots=2, chunk=2)
   with pytest.raises(ValueError, match="slots"):
     continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=0, chunk=2)
 

@@ -51,7 +51,10 @@ _SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "se
 
 
 def check_supported(sampler_cfg: SamplerConfig) -> None:
-  """Raises ValueError for the sampler settings the slot engine does not implement."""
+  """Raises ValueError for the sampler settings the slot engine does not implement: speculative decoding (a
+  draft-and-verify step of the engine is not built; ignoring `spec_gamma` would drop it silently)."""
+  if sampler_cfg.spec_gamma:
+    raise ValueError(f"continuous batching does not speculate (sampler.spec_gamma={sampler_cfg.spec_gamma!r})")
 
 
 def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
