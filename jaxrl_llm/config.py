@@ -240,7 +240,7 @@ def _validate_packing(c: ml_collections.ConfigDict, spec) -> None:
         "must be 0 (off) or an int >= 2 (tokens per packed row)")
   if not w:
     return
-  row = max(env_length(c) - (c.env.turn_tokens if env_on(c) else 0), serve_on(c) and c.serve.max_context)
+  row = max(env_length(c) - (c.env.turn_tokens if env_on(c) else 0), c.serve.max_context if serve_on(c) else 0)
   _need(w >= row, "optim.pack_width", w, f"must hold one learner row of {row} tokens (an episode's prompt bucket + "
         "token budget, or the harness's serve.max_context)")  # single completions: checked against P at setup
   why = None
