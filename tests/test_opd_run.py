@@ -106,3 +106,16 @@ def test_student_accuracy_moves_towards_the_teacher(tmp_path):
   kl = [row["kl_fwd"] for row in rows]
   assert np.mean(kl[-20:]) <= 0.85 * np.mean(kl[:20]), (np.mean(kl[:20]), np.mean(kl[-20:]))
   assert end >= start - 0.025, (start, end, teacher_acc)
+
+
+def test_the_sft_teacher_of_an_moe_student_is_dense():
+  """An MoE student's "sft" teacher is a dense model of the teacher sizes (it is cached as a llama-family export,
+  which holds no experts; found by `python -m jaxrl_llm.compat --run`)."""
+  import os as _os
+  from jaxrl_llm.config import load_file as _load
+  from jaxrl_llm.distill import teacher as _teacher
+  root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+  c = _load(_os.path.join(root, "configs", "opd_tiny.py"))
+  c.model.num_experts = 4
+  cfg = _teacher.teacher_model_config(c, 8, 64)
+  assert cfg.num_experts == 0 and cfg.d_model == c.distill.teacher_d_model

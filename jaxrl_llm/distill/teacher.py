@@ -74,9 +74,11 @@ def teacher_model_config(c: ml_collections.ConfigDict, width: int, vocab_size: i
   if d_model % m.d_model == 0:
     k = d_model // m.d_model
     heads = {"n_heads": m.n_heads * k, "n_kv_heads": m.n_kv_heads * k}
+  # dense even for an MoE student: the teacher is any model sharing the tokenizer, and it is cached as a Hugging
+  # Face (llama-family) export
   teacher = dataclasses.replace(student, d_model=d_model, n_layers=n_layers,
                                 d_ff=max(1, round(m.d_ff * d_model / m.d_model)),
-                                layer_unroll=policy_init.layer_unroll(c, n_layers), **heads)
+                                layer_unroll=policy_init.layer_unroll(c, n_layers), num_experts=0, **heads)
   return policy_init.resolve_remat(c, teacher, width)[0]  # "auto": decided for the teacher's own shapes
 
 
