@@ -604,7 +604,7 @@ def test_slow_answer_run_keeps_stepping_and_honours_sigterm(tmp_path):
 def test_async_workers_generate_from_the_view_made_at_publish(monkeypatch):
   """Issue 31 case 6 (see the comment above)."""
   from jaxrl_llm import multiprocess
-  from jaxrl_llm.rollout import async_engine
+  from jaxrl_llm.rollout import generation
   from jaxrl_llm.rollout.sources import asynchronous
   from test_loop import fresh_run
   import jax
@@ -619,7 +619,7 @@ def test_async_workers_generate_from_the_view_made_at_publish(monkeypatch):
     return out
 
   generated_from_view = []
-  real_generate = async_engine.generate
+  real_generate = generation.generate  # what `Generation.generate_fn` calls
 
   def spy_generate(params, *args):
     generated_from_view.append(all(id(x) in made for x in jax.tree.leaves(params)))
@@ -627,7 +627,7 @@ def test_async_workers_generate_from_the_view_made_at_publish(monkeypatch):
 
   monkeypatch.setattr(multiprocess, "multi", lambda: True)
   monkeypatch.setattr(multiprocess, "local_view", spy_view)
-  monkeypatch.setattr(async_engine, "generate", spy_generate)
+  monkeypatch.setattr(generation, "generate", spy_generate)
   r, state, _, store = fresh_run(c)  # loop.new_store, version 0 published
   with asynchronous.async_engine(r.ctx, store, None) as engine:
     for _ in range(2):

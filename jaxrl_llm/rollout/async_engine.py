@@ -37,7 +37,6 @@ from jaxrl_llm.rollout.buffer import Buffer, group_record, lag
 from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.generation import Generation
 from jaxrl_llm.rollout.param_store import ParamStore, Snapshot
-from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling import partial as partial_lib
 
 RolloutFn = Callable[[Snapshot, int], Rollout]
@@ -108,9 +107,8 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
     key = rollout_key(gen.key_root, snap.version, request_id)
     args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
     if chunk_steps is None:
-      # a distilled speculative drafter drafts with its newest parameters (they change speed, never μ: unpinned)
-      draft = {} if gen.drafter is None or gen.drafter.params is None else {"draft_params": gen.drafter.params}
-      out = generate(worker_params(snap), *args, gen.model_cfg, gen.sampler_cfg, **draft)
+      # a distilled speculative drafter drafts with its newest parameters (unpinned: they change speed, never μ)
+      out = gen.generate_fn()(worker_params(snap), *args, gen.model_cfg, gen.sampler_cfg)
       versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
     else:
       out = partial_lib.generate_partial(snap.version, worker_params(snap), store_poller(store), *args, gen.model_cfg,

@@ -94,11 +94,15 @@ class Generation:
       out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
                                       self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
       return {SLOT_STATS.get(k, k): v for k, v in out.items()}, None
-    gen = generate
-    if self.drafter is not None and self.drafter.params is not None:  # a distilled drafter (one device)
-      gen = functools.partial(generate, draft_params=self.drafter.params)
-    return multiprocess.generate_on_mesh(gen, params, prompts.tokens_BP, prompts.len_B, key,  # numpy: no eager put
-                                         self.model_cfg, self.sampler_cfg, self.mesh)
+    return multiprocess.generate_on_mesh(self.generate_fn(), params, prompts.tokens_BP, prompts.len_B, key,
+                                         self.model_cfg, self.sampler_cfg, self.mesh)  # numpy in: no eager put
+
+  def generate_fn(self):
+    """`sampling.generate`, drafting with the distilled drafter's newest parameters when the `drafter` slot holds
+    them (they change speed, never μ); every static sampler call of a run goes through it."""
+    if self.drafter is not None and self.drafter.params is not None:
+      return functools.partial(generate, draft_params=self.drafter.params)
+    return generate
 
   def finish(self, out: dict, examples: list[dict], versions_BN: np.ndarray, owners: np.ndarray | None = None,
              **stats) -> Rollout:

@@ -34,7 +34,6 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -43,7 +42,8 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.models.cache import take_rows
-from jaxrl_llm.sampling import behavior, continuous, generate, prompt_layout
+from jaxrl_llm.rollout.generation import SPEC_STATS
+from jaxrl_llm.sampling import behavior, continuous, prompt_layout
 from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
 from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
@@ -68,13 +68,10 @@ class Reprefill:
     del version, rows_b
     self.prefills += 1
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
-    fn = generate
-    drafter = getattr(self.gen, "drafter", None)
-    if drafter is not None and drafter.params is not None:  # the distilled drafter (`sampler.spec_drafter`)
-      fn = functools.partial(generate, draft_params=drafter.params)
-    got, _ = multiprocess.generate_on_mesh(fn, params, ctx_bW, len_b, key, self.gen.model_cfg, cfg, self.mesh)
-    if "spec_accept_rate" in got:
-      self.spec.append({k: float(got[k]) for k in ("spec_accept_rate", "spec_tokens_per_call")})
+    got, _ = multiprocess.generate_on_mesh(self.gen.generate_fn(), params, ctx_bW, len_b, key, self.gen.model_cfg,
+                                           cfg, self.mesh)
+    if SPEC_STATS[0] in got:
+      self.spec.append({k: float(got[k]) for k in SPEC_STATS})
     return got
 
   def forget(self, row: int) -> None:
