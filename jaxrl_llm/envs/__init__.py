@@ -151,3 +151,4 @@ from jaxrl_llm.envs.tools import MalformedToolCall, ToolCall, ToolEnv, parse_too
 # instance is made, so they register without the packages and a missing package is an ImportError at `get`.
 from jaxrl_llm.envs import reasoning_gym_env, textarena_env  # noqa: E402,F401
 from jaxrl_llm.envs import scienceworld_env  # noqa: E402,F401  (ScienceWorld: needs Java too)
+from jaxrl_llm.envs import openenv_env  # noqa: E402,F401  (OpenEnv environments: the `openenv` extra)
