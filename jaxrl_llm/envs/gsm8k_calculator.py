@@ -9,7 +9,8 @@ result comes back as a tool message) or answers; the answer is scored by the mat
 
 `calculator(expression)` evaluates numbers (decimals allowed), + - * /, unary minus and parentheses
 exactly (fractions), with a recursive-descent parser bounded in length, depth and digits: the policy's
-text is never `eval`ed.
+text is never `eval`ed. `sandbox` (True, or `envs.sandbox.Limits` fields, e.g. `env.kwargs.sandbox={"cpu_s": 2}`) runs
+each call in a limited process of its own (`envs.sandbox`); the parser's own bounds make that a demonstration here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import fractions
 import os
 import pathlib
 import re
+from typing import Any
 
 import numpy as np
 
@@ -127,8 +129,8 @@ def calculator(expression: str) -> str:
 class GSM8KCalculator(ToolEnv):
   """The environment of the module docstring."""
 
-  def __init__(self, path: str = "", max_tool_calls: int = 4, instruction: str = INSTRUCTION):
-    super().__init__([calculator], max_tool_calls=max_tool_calls)
+  def __init__(self, path: str = "", max_tool_calls: int = 4, instruction: str = INSTRUCTION, sandbox: Any = None):
+    super().__init__([calculator], max_tool_calls=max_tool_calls, sandbox=sandbox)
     self.rows, _ = load_rows("gsm8k", os.fspath(path) or str(DEFAULT_PATH))
     self.instruction = instruction
     self.answer = None

@@ -17,9 +17,11 @@ import json
 import re
 from typing import Any, Callable, Sequence
 
+from jaxrl_llm.envs import sandbox as sandbox_lib
+
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
-TOOL_COUNTERS = ("tool_calls", "tool_malformed", "tool_failed", "tool_limit")
+TOOL_COUNTERS = ("tool_calls", "tool_malformed", "tool_failed", "tool_limit", "tool_killed")
 
 
 class MalformedToolCall(ValueError):
@@ -99,12 +101,17 @@ class ToolEnv:
     - more calls than `max_tool_calls` in the episode (malformed ones included): done with reward 0
       (counted `tool_limit`);
     - no tool call: the final answer, reward `score(action)`, done.
+  `sandbox` (an `envs.sandbox.Limits`, a mapping of its fields, or True for its defaults): every call runs in a
+  fresh process with CPU, memory and wall limits, no network and no new processes (`envs.sandbox`); a call stopped
+  by one of them ends the episode with reward 0 (counted `tool_killed`, and `tool_failed`): code that had to be
+  killed is not given another turn to burn. The functions must then be module-level (importable).
   The fourth element `info` holds this step's counts `TOOL_COUNTERS` (the runner sums them as `env_<key>`).
   `tools` lists the functions' JSON schemas (`tool_schema`, or `schemas` when given, e.g. an MCP server's:
   `envs.mcp_tools`), what the runner hands the chat template. A function's tool name is its `__name__`.
   """
 
-  def __init__(self, functions: Sequence[Callable], max_tool_calls: int = 4, schemas: Sequence[dict] | None = None):
+  def __init__(self, functions: Sequence[Callable], max_tool_calls: int = 4, schemas: Sequence[dict] | None = None,
+               sandbox: Any = None):
     if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0:
       raise ValueError(f"max_tool_calls={max_tool_calls!r}: must be an int >= 0")
     self.functions = {f.__name__: f for f in functions}
@@ -114,6 +121,10 @@ class ToolEnv:
       raise ValueError(f"tool schemas name {named}, the functions are {list(self.functions)}")
     self.max_tool_calls = max_tool_calls
     self.calls_made = 0
+    self.sandbox = sandbox_lib.Limits.of(sandbox)
+    if self.sandbox is not None:
+      for f in functions:
+        sandbox_lib.importable(f)
 
   def first_message(self, seed: int) -> str | list[dict]:
     raise NotImplementedError
@@ -141,8 +152,15 @@ class ToolEnv:
       return "", float(self.score(action_text)), True, info
     messages = []
     for call in calls:
-      content, ok = run_tool(self.functions[call.name], call.arguments)
+      fn = self.functions[call.name]
+      if self.sandbox is None:
+        (content, ok), violation = run_tool(fn, call.arguments), None
+      else:
+        content, ok, violation = sandbox_lib.call(fn, call.arguments, self.sandbox)
       info["tool_calls"] += 1
       info["tool_failed"] += not ok
+      if violation is not None:
+        info["tool_killed"] = 1
+        return "", 0.0, True, info
       messages.append({"role": "tool", "content": content})
     return messages, 0.0, False, info
