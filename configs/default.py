@@ -122,6 +122,9 @@ def get_config():
   c.serve.prompt_width = 768  # P of the learner row: the first call's prompt region (the rest is N)
   c.serve.max_tokens = 16  # completion tokens of one call at most (the sampler's max_new_tokens in this mode)
   c.serve.model_name = "jaxrl-policy"  # the model id /v1/models lists; any other name is a 404
+  c.serve.sandbox = False  # each episode's harness in a process of its own: limits below, wall = timeout_s (envs.sandbox)
+  c.serve.sandbox_cpu_s = 60.0  # sandbox: CPU seconds of one episode's harness at most
+  c.serve.sandbox_memory_mb = 1024  # sandbox: address space (MB) a harness may add to its imports'
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "ppo_clip"  # a registered loss (docs/losses.md)

@@ -50,6 +50,7 @@ ABSENT_DEFAULTS = {
     "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
     "sft.demos": 64, "sft.demo_player": "consistent",
     "checkpoint.config_change": "error", "serve.harness": "",
+    "serve.sandbox": False, "serve.sandbox_cpu_s": 60.0, "serve.sandbox_memory_mb": 1024,
     "dist.coordinator_address": None, "dist.num_processes": None, "dist.process_id": None,
     "dist.initialization_timeout": 300, "dist.heartbeat_timeout_seconds": 100,
     # Optional sections: absent (or env.name "") = single-turn; no distill section = no teacher.
@@ -629,7 +630,7 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
 
 
 SERVE_FIELDS = ("harness", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context", "prompt_width",
-                "max_tokens", "model_name")
+                "max_tokens", "model_name", "sandbox", "sandbox_cpu_s", "sandbox_memory_mb")
 
 
 def serve_on(c: ml_collections.ConfigDict) -> bool:
@@ -663,6 +664,11 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
         f"must be < serve.max_context = {s.max_context} (the rest of the row holds the completions)")
   _need(isinstance(s.get("model_name"), str) and s.model_name, "serve.model_name", s.get("model_name"),
         "must be a non-empty str")
+  _need(isinstance(read(c, "serve.sandbox"), bool), "serve.sandbox", read(c, "serve.sandbox"), "must be a bool")
+  for f in ("sandbox_cpu_s", "sandbox_memory_mb"):
+    v = read(c, f"serve.{f}")
+    _need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0, f"serve.{f}", v,
+          "must be a number > 0")
   _need(not env_on(c), "env.name", c.get("env", {}).get("name"), 'must be "" with rollout.mode="harness" (the harness '
         "is the environment)")
   n_proc = read(c, "dist.num_processes") or 1

@@ -74,7 +74,17 @@ def serve_settings(c: ml_collections.ConfigDict) -> ServeSettings | None:
   s = c.serve
   return ServeSettings(harness=s.harness, concurrency=s.concurrency, max_batch=s.max_batch,
                        batch_window_s=float(s.batch_window_s), timeout_s=float(s.timeout_s), max_context=s.max_context,
-                       prompt_width=s.prompt_width, max_tokens=s.max_tokens, model_name=s.model_name)
+                       prompt_width=s.prompt_width, max_tokens=s.max_tokens, model_name=s.model_name,
+                       sandbox=_harness_sandbox(c))
+
+
+def _harness_sandbox(c: ml_collections.ConfigDict):
+  """`serve.sandbox*` as the limits of each episode's harness process (its wall clock: `serve.timeout_s`)."""
+  if not config_lib.read(c, "serve.sandbox"):
+    return None
+  from jaxrl_llm.envs.sandbox import Limits  # noqa: PLC0415
+  return Limits(cpu_s=float(config_lib.read(c, "serve.sandbox_cpu_s")),
+                memory_mb=int(config_lib.read(c, "serve.sandbox_memory_mb")), wall_s=float(c.serve.timeout_s))
 
 
 def env_settings(c: ml_collections.ConfigDict) -> EnvSettings | None:

@@ -81,21 +81,27 @@ def importable(fn: Callable) -> tuple[str, str]:
   return module, qualname
 
 
-def call(fn: Callable, arguments: dict, limits: Limits) -> tuple[str, bool, str | None]:
-  """`(content, ok, violation)`: `fn(**arguments)` run in the sandbox. ok: the tool returned (content is its result
-  as text); else content is "error: ..." and violation is None (the tool raised) or one of `VIOLATIONS`."""
+def call(fn: Callable, arguments: dict, limits: Limits, *, args: tuple = (),
+         allow: tuple[tuple[str, int], ...] = ()) -> tuple[str, bool, str | None]:
+  """`(content, ok, violation)`: `fn(*args, **arguments)` run in the sandbox (JSON-able arguments). ok: the tool
+  returned (content is its result as text); else content is "error: ..." and violation is None (the tool raised) or
+  one of `VIOLATIONS`. `allow`: the (host, port) pairs a socket may still reach, e.g. an agent harness's endpoint;
+  with any, the network is isolated by the audit hook only (the endpoint lives in this process's namespace)."""
   module, qualname = importable(fn)
   with tempfile.TemporaryDirectory(prefix="jaxrl_sandbox_") as scratch:
-    req = {"path": [p for p in sys.path if p], "module": module, "qualname": qualname, "arguments": arguments,
-           "scratch": scratch, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "network": limits.network}
+    req = {"path": [p for p in sys.path if p], "module": module, "qualname": qualname, "args": list(args),
+           "arguments": arguments, "scratch": scratch, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+           "network": limits.network, "allow": [list(a) for a in allow]}
     proc = subprocess.Popen([sys.executable, _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
       out, _ = proc.communicate(json.dumps(req), timeout=limits.wall_s)
     except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.communicate()
       return f"error: sandbox: wall-clock limit ({limits.wall_s:g} s)", False, "wall"
+    finally:  # also when this thread is interrupted (a harness thread left behind): the child never outlives the call
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
   try:
     answer = json.loads(out.strip().splitlines()[-1])
   except (ValueError, IndexError):

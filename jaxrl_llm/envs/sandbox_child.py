@@ -1,8 +1,9 @@
 """The child side of `envs.sandbox`: run by path (`python sandbox_child.py`), standard library only, so that nothing
 has started a thread before it leaves the network namespace (unshare of a user namespace needs a single thread).
 
-Reads one JSON request from stdin: {"path": [...], "module": ..., "qualname": ..., "arguments": {...},
-"scratch": dir, "cpu_s": float, "memory_mb": int, "network": bool}. In order: isolate the network (a new user + network
+Reads one JSON request from stdin: {"path": [...], "module": ..., "qualname": ..., "args": [...], "arguments": {...},
+"scratch": dir, "cpu_s": float, "memory_mb": int, "network": bool, "allow": [[host, port], ...]}; `allow`: the only
+addresses a socket may reach (an agent harness's endpoint), in the parent's network namespace. In order: isolate the network (a new user + network
 namespace where the kernel allows it), import the tool (under the parent's sys.path; module code is the environment
 author's, not the policy's, so it runs before the limits), enter the scratch directory, set the CPU and
 address-space limits, install an audit hook that refuses sockets and new processes, call the tool. Writes one JSON
@@ -42,7 +43,9 @@ def main() -> None:
   req = json.loads(sys.stdin.read())
   out = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)  # the tool's prints go to stderr, not into the answer
-  if not req["network"]:
+  allow = {(h, int(p)) for h, p in req.get("allow", [])}
+  hosts = {h for h, _ in allow}
+  if not req["network"] and not allow:
     _leave_network()
   sys.path[:] = req["path"]
   violated = []
@@ -58,15 +61,26 @@ def main() -> None:
     limit = used + int(req["memory_mb"]) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    def hook(event, _args):
-      kind = ("network" if event in _NETWORK and not req["network"] else
+    def allowed(event, args) -> bool:
+      if event == "socket.connect":
+        return isinstance(args[1], tuple) and (args[1][0], args[1][1]) in allow
+      if event in ("socket.getaddrinfo", "socket.gethostbyname"):
+        return args[0] in hosts or (isinstance(args[0], bytes) and args[0].decode() in hosts)
+      return event == "socket.__new__" and bool(allow)
+
+    def hook(event, args):
+      kind = ("network" if event in _NETWORK and not req["network"] and not allowed(event, args) else
               "process" if event.startswith(_PROCESS) else None)
       if kind is not None:
         violated.append(kind)
         raise PermissionError(f"sandbox: {_WHAT[kind]} is not allowed ({event})")
+    import platform
+    platform.uname().processor  # noqa: B018  (cached now: it runs `uname -p`, which clients like openai's ask for)
     sys.addaudithook(hook)
-    value = fn(**req["arguments"])
+    value = fn(*req.get("args", []), **req["arguments"])
     answer = {"ok": True, "value": value if isinstance(value, str) else json.dumps(value, default=str)}
+  except SystemExit as e:  # a harness's sys.exit: its episode's failure, not the child's crash
+    answer = {"ok": False, "error": f"SystemExit: {e.code}"}
   except MemoryError:
     answer = {"violation": "memory", "error": f"sandbox: memory limit ({req['memory_mb']} MB)"}
   except Exception as e:  # noqa: BLE001 -- the tool's own failure is its answer

@@ -37,6 +37,7 @@ class ServeSettings:
   prompt_width: int = 768
   max_tokens: int = 16
   model_name: str = "jaxrl-policy"
+  sandbox: Any = None  # envs.sandbox.Limits for each episode's harness process; None = in-process threads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,9 +12,14 @@ log-probs and each token's version as served). π_old at each token's version as
 
 A harness that raises, overruns `serve.timeout_s`, never reports a reward, or whose episode does not fit the row
 costs its episode only: the row keeps no tokens (mask 0) and the group's mean reward (so it moves no advantage).
+`serve.sandbox=True` runs each episode's harness in a process of its own (`envs.sandbox`: `serve.sandbox_cpu_s`,
+`serve.sandbox_memory_mb`, wall clock `serve.timeout_s`, sockets only to the endpoint, no new processes, a scratch
+working directory): an overrun is killed, not left behind as a thread, and a stopped one counts `serve_killed`
+(a wall overrun `serve_timeouts`). The harness must then be a module-level function (its module is imported again
+in each episode's process).
 
 Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`,
-`serve_no_reward`, `serve_too_long`), `serve_split` (episodes whose calls did not extend each other, packed one
+`serve_no_reward`, `serve_too_long`, `serve_killed`), `serve_split` (episodes whose calls did not extend each other, packed one
 segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous batch),
 `serve_calls` (calls served since then), plus async's `async_*` counters.
 
@@ -40,7 +45,7 @@ from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
 from jaxrl_llm.tasks.reward import interrupt_thread
 
-FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long")
+FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long", "killed")
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -88,16 +93,30 @@ def load_harness(spec: str):
   return fn
 
 
-def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float) -> list[str | None]:
+def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float,
+         sandbox=None) -> list[str | None]:
   """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
   "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread,
-  its later calls get a 404). Returns within `timeout_s` (one deadline for all the threads)."""
+  its later calls get a 404). Returns within `timeout_s` (one deadline for all the threads). `sandbox`
+  (`envs.sandbox.Limits`): each thread runs its harness in a sandboxed process instead, killed at `sandbox.wall_s`;
+  "killed" when a limit other than the wall clock stopped it."""
   status: list[str | None] = ["timeouts"] * len(episode_ids)
+  if sandbox is not None:
+    from urllib.parse import urlsplit  # noqa: PLC0415
+    from jaxrl_llm.envs import sandbox as sandbox_lib  # noqa: PLC0415
+    where = urlsplit(base_url)
+    endpoint = ((where.hostname, where.port),)
 
   def one(i: int) -> None:
     try:
-      harness(base_url, episode_ids[i], seed)
-      status[i] = None
+      if sandbox is None:
+        harness(base_url, episode_ids[i], seed)
+        status[i] = None
+        return
+      _, ok, violation = sandbox_lib.call(harness, {}, sandbox, args=(base_url, episode_ids[i], seed),
+                                          allow=endpoint)
+      status[i] = (None if ok else "errors" if violation is None else "timeouts" if violation == "wall"
+                   else "killed")
     except BaseException:  # pylint: disable=broad-except  # a failing harness costs its episode only
       status[i] = "errors"
 
@@ -106,8 +125,8 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
   for t in threads:
     t.start()
   deadline = time.monotonic() + timeout_s
-  for t in threads:
-    t.join(max(0.0, deadline - time.monotonic()))
+  for t in threads:  # sandboxed: the child is killed at timeout_s; a little longer lets its thread report that
+    t.join(max(0.0, deadline + (5.0 if sandbox is not None else 0.0) - time.monotonic()))
   out = list(status)
   for t in threads:  # left behind; one spinning in Python code would starve the process of the GIL: stopped there
     if t.is_alive() and t.ident is not None:
@@ -162,7 +181,7 @@ def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=Non
     ids = [f"r{request_id}-g{g}-{uuid.uuid4().hex[:8]}" for g in range(group_size)]
     for e in ids:
       service.recorder.open(e)
-    status = play(harness, service.base_url, ids, seed, s.timeout_s)
+    status = play(harness, service.base_url, ids, seed, s.timeout_s, s.sandbox)
     episodes = [service.recorder.pop(e) for e in ids]
     group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad, snap.version)
     if score_fn is not None:
@@ -189,6 +208,13 @@ class Harness:
     if self.s is None:
       raise ValueError('rollout.mode="harness" needs the serve settings (config.serve)')
     self.harness = load_harness(self.s.harness)
+    if self.s.sandbox is not None:
+      from jaxrl_llm.config import ConfigError  # noqa: PLC0415
+      from jaxrl_llm.envs.sandbox import importable  # noqa: PLC0415
+      try:
+        importable(self.harness)
+      except ValueError as e:
+        raise ConfigError(f"config.serve.harness={self.s.harness!r}: serve.sandbox=True: {e}") from None
     self.service = None
     self.engine: ae.AsyncRollout | None = None
     self.next_request_id = 0
