@@ -33,8 +33,14 @@ def test_agent_tiny_trains_two_steps(tmp_path, mode, lag, kv_cache):
   assert [r["step"] for r in rows] == [0, 1]
   assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows), rows
   assert sum(r["updates_applied"] for r in rows) >= 1
-  # staged generates a stage in one call: its counters are on the stage's first step
-  assert rows[0]["env_policy_tokens"] > 0 and rows[0]["env_turns_mean"] >= 1, rows
+  # every step reports its own episodes, also when staged plays a stage's steps in one call (issue 48); the call's
+  # sampler counters (prefills) are on the stage's first step
+  B = c.rollout.prompts_per_step * c.rollout.group_size
+  for r in rows:  # replay: the episodes generated for that step (its first fills the buffer with several calls)
+    assert r["env_episodes"] == B or mode == "replay" and r["env_episodes"] % 2 == 0, rows
+    assert r["env_policy_tokens"] > 0 and r["env_turns_mean"] >= 1, rows
+    assert sum(r[f"env_{k}"] for k in ("done", "max_turns", "truncated", "too_long", "errors", "timeouts",
+                                       "invalid")) == r["env_episodes"], rows
   # the kept cache prefills once per sampler call (one version per call, enough slots); else once per turn
   if kv_cache and mode != "replay":
     assert rows[0]["env_prefills"] == 1, rows

@@ -297,6 +297,41 @@ class MessagesWithTools(Messages):
   tools = [{"type": "function", "function": {"name": "f", "description": "F.", "parameters": {}}}]
 
 
+@envs.register("test_declared")
+class Declared:
+  """Declares its step counters; every step raises on odd seeds, so a batch of odd seeds reports none."""
+  counters = ("hits", "misses")
+
+  def reset(self, seed):
+    self.seed = seed
+    return "d"
+
+  def step(self, action):
+    if self.seed % 2:
+      raise RuntimeError("no step succeeds")
+    return "", 0.0, True, {"hits": 1}
+
+
+def test_declared_counters_are_in_every_batch_and_rows_cut_into_their_own_counters():
+  """Issue 48: an environment's declared counters appear (0) in a batch where no step succeeded; `row_counters` of
+  a cut (staged: one call, several learner steps) counts that cut's rows only."""
+  from jaxrl_llm.rollout.episodes import row_counters
+  s = EnvSettings(name="test_declared", max_turns=2, turn_tokens=3, max_episode_tokens=12)
+  failed = run_episodes(make_gen(), PARAMS, [1, 3], 2, s, jax.random.key(2), version=0).stats
+  assert failed["env_hits"] == 0 and failed["env_misses"] == 0 and failed["env_errors"] == 4
+  r = run_episodes(make_gen(), PARAMS, [2, 1], 2, s, jax.random.key(2), version=0)
+  st = r.stats
+  assert (st["env_hits"], st["env_misses"], st["env_errors"], st["env_done"]) == (2, 0, 2, 2)
+  cut = lambda lo, hi: row_counters(st["episode_statuses"][lo:hi], st["episode_turns"][lo:hi],  # noqa: E731
+                                    r.mask_BN[lo:hi], r.env_mask_BN[lo:hi], r.versions_BN[lo:hi],
+                                    st["episode_info"][lo:hi], ("hits", "misses"))
+  first, second = cut(0, 2), cut(2, 4)
+  assert (first["env_hits"], first["env_done"], first["env_errors"]) == (2, 2, 0)
+  assert (second["env_hits"], second["env_done"], second["env_errors"], second["reward_errors"]) == (0, 0, 2, 2)
+  for k in ("env_policy_tokens", "env_tokens", "env_turns", "env_episodes", "env_hits"):
+    assert first[k] + second[k] == st[k], k
+
+
 def test_message_results_info_and_malformed_results_are_errors():
   s = EnvSettings(name="test_messages", max_turns=2, turn_tokens=3, max_episode_tokens=24)
   r = run_episodes(make_gen(), PARAMS, [1, 5, 6, 7], 2, s, jax.random.key(2), version=0, keep_turns=True)

@@ -11,7 +11,8 @@ Messages. `reset(seed)` returns a str (one user message) or a list of `{"role": 
 "content": str}` dicts. The runner renders them through the policy's chat template (or as raw text for
 base models and the character tokenizer): `tasks.encoder.Encoder.episode_prompt_ids` / `observation_ids`.
 `step` may return a fourth element `info`: a dict of this step's counters (numbers; others are ignored),
-summed over the batch's steps into the stats as `env_<key>` (e.g. `env_tool_calls`).
+summed over the batch's steps into the stats as `env_<key>` (e.g. `env_tool_calls`); an optional attribute
+`counters` (a tuple of those keys) makes every batch's stats carry each of them, 0 where no step reported it.
 
 Tools. An environment with an attribute `tools` (a list of JSON schemas, `envs.tools.tool_schema`) has them
 shown to the policy: passed to a chat template that renders tools, else described in the system message

@@ -110,6 +110,8 @@ class ToolEnv:
   `envs.mcp_tools`), what the runner hands the chat template. A function's tool name is its `__name__`.
   """
 
+  counters = TOOL_COUNTERS  # every batch's stats carry them (`env_tool_*`), 0 where no step reported one
+
   def __init__(self, functions: Sequence[Callable], max_tool_calls: int = 4, schemas: Sequence[dict] | None = None,
                sandbox: Any = None):
     if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0:

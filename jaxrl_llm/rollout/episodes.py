@@ -44,7 +44,8 @@ worker threads; an overrunning call that runs Python code is interrupted there):
 action (`envs.InvalidAction`, "invalid") ends that episode with return 0, counted in the stats; the
 batch still forms. Episodes that hit the token budget end "truncated" (return so far); an episode whose first
 message is longer than the prompt width P is "too_long" (return 0, no tokens: it never starts). The stats:
-`episode_status` (counts by status), `episode_statuses` (per row), `env_episodes`, `env_turns` (total) and
+`episode_status` (counts by status), `episode_statuses`, `episode_turns` and `episode_info` (per row: status, turns,
+summed step counters), `env_episodes`, `env_turns` (total) and
 `env_turns_mean`, `env_policy_tokens`, `env_tokens`, `env_done`, `env_max_turns`, `env_truncated`,
 `env_too_long`, `env_errors`,
 `env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
@@ -176,6 +177,32 @@ def record_layout(plen_B: np.ndarray, used_B: np.ndarray, P: int, N: int) -> tup
   pos_BN = np.asarray(plen_B)[:, None] + np.arange(N)[None, :]
   seg_BN = np.arange(N)[None, :] < np.asarray(used_B)[:, None]
   return (np.concatenate([pos_BP, pos_BN], 1).astype(np.int32), np.concatenate([seg_BP, seg_BN], 1).astype(np.int32))
+
+
+def row_counters(status: Sequence[str], turns_B, mask_BN, env_mask_BN, ver_BN, info_B: Sequence[dict],
+                 declared: Sequence[str] = ()) -> dict:
+  """The episode counters of these rows (every row-level `env_*` stat: statuses, turns, tokens, version span, the
+  environment's step counters with its `declared` ones at 0 when absent), so a batch cut from a call that played
+  several learner steps' episodes (staged) reports each step's own."""
+  counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
+  policy_BN = np.asarray(mask_BN) > 0
+  ver_BN, turns_B = np.asarray(ver_BN), np.asarray(turns_B)
+  span_B = (np.where(policy_BN, ver_BN, -1).max(1, initial=-1)
+            - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30))
+  out = {"episode_status": counts, "env_episodes": len(status), "env_turns": int(turns_B.sum()),
+         "env_turns_mean": float(turns_B.mean()) if len(status) else 0.0,
+         "env_version_span_max": int(max(0, span_B.max(initial=0))),
+         "env_policy_tokens": int(policy_BN.sum()), "env_tokens": int(np.asarray(env_mask_BN).sum()),
+         "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
+         "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
+         "env_too_long": counts["too_long"],
+         "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"]}
+  sums = dict.fromkeys(declared, 0)
+  for info in info_B:
+    for k, v in info.items():
+      sums[k] = sums.get(k, 0) + v
+  out.update({f"env_{k}": v for k, v in sums.items() if f"env_{k}" not in out})
+  return out
 
 
 def merge_stats(stats: Sequence[dict]) -> dict:
@@ -379,7 +406,9 @@ class _Batch:
     # μ's top-k / Monte-Carlo candidates of every policy token, in the response layout (pad ids / 0 elsewhere)
     self.recs = {name: np.array(x) for name, x in behavior.init_records(B, N, self.samp_cfg).items()}
     self.turn_outputs: list[dict] = []
-    self.info_sums: dict[str, float] = {}
+    # each row's step counters (`info`); the environment's declared ones (`Env.counters`) are in every batch's stats
+    self.info_B: list[dict[str, float]] = [{} for _ in range(B)]
+    self.declared = tuple(getattr(next(iter(self.envs), None), "counters", ()))
     self.stop_set = set(self.tok.stop_ids)
     self.evicting = s.evict != "none"
     self.seg_starts: list[list[int]] = [[] for _ in range(B)]  # response columns where segments 2, 3, ... begin
@@ -478,7 +507,7 @@ class _Batch:
       return
     self.reward_B[b] += r
     for k, v in info.items():
-      self.info_sums[k] = self.info_sums.get(k, 0) + v
+      self.info_B[b][k] = self.info_B[b].get(k, 0) + v
     if done:
       self.status[b], self.live[b] = "done", False
       return
@@ -518,19 +547,10 @@ class _Batch:
       positions_BT, segment_ids_BT = evict_lib.segment_layout(positions_BT, segment_ids_BT, self.seg_starts, used_B, P)
       extra, sdcc_skipped = evict_lib.teacher_layout(self.pending, self.resp_BN, mask_BN, self.turn_BN, 2 * (P + N),
                                                      self.pad)
-    counts = {k: sum(1 for x in status if x == k) for k in EPISODE_STATUSES}
-    policy_BN = mask_BN > 0
-    span_B = (np.where(policy_BN, ver_BN, -1).max(1, initial=-1)
-              - np.where(policy_BN, ver_BN, 2**30).min(1, initial=2**30))
-    stats = {"episode_status": counts, "env_episodes": B, "env_turns": int(turns_B.sum()),
-             "env_turns_mean": float(turns_B.mean()) if B else 0.0,
-             "env_version_span_max": int(max(0, span_B.max(initial=0))), "env_prefills": turns.prefills,
-             "env_policy_tokens": int(mask_BN.sum()), "env_tokens": int(self.env_mask_BN.sum()),
-             "env_errors": counts["error"], "env_timeouts": counts["timeout"], "env_invalid": counts["invalid"],
-             "env_truncated": counts["truncated"], "env_done": counts["done"], "env_max_turns": counts["max_turns"],
-             "env_too_long": counts["too_long"],
-             "reward_errors": counts["error"] + counts["timeout"] + counts["invalid"],
-             "episode_statuses": tuple(status)}
+    info_B = tuple(dict(x) for x in self.info_B)
+    stats = {**row_counters(status, turns_B, mask_BN, self.env_mask_BN, ver_BN, info_B, self.declared),
+             "env_prefills": turns.prefills, "episode_statuses": tuple(status),
+             "episode_turns": tuple(int(x) for x in turns_B), "episode_info": info_B}
     if self.evicting:
       stats.update(env_evictions=self.n_evicted, env_copied_tokens=self.n_copied, env_sdcc_skipped=sdcc_skipped,
                    evict_segment_starts=tuple(tuple(x) for x in self.seg_starts))
@@ -538,7 +558,6 @@ class _Batch:
       stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps)
     if getattr(turns, "spec", None):  # speculative decoding: the turns' mean acceptance and tokens per call
       stats.update({k: float(np.mean([d[k] for d in turns.spec])) for k in turns.spec[0]})
-    stats.update({f"env_{k}": v for k, v in self.info_sums.items() if f"env_{k}" not in stats})
     if keep_turns:
       for rec in self.turn_outputs:  # `_play_refill`'s: a row not in turn t had ended, so its count is final
         if "_start" in rec:

@@ -62,7 +62,8 @@ def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], ve
                      call: int) -> list[Rollout]:
   """`sync_rollout` with an environment (`settings.env`): n seeds × G multi-turn episodes per step, all steps
   played together with the pinned snapshot v_b (`rollout.episodes`); seeds depend on (seed, step, call) only.
-  The first record's stats hold the call's environment counters (`env_*`), reward errors and sampler time."""
+  Each record's stats hold its own rows' episode counters (`episodes.row_counters`) and reward errors; the first
+  also the call's sampler counters and time."""
   s, gen = ctx.settings, ctx.gen
   G = s.group_size
   seeds = [x for t in steps for x in episodes.episode_seeds(s.seed, t, n, call)]
@@ -74,5 +75,18 @@ def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], ve
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
-  counters = [k for k in whole.stats if k.startswith("env_") or k in SAMPLER_STATS]  # + speculation's rates
-  return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *counters)
+  B, st = n * G, whole.stats
+  info_keys = tuple(sorted({k for info in st["episode_info"] for k in info}))  # reported by some row: 0 in the others
+  per_row = episodes.row_counters(st["episode_statuses"], st["episode_turns"], whole.mask_BN, whole.env_mask_BN,
+                                  whole.versions_BN, st["episode_info"], info_keys)
+  # the call's own counters (prefills, slot steps, speculation's rates, evictions) stay on its first batch; each
+  # batch's episode counters are its own rows' (staged plays a stage's steps in one call)
+  call_level = [k for k in st if (k.startswith("env_") or k in SAMPLER_STATS) and k not in per_row]
+  out = _per_step(whole, len(steps), B, G, version - v_b, time_gen, *call_level)
+  for i, ro in enumerate(out):
+    lo, hi = i * B, (i + 1) * B
+    mine = episodes.row_counters(st["episode_statuses"][lo:hi], st["episode_turns"][lo:hi], whole.mask_BN[lo:hi],
+                                 whole.env_mask_BN[lo:hi], whole.versions_BN[lo:hi], st["episode_info"][lo:hi],
+                                 info_keys)
+    out[i] = ro.replace(stats={**ro.stats, **mine})
+  return out
