@@ -16,7 +16,8 @@ Metrics per step include env_tool_calls / env_tool_malformed / env_tool_failed, 
 
 Sizes: the first message is 263–328 tokens with the system block (the 50-problem sample shipped in
 `jaxrl_llm/envs/data/`; `--config.env.kwargs.path=` takes a GSM8K JSONL, e.g. the full train file), so
-`env.prompt_width=336`. A 135M model rarely solves GSM8K problems: this config shows the loop, not a result.
+`env.prompt_width=336`. Held-out success before and after RL: `python -m experiments.agent_real` (docs/RESULTS.md);
+a 135M model rarely solves GSM8K problems or calls the tool unprompted, so this config shows the loop, not a result.
 """
 
 import pathlib
@@ -30,7 +31,8 @@ def get_config():
   c = load_file(pathlib.Path(__file__).with_name("smollm2_grpo.py"))
   c.env = ml_collections.ConfigDict()
   c.env.name = "gsm8k_calculator"
-  c.env.kwargs = ml_collections.ConfigDict({"max_tool_calls": 4})
+  # heldout: the sample's last 10 problems are the held-out evaluation's only (training never draws them)
+  c.env.kwargs = ml_collections.ConfigDict({"max_tool_calls": 4, "heldout": 10})
   c.env.max_turns = 4  # up to 3 tool calls and an answer
   c.env.turn_tokens = 96  # one tool call is ~30 tokens; an answer with its reasoning more
   c.env.max_episode_tokens = 512  # policy + tool tokens of the whole episode
@@ -41,6 +43,7 @@ def get_config():
   c.sampler.temperature = 0.7
   c.rollout.prompts_per_step = 2
   c.rollout.group_size = 4
-  c.eval.every = 0  # no held-out episode evaluation in this config
   c.num_steps = 20
+  c.eval.every = 20  # held-out success before RL and at the end (eval_episode_success; experiments/agent_real.py)
+  c.eval.num_prompts = 10  # greedy episodes: each held-out problem once
   return c

@@ -710,3 +710,18 @@ def test_lora_real_table_says_which_arm_learns():
   assert rows["| lora"].endswith("| no |") and rows["| full"].endswith("| yes |")  # seed 1 gained only 0.02
   assert "0.410 ± 0.190 (n=2)" in rows["| lora"] and "| 7.00 |" in rows["| full"]
   assert "| lora seed 0 | 0.200 → 0.600 | 10.0 | 3.50 | 0.5→1.5 |" in text and "| not recorded |" in text
+
+
+def test_agent_real_table_says_whether_the_agent_learns():
+  """experiments.agent_real's table: held-out success before/after over seeds, 'learns' only when every seed gains
+  past the margin; a run that did not finish is left out; with none finished the table says so."""
+  from experiments import agent_real
+  run = lambda seed, a, b: {"seed": seed, "success_start": a, "success_end": b, "turns_start": 1.0, "turns_end": 1.5,
+                            "reward_first": 0.1, "reward_last": 0.2, "tool_calls_first": 0.0, "tool_calls_last": 0.25,
+                            "step_s_median": 70.0, "loadavg": [1.0, 2.0]}
+  text = agent_real.table([run(0, 0.1, 0.3), run(1, 0.1, 0.12), {"seed": 2, "error": "OSError"}], heldout=10)
+  rows = [line for line in text.splitlines() if line.startswith("| 10 ")]
+  assert len(rows) == 1 and rows[0].endswith("| no |") and "0.210 ± 0.090 (n=2)" in rows[0]
+  assert "| 0 | 0.100 → 0.300 | 1.00 → 1.50 | 0.100 → 0.200 | 0.00 → 0.25 | 70.0 | 1.0→2.0 |" in text
+  assert agent_real.table([run(0, 0.0, 0.1)], heldout=10).splitlines()[2].endswith("| yes |")
+  assert agent_real.table([{"seed": 0, "error": "x"}], heldout=10).startswith("No run finished")

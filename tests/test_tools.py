@@ -160,6 +160,18 @@ def test_gsm8k_calculator_env(tmp_path):
   assert len({a.reset(s) for s in range(20)}) > 5
 
 
+def test_gsm8k_calculator_heldout_problems_are_the_evaluations_only():
+  from jaxrl_llm.episode_eval import eval_seeds
+  env = envs.get("gsm8k_calculator", heldout=10)
+  questions = [q for q, _ in env.rows]
+  train = {questions.index(env.reset(s).rsplit(" Use the calculator", 1)[0]) for s in range(2000)}
+  held = [questions.index(env.reset(s).rsplit(" Use the calculator", 1)[0]) for s in eval_seeds(12)]
+  assert train == set(range(40)) and held == [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 40, 41]
+  assert env.answer == env.rows[41][1]
+  with pytest.raises(ValueError, match="heldout=50: must be in"):
+    envs.get("gsm8k_calculator", heldout=50)
+
+
 def test_tool_schema_without_transformers_names_the_extra(monkeypatch):
   import sys
   monkeypatch.setitem(sys.modules, "transformers.utils", None)  # `from transformers.utils import ...` fails

@@ -9,7 +9,9 @@ result comes back as a tool message) or answers; the answer is scored by the mat
 
 `calculator(expression)` evaluates numbers (decimals allowed), + - * /, unary minus and parentheses
 exactly (fractions), with a recursive-descent parser bounded in length, depth and digits: the policy's
-text is never `eval`ed. `sandbox` (True, or `envs.sandbox.Limits` fields, e.g. `env.kwargs.sandbox={"cpu_s": 2}`) runs
+text is never `eval`ed. `heldout` > 0: the file's last `heldout` problems are played only by the held-out
+evaluation's seeds (>= 2**31, in order: evaluation episode i plays problem i mod `heldout`), the others only by
+training seeds, so an evaluation measures problems the policy never trained on. `sandbox` (True, or `envs.sandbox.Limits` fields, e.g. `env.kwargs.sandbox={"cpu_s": 2}`) runs
 each call in a limited process of its own (`envs.sandbox`); the parser's own bounds make that a demonstration here.
 """
 
@@ -29,6 +31,9 @@ from jaxrl_llm.tasks import math_answer
 from jaxrl_llm.tasks.math_data import load_rows
 
 DEFAULT_PATH = pathlib.Path(__file__).with_name("data") / "gsm8k_sample.jsonl"
+# The held-out evaluation's seeds start here (`episode_eval.EVAL_SEED_BASE`; training and demonstration seeds lie
+# below): with `heldout` > 0 they play the file's last problems, which no training seed draws.
+HELDOUT_SEED_BASE = 2**31
 INSTRUCTION = ("Use the calculator tool for arithmetic. When you know the answer, reply without a tool call and "
                "end with the final answer after \"####\".")
 MAX_EXPRESSION_CHARS = 200
@@ -129,14 +134,22 @@ def calculator(expression: str) -> str:
 class GSM8KCalculator(ToolEnv):
   """The environment of the module docstring."""
 
-  def __init__(self, path: str = "", max_tool_calls: int = 4, instruction: str = INSTRUCTION, sandbox: Any = None):
+  def __init__(self, path: str = "", max_tool_calls: int = 4, instruction: str = INSTRUCTION, sandbox: Any = None,
+               heldout: int = 0):
     super().__init__([calculator], max_tool_calls=max_tool_calls, sandbox=sandbox)
     self.rows, _ = load_rows("gsm8k", os.fspath(path) or str(DEFAULT_PATH))
+    if not 0 <= heldout < len(self.rows):
+      raise ValueError(f"heldout={heldout}: must be in [0, {len(self.rows)}) (the file has {len(self.rows)} problems)")
+    self.heldout = heldout
     self.instruction = instruction
     self.answer = None
 
   def first_message(self, seed: int) -> str:
-    question, self.answer = self.rows[int(np.random.default_rng(seed).integers(len(self.rows)))]
+    seed, n_train = int(seed), len(self.rows) - self.heldout
+    if self.heldout and seed >= HELDOUT_SEED_BASE:  # an evaluation seed: the held-out problems, in order
+      question, self.answer = self.rows[n_train + (seed - HELDOUT_SEED_BASE) % self.heldout]
+      return f"{question} {self.instruction}" if self.instruction else question
+    question, self.answer = self.rows[int(np.random.default_rng(seed).integers(n_train))]
     return f"{question} {self.instruction}" if self.instruction else question
 
   def score(self, answer_text: str) -> float:
