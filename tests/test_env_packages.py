@@ -277,14 +277,20 @@ def test_reasoning_gym_episode_in_the_runner(gen_params):
   assert r.stats["env_errors"] == 0 and r.env_mask_BN.sum() == 0  # no observation after the last step
 
 
-def test_agent_textarena_tiny_config_fits():
-  """configs/agent_textarena_tiny.py validates, and its first message fits its prompt bucket (BOS included)."""
+@pytest.mark.parametrize("name", ["agent_textarena_tiny", "agent_reasoning_gym_tiny"])
+def test_shipped_package_configs_fit(name):
+  """configs/agent_textarena_tiny.py and agent_reasoning_gym_tiny.py validate, and their first messages fit their
+  prompt buckets (BOS included)."""
   import pathlib
   from jaxrl_llm.config import load_file, validate
-  c = load_file(pathlib.Path(__file__).parents[1] / "configs" / "agent_textarena_tiny.py")
+  c = load_file(pathlib.Path(__file__).parents[1] / "configs" / f"{name}.py")
   validate(c)
-  first = envs.get(c.env.name, **c.env.kwargs.to_dict()).reset(0)
-  assert len(CHAR_ENCODER.prompt_ids(first)) <= c.env.prompt_width
+  env = envs.get(c.env.name, **c.env.kwargs.to_dict())
+  assert max(len(CHAR_ENCODER.prompt_ids(env.reset(seed))) for seed in range(64)) <= c.env.prompt_width
+  if name == "agent_reasoning_gym_tiny":  # the character model can write every answer: digits, scored exactly
+    env.reset(1)
+    answer = env.item["answer"]
+    assert answer.isdigit() and env.step(answer) == ("", 1.0, True)
 
 
 # --- the single-turn task
