@@ -79,7 +79,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
     r.ctx.gen.drafter.params = sampler_drafter(r, extra["drafter"].params)
   writes = multiprocess.is_writer()  # process 0 writes the run's files; every process checkpoints
   if restored is not None and writes:
-    metrics_lib.truncate_after(os.path.join(workdir, "metrics.jsonl"), start - 1)
+    for name in ("metrics.jsonl", metrics_lib.TIMELINE):
+      metrics_lib.truncate_after(os.path.join(workdir, name), start - 1)
   if writes:
     with open(os.path.join(workdir, "config.json"), "w") as f:  # after the resume check: never the old run's
       f.write(c.to_json_best_effort(indent=2, sort_keys=True))
@@ -106,6 +107,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
       row["time_step_s"] = time.perf_counter() - t_step
       row = multiprocess.reduce_times(row)  # several processes: the slowest one's timings; the rest agrees already
       writer.write(row)
+      writer.timeline(t, ro.stat("timeline", []))  # the harness's episodes, event by event (timeline.jsonl)
       rows.append(row)
       if on_step is not None:
         on_step(row, store)

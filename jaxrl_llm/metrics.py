@@ -64,6 +64,9 @@ def _summary_writer_class():
   return SummaryWriter
 
 
+TIMELINE = "timeline.jsonl"  # per-episode event timelines beside metrics.jsonl (`MetricsWriter.timeline`)
+
+
 class MetricsWriter:
   """Appends metric rows to DIR/metrics.jsonl and (optionally) TensorBoard events beside it."""
 
@@ -71,6 +74,7 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._f = open(self.path, "a", encoding="utf-8")
+    self._timeline = None
     self._tb = None
     if tensorboard:
       self._tb = _summary_writer_class()(os.path.join(workdir, "tb"))
@@ -85,8 +89,21 @@ class MetricsWriter:
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, step)
 
+  def timeline(self, step: int, entries: list[dict]) -> None:
+    """Appends one line per entry (an episode's event timeline, the harness source's) to DIR/timeline.jsonl, each
+    with the `step` that consumed it; the file is made on the first entries."""
+    if not entries:
+      return
+    if self._timeline is None:
+      self._timeline = open(os.path.join(os.path.dirname(self.path), TIMELINE), "a", encoding="utf-8")
+    for e in entries:
+      self._timeline.write(json.dumps(json_safe({"step": step, **e}), sort_keys=True, allow_nan=False) + "\n")
+    self._timeline.flush()
+
   def close(self) -> None:
     self._f.close()
+    if self._timeline is not None:
+      self._timeline.close()
     if self._tb is not None:
       self._tb.close()
 

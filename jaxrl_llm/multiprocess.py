@@ -53,6 +53,9 @@ class NullWriter:
   def write(self, row) -> None:
     del row
 
+  def timeline(self, step, entries) -> None:
+    del step, entries
+
   def close(self) -> None:
     pass
 

@@ -115,6 +115,13 @@ def test_openai_client_tool_call_episode_records_the_served_ids(chat_tok):
     np.testing.assert_allclose(call.logprobs, logp, rtol=0, atol=1e-6)
     np.testing.assert_allclose(logp, -0.1 * (np.arange(len(ids)) + 1), rtol=0, atol=1e-6)  # the sampler's μ
   assert ep.calls[0].completion_ids == script[0] and ep.calls[1].completion_ids == script[1]
+  # the episode's timeline: its calls in order (the tool call served, then the tool result carried), its reward
+  ev = ep.events
+  assert [e["event"] for e in ev] == ["call", "call", "reward"] and all(a["t"] <= b["t"] for a, b in zip(ev, ev[1:]))
+  assert ev[0] | {"t": 0} == {"t": 0, "event": "call", "route": "chat", "version": 0, "extended": False,
+                              "prompt_tokens": len(served[0][0]), "completion_tokens": len(script[0]),
+                              "finish": "stop", "tool_calls": 1, "tool_results": 0}
+  assert (ev[1]["extended"], ev[1]["tool_calls"], ev[1]["tool_results"]) == (True, 0, 1) and ev[2]["reward"] == 1.0
   # turn 1: the chat template's first prompt; turn 2: turn 1's ids + served ids + the tool message's delta
   first = tok.chat_ids([{"role": "system", "content": _tools_block()}, msgs[0]], add_generation_prompt=True)
   assert ep.calls[0].prompt_ids == first
@@ -135,6 +142,10 @@ def test_openai_client_tool_call_episode_records_the_served_ids(chat_tok):
   np.testing.assert_allclose(row["behavior_logp_N"][row["mask_N"] > 0], served[0][2] + served[1][2], atol=1e-6)
   np.testing.assert_array_equal(row["env_mask_N"][:n1 + len(delta) + n2], 1 - want_mask[:n1 + len(delta) + n2])
   assert list(row["sequence_T"][P - len(first):P]) == first and row["segment_ids_T"][P - len(first) - 1] == 0
+
+
+def _call(call_id):
+  return {"id": call_id, "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
 
 
 def _tools_block():
@@ -272,6 +283,51 @@ def test_unknown_and_ended_episodes(chat_tok):
   finally:
     svc.close()
   assert sampler.calls == 1
+
+
+@pytest.mark.parametrize("messages,error", [
+    ([{"role": "tool", "content": "7"}], "messages[0] is a 'tool' message that answers no assistant"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "7"}],
+     "messages[2] is a 'tool' message"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [_call("c1"), _call("c2")]},
+      {"role": "tool", "tool_call_id": "c1", "content": "7"}, {"role": "user", "content": "and?"}],
+     "messages[1]'s tool calls ['c2'] are not all answered before messages[3]"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [_call("c1")]},
+      {"role": "tool", "tool_call_id": "zz", "content": "7"}],
+     "messages[2].tool_call_id='zz' answers no open tool call of messages[1]"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [_call("c1")]}],
+     "the conversation ends with them"),
+])
+def test_a_call_that_is_no_valid_conversation_is_refused_and_its_episode_dropped(chat_tok, messages, error):
+  """Issue 48: OpenAI's tool-turn rules (`chat.conversation_error`); the call gets a 400 naming what is wrong, the
+  episode is marked invalid (its timeline says why) and `group_from_episodes` drops it as `invalid`."""
+  svc, sampler = stub_service(chat_tok, [chat_tok.encode("1") + [chat_tok.end_of_turn_id]])
+  try:
+    ok = httpx.post(svc.base_url + "/v1/chat/completions", json={**_CHAT, "user": "e"}, timeout=HANG)
+    r = httpx.post(svc.base_url + "/v1/chat/completions", json={**_CHAT, "messages": messages, "user": "e"},
+                   timeout=HANG)
+    httpx.post(svc.base_url + "/v1/episodes/e/reward", json={"reward": 1.0}, timeout=HANG).raise_for_status()
+    ep = svc.recorder.pop("e")
+  finally:
+    svc.close()
+  assert ok.status_code == 200 and sampler.calls == 1
+  assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_conversation", r.text
+  assert error in r.json()["error"]["message"] and ep.invalid == r.json()["error"]["message"]
+  assert [e["event"] for e in ep.events] == ["call", "invalid", "reward"]
+  status = [None]
+  group = harness_source.group_from_episodes([ep], status, P=32, N=32, pad_id=0, version=0)
+  assert status == ["invalid"] and group.stats["serve_invalid"] == 1 and group.mask_BN.sum() == 0
+  assert group.stats["timeline"][0]["status"] == "invalid"
+
+
+def test_valid_tool_conversations_pass():
+  from jaxrl_llm.serve import chat
+  user, tool = {"role": "user", "content": "q"}, lambda i: {"role": "tool", "tool_call_id": i, "content": "7"}
+  assert chat.conversation_error([user]) is None
+  assert chat.conversation_error([user, {"role": "assistant", "tool_calls": [_call("a"), _call("b")]}, tool("b"),
+                                  tool("a"), {"role": "assistant", "content": "14"}, user]) is None
+  unnamed = {"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]}
+  assert chat.conversation_error([user, unnamed, {"role": "tool", "content": "7"}]) is None  # ids not given
 
 
 def test_a_failing_sampler_is_an_openai_error_and_the_server_goes_on(chat_tok):
@@ -425,6 +481,14 @@ def test_harness_run_trains_two_steps(tmp_path, slots, drafter):
     assert r["serve_episodes"] == 8 and r["serve_failed"] == r["serve_errors"] == 2
     assert r["mismatch_abs_max"] < 1e-5  # π_old recomputed at each token's version equals the served μ
   assert sum(r["updates_applied"] for r in rows) >= 1
+  # timeline.jsonl: each consumed episode's events in order, with the step that consumed it
+  timeline = [json.loads(line) for line in (wd / "timeline.jsonl").read_text().splitlines()]
+  assert sorted(e["step"] for e in timeline) == [0] * 8 + [1] * 8
+  assert sum(e["status"] == "errors" for e in timeline) == 4 and {e["status"] for e in timeline} == {"ok", "errors"}
+  for e in timeline:
+    kinds = [x["event"] for x in e["events"]]
+    assert kinds == (["call", "call", "reward"] if e["status"] == "ok" else []), e  # g3 raises before calling
+    assert all(a["t"] <= b["t"] for a, b in zip(e["events"], e["events"][1:])), e
   if drafter:
     assert all(r["spec_drafter_kl"] > 0 for r in rows)
 

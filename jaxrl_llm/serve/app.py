@@ -273,9 +273,9 @@ async def _complete(ep: Endpoint, episode_id: str, prompt: list[int], max_tokens
                    f"{str(e)[:300]}", None, "sampler_error", "server_error") from None
 
 
-def _record(ep: Endpoint, episode_id: str, prompt: list[int], c: Completion, turn=None) -> None:
+def _record(ep: Endpoint, episode_id: str, prompt: list[int], c: Completion, turn=None, **event) -> None:
   try:
-    ep.recorder.record(episode_id, Call(prompt, c.ids, c.logprobs, c.version, turn))
+    ep.recorder.record(episode_id, Call(prompt, c.ids, c.logprobs, c.version, turn), finish=c.finish_reason, **event)
   except (UnknownEpisode, EpisodeEnded) as e:  # ended while sampling: the call is answered, not recorded
     del e
 
@@ -289,6 +289,16 @@ def _chat_logprobs(ep: Endpoint, c: Completion, as_ids: bool) -> dict:
   entry = lambda t, lp: {"token": name(t), "logprob": lp, "bytes": list(name(t).encode())}
   return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in (c.top[n] if c.top else [])]}
                       for n, (t, lp) in enumerate(zip(c.ids, c.logprobs))]}
+
+
+def _tool_results(messages: list[dict]) -> int:
+  """Tool messages after the conversation's last assistant message: the tool results this call carries (timeline)."""
+  n = 0
+  for m in reversed(messages):
+    if m["role"] == "assistant":
+      break
+    n += m["role"] == "tool"
+  return n
 
 
 def _usage(n_prompt: int, n_completion: int) -> dict:
@@ -312,15 +322,21 @@ async def chat_completions(ep: Endpoint, body: dict, episode_header: str | None)
                    "episode_not_found") from None
   except EpisodeEnded as e:
     raise ApiError(409, str(e), _id_param(episode_header), "episode_ended") from None
+  bad = chat.conversation_error(messages)
+  if bad is not None:  # the episode's calls no longer form a conversation: it is dropped (`serve_invalid`)
+    ep.recorder.invalidate(episode_id, bad)
+    raise ApiError(400, bad, "messages", "invalid_conversation")
   try:
-    prompt, _ = chat.prompt_ids(ep.encoder, messages, tools, history)
+    prompt, extended = chat.prompt_ids(ep.encoder, messages, tools, history)
   except ValueError as e:  # a template that cannot render these messages / tools
     raise ApiError(400, f"the messages cannot be rendered: {str(e)[:300]}", "messages", "invalid_value") from None
   _check_context(ep, len(prompt), max_tokens)
   c = await _complete(ep, episode_id, prompt, max_tokens, top, _id_param(episode_header))
   text = ep.encoder.tokenizer.decode(_without_stop(ep, c.ids))
   message, called = chat.assistant_message(text, tools)
-  _record(ep, episode_id, prompt, c, chat.served_turn(messages, message, prompt, c.ids, c.finish_reason == "stop"))
+  _record(ep, episode_id, prompt, c, chat.served_turn(messages, message, prompt, c.ids, c.finish_reason == "stop"),
+          route="chat", extended=extended, tool_results=_tool_results(messages),
+          tool_calls=len(message.get("tool_calls") or []))
   choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if called else c.finish_reason,
             "logprobs": _chat_logprobs(ep, c, bool(body.get("return_tokens_as_token_ids"))) if want_lp else None}
   resp = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -352,7 +368,7 @@ async def completions(ep: Endpoint, body: dict, episode_header: str | None) -> d
   episode_id = _episode_id(body, episode_header)
   _check_context(ep, len(prompt), max_tokens)
   c = await _complete(ep, episode_id, prompt, max_tokens, lp_n or 0, _id_param(episode_header))
-  _record(ep, episode_id, prompt, c)
+  _record(ep, episode_id, prompt, c, route="completions")
   choice = {"index": 0, "text": ep.encoder.tokenizer.decode(_without_stop(ep, c.ids)),
             "finish_reason": c.finish_reason, "logprobs": None}
   if lp_n is not None:
@@ -384,7 +400,7 @@ async def generate(ep: Endpoint, body: dict, episode_header: str | None) -> dict
     c = dataclasses.replace(c, ids=c.ids[:cut], logprobs=c.logprobs[:cut], finish_reason="stop")
   elif cut is not None:
     c = dataclasses.replace(c, finish_reason="stop")
-  _record(ep, episode_id, prompt, c)
+  _record(ep, episode_id, prompt, c, route="generate")
   lp = {"content": [{"token": f"token_id:{t}", "logprob": x} for t, x in zip(c.ids, c.logprobs)]}
   return {"id": f"gen-{uuid.uuid4().hex}", "object": "generate", "created": int(time.time()),
           "model": ep.limits.model_name, "prompt_token_ids": prompt,

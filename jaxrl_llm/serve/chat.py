@@ -40,6 +40,34 @@ def canonical(message: dict) -> tuple:
   return (message.get("role"), message.get("content") or "", tuple(calls))
 
 
+def conversation_error(messages: Sequence[dict]) -> str | None:
+  """Why `messages` is not a valid conversation (OpenAI's rules for tool turns), or None: a `tool` message answers
+  a tool call of the assistant message before it (its `tool_call_id`, when given, one of that message's call ids),
+  and an assistant message's tool calls are all answered before the next user, system or assistant message."""
+  pending: dict | None = None  # the open tool block: {"at": index, "ids": unanswered ids (None: unnamed calls)}
+  for i, m in enumerate(messages):
+    role = m["role"]
+    if role == "tool":
+      if pending is None:
+        return f"messages[{i}] is a 'tool' message that answers no assistant message's tool_calls"
+      tid = m.get("tool_call_id")
+      if pending["ids"] is not None and tid is not None:
+        if tid not in pending["ids"]:
+          return f"messages[{i}].tool_call_id={tid!r} answers no open tool call of messages[{pending['at']}]"
+        pending["ids"].discard(tid)
+      continue
+    if pending is not None and pending["ids"]:
+      return (f"messages[{pending['at']}]'s tool calls {sorted(pending['ids'])} are not all answered before "
+              f"messages[{i}]")
+    pending = None
+    if role == "assistant" and m.get("tool_calls"):
+      ids = [t.get("id") for t in m["tool_calls"]]
+      pending = {"at": i, "ids": set(ids) if all(isinstance(x, str) for x in ids) else None}
+  if pending is not None and pending["ids"] and len(messages) - 1 == pending["at"]:
+    return f"messages[{pending['at']}]'s tool calls are not answered (the conversation ends with them)"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Turn:
   """An earlier call of the episode as the next call may extend it: its messages plus the served assistant

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -39,10 +40,15 @@ class Call:
 
 @dataclasses.dataclass
 class Episode:
+  """An episode's served calls, reward, why it is invalid (None: valid) and its timeline: `events`, one dict per
+  thing that happened to it in order, `t` seconds after it opened (`Recorder.note`)."""
   id: str
   calls: list[Call] = dataclasses.field(default_factory=list)
   reward: float | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  invalid: str | None = None
+  events: list[dict] = dataclasses.field(default_factory=list)
+  t0: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class UnknownEpisode(KeyError):
@@ -91,17 +97,34 @@ class Recorder:
     with self._lock:
       return [c.turn for c in ep.calls if c.turn is not None]
 
-  def record(self, episode_id: str, call: Call) -> None:
+  def record(self, episode_id: str, call: Call, **event) -> None:
+    """Appends a served call (and its `event` details to the timeline)."""
     ep = self.get(episode_id)
     with self._lock:
       ep.calls.append(call)
+      self._note(ep, "call", version=call.version, prompt_tokens=len(call.prompt_ids),
+                 completion_tokens=len(call.completion_ids), **event)
 
   def reward(self, episode_id: str, reward: float) -> None:
     """Ends the episode with `reward` (an episode never called is unknown, even with `auto_open`)."""
     ep = self.get(episode_id, may_open=False)
     with self._lock:
       ep.reward = float(reward)
+      self._note(ep, "reward", reward=float(reward))
     ep.done.set()
+
+  def invalidate(self, episode_id: str, reason: str) -> None:
+    """Marks an open episode invalid (its calls do not form a valid conversation): the harness source drops it. An
+    unknown or ended id is left alone (the refused call says why)."""
+    with self._lock:
+      ep = self._episodes.get(episode_id)
+      if ep is not None and not ep.done.is_set():
+        ep.invalid = ep.invalid or reason
+        self._note(ep, "invalid", reason=reason)
+
+  @staticmethod
+  def _note(ep: Episode, kind: str, **detail) -> None:
+    ep.events.append({"t": round(time.monotonic() - ep.t0, 6), "event": kind, **detail})
 
   def pop(self, episode_id: str) -> Episode | None:
     """Removes the episode (finished or not) and returns it; None when it is unknown."""

@@ -19,9 +19,15 @@ working directory): an overrun is killed, not left behind as a thread, and a sto
 in each episode's process).
 
 Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`,
-`serve_no_reward`, `serve_too_long`, `serve_killed`), `serve_split` (episodes whose calls did not extend each other, packed one
+`serve_no_reward`, `serve_too_long`, `serve_killed`, `serve_invalid`), `serve_split` (episodes whose calls did not extend each other, packed one
 segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous batch),
 `serve_calls` (calls served since then), plus async's `async_*` counters.
+
+An episode with a chat call whose messages do not form a valid conversation (a tool message answering no tool
+call, tool calls left unanswered: `serve.chat.conversation_error`; that call gets a 400) is dropped, counted
+`serve_invalid`. Every episode's timeline (its calls in order with route, version, token counts, finish reason, tool
+calls served and tool results carried, then its reward or why it is invalid; `t` in seconds after it opened) goes to
+`timeline.jsonl` beside the metrics, one line per episode with the step that consumed it.
 
 Checkpoint state is minimal: the request-id cursor (the seed counter) only. Episodes in flight or buffered at a
 checkpoint are not saved; a resumed run starts new requests after the cursor.
@@ -45,7 +51,7 @@ from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
 from jaxrl_llm.tasks.reward import interrupt_thread
 
-FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long", "killed")
+FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long", "killed", "invalid")
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -142,6 +148,8 @@ def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_
   rows = []
   for i, ep in enumerate(episodes):
     row = None
+    if status[i] is None and ep is not None and ep.invalid is not None:
+      status[i] = "invalid"
     if status[i] is None and (ep is None or ep.reward is None or not ep.calls):
       status[i] = "no_reward"
     if status[i] is None:
@@ -161,7 +169,10 @@ def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_
   G = len(episodes)
   stats = {"serve_episodes": G, "serve_failed": sum(s is not None for s in status),
            "serve_split": sum(bool(r["split"]) for r in rows if r is not None),
-           **{f"serve_{k}": sum(s == k for s in status) for k in FAIL_KINDS}}
+           **{f"serve_{k}": sum(s == k for s in status) for k in FAIL_KINDS},
+           "timeline": [{"episode": getattr(ep, "id", None), "status": status[i] or "ok",
+                         "reward": getattr(ep, "reward", None), "invalid": getattr(ep, "invalid", None),
+                         "events": list(getattr(ep, "events", []))} for i, ep in enumerate(episodes)]}
   return Rollout(sequence_BT=stack("sequence_T"), positions_BT=stack("positions_T"),
                  segment_ids_BT=stack("segment_ids_T"), mask_BN=stack("mask_N"),
                  behavior_logp_BN=stack("behavior_logp_N"), versions_BN=stack("versions_N"),
@@ -248,7 +259,8 @@ class Harness:
         time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
         async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.ctx.settings.lag + 1).tolist(),
-        request_ids=sorted({int(g.stat("request_id")) for g in groups}))
+        request_ids=sorted({int(g.stat("request_id")) for g in groups}),
+        timeline=[{"request_id": int(g.stat("request_id")), **e} for g in groups for e in g.stat("timeline", [])])
 
   def state(self) -> dict:
     """The request-id cursor only (module docstring): episodes in flight are not saved."""
