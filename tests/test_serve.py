@@ -527,6 +527,37 @@ def test_failed_harness_costs_its_episode_only(chat_tok):
   np.testing.assert_array_equal(group.versions_BN, [[3] * 4] + [[2] * 4] * 3)  # the call's, else the admitted one
 
 
+def test_an_episode_past_its_deadline_is_closed_and_its_late_calls_get_408(chat_tok):
+  """Issue 48: `serve.timeout_s` is a deadline per episode: the overrunning episode is a timeout, closed as expired,
+  so a late call or reward for it gets a 408 (an episode that merely never reported a reward is unknown: 404)."""
+  svc, sampler = stub_service(chat_tok, script=[], auto_open=False)
+  release = threading.Event()
+
+  def harness(base_url, episode_id, seed):
+    del base_url, seed
+    if "-g1-" in episode_id:
+      release.wait(HANG)
+
+  try:
+    gen = types.SimpleNamespace(seed=0, encoder=Encoder(chat_tok, "auto"))
+    s = ServeSettings(harness="x:y", timeout_s=1.0, max_context=64, prompt_width=32)
+    rollout = harness_source.make_harness_rollout(gen, svc, harness, s, group_size=2)
+    group = rollout(types.SimpleNamespace(version=0), 0)
+    release.set()
+    late, silent = [e["episode"] for e in sorted(group.stats["timeline"], key=lambda e: e["episode"])[::-1]]
+    assert [e["status"] for e in group.stats["timeline"]] == ["no_reward", "timeouts"]
+    r = httpx.post(svc.base_url + "/v1/chat/completions", json={**_CHAT, "user": late}, timeout=HANG)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "episode_timed_out", r.text
+    r = httpx.post(f"{svc.base_url}/v1/episodes/{late}/reward", json={"reward": 1.0}, timeout=HANG)
+    assert r.status_code == 408 and r.json()["error"]["param"] == "episode_id"
+    r = httpx.post(svc.base_url + "/v1/chat/completions", json={**_CHAT, "user": silent}, timeout=HANG)
+    assert r.status_code == 404
+  finally:
+    release.set()
+    svc.close()
+  assert sampler.calls == 0
+
+
 def test_harness_source_state_is_the_request_cursor():
   ctx = types.SimpleNamespace(settings=types.SimpleNamespace(serve=ServeSettings(harness=f"{__name__}:short_harness")))
   src = harness_source.Harness(ctx, store=None)

@@ -18,8 +18,8 @@ logit bias, streaming, stop strings, `n` > 1 and the `UNSERVED` fields (best_of,
 stop_token_ids but on the token-in route, response_format and guided decoding, tool_choice other than "auto",
 echo, suffix, continue_final_message) are refused with a 400 naming the field. Bad input gets an OpenAI-style
 error `{"error": {"message", "type", "param", "code"}}` (400 malformed or refused, 404 unknown model, episode or
-route, 405 a wrong method, 409 an ended episode) before anything is queued for the sampler. The completion ids
-include the stop id the sampler drew (it is trained on).
+route, 405 a wrong method, 409 an ended episode, 408 one closed at its deadline) before anything is queued for the
+sampler. The completion ids include the stop id the sampler drew (it is trained on).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxrl_llm.serve import chat
 from jaxrl_llm.serve.batcher import TOPK, Batcher, Completion
-from jaxrl_llm.serve.recorder import Call, EpisodeEnded, Recorder, UnknownEpisode
+from jaxrl_llm.serve.recorder import Call, EpisodeEnded, EpisodeExpired, Recorder, UnknownEpisode
 from jaxrl_llm.tasks.encoder import Encoder
 
 _MISSING = object()
@@ -265,7 +265,7 @@ async def _complete(ep: Endpoint, episode_id: str, prompt: list[int], max_tokens
   except UnknownEpisode:
     raise ApiError(404, f"unknown episode {episode_id!r}", id_param, "episode_not_found") from None
   except EpisodeEnded as e:
-    raise ApiError(409, str(e), id_param, "episode_ended") from None
+    raise _ended(e, id_param) from None
   try:
     return await asyncio.wrap_future(ep.batcher.submit(prompt, max_tokens, top))
   except Exception as e:  # pylint: disable=broad-except  # the sampler failed or the server is stopping
@@ -289,6 +289,14 @@ def _chat_logprobs(ep: Endpoint, c: Completion, as_ids: bool) -> dict:
   entry = lambda t, lp: {"token": name(t), "logprob": lp, "bytes": list(name(t).encode())}
   return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in (c.top[n] if c.top else [])]}
                       for n, (t, lp) in enumerate(zip(c.ids, c.logprobs))]}
+
+
+def _ended(e: EpisodeEnded, param: str | None) -> ApiError:
+  """A call or reward for an episode that is over: 409 when its reward was reported, 408 when it overran
+  `serve.timeout_s` and was closed."""
+  if isinstance(e, EpisodeExpired):
+    return ApiError(408, str(e), param, "episode_timed_out")
+  return ApiError(409, str(e), param, "episode_ended")
 
 
 def _tool_results(messages: list[dict]) -> int:
@@ -321,7 +329,7 @@ async def chat_completions(ep: Endpoint, body: dict, episode_header: str | None)
     raise ApiError(404, f"unknown episode {episode_id!r}", _id_param(episode_header),
                    "episode_not_found") from None
   except EpisodeEnded as e:
-    raise ApiError(409, str(e), _id_param(episode_header), "episode_ended") from None
+    raise _ended(e, _id_param(episode_header)) from None
   bad = chat.conversation_error(messages)
   if bad is not None:  # the episode's calls no longer form a conversation: it is dropped (`serve_invalid`)
     ep.recorder.invalidate(episode_id, bad)
@@ -417,7 +425,7 @@ def report_reward(ep: Endpoint, episode_id: str, body: dict) -> dict:
   except UnknownEpisode:
     raise ApiError(404, f"unknown episode {episode_id!r}", "episode_id", "episode_not_found") from None
   except EpisodeEnded as e:
-    raise ApiError(409, str(e), "episode_id", "episode_ended") from None
+    raise _ended(e, "episode_id") from None
   return {"episode_id": episode_id, "reward": float(r)}
 
 

@@ -51,12 +51,19 @@ class Episode:
   t0: float = dataclasses.field(default_factory=time.monotonic)
 
 
+EXPIRED_KEPT = 100_000  # expired ids remembered (a few MB): older ones are answered as unknown (404)
+
+
 class UnknownEpisode(KeyError):
   """No open episode has this id."""
 
 
 class EpisodeEnded(ValueError):
   """The episode's reward was already reported: no more calls or rewards."""
+
+
+class EpisodeExpired(EpisodeEnded):
+  """The episode overran its time limit (`serve.timeout_s`) and was closed: later calls are refused (408)."""
 
 
 class TooLong(ValueError):
@@ -70,6 +77,7 @@ class Recorder:
   def __init__(self, auto_open: bool = True):
     self.auto_open = auto_open
     self._episodes: dict[str, Episode] = {}
+    self._expired: dict[str, None] = {}  # ids closed at their deadline (insertion-ordered; the newest EXPIRED_KEPT)
     self._lock = threading.Lock()
 
   def open(self, episode_id: str) -> Episode:
@@ -84,6 +92,8 @@ class Recorder:
     otherwise."""
     with self._lock:
       ep = self._episodes.get(episode_id)
+      if ep is None and episode_id in self._expired:
+        raise EpisodeExpired(f"episode {episode_id!r} overran its time limit and was closed")
       if ep is None and self.auto_open and may_open:
         ep = self._episodes[episode_id] = Episode(episode_id)
     if ep is None:
@@ -126,9 +136,14 @@ class Recorder:
   def _note(ep: Episode, kind: str, **detail) -> None:
     ep.events.append({"t": round(time.monotonic() - ep.t0, 6), "event": kind, **detail})
 
-  def pop(self, episode_id: str) -> Episode | None:
-    """Removes the episode (finished or not) and returns it; None when it is unknown."""
+  def pop(self, episode_id: str, expired: bool = False) -> Episode | None:
+    """Removes the episode (finished or not) and returns it; None when it is unknown. `expired`: it overran its
+    time limit, so its later calls and reward are refused as such (`EpisodeExpired`), not as unknown."""
     with self._lock:
+      if expired:
+        self._expired[episode_id] = None
+        while len(self._expired) > EXPIRED_KEPT:
+          del self._expired[next(iter(self._expired))]
       return self._episodes.pop(episode_id, None)
 
 

@@ -103,7 +103,7 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
          sandbox=None) -> list[str | None]:
   """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
   "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread,
-  its later calls get a 404). Returns within `timeout_s` (one deadline for all the threads). `sandbox`
+  its later calls and reward get a 408 once the episode is closed). Returns within `timeout_s` (one deadline for all the threads). `sandbox`
   (`envs.sandbox.Limits`): each thread runs its harness in a sandboxed process instead, killed at `sandbox.wall_s`;
   "killed" when a limit other than the wall clock stopped it."""
   status: list[str | None] = ["timeouts"] * len(episode_ids)
@@ -193,7 +193,7 @@ def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=Non
     for e in ids:
       service.recorder.open(e)
     status = play(harness, service.base_url, ids, seed, s.timeout_s, s.sandbox)
-    episodes = [service.recorder.pop(e) for e in ids]
+    episodes = [service.recorder.pop(e, expired=st in ("timeouts", "killed")) for e, st in zip(ids, status)]
     group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad, snap.version)
     if score_fn is not None:
       group = group.replace(prox_logp_BN=ae.prox_at_versions(score_fn, store, snap, group))
