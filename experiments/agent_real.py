@@ -75,16 +75,17 @@ def table(runs: list[dict], heldout: int) -> str:
   if not ok:
     return "No run finished: see the runs' errors in the results file."
   gains = [r["success_end"] - r["success_start"] for r in ok]
+  learns = "yes" if all(g > MARGIN for g in gains) else "no"
   lines = [f"| held-out problems | success before RL | after RL | gain | learns (gain > {MARGIN:.2f} in every seed) |",
            "|---|---|---|---|---|",
            f"| {heldout} (greedy, once each) | {_mean([r['success_start'] for r in ok])} | "
-           f"{_mean([r['success_end'] for r in ok])} | {_mean(gains)} | {'yes' if all(g > MARGIN for g in gains) else 'no'} |",
+           f"{_mean([r['success_end'] for r in ok])} | {_mean(gains)} | {learns} |",
            "", "| seed | success before → after | turns before → after | training reward (first → last quarter) | "
            "tool calls per episode (first → last quarter) | s / step | load average |", "|---|---|---|---|---|---|---|"]
   lines += [f"| {r['seed']} | {r['success_start']:.3f} → {r['success_end']:.3f} | {r['turns_start']:.2f} → "
-            f"{r['turns_end']:.2f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} | {r['tool_calls_first']:.2f} → "
-            f"{r['tool_calls_last']:.2f} | {r['step_s_median']:.1f} | {r['loadavg'][0]:.1f}→{r['loadavg'][1]:.1f} |"
-            for r in ok]
+            f"{r['turns_end']:.2f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} | "
+            f"{r['tool_calls_first']:.2f} → {r['tool_calls_last']:.2f} | {r['step_s_median']:.1f} | "
+            f"{r['loadavg'][0]:.1f}→{r['loadavg'][1]:.1f} |" for r in ok]
   lines += ["", f"A 135M model on {heldout} held-out problems: one problem is {1 / heldout:.2f} of success, so a "
             "difference of one problem is within noise; more seeds, problems (`--config.env.kwargs.path=` a GSM8K "
             "JSONL) and steps would decide whether the agent learns."]

@@ -8,11 +8,12 @@ result comes back as a tool message) or answers; the answer is scored by the mat
 `max_tool_calls` calls per episode.
 
 `calculator(expression)` evaluates numbers (decimals allowed), + - * /, unary minus and parentheses
-exactly (fractions), with a recursive-descent parser bounded in length, depth and digits: the policy's
-text is never `eval`ed. `heldout` > 0: the file's last `heldout` problems are played only by the held-out
-evaluation's seeds (>= 2**31, in order: evaluation episode i plays problem i mod `heldout`), the others only by
-training seeds, so an evaluation measures problems the policy never trained on. `sandbox` (True, or `envs.sandbox.Limits` fields, e.g. `env.kwargs.sandbox={"cpu_s": 2}`) runs
-each call in a limited process of its own (`envs.sandbox`); the parser's own bounds make that a demonstration here.
+exactly (fractions), with a recursive-descent parser bounded in length, depth and digits: the policy's text is never
+`eval`ed. `heldout` > 0: the file's last `heldout` problems are played only by the held-out evaluation's seeds (>=
+2**31, in order: evaluation episode i plays problem i mod `heldout`), the others only by training seeds, so an
+evaluation measures problems the policy never trained on. `sandbox` (True, or `envs.sandbox.Limits` fields, e.g.
+`env.kwargs.sandbox={"cpu_s": 2}`) runs each call in a limited process of its own (`envs.sandbox`); the parser's own
+bounds make that a demonstration here.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ has started a thread before it leaves the network namespace (unshare of a user n
 
 Reads one JSON request from stdin: {"path": [...], "module": ..., "qualname": ..., "args": [...], "arguments": {...},
 "scratch": dir, "cpu_s": float, "memory_mb": int, "network": bool, "allow": [[host, port], ...]}; `allow`: the only
-addresses a socket may reach (an agent harness's endpoint), in the parent's network namespace. In order: isolate the network (a new user + network
-namespace where the kernel allows it), import the tool (under the parent's sys.path; module code is the environment
-author's, not the policy's, so it runs before the limits), enter the scratch directory, set the CPU and
-address-space limits, install an audit hook that refuses sockets and new processes, call the tool. Writes one JSON
-line to the original stdout: {"ok": true, "value": ...} | {"ok": false, "error": "..."} |
+addresses a socket may reach (an agent harness's endpoint), in the parent's network namespace. In order: isolate the
+network (a new user + network namespace where the kernel allows it), import the tool (under the parent's sys.path;
+module code is the environment author's, not the policy's, so it runs before the limits), enter the scratch directory,
+set the CPU and address-space limits, install an audit hook that refuses sockets and new processes, call the tool.
+Writes one JSON line to the original stdout: {"ok": true, "value": ...} | {"ok": false, "error": "..."} |
 {"violation": "memory" | "network" | "process", "error": "..."}. A CPU overrun is SIGXCPU (the parent reads the
 signal), a wall overrun the parent's kill.
 """

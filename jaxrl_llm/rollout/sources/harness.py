@@ -18,10 +18,10 @@ working directory): an overrun is killed, not left behind as a thread, and a sto
 (a wall overrun `serve_timeouts`). The harness must then be a module-level function (its module is imported again
 in each episode's process).
 
-Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`,
-`serve_no_reward`, `serve_too_long`, `serve_killed`, `serve_invalid`), `serve_split` (episodes whose calls did not extend each other, packed one
-segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous batch),
-`serve_calls` (calls served since then), plus async's `async_*` counters.
+Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`, `serve_no_reward`,
+`serve_too_long`, `serve_killed`, `serve_invalid`), `serve_split` (episodes whose calls did not extend each other,
+packed one segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous
+batch), `serve_calls` (calls served since then), plus async's `async_*` counters.
 
 An episode with a chat call whose messages do not form a valid conversation (a tool message answering no tool
 call, tool calls left unanswered: `serve.chat.conversation_error`; that call gets a 400) is dropped, counted
@@ -102,10 +102,10 @@ def load_harness(spec: str):
 def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float,
          sandbox=None) -> list[str | None]:
   """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
-  "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread,
-  its later calls and reward get a 408 once the episode is closed). Returns within `timeout_s` (one deadline for all the threads). `sandbox`
-  (`envs.sandbox.Limits`): each thread runs its harness in a sandboxed process instead, killed at `sandbox.wall_s`;
-  "killed" when a limit other than the wall clock stopped it."""
+  "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread, its
+  later calls and reward get a 408 once the episode is closed). Returns within `timeout_s` (one deadline for all the
+  threads). `sandbox` (`envs.sandbox.Limits`): each thread runs its harness in a sandboxed process instead, killed at
+  `sandbox.wall_s`; "killed" when a limit other than the wall clock stopped it."""
   status: list[str | None] = ["timeouts"] * len(episode_ids)
   if sandbox is not None:
     from urllib.parse import urlsplit  # noqa: PLC0415
