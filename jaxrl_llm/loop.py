@@ -102,6 +102,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
       t_step = time.perf_counter()
       ro = source.next_batch(t, store.latest_version)
       state, m, info = _learn(r, store, state, extra, ro, t)
+      if m.get("refresh_buffer", 0) > 0 and hasattr(source, "flush"):  # the loss asks for fresher rollouts (f-OPD)
+        info["refresh_flushed"] = source.flush()
       failure = _skip_failure(c, m, t)
       row = _row(r, store, state, t, ro, m, info)
       row["time_step_s"] = time.perf_counter() - t_step

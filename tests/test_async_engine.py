@@ -203,3 +203,24 @@ def test_rollout_key_depends_on_version_and_request():
   keys = {(v, r): tuple(np.asarray(jax.random.key_data(async_engine.rollout_key(root, v, r))).tolist())
           for v in range(3) for r in range(3)}
   assert len(set(keys.values())) == 9
+
+
+def test_flush_throws_buffered_groups_away_and_workers_refill_from_the_newest_version():
+  """f-OPD's adaptive refresh (`AsyncRollout.flush`), stepped by hand (no threads): the buffered groups of version 0
+  are thrown away and counted, their admission budget freed (accepted − consumed = what is buffered), and the next
+  batch holds groups started from the newer version only."""
+  store = ParamStore(keep_last=2)
+  store.publish({"w": jnp.zeros(2)})
+  engine = AsyncRollout(store, fake_group, batch_groups=2, eta=2, poll_s=0.002)
+  while engine._one_rollout():  # admission fills the buffer as far as η allows
+    pass
+  old = len(engine.buffer)
+  assert old >= 2 and all(g.stat("start_version") == 0 for g in engine.buffer._groups)
+  store.publish({"w": jnp.ones(2)})
+  assert engine.flush() == old and len(engine.buffer) == 0 and engine.flushed == old
+  a = engine.admission.state()
+  assert a["accepted"] - a["consumed"] == 0
+  assert engine._one_rollout() and engine._one_rollout()
+  groups, stats = engine.next_batch(1, timeout=60.0)
+  assert [g.stat("start_version") for g in groups] == [1, 1] and stats["flushed"] == old
+  assert stats["dropped_stale"] == 0

@@ -119,3 +119,18 @@ def test_the_sft_teacher_of_an_moe_student_is_dense():
   c.model.num_experts = 4
   cfg = _teacher.teacher_model_config(c, 8, 64)
   assert cfg.num_experts == 0 and cfg.d_model == c.distill.teacher_d_model
+
+
+def test_f_opd_refresh_flushes_the_async_buffer(cache, tmp_path):
+  """f-OPD's adaptive refresh through the loop: with `refresh_below` above any freshness every step asks for a flush;
+  the loop flushes the async source (`refresh_flushed`), and the engine's cumulative count (`async_flushed`, read
+  when the next batch is taken) equals what the earlier steps flushed: nothing counted twice or lost."""
+  import ml_collections
+  c = opd_tiny(cache, rollout__mode="async", rollout__lag=2, loss__name="f_opd")
+  c.num_steps = 4
+  c.loss.hparams = ml_collections.ConfigDict({"refresh_below": 2.0})
+  rows = loop.run(c, str(tmp_path / "run"))
+  assert [r["step"] for r in rows] == [0, 1, 2, 3]
+  assert all(r["refresh_buffer"] == 1.0 and r["refresh_flushed"] >= 0 for r in rows), rows
+  for t, r in enumerate(rows):
+    assert r["async_flushed"] == sum(x["refresh_flushed"] for x in rows[:t]), rows

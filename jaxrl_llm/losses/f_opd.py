@@ -16,6 +16,9 @@ class Hparams:
   beta: float = 1.0  # weight of sqrt(supervision drift).
   xi: float = 0.2  # freshness gate threshold.
   reg_coef: float = 0.1  # λ of the rollout-anchored regulariser [GUESS].
+  # Adaptive buffer refresh (control c): flush the rollout buffer when the batch's mean freshness falls below this
+  # [GUESS: the paper's threshold is not public]; 0 = never. A buffering source (async) then regenerates.
+  refresh_below: float = 0.0
   # Base loss: sampled-token reverse KL in advantage form (see `opd_reverse_kl`).
   online_advantage: bool = False
   eps_low: float = 0.2
@@ -50,8 +53,12 @@ def f_opd(inputs, hp: Hparams):
   w = max(f − ξ, 0)/(1 − ξ) (no gradient through w).
   ℓ_t = w_i·ℓ^base_t + λ·k3(μ ‖ π_θ)_t, with ℓ^base the sampled-token reverse-KL PPO surrogate of
   `opd_reverse_kl` (advantage form) and the second term the rollout-anchored regulariser (its gradient
-  (π_θ/μ − 1)∇log π_θ pulls π_θ back toward the rollout policy). The buffer-flush control is
-  `should_refresh` (host side). Metrics: freshness, weight, drifts.
+  (π_θ/μ − 1)∇log π_θ pulls π_θ back toward the rollout policy). The buffer-flush control: with
+  `refresh_below` > 0 the metric `refresh_buffer` is 1 when the batch's mean freshness is below it
+  (`should_refresh`), and the loop then flushes a buffering source (async: `AsyncRollout.flush`; the row's
+  `refresh_flushed` counts the groups thrown away). D_sup is 0 for every teacher here: each is frozen and scores
+  the sample's own context when the batch is built, so its supervision cannot age (the term is there for a teacher
+  that changes). Metrics: freshness, weight, drifts.
   On-policy (lag 0, μ = π_prox = π_θ, D_sup = 0): f = 1, w = 1, the regulariser's gradient is 0, and the
   loss equals `opd_reverse_kl` (gradient −(log p − log π_θ)∇log π_θ).
   """
@@ -66,6 +73,8 @@ def f_opd(inputs, hp: Hparams):
   has = core.seq_len(mask) > 0
   aux.update(freshness=core.seq_metric(f, has), fresh_weight=core.seq_metric(w, has),
              roll_drift=core.seq_metric(d_roll, has), sup_drift=core.seq_metric(inputs.sup_drift_B, has))
+  if hp.refresh_below > 0:  # 1 when the step asks the loop to flush its source's buffer (`loop`: refresh_flushed)
+    aux["refresh_buffer"] = (should_refresh(f, has, hp.refresh_below).astype(jnp.float32), jnp.ones(()))
   return core.apply_mask(loss, mask), aux
 
 

@@ -110,6 +110,11 @@ class Admission:
       self.consumed += n
       self.next_version = version + 1
 
+  def discard(self, n: int) -> None:
+    """`n` buffered groups were thrown away unconsumed (a buffer flush): their admission budget is free again."""
+    with self._lock:
+      self.consumed += n
+
   def state(self) -> dict:
     """Counters for a checkpoint. Running rollouts are not saved: they are regenerated on resume."""
     with self._lock:

@@ -254,6 +254,7 @@ class AsyncRollout:
     self._workers: list[Worker] = []
     self._counted: dict = {}  # the workers' counters at the previous batch
     self.generated = 0  # groups put into the buffer by this engine
+    self.flushed = 0  # groups thrown away by `flush`
 
   # ---- worker side ----
 
@@ -382,9 +383,20 @@ class AsyncRollout:
     return groups, {
         **self._worker_counts(),
         "time_learner_idle_s": idle, "lag_mean": float(np.mean(lags)), "lag_max": int(max(lags)),
-        "dropped_stale": self.buffer.dropped, "buffered": len(self.buffer), "running": self.admission.running,
+        "dropped_stale": self.buffer.dropped, "flushed": self.flushed, "buffered": len(self.buffer),
+        "running": self.admission.running,
         "accepted": self.admission.accepted, "rejected": self.admission.rejected,
     }
+
+  def flush(self) -> int:
+    """Throws away every buffered group (a loss asked for fresher rollouts: f-OPD's adaptive refresh); the workers
+    then fill the buffer again from the newest parameters. Returns the number of groups thrown away; groups still
+    being generated are kept (they start from a version at least as new as any buffered one)."""
+    n = self.buffer.flush()
+    self.admission.discard(n)
+    self.flushed += n
+    self._notify_workers()
+    return n
 
   def _worker_counts(self) -> dict:
     """The workers' counters summed, as increments since the previous call."""

@@ -90,6 +90,13 @@ class Buffer:
         return None, len(stale)
       return [self._groups.popleft() for _ in range(n_groups)], len(stale)
 
+  def flush(self) -> int:
+    """Empties the buffer (its groups are thrown away, not consumed); the number of groups it held."""
+    with self._cond:
+      n = len(self._groups)
+      self._groups.clear()
+      return n
+
   def snapshot(self) -> dict:
     """The buffered groups (as dicts of numpy arrays / ints) and counters, for a checkpoint."""
     with self._cond:

@@ -68,3 +68,15 @@ def test_freshness_helpers():
   np.testing.assert_allclose(np.asarray(mod.freshness_gate(jnp.asarray([1.0, 0.2, 0.1]), 0.2)), [1.0, 0.0, 0.0])
   assert bool(mod.should_refresh(jnp.asarray([0.1, 0.2, 9.0]), jnp.asarray([1, 1, 0]), 0.3))
   assert not bool(mod.should_refresh(jnp.asarray([0.5, 0.4]), jnp.asarray([1, 1]), 0.3))
+
+
+def test_refresh_buffer_asks_for_a_flush_when_mean_freshness_falls_below_the_threshold():
+  """Control (c): `refresh_buffer` is 1 exactly when the batch's mean freshness (rows with tokens) is below
+  `refresh_below`; with the default 0 the metric is absent (the loop never flushes)."""
+  logp, _, _, teacher, mask = _case()
+  inputs = _f_inputs((logp, logp, logp, teacher, mask), [0, 1, 3], [0.0, 0.0, 0.0])  # D_roll = 0: f = 1, 1/2, 1/4
+  mean_f = (1 + 1 / 2 + 1 / 4) / 3
+  assert "refresh_buffer" not in SPEC.fn(inputs, mod.Hparams())[1]
+  for threshold, want in ((mean_f - 0.01, 0.0), (mean_f + 0.01, 1.0)):
+    flag, count = SPEC.fn(inputs, mod.Hparams(refresh_below=threshold))[1]["refresh_buffer"]
+    assert (float(flag), float(count)) == (want, 1.0)

@@ -151,7 +151,7 @@ class Async:
         **episodes.merge_stats([{k: v for k, v in g.stats.items() if k.startswith(("env_", "episode_status"))}
                                 for g in groups]),
         time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
-        async_buffered=st["buffered"], async_running=st["running"],
+        async_flushed=st["flushed"], async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
         time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
         **{name: st[k] for k, name in SLOT_COUNTERS.items() if k in st}, **spec_means(groups),
@@ -159,6 +159,10 @@ class Async:
     if not multiprocess.multi():
       return ro
     return merge_processes([from_plain(p) for p in multiprocess.allgather_host(to_plain(ro))])
+  def flush(self) -> int:
+    """Throws away this process's buffered groups (`AsyncRollout.flush`: a loss asked for fresher rollouts)."""
+    return self.engine.flush() if self.engine is not None else 0
+
   def state(self) -> dict | None:
     """Stops the workers after their current rollout; the next batch continues from this state."""
     if self.engine is None:
