@@ -7,7 +7,8 @@ M2 gap-following (direction "multiply"): factor clip((m_d / ref_d)^α, 0.05, 20)
    |reward| over the domain's tokens, ref_d anchored at its first value (or an EMA).
 M4 student reward refresh: before each inner update, rebuild r_t(v) = sg[(log p_d(v) − log q(v))·p̄_q(v)]
    from the *current* student on the cached top-k ids (IS cannot fix a stale reward, only a stale sampler).
-M1/M2 are host-side per-batch numbers (numpy); M4 is jittable.
+M1/M2 are host-side per-batch numbers (numpy); M4 is jittable: `refresh_reward`, trained by the loss
+`mopd_refresh` (`jaxrl_llm.losses.mopd_refresh`), which rebuilds the reward at every inner update.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrl_llm.losses.mopd_refresh import refresh_reward  # noqa: F401  (M4: the loss `mopd_refresh` trains on it)
 
 Array = jax.Array
 
@@ -95,14 +98,3 @@ def domain_loss_weights(domain_B, ntok_B, target_share_Y, m_Y=None, ref_Y=None, 
   return w
 
 
-def refresh_reward(student_topk_logp_BNk: Array, teacher_topk_logp_BNk: Array, mask_BN: Array) -> Array:
-  """M4: r_t(v) = sg[(log p_d(v) − log q(v))·p̄_q(v)] on the cached student top-k ids, from the current student.
-
-  p̄_q is the student's probability renormalised over the k ids. Invalid slots (non-finite) and masked
-  positions give 0. Call before every inner mini-batch update with that update's fresh `log q`.
-  """
-  lq, lp = jax.lax.stop_gradient(student_topk_logp_BNk), teacher_topk_logp_BNk
-  ok = jnp.isfinite(lq) & jnp.isfinite(lp) & (mask_BN[..., None] > 0)
-  lq0, lp0 = jnp.where(ok, lq, 0.0), jnp.where(ok, lp, 0.0)
-  pbar = jnp.where(ok, jax.nn.softmax(jnp.where(ok, lq0, -1e30), axis=-1), 0.0)
-  return jnp.where(ok, (lp0 - lq0) * pbar, 0.0)

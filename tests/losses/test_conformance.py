@@ -279,7 +279,7 @@ ON_POLICY_COEF = {
     # or MC log-probs), not `logp_BN`. Their gradients are tested in their own files.
     **{n: (lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BN)))
        for n in ("opd_reverse_kl", "opd_reverse_kl_full", "opd_forward_kl", "opd_topk_kl", "gkd_jsd",
-                 "opd_reverse_kl_mc", "s2d_opd", "f_opd")},
+                 "opd_reverse_kl_mc", "s2d_opd", "f_opd", "mopd_refresh")},
     # SMD's policy gradient flows into the shadow forward (`shadow_logp_BN`), its KL into the dense head; the dense
     # `logp_BN` only feeds a metric (tests/test_smd.py checks both gradients).
     "smd": lambda inp, hp: np.zeros_like(np.asarray(inp.adv_BN)),
