@@ -75,7 +75,7 @@ def get_config():
   c.sampler.kv_sinks = 4  # "window": first positions every token keeps (attention sinks; SMD reference: 4)
   c.sampler.kv_window = 64  # "window": last positions each token sees, itself included
   # Speculative decoding (sampling/speculative.py): the policy's first k layers draft γ tokens; exact rejection.
-  c.sampler.spec_gamma = 0  # γ drafted tokens per policy call; 0 = off; -1 = by batch size (ReSpec; an int field)
+  c.sampler.spec_gamma = 0  # γ drafted tokens per policy call; 0 = off; -1 = adaptive (ReSpec; an int field)
   c.sampler.spec_draft_layers = 0  # k >= 1: the drafter's depth ("layers": a view of the policy's first k, always fresh)
   c.sampler.spec_layout = "min"  # "min": rows emit the batch's common minimum per call | "rows": each keeps its own
   # The drafter (distill/drafter.py): "layers" = a view of the policy's first k layers | "distilled" = its own copy of

@@ -23,7 +23,8 @@ Metrics: mopd_token_share_{y}, mopd_weight_{y} (mean row weight of domain y), mo
 its anchoring, the example_id % Y domains of a task without domains, and the 0.7 / 0.3 target shares.
 M4 reward refresh: the loss `mopd_refresh` rebuilds r_t(v) from the current student at every inner update
 with M0 routing (M1/M2's weights multiply an advantage, which it does not read): --config.loss.name=mopd_refresh
---config.distill.mopd.reward_advantage=False --config.distill.mopd.token_share=False --config.distill.mopd.gap_follow=False.
+--config.distill.mopd.reward_advantage=False --config.distill.mopd.token_share=False
+--config.distill.mopd.gap_follow=False.
 Carried state (the M2 references) is `DistillExtras.state()`; a resumed run keeps it only if the loop
 checkpoints it.
 """

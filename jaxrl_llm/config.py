@@ -369,10 +369,10 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
 def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` only (not
   partial rollouts, not episodes), records no μ candidates and decodes from the full KV cache. spec_gamma -1 is
-  the sampler's "auto" (γ by batch size; ml_collections keeps the field an int)."""
+  the sampler's "auto" (adaptive γ, ReSpec; ml_collections keeps the field an int)."""
   gamma, k = read(c, "sampler.spec_gamma"), read(c, "sampler.spec_draft_layers")
   _need(isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= -1, "sampler.spec_gamma", gamma,
-        "must be an int >= 0 (0 = off) or -1 (γ by batch size)")
+        "must be an int >= 0 (0 = off) or -1 (adaptive γ)")
   _need(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "sampler.spec_draft_layers", k,
         "must be an int >= 0")
   layout = read(c, "sampler.spec_layout")

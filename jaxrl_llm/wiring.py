@@ -67,6 +67,16 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
                          env=env_settings(c), serve=serve_settings(c))
 
 
+def _gamma_tuner(samp_cfg):
+  """`sampler.spec_gamma=-1` ("auto"): ReSpec's adaptive γ (`speculative.GammaTuner`) in one process; over several
+  processes each would measure its own calls and choose differently, and every process must run the same program,
+  so there γ follows the batch size (`speculative.AUTO_GAMMA`)."""
+  if samp_cfg.spec_gamma != "auto" or jax.process_count() > 1:
+    return None
+  from jaxrl_llm.sampling.speculative import GammaTuner  # noqa: PLC0415
+  return GammaTuner()
+
+
 def serve_settings(c: ml_collections.ConfigDict) -> ServeSettings | None:
   """The typed `serve.*` settings (None unless `rollout.mode="harness"`)."""
   if not config_lib.serve_on(c):
@@ -367,7 +377,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
                    keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("sampler_mesh"),
                    slots=config_lib.read(c, "rollout.slots"), slot_chunk=config_lib.read(c, "rollout.slot_chunk"),
-                   drafter=None if drafter is None else DrafterSlot())
+                   drafter=None if drafter is None else DrafterSlot(), gamma_tuner=_gamma_tuner(samp_cfg))
   return Run(drafter=drafter, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,

@@ -246,3 +246,42 @@ def test_run_config_validation_names_the_field():
   c.sampler.update({"spec_gamma": -1, "spec_draft_layers": 1})  # -1: "auto"
   config_lib.validate(c)
   assert wiring.sampler_config(c).spec_gamma == "auto" and wiring.sampler_config(c, greedy=True).spec_gamma == 0
+
+
+def test_gamma_tuner_explores_from_the_prior_skips_compiles_and_keeps_the_cheapest():
+  """ReSpec's adaptive γ (`GammaTuner`), with measured costs injected: the table's γ first, then every candidate by
+  distance from it, each call's first (compiling) measure ignored; then the cheapest, with one re-measure of the
+  least recently measured other candidate every `retry_every` calls; batch sizes are tuned apart."""
+  from jaxrl_llm.sampling.speculative import GammaTuner, auto_gamma
+  cost = {0: 1.0, 1: 0.8, 2: 0.9, 4: 0.5}
+  t = GammaTuner(retry_every=6)
+  picks = []
+  for _ in range(14):
+    g = t.choose(8)
+    picks.append(g)
+    t.observe(8, g, seconds=cost[g] * 10 + (100.0 if picks.count(g) == 1 else 0.0), tokens=10)  # compiles: slow
+  assert auto_gamma(8) == 2
+  assert picks[:8] == [2, 2, 1, 1, 0, 0, 4, 4]  # explore: each twice (the first is the compile)
+  assert picks[8:] == [4, 4, 4, 2, 4, 4]  # the cheapest; call 12 (n % 6 == 5) re-measures γ = 2, the stalest
+  assert t.state() == {"8x0": 1.0, "8x1": 0.8, "8x2": 0.9, "8x4": 0.5}
+  assert t.choose(64) == auto_gamma(64) == 1  # another batch size starts from its own prior
+  t.observe(4, 2, seconds=1.0, tokens=0)  # nothing emitted: no measure
+  assert "4x2" not in t.state()
+
+
+def test_auto_gamma_in_a_run_follows_the_tuner(tmp_path):
+  """`sampler.spec_gamma=-1` in one process: each sampler call's γ is the tuner's (rows report `spec_gamma`); its
+  exploration order does not depend on timings, so the first steps' γ are known."""
+  import os
+  from jaxrl_llm import config as config_lib, loop
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
+  c.sampler.update({"spec_gamma": -1, "spec_draft_layers": 1})
+  c.model.n_layers, c.num_steps, c.eval.every, c.checkpoint.every = 2, 3, 0, 0
+  c.log.tensorboard = c.log.progress = False
+  from jaxrl_llm.sampling.speculative import auto_gamma
+  B = c.rollout.prompts_per_step * c.rollout.group_size
+  rows = loop.run(c, str(tmp_path / "run"))
+  prior = auto_gamma(B)
+  second = sorted((g for g in (0, 1, 2, 4) if g != prior), key=lambda g: (abs(g - prior), g))[0]
+  assert [r["spec_gamma"] for r in rows] == [prior, prior, second]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -25,7 +26,8 @@ from jaxrl_llm.sampling import behavior, continuous, generate
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import RewardPolicy
 
-SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
+# speculative decoding's metrics (`sampling.speculative`); spec_gamma: the γ a `speculative.GammaTuner` chose
+SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call", "spec_gamma")
 # continuous batching's counters of a sampler call (`sampling.continuous`): slot-steps run, and those that decoded
 # an unfinished request (1 - live / run: the share spent on free or finished slots)
 SLOT_STATS = {"slot_steps": "slot_steps", "live_steps": "slot_live_steps"}
@@ -72,6 +74,7 @@ class Generation:
   slots: int = 0
   slot_chunk: int = 8
   drafter: DrafterSlot | None = None
+  gamma_tuner: Any = None  # `sampler.spec_gamma="auto"`: `speculative.GammaTuner`, γ per call from measured cost
 
   def step_prompts(self, steps: list[int], n: int, group_size: int, call: int = 0) -> collect.Prompts:
     """The prompts of learner steps `steps` (n each, a pure function of (seed, step, call)), each
@@ -94,8 +97,18 @@ class Generation:
       out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
                                       self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
       return {SLOT_STATS.get(k, k): v for k, v in out.items()}, None
-    return multiprocess.generate_on_mesh(self.generate_fn(), params, prompts.tokens_BP, prompts.len_B, key,
-                                         self.model_cfg, self.sampler_cfg, self.mesh)  # numpy in: no eager put
+    if self.gamma_tuner is None or self.sampler_cfg.spec_gamma != "auto":
+      return multiprocess.generate_on_mesh(self.generate_fn(), params, prompts.tokens_BP, prompts.len_B, key,
+                                           self.model_cfg, self.sampler_cfg, self.mesh)  # numpy in: no eager put
+    # ReSpec's adaptive γ: the tuner picks this call's γ and learns from its measured seconds per emitted token
+    B = len(prompts.len_B)
+    gamma = self.gamma_tuner.choose(B)
+    t0 = time.perf_counter()
+    out, owners = multiprocess.generate_on_mesh(self.generate_fn(), params, prompts.tokens_BP, prompts.len_B, key,
+                                                self.model_cfg, dataclasses.replace(self.sampler_cfg, spec_gamma=gamma),
+                                                self.mesh)
+    self.gamma_tuner.observe(B, gamma, time.perf_counter() - t0, float(np.asarray(out["mask_BN"]).sum()))
+    return {**out, "spec_gamma": gamma}, owners
 
   def generate_fn(self):
     """`sampling.generate`, drafting with the distilled drafter's newest parameters when the `drafter` slot holds

@@ -38,7 +38,8 @@ class SamplerConfig:
     kv_sinks, kv_window: the "window" cache's sink positions and sliding-window length (its own token
       included); ignored otherwise.
     spec_gamma: speculative decoding (`sampling.speculative`): γ tokens drafted per policy call, 0 = off, "auto" =
-      by batch size (`speculative.AUTO_GAMMA`). The tokens keep the policy's sampling distribution exactly and μ
+      ReSpec's adaptive choice: per call from measured cost (`speculative.GammaTuner`, in `Generation.sample` of a
+      one-process run), else by batch size (`speculative.AUTO_GAMMA`). The tokens keep the policy's sampling distribution exactly and μ
       its log-probs; needs spec_draft_layers, no μ records and the full KV cache.
     spec_draft_layers: k, the drafter is the policy's first k layers (sharing its embedding and head).
     spec_layout: how rows accepting different numbers of drafts share the KV cache (`speculative.LAYOUTS`): "min"

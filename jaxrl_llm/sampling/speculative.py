@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,67 @@ def auto_gamma(batch: int) -> int:
     if batch <= rows:
       return gamma
   return 0
+
+
+GAMMAS = (0, 1, 2, 4)  # what `GammaTuner` chooses from (0: plain decoding)
+
+
+class GammaTuner:
+  """ReSpec's adaptive speculative decoding (spec B9, mechanism 1): γ for the next sampler call from what the calls
+  so far measured, per batch size, instead of the fixed `AUTO_GAMMA` table.
+
+  The measure is seconds per emitted token of a whole call (`observe`): it folds in the acceptance rate (tokens per
+  verification), the verification's cost at this batch size (large batches are closer to compute bound) and the
+  drafter's own cost, which is what ReSpec's "step cost" trades against acceptance. `choose(B)`:
+  1. the first call at B uses `auto_gamma(B)` (the table, as a prior);
+  2. then every candidate of `GAMMAS` not yet measured at B is tried, in order of distance from the prior; a
+     candidate's first call at B compiles its program, so it is ignored (warm-up) and the candidate tried again;
+  3. then the candidate with the lowest measured cost (an EMA with `decay`); every `retry_every` calls at B the
+     least recently measured other candidate is re-measured once, so a drafter that distils (acceptance rises) or
+     a policy that drifts (it falls) moves the choice.
+  Host-side and thread-safe (async workers may share one); `state()` is plain data for inspection.
+  """
+
+  def __init__(self, candidates=GAMMAS, decay: float = 0.5, retry_every: int = 16):
+    if not candidates or any(g < 0 for g in candidates):
+      raise ValueError(f"GammaTuner candidates={candidates!r}: non-empty, each >= 0")
+    self.candidates, self.decay, self.retry_every = tuple(candidates), float(decay), int(retry_every)
+    self._cost: dict[tuple[int, int], float] = {}  # (B, γ) -> EMA seconds per emitted token
+    self._seen: dict[tuple[int, int], int] = {}  # (B, γ) -> calls observed (the first is the compile)
+    self._last: dict[tuple[int, int], int] = {}  # (B, γ) -> call count at B when last observed
+    self._calls: dict[int, int] = {}  # B -> calls chosen
+    self._lock = threading.Lock()
+
+  def choose(self, batch: int) -> int:
+    with self._lock:
+      n = self._calls.get(batch, 0)
+      self._calls[batch] = n + 1
+      prior = auto_gamma(batch)
+      order = sorted(set(self.candidates) | {prior}, key=lambda g: (abs(g - prior), g))
+      todo = [g for g in order if (batch, g) not in self._cost]
+      if todo:
+        return todo[0]
+      best = min(order, key=lambda g: (self._cost[(batch, g)], g))
+      if self.retry_every and n % self.retry_every == self.retry_every - 1:
+        others = [g for g in order if g != best]
+        if others:
+          return min(others, key=lambda g: self._last.get((batch, g), -1))
+      return best
+
+  def observe(self, batch: int, gamma: int, seconds: float, tokens: float) -> None:
+    """One call at `batch` rows with `gamma` took `seconds` for `tokens` emitted tokens."""
+    with self._lock:
+      key = (batch, gamma)
+      self._seen[key] = self._seen.get(key, 0) + 1
+      self._last[key] = self._calls.get(batch, 0)
+      if self._seen[key] == 1 or tokens <= 0:  # the compile, or nothing emitted: no measure
+        return
+      x = seconds / tokens
+      self._cost[key] = x if key not in self._cost else self.decay * self._cost[key] + (1 - self.decay) * x
+
+  def state(self) -> dict:
+    with self._lock:
+      return {f"{b}x{g}": c for (b, g), c in sorted(self._cost.items())}
 
 
 def draft_from_layers(params: dict, model_cfg: ModelConfig, n_layers: int) -> tuple[dict, ModelConfig]:
