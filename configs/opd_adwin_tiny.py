@@ -3,8 +3,9 @@
 Run:  python -m jaxrl_llm --config=configs/opd_adwin_tiny.py --workdir=/tmp/opd_adwin_tiny
 
 A delta over configs/opd_tiny.py (opd_reverse_kl, the SFT teacher) with `distill.adwin` on (fields and
-defaults: jaxrl_llm/distill/extras.py). Rollouts are generated at full length (sampler.max_new_tokens = 4
-here, so H lives in [1, 4]); the learner batch keeps the first H counted tokens of each row
+defaults: jaxrl_llm/distill/extras.py). Rollouts stop at the horizon: the sampler generates H's power-of-two
+bucket of new tokens (`generation.TokenBudget`, metric gen_max_new_tokens), full length (sampler.max_new_tokens = 4
+here, so H lives in [1, 4]) on probe steps only; the learner batch keeps the first H counted tokens of each row
 (`adwin.prefix_mask`). Every `probe_period` steps the step's own batch is the probe: the share of the
 teacher signal |log p(y_t) − log μ(y_t)| inside the first H tokens (`adwin.kl_mass_alignment`) is the
 agreement; ≥ tau shrinks H by gamma_down, else it grows by gamma_up; a probe more than `max_probe_age`

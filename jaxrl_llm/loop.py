@@ -100,6 +100,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   try:
     for t in range(start, c.num_steps):
       t_step = time.perf_counter()
+      if r.ctx.gen.budget is not None:  # the batch extras' cap on this step's new tokens (ADWIN's horizon)
+        r.ctx.gen.budget.max_new_tokens = r.batch_extras.generation_budget(t)
       ro = source.next_batch(t, store.latest_version)
       state, m, info = _learn(r, store, state, extra, ro, t)
       if m.get("refresh_buffer", 0) > 0 and hasattr(source, "flush"):  # the loss asks for fresher rollouts (f-OPD)
@@ -217,7 +219,7 @@ def _skip_failure(c, m: dict, t: int) -> str | None:
 
 
 # A batch's stats that become metrics: timings, and the counters of async, replay, episodes and the served endpoint.
-STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_", "spec_", "slot_")
+STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_", "spec_", "slot_", "gen_")
 
 
 def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: dict) -> dict:

@@ -27,7 +27,7 @@ from jaxrl_llm.policy_init import (checkpoint_config, checkpoint_model_config, m
 from jaxrl_llm.rollout import collect, sources
 from jaxrl_llm.rollout.episodes import EnvSettings
 from jaxrl_llm.rollout.ewma import ewma_init
-from jaxrl_llm.rollout.generation import DrafterSlot, Generation
+from jaxrl_llm.rollout.generation import DrafterSlot, Generation, TokenBudget
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings, ServeSettings, SourceContext
 from jaxrl_llm.sampling import SamplerConfig, generate
@@ -377,7 +377,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
                    keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("sampler_mesh"),
                    slots=config_lib.read(c, "rollout.slots"), slot_chunk=config_lib.read(c, "rollout.slot_chunk"),
-                   drafter=None if drafter is None else DrafterSlot(), gamma_tuner=_gamma_tuner(samp_cfg))
+                   drafter=None if drafter is None else DrafterSlot(), gamma_tuner=_gamma_tuner(samp_cfg),
+                   budget=TokenBudget() if getattr(batch_extras, "adwin_cfg", None) is not None else None)
   return Run(drafter=drafter, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,

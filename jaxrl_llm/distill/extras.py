@@ -21,7 +21,8 @@ Config (all off by default; a missing section is off):
     A probe is the step's own batch: rollouts are generated at full length, so the teacher's per-token
     signal |log p(y_t) − log μ(y_t)| over the full mask is there; the agreement is the cheap proxy
     `adwin.kl_mass_alignment` (share of that signal's mass inside the first H tokens). A step trains on the
-    horizon in force when its batch is built (`adwin_horizon`); its probe sets the next steps' horizon.
+    horizon in force when its batch is built (`adwin_horizon`); its probe sets the next steps' horizon. The sampler
+    stops at the horizon (`generation_budget`: the loop caps the step's new tokens), except on probe steps.
   distill.teachers     Open-MOPD: a list of teacher specs (with `distill.teacher = "mopd"`), one per domain y
                        (the list index); each spec has `teacher` ("sft" | HF folder) and, for "sft",
                        `teacher_d_model`, `teacher_n_layers`, `teacher_sft_steps`; optional `seed` (the
@@ -374,6 +375,14 @@ class DistillExtras:
     return out
 
   # --- ADWIN ---------------------------------------------------------------------------------------
+  def generation_budget(self, step: int) -> int | None:
+    """The new tokens the next batch needs (`generation.TokenBudget`): ADWIN's horizon H, so no decode step is spent
+    on tokens the loss will not train on; None (full length) when that batch is a probe, or without ADWIN."""
+    del step  # the next batch built is the one the horizon and the probe schedule are counted in
+    if self.adwin_cfg is None or adwin_lib.should_probe(self.adwin_state, self.step, self.adwin_cfg):
+      return None
+    return int(self.adwin_state.horizon)
+
   def _adwin(self, ro, mask, reward_BN, info: dict):
     """The prefix-masked loss mask of this step's horizon; a due probe updates the next steps' horizon."""
     cfg, s, a = self.adwin_cfg, self.adwin_state, self.adwin_opts

@@ -26,12 +26,14 @@ from jaxrl_llm.sampling import behavior, continuous, generate
 from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import RewardPolicy
 
-# speculative decoding's metrics (`sampling.speculative`); spec_gamma: the γ a `speculative.GammaTuner` chose
-SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call", "spec_gamma")
+SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
+# a sampler call's settings chosen per call: the γ of a `speculative.GammaTuner`, a `TokenBudget`'s cap
+CALL_STATS = ("spec_gamma", "gen_max_new_tokens")
+RATE_STATS = SPEC_STATS + CALL_STATS  # per-call values: several calls report their mean (counts are summed)
 # continuous batching's counters of a sampler call (`sampling.continuous`): slot-steps run, and those that decoded
 # an unfinished request (1 - live / run: the share spent on free or finished slots)
 SLOT_STATS = {"slot_steps": "slot_steps", "live_steps": "slot_live_steps"}
-SAMPLER_STATS = SPEC_STATS + tuple(SLOT_STATS.values())  # what a sampler call reports beyond its rows
+SAMPLER_STATS = RATE_STATS + tuple(SLOT_STATS.values())  # what a sampler call reports beyond its rows
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -48,6 +50,43 @@ class DrafterSlot:
 
   def __init__(self, params=None):
     self.params = params
+
+
+class TokenBudget:
+  """A cap on the new tokens of the next static sampler calls (`Generation.sample`), set by the loop before each
+  batch from the batch extras' plan (`DistillExtras.generation_budget`: ADWIN's horizon, None on its full-length
+  probe steps); None = the sampler's own `max_new_tokens`."""
+
+  def __init__(self):
+    self.max_new_tokens: int | None = None
+
+
+def budget_bucket(n: int, N: int) -> int:
+  """The new tokens a call generates for a cap of n (≤ N): the next power of two, at most N (few compiled shapes)."""
+  return min(N, 1 << max(0, int(n) - 1).bit_length())
+
+
+def pad_response(out: dict, N: int, pad_id: int) -> dict:
+  """A sampler output of n < N response columns laid out as one of N: the missing columns are what a row that
+  stopped before them holds (pad ids, mask 0, log-probs 0, segment 0, positions counting on)."""
+  n = np.asarray(out["tokens_BN"]).shape[1]
+  if n >= N:
+    return out
+  res = {}
+  for k, v in out.items():
+    v = np.asarray(v) if hasattr(v, "shape") else v
+    if not hasattr(v, "shape") or v.ndim < 2 or k in ("kv_window_B2",):
+      res[k] = v
+      continue
+    width = [(0, 0)] * v.ndim
+    width[1] = (0, N - n)
+    if k == "positions_BT":
+      last = v[:, -1:]
+      res[k] = np.concatenate([v, last + np.arange(1, N - n + 1, dtype=v.dtype)[None, :]], axis=1)
+    else:
+      fill = pad_id if k in ("tokens_BN", "sequence_BT") or k.endswith(("ids_BNk", "ids_BNJ")) else 0
+      res[k] = np.pad(v, width, constant_values=fill)
+  return res
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +114,7 @@ class Generation:
   slot_chunk: int = 8
   drafter: DrafterSlot | None = None
   gamma_tuner: Any = None  # `sampler.spec_gamma="auto"`: `speculative.GammaTuner`, γ per call from measured cost
+  budget: TokenBudget | None = None  # a cap on the new tokens of `sample`'s calls (ADWIN's horizon)
 
   def step_prompts(self, steps: list[int], n: int, group_size: int, call: int = 0) -> collect.Prompts:
     """The prompts of learner steps `steps` (n each, a pure function of (seed, step, call)), each
@@ -97,18 +137,24 @@ class Generation:
       out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
                                       self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
       return {SLOT_STATS.get(k, k): v for k, v in out.items()}, None
-    if self.gamma_tuner is None or self.sampler_cfg.spec_gamma != "auto":
-      return multiprocess.generate_on_mesh(self.generate_fn(), params, prompts.tokens_BP, prompts.len_B, key,
-                                           self.model_cfg, self.sampler_cfg, self.mesh)  # numpy in: no eager put
-    # ReSpec's adaptive γ: the tuner picks this call's γ and learns from its measured seconds per emitted token
-    B = len(prompts.len_B)
-    gamma = self.gamma_tuner.choose(B)
+    cfg, extra, N = self.sampler_cfg, {}, self.sampler_cfg.max_new_tokens
+    cap = self.budget.max_new_tokens if self.budget is not None else None
+    if cap is not None and cap < N:  # fewer new tokens (ADWIN: nothing past the horizon is trained on)
+      cfg = dataclasses.replace(cfg, max_new_tokens=budget_bucket(cap, N))
+      extra["gen_max_new_tokens"] = cfg.max_new_tokens
+    tune = self.gamma_tuner is not None and cfg.spec_gamma == "auto"
+    if tune:  # ReSpec's adaptive γ: the tuner picks this call's γ and learns from its seconds per emitted token
+      B = len(prompts.len_B)
+      cfg = dataclasses.replace(cfg, spec_gamma=self.gamma_tuner.choose(B))
+      extra["spec_gamma"] = cfg.spec_gamma
     t0 = time.perf_counter()
     out, owners = multiprocess.generate_on_mesh(self.generate_fn(), params, prompts.tokens_BP, prompts.len_B, key,
-                                                self.model_cfg, dataclasses.replace(self.sampler_cfg, spec_gamma=gamma),
-                                                self.mesh)
-    self.gamma_tuner.observe(B, gamma, time.perf_counter() - t0, float(np.asarray(out["mask_BN"]).sum()))
-    return {**out, "spec_gamma": gamma}, owners
+                                                self.model_cfg, cfg, self.mesh)  # numpy in: no eager put
+    if tune:
+      self.gamma_tuner.observe(B, cfg.spec_gamma, time.perf_counter() - t0, float(np.asarray(out["mask_BN"]).sum()))
+    if cfg.max_new_tokens < N:
+      out = pad_response(out, N, cfg.pad_id)
+    return ({**out, **extra} if extra else out), owners
 
   def generate_fn(self):
     """`sampling.generate`, drafting with the distilled drafter's newest parameters when the `drafter` slot holds

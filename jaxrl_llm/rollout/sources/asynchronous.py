@@ -52,7 +52,7 @@ from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
 from jaxrl_llm.rollout import async_slots, episodes
 from jaxrl_llm.rollout.buffer import collate, lag
-from jaxrl_llm.rollout.generation import SPEC_STATS
+from jaxrl_llm.rollout.generation import RATE_STATS
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.base import register
 
@@ -81,10 +81,10 @@ def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
 
 
 def spec_means(groups: list[Rollout]) -> dict:
-  """Speculative decoding's metrics of a batch (`SPEC_STATS`): the mean over the groups that carry them (each group
-  is one sampler call); {} without speculation."""
+  """Speculative decoding's metrics and per-call settings of a batch (`RATE_STATS`): the mean over the groups that
+  carry them (each group is one sampler call); {} without speculation or a per-call setting."""
   out = {}
-  for k in SPEC_STATS:
+  for k in RATE_STATS:
     vals = [float(g.stat(k)) for g in groups if g.stat(k, None) is not None]
     if vals:
       out[k] = float(np.mean(vals))
@@ -108,7 +108,7 @@ def merge_processes(parts: list[Rollout]) -> Rollout:
       stats[k] = sorted(i for v in vals for i in v)
     elif k.startswith("time_"):
       stats[k] = max(vals)
-    elif k in SPEC_STATS:  # rates: the processes' mean
+    elif k in RATE_STATS:  # rates: the processes' mean
       stats[k] = float(np.mean(vals))
     else:  # reward_errors, async_dropped_stale / _buffered / _running: counts
       stats[k] = sum(vals)

@@ -16,7 +16,7 @@ from jaxrl_llm.rollout import episodes, old_logp
 from jaxrl_llm.rollout import replay as replay_lib
 from jaxrl_llm.rollout.settings import ReplaySettings, RolloutSettings
 from jaxrl_llm.rollout.sources.base import get, register
-from jaxrl_llm.rollout.generation import SAMPLER_STATS, SPEC_STATS
+from jaxrl_llm.rollout.generation import RATE_STATS, SAMPLER_STATS
 from jaxrl_llm.rollout.sources.common import sync_rollout
 
 
@@ -53,7 +53,7 @@ def replay_rollout(ctx, store, buf, step: int, version: int, v_b: int) -> Rollou
     sampler_stats.append({k: fresh.stats[k] for k in SAMPLER_STATS if k in (fresh.stats or {})})
   env_counts = episodes.merge_stats(env_stats)
   # rates (speculative decoding's): the calls' mean; counts (slot-steps): their sum
-  sampled = {k: (np.mean if k in SPEC_STATS else np.sum)([d[k] for d in sampler_stats if k in d]).item()
+  sampled = {k: (np.mean if k in RATE_STATS else np.sum)([d[k] for d in sampler_stats if k in d]).item()
              for k in {k for d in sampler_stats for k in d}}
   groups = buf.sample(np.random.default_rng([s.seed, 13, step]), n, version)
   ro = replay_lib.collate(groups, version, rs.max_lag, rs.stale_policy, rs.decay)
