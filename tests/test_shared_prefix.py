@@ -79,7 +79,7 @@ def test_prefill_per_group_equals_every_row(cfg):
   tokens, lens = grouped_prompts()
   positions, segments = prompt_layout(lens, P)
   tokens = jnp.where(segments > 0, tokens, 0)
-  want_cache, want_logits = sampler_lib._prefill_rows(params, tokens, positions, segments, cfg, P + N)
+  want_cache, want_logits = sampler_lib.prefill_rows(params, tokens, positions, segments, cfg, P + N)
   got_cache, got_logits = jax.jit(sampler_lib.prefill_per_group, static_argnums=(4, 5, 6))(
       params, tokens, positions, segments, cfg, P + N, G)
   np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-5)

@@ -40,7 +40,7 @@ from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sample import noise_shape, row_noise, sample_token
-from jaxrl_llm.sampling.sampler import _prefill_rows, is_stop, prompt_layout
+from jaxrl_llm.sampling.sampler import prefill_rows, is_stop, prompt_layout
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None
@@ -167,7 +167,7 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
   P = prompt_uP.shape[1]
   positions_uP, segment_ids_uP = prompt_layout(len_u, P)
   prompt_uP = jnp.where(segment_ids_uP > 0, prompt_uP, sampler_cfg.pad_id).astype(jnp.int32)
-  small, logits_uV = _prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P,
+  small, logits_uV = prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P,
                                    sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
   small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
   cache, at = state["cache"], state["cache"]["index"] - P

@@ -42,7 +42,7 @@ def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
   return positions_BP, real_BP.astype(jnp.int32)
 
 
-def _prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
+def prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
                   model_cfg: ModelConfig, slots: int, kv_dtype: str = "compute",
                   kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
   """(cache of `slots` slots holding the left-padded prompts, logits_BV after the last column); `kv_dtype` and
@@ -57,14 +57,14 @@ def _prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_i
 def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
                     model_cfg: ModelConfig, slots: int, group_size: int = 1, kv_dtype: str = "compute",
                     kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
-  """`_prefill_rows` computed once per prompt group: (cache, logits_BV of the first completion token).
+  """`prefill_rows` computed once per prompt group: (cache, logits_BV of the first completion token).
 
   With G = group_size > 1 and rows g·G .. g·G+G-1 holding one prompt (tokens, positions and segments
   equal), only rows 0, G, 2G, ... are run (B/G rows of prefill work) and their cache and logits are
   copied to the G rows of their group (`cache.repeat_rows`). The check runs on device (`lax.cond`):
   a batch whose groups differ is prefilled row by row, so the result never depends on the layout.
   """
-  full = lambda: _prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, kv_dtype, kv_window)
+  full = lambda: prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, kv_dtype, kv_window)
   G, B = group_size, prompt_BP.shape[0]
   if G == 1:
     return full()
@@ -83,7 +83,7 @@ def prefill_per_group(params: dict, prompt_BP: Array, positions_BP: Array, segme
   """The shared branch of `prefill_grouped`, unchecked: runs rows 0, G, 2G, ... and copies each one's
   cache and logits to the G rows of its group (what the other rows hold is never read)."""
   G = group_size
-  cache, logits_bV = _prefill_rows(params, prompt_BP[::G], positions_BP[::G], segment_ids_BP[::G], model_cfg, slots,
+  cache, logits_bV = prefill_rows(params, prompt_BP[::G], positions_BP[::G], segment_ids_BP[::G], model_cfg, slots,
                                    kv_dtype, kv_window)
   return repeat_rows(cache, G), jnp.repeat(logits_bV, G, axis=0)
 
