@@ -139,6 +139,7 @@ def get_config():
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
   c.advantage.std_normalize = True  # divide the group-relative advantages by the group's reward std
+  c.advantage.turn_level = False  # episodes: credit each turn by its return-to-go (collect.turn_advantages)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-4  # AdamW learning rate (after the warmup)

@@ -58,8 +58,11 @@ def make_batch(run, store: ParamStore, state, extra, ro: Rollout) -> tuple[Rollo
   seq = old_logp.rollout_seq(ro)
   mask = jnp.asarray(ro.mask_BN)
   adv_B = collect.group_advantages(ro.reward_B, c.rollout.group_size, c.advantage.name, c.advantage.std_normalize)
+  if config_lib.read(c, "advantage.turn_level") and ro.turn_reward_BK is not None:  # credit by return-to-go
+    adv_B = jnp.asarray(collect.turn_advantages(ro.reward_B, ro.turn_reward_BK, ro.turn_BN, adv_B,
+                                                c.rollout.group_size, c.advantage.name, c.advantage.std_normalize))
   if ro.adv_weight_B is not None:  # replay: over-stale groups down-weighted, after group normalisation
-    adv_B = adv_B * jnp.asarray(ro.adv_weight_B)
+    adv_B = adv_B * jnp.asarray(ro.adv_weight_B).reshape((-1,) + (1,) * (adv_B.ndim - 1))
   info = {}
   if _every_sample_failed(ro) and not _distills(c):  # rewards of failures only: nothing to learn from (the
     mask = jnp.zeros_like(mask)                        # learner skips an update with no token, `updates_skipped_empty`)
@@ -84,7 +87,7 @@ def make_batch(run, store: ParamStore, state, extra, ro: Rollout) -> tuple[Rollo
                                                                                     routes)
   batch = ro.learner_view().replace(
       sequence_BT=seq[0], positions_BT=seq[1], segment_ids_BT=seq[2], mask_BN=mask,
-      adv_BN=over.get("adv_BN", adv_B[:, None]) * mask,
+      adv_BN=over.get("adv_BN", adv_B if adv_B.ndim == 2 else adv_B[:, None]) * mask,
       behavior_logp_BN=jnp.asarray(ro.behavior_logp_BN), versions_BN=jnp.asarray(ro.versions_BN),
       lag_B=jnp.asarray(ro.lag_B), prox_logp_BN=prox, routes_BTLk=routes,  # ref_logp_BN: scored in the step
       extra=teacher)

@@ -49,7 +49,7 @@ ABSENT_DEFAULTS = {
     "rollout.replay.capacity": 0,
     "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
     "sft.demos": 64, "sft.demo_player": "consistent",
-    "checkpoint.config_change": "error", "serve.harness": "",
+    "checkpoint.config_change": "error", "serve.harness": "", "advantage.turn_level": False,
     "serve.sandbox": False, "serve.sandbox_cpu_s": 60.0, "serve.sandbox_memory_mb": 1024,
     "dist.coordinator_address": None, "dist.num_processes": None, "dist.process_id": None,
     "dist.initialization_timeout": 300, "dist.heartbeat_timeout_seconds": 100,
@@ -189,6 +189,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
           f"advantage.name={c.advantage.name!r} compares the responses of one prompt, so a group needs >= 2 of "
           "them; use group_size >= 2, or advantage.name='reinforce_pp' (a batch-wide baseline)")
+  turn_level = read(c, "advantage.turn_level")
+  _need(isinstance(turn_level, bool), "advantage.turn_level", turn_level, "must be a bool")
+  if turn_level:
+    _need(c.advantage.name in GROUP_ADVANTAGES, "advantage.turn_level", turn_level,
+          f"needs a group baseline (advantage.name in {GROUP_ADVANTAGES}), not {c.advantage.name!r}")
+    _need(env_on(c), "advantage.turn_level", turn_level,
+          "credits the turns of multi-turn episodes: set env.name (a single completion is one turn)")
   if read(c, "rollout.dynamic_sampling"):  # DAPO drops groups of equal rewards: every group of one
     _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
           "rollout.dynamic_sampling drops groups whose rewards are all equal, which every group of one is")

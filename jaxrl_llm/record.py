@@ -54,6 +54,7 @@ class Rollout:
   mc_ids_BNJ: Optional[Array] = None  # int32 J Monte-Carlo candidates per position: the sampled token, J-1 draws from μ
   mc_behavior_logp_BNJ: Optional[Array] = None  # float32 log μ of those candidates (`sampling.behavior`)
   turn_BN: Optional[Array] = None  # int32 turn index of each response token (multi-turn episodes)
+  turn_reward_BK: Optional[Array] = None  # float32 step reward of each of K = env.max_turns turns (episodes)
   env_mask_BN: Optional[Array] = None  # float32 1 on tokens an environment inserted (multi-turn episodes)
   kv_window_B2: Optional[Array] = None  # int32 (sinks, window) of a sinks + window sampler KV cache: what each token saw
   pack: Optional[Any] = None  # `packing.Packing` of the learner's batch (`optim.pack_width`); never on the host record
@@ -73,9 +74,10 @@ class Rollout:
     return (self.stats or {}).get(name, default)
 
   def learner_view(self) -> "Rollout":
-    """This record without the fields the learner's step does not read (rewards, group and request ids,
-    advantage weights: advantages already hold them; stats: host data that must not enter a compiled step)."""
-    return self.replace(reward_B=None, group_B=None, request_B=None, adv_weight_B=None, stats=None)
+    """This record without the fields the learner's step does not read (rewards, turn rewards, group and request
+    ids, advantage weights: advantages already hold them; stats: host data that must not enter a compiled step)."""
+    return self.replace(reward_B=None, group_B=None, request_B=None, adv_weight_B=None, turn_reward_BK=None,
+                        stats=None)
 
   def with_stats(self, **kw) -> "Rollout":
     """A copy whose stats are updated with `kw`."""

@@ -150,3 +150,27 @@ def test_collect_group_advantages_jitted_matches_eager_and_token_form():
   mask_BN = jnp.asarray(np.tril(np.ones((6, 4), np.float32), 1))
   np.testing.assert_allclose(collect.group_advantages(reward_B, G, "grpo", True, mask_BN), eager[:, None] * mask_BN,
                              rtol=1e-6)
+
+
+def test_turn_level_credit_golden_and_equal_to_the_sequence_advantage_with_a_final_reward():
+  """`collect.turn_advantages` (advantage.turn_level): A_bt = A_b + (G_k − R_b)/s_b by hand; with a final reward
+  only, every turn's return-to-go is the return and the token advantages are the episode's; equal returns: 0."""
+  from jaxrl_llm.rollout import collect
+  turn_r = np.array([[0.5, 0.0, 0.5], [0.0, 0.0, 0.0]], np.float32)  # group of 2; K = 3 turns
+  R = turn_r.sum(1)  # [1, 0]
+  turn_BN = np.array([[0, 0, -1, 1, 2], [0, -1, 1, 1, -1]])
+  for name, std in (("grpo", True), ("grpo", False), ("rloo", False)):
+    adv_B = np.asarray(collect.group_advantages(R, 2, name, std))
+    got = collect.turn_advantages(R, turn_r, turn_BN, adv_B, 2, name, std)
+    s = (np.std(R, ddof=1) + 1e-6) if std else 1.0
+    togo = np.array([[1.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    want = np.where(turn_BN >= 0, adv_B[:, None] + (togo[np.arange(2)[:, None], np.clip(turn_BN, 0, 2)] - R[:, None]) / s,
+                    0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert got[0, 4] < got[0, 0]  # the last turn earned only its own 0.5: less credit than the first (1.0)
+  final = np.array([[0, 0, 1.0], [0, 0, 0.0], [0, 0, 1.0], [0, 0, 1.0]], np.float32)
+  adv_B = np.asarray(collect.group_advantages(final.sum(1), 2, "grpo", True))
+  tb = np.array([[0, 1, 2, -1]] * 4)
+  got = collect.turn_advantages(final.sum(1), final, tb, adv_B, 2, "grpo", True)
+  np.testing.assert_allclose(got[:, :3], np.repeat(adv_B[:, None], 3, 1), rtol=1e-6)
+  assert np.all(got[:, 3] == 0) and np.all(got[2:] == 0)  # group 2's returns are equal: no signal

@@ -62,6 +62,32 @@ def test_env_absent_or_empty_is_single_turn():
   assert "turn" in config_lib.available_needs(agent())
 
 
+def test_turn_level_credit_trains_and_is_validated(tmp_path):
+  """advantage.turn_level: the batch's token advantages come from each turn's return-to-go (guess_number's reward
+  is the last turn's, so they equal the sequence advantages there); it needs episodes and a group baseline."""
+  from jaxrl_llm.rollout import collect
+  from jaxrl_llm.rollout.sources.common import sync_rollout
+  from test_loop import fresh_run
+  c = agent(advantage__turn_level=True)
+  r, state, extra, store = fresh_run(c)
+  ro = sync_rollout(r.ctx, store, [0], 0, 0)[0]
+  batch, _ = loop.make_batch(r, store, state, extra, ro)
+  G = c.rollout.group_size
+  adv_B = np.asarray(collect.group_advantages(ro.reward_B, G, c.advantage.name, c.advantage.std_normalize))
+  want = collect.turn_advantages(ro.reward_B, ro.turn_reward_BK, ro.turn_BN, adv_B, G, c.advantage.name,
+                                 c.advantage.std_normalize) * np.asarray(ro.mask_BN)
+  np.testing.assert_allclose(np.asarray(batch.adv_BN), want, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(want, adv_B[:, None] * np.asarray(ro.mask_BN), rtol=1e-5, atol=1e-6)  # final reward
+  rows = loop.run(c, str(tmp_path / "turns"))
+  assert [r["step"] for r in rows] == [0, 1] and all(math.isfinite(r["loss"]) for r in rows), rows
+  for over, needle in (({"env.name": ""}, "set env.name"), ({"advantage.name": "reinforce_pp"}, "group baseline")):
+    bad = agent(advantage__turn_level=True)
+    for k, v in over.items():
+      bad[k.split(".")[0]][k.split(".")[1]] = v
+    with pytest.raises(ConfigError, match=f"config.advantage.turn_level=True: .*{needle}"):
+      config_lib.validate(bad)
+
+
 @pytest.mark.parametrize("field,value,named", [
     ("name", "nope", "env.name"), ("max_turns", 0, "env.max_turns"), ("turn_tokens", 0, "env.turn_tokens"),
     ("max_episode_tokens", 2, "env.max_episode_tokens"), ("timeout_s", 0, "env.timeout_s"),

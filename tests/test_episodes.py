@@ -139,6 +139,11 @@ def test_guess_number_env():
 def test_record_layout_tokens_and_masks(echo_record):
   r, s = echo_record
   st = r.stats
+  # each turn's step reward (Echo: 0.25 per step, never done): they sum to the return (turn-level credit's input)
+  assert r.turn_reward_BK.shape == (6, s.max_turns)
+  np.testing.assert_allclose(r.turn_reward_BK.sum(1), r.reward_B, rtol=1e-6)
+  played = np.array([[(r.turn_BN[b] == k).any() for k in range(s.max_turns)] for b in range(6)])
+  np.testing.assert_allclose(r.turn_reward_BK, np.where(played, 0.25, 0.0), rtol=1e-6)
   B, N = 6, s.max_episode_tokens
   assert r.sequence_BT.shape == (B, P + N) and r.mask_BN.shape == (B, N) and r.turn_BN.shape == (B, N)
   pol, env = r.mask_BN > 0, r.env_mask_BN > 0

@@ -88,6 +88,26 @@ def group_advantages(reward_B: np.ndarray, group_size: int, name: str, std_norma
   return _group_advantages(np.asarray(reward_B, np.float32), group_size, name, std_normalize, mask_BN)
 
 
+def turn_advantages(reward_B, turn_reward_BK, turn_BN, adv_B, group_size: int, name: str,
+                    std_normalize: bool) -> np.ndarray:
+  """[B, N] turn-level credit of multi-turn episodes (`advantage.turn_level`): each policy token's advantage with
+  its turn's return-to-go G_k = Σ_{j ≥ k} r_j in place of the episode's return R, against the same group baseline:
+  A_bt = A_b + (G_{b,k(t)} − R_b) / s_b, with A_b the episode's group advantage (`adv_B`, of estimator `name`)
+  and s_b its group's reward std when GRPO normalises by it (else 1). An action gets no credit for rewards that came
+  before it; with only a final reward every G_k = R and this is the sequence advantage exactly. Tokens of no turn
+  (environment, padding: turn index < 0) get 0."""
+  reward_B, turn_reward_BK = np.asarray(reward_B, np.float64), np.asarray(turn_reward_BK, np.float64)
+  turn_BN, adv_B = np.asarray(turn_BN), np.asarray(adv_B, np.float64)
+  togo_BK = np.cumsum(turn_reward_BK[:, ::-1], axis=1)[:, ::-1]
+  togo_BN = np.take_along_axis(togo_BK, np.clip(turn_BN, 0, togo_BK.shape[1] - 1), axis=1)
+  delta_BN = togo_BN - reward_B[:, None]
+  if name == "grpo" and std_normalize:  # `advantages.grpo`: divided by the group std + eps; a group of equal returns
+    std_B = (np.repeat(reward_B.reshape(-1, group_size).std(axis=1, ddof=1), group_size) if group_size > 1
+             else np.ones_like(reward_B))  # has no signal (GRPO's 0), so no turn correction either
+    delta_BN = np.where(std_B[:, None] > 0, delta_BN / (std_B[:, None] + 1e-6), 0.0)
+  return np.where(turn_BN >= 0, adv_B[:, None] + delta_BN, 0.0).astype(np.float32)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _group_advantages(reward_B: jax.Array, group_size: int, name: str, std_normalize: bool, mask_BN) -> jax.Array:
   # Jitted: run eagerly, the few dozen small ops cost ~10 ms of host dispatch per learner step.

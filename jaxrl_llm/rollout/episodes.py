@@ -371,6 +371,7 @@ class _Batch:
     self.envs = env_list
     self.status: list[str | None] = [None] * B
     self.reward_B = np.zeros((B,), np.float32)
+    self.turn_reward_BK = np.zeros((B, s.max_turns), np.float32)  # each turn's step reward (turn-level credit)
 
     # Reset: the G episodes of a group share one seed.
     first = env_calls([(e.reset, int(seeds[b // G])) for b, e in enumerate(env_list)], s.timeout_s, s.workers)
@@ -504,8 +505,10 @@ class _Batch:
         st = "error"
     if st != "ok":
       self.status[b], self.live[b], self.reward_B[b] = st, False, 0.0
+      self.turn_reward_BK[b] = 0.0
       return
     self.reward_B[b] += r
+    self.turn_reward_BK[b, t] += r
     for k, v in info.items():
       self.info_B[b][k] = self.info_B[b].get(k, 0) + v
     if done:
@@ -566,6 +569,6 @@ class _Batch:
       stats["turn_outputs"] = self.turn_outputs
     return Rollout(sequence_BT=np.concatenate([self.prompt_BP, self.resp_BN], 1), positions_BT=positions_BT,
                    segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=self.logp_BN,
-                   versions_BN=ver_BN, reward_B=self.reward_B,
+                   versions_BN=ver_BN, reward_B=self.reward_B, turn_reward_BK=self.turn_reward_BK,
                    group_B=np.arange(B, dtype=np.int32) // self.G, turn_BN=self.turn_BN, env_mask_BN=self.env_mask_BN,
                    extra=extra, stats=stats, **self.recs)
