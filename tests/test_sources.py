@@ -101,7 +101,12 @@ class Toy(sources.Stateless):
     self.served, self.v_even = state["served"], state["v_even"]
 
 
-def test_a_new_source_plugs_in_by_registering(tmp_path):
+def test_a_new_source_plugs_in_by_registering(tmp_path, monkeypatch):
+  from jaxrl_llm import config as config_lib
+  from jaxrl_llm.rollout.sources import base
+  # The registration is this test's alone: a later test in this process sees only the built-in modes.
+  monkeypatch.setattr(base, "_SOURCES", dict(base._SOURCES))
+  monkeypatch.setattr(config_lib, "_EXTRA_MODES", list(config_lib._EXTRA_MODES))
   sources.register("toy")(Toy)
   c = tiny(rollout__mode="toy")
   c.num_steps, c.eval.every, c.sft.steps, c.checkpoint.every = 3, 0, 20, 2
