@@ -98,8 +98,6 @@ def _each(reason: str, a, bs) -> dict[frozenset, str]:
 
 _SPECS = ("speculative", "drafter")
 _EPS = ("episodes", "eviction")
-_KV = ("kv_int8", "kv_window")
-_REC = ("mu_topk", "mc_samples")
 _NOT_BUILT = "not built yet"
 # The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
 # otherwise what is missing). Keep it short: a refusal is a last resort (docs/compat.md).
@@ -120,11 +118,8 @@ REFUSED: dict[frozenset, str] = {
             "projections: model.lora.targets='q_proj,k_proj,v_proj,o_proj')", ("lora", "qlora"), ("moe",)),
     **_each(f"{_NOT_BUILT}: episodes do not assemble the sampler's MoE routes turn by turn (routing replay)", "moe",
             _EPS),
-    **_each(f"{_NOT_BUILT}: the draft-and-verify step records no MoE routes", "moe", _SPECS),
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
-    **_each(f"{_NOT_BUILT}: the draft-and-verify loop keeps full caches for drafter and policy", _KV, _SPECS),
-    **_each(f"{_NOT_BUILT}: the draft-and-verify loop records no μ candidates", _REC, _SPECS),
     **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "
                                 "arrays every process would have to address",

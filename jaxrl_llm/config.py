@@ -374,8 +374,8 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
 
 
 def _validate_speculative(c: ml_collections.ConfigDict) -> None:
-  """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` only (not
-  partial rollouts, not episodes), records no μ candidates and decodes from the full KV cache. spec_gamma -1 is
+  """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` (not
+  partial rollouts, not the slot engine), with every KV cache format, μ's records and MoE routes. spec_gamma -1 is
   the sampler's "auto" (adaptive γ, ReSpec; ml_collections keeps the field an int)."""
   gamma, k = read(c, "sampler.spec_gamma"), read(c, "sampler.spec_draft_layers")
   _need(isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= -1, "sampler.spec_gamma", gamma,
@@ -390,14 +390,9 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")
   _need(not c.rollout.partial_chunk, "sampler.spec_gamma", gamma,
         f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode without speculation")
-  _need(read(c, "sampler.kv_cache") == "full", "sampler.spec_gamma", gamma, "needs sampler.kv_cache='full'")
-  _need(not (read(c, "sampler.behavior_topk") or read(c, "sampler.mc_samples")), "sampler.spec_gamma", gamma,
-        "records no behavior_topk / mc_samples candidates")
   _need(not read(c, "rollout.slots"), "sampler.spec_gamma", gamma,
         f"continuous batching (rollout.slots={read(c, 'rollout.slots')}) decodes without speculation: set one of "
         "them to 0")
-  _need(not read(c, "model.num_experts"), "sampler.spec_gamma", gamma,
-        "speculative decoding is not built for MoE models (its verify step keeps no routes)")
 
 
 SPEC_DRAFTERS = ("layers", "distilled")

@@ -181,11 +181,97 @@ def test_acceptance_metrics():
   assert int(rows["spec_calls"]) <= 12
 
 
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_mu_records_are_the_policys_at_every_emitted_column(layout):
+  """With behavior_topk / mc_samples, each live column's records are μ's, computed here from the learner's logits on
+  the returned sequence (temperature 0.8, top-5): the top-3 ids by logit with log μ, and 3 Monte-Carlo candidates
+  (the sampled token first, all in μ's support, log μ at each); finished columns hold pad / 0."""
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8], [0, 4, 4, 1]], jnp.int32)
+  lens = jnp.array([4, 2, 3], jnp.int32)
+  d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
+  cfg = SamplerConfig(max_new_tokens=8, temperature=0.8, top_k=5, stop_ids=(3,), pad_id=11, behavior_topk=3,
+                      mc_samples=3)
+  out = jax.device_get(spec.generate_speculative(PARAMS, d_params, prompts, lens, jax.random.key(4), CFG, d_cfg, cfg,
+                                                 3, layout))
+  seq = out["sequence_BT"]
+  logits = np.asarray(jax.jit(forward, static_argnums=2)(PARAMS, seq[:, :-1], CFG, positions_BT=out["positions_BT"][:, :-1],
+                                                         segment_ids_BT=out["segment_ids_BT"][:, :-1]))[:, P - 1:]
+  mask, toks = out["mask_BN"], out["tokens_BN"]
+  assert mask.sum() >= 8
+  differ = 0
+  for b, n in itertools.product(range(3), range(8)):
+    ids_k, lp_k = out["behavior_topk_ids_BNk"][b, n], out["behavior_topk_logp_BNk"][b, n]
+    ids_j, lp_j = out["mc_ids_BNJ"][b, n], out["mc_behavior_logp_BNJ"][b, n]
+    if not mask[b, n]:
+      assert np.all(ids_k == 11) and np.all(lp_k == 0) and np.all(ids_j == 11) and np.all(lp_j == 0)
+      continue
+    mu = ref_probs(logits[b, n], 0.8, 5)
+    np.testing.assert_array_equal(ids_k, np.argsort(-logits[b, n], kind="stable")[:3])
+    np.testing.assert_allclose(lp_k, np.log(mu[ids_k]), atol=2e-5)
+    assert ids_j[0] == toks[b, n] and lp_j[0] == pytest.approx(out["behavior_logp_BN"][b, n], abs=1e-6)
+    assert np.all(mu[ids_j] > 0)
+    np.testing.assert_allclose(lp_j, np.log(mu[ids_j]), atol=2e-5)
+    differ += int(np.any(ids_j[1:] != ids_j[0]))
+  assert differ > 0  # the candidates are draws of their own, not copies of the token
+
+
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_compressed_kv_caches_are_the_policys_cache(layout):
+  """"window": μ equals the learner's shadow scoring (the window mask from kv_window_B2) and not its dense one;
+  "int8": greedy speculative decoding emits plain `generate`'s tokens and μ with the same int8 cache."""
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
+  lens = jnp.array([4, 2], jnp.int32)
+  drafter = spec.layers_drafter(PARAMS, CFG, 1)
+  cfg = SamplerConfig(max_new_tokens=8, temperature=0.8, kv_cache="window", kv_sinks=1, kv_window=3)
+  out = spec.generate(PARAMS, drafter, prompts, lens, jax.random.key(2), CFG, cfg, 3, layout)
+  np.testing.assert_array_equal(np.asarray(out["kv_window_B2"]), [[1, 3], [1, 3]])
+  score = jax.jit(completion_logprobs, static_argnums=(4, 5, 6))
+  args = (PARAMS, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], 8, CFG, 0.8)
+  mask = np.asarray(out["mask_BN"])
+  shadow = np.asarray(score(*args, kv_window_B2=out["kv_window_B2"])["logp_BT"]) * mask
+  dense = np.asarray(score(*args)["logp_BT"]) * mask
+  np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), shadow, atol=2e-5)
+  assert np.max(np.abs(dense - shadow)) > 1e-3  # the window was in force
+  greedy = SamplerConfig(max_new_tokens=8, temperature=0.0, kv_cache="int8")
+  out = spec.generate(PARAMS, drafter, prompts, lens, jax.random.key(0), CFG, greedy, 3, layout)
+  ref = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, greedy)
+  full = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, dataclasses.replace(greedy, kv_cache="full"))
+  np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))
+  np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(ref["behavior_logp_BN"]), atol=2e-5)
+  assert np.max(np.abs(np.asarray(full["behavior_logp_BN"]) - np.asarray(ref["behavior_logp_BN"]))) > 1e-5
+
+
+MOE = dataclasses.replace(CFG, num_experts=4, experts_per_token=2)
+MOE_PARAMS = scaled_params(MOE, 3, 4.0)
+
+
+@pytest.mark.parametrize("layout", spec.LAYOUTS)
+def test_moe_routes_are_where_each_token_was_fed(layout):
+  """MoE: routes_BTLk has `generate`'s layout and holds, at every real input token, the experts the policy routes
+  it to natively (the learner's own routing, sorted per token), and the learner replaying them scores μ."""
+  prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
+  lens = jnp.array([4, 2], jnp.int32)
+  cfg = SamplerConfig(max_new_tokens=8, temperature=1.0)
+  d_cfg = dataclasses.replace(MOE, n_layers=1)  # a random drafter: rows accept different numbers of drafts
+  out = spec.generate_speculative(MOE_PARAMS, scaled_params(d_cfg, 7, 8.0), prompts, lens, jax.random.key(3), MOE,
+                                  d_cfg, cfg, 3, layout)
+  assert out["routes_BTLk"].shape == (2, P + 8, MOE.n_layers, 2)
+  assert 1.0 < float(out["spec_tokens_per_call"]) < 3.0  # under "rows": holes, so a column's slot is not P + column
+  from jaxrl_llm.models.transformer import hidden_with_routing
+  seq, pos, seg = out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"]
+  _, routing = jax.jit(hidden_with_routing, static_argnums=2)(MOE_PARAMS, seq[:, :-1], MOE, positions_BT=pos[:, :-1],
+                                                              segment_ids_BT=seg[:, :-1])
+  real = np.asarray(seg[:, :-1]) > 0
+  got = np.sort(np.asarray(out["routes_BTLk"])[:, :-1], axis=-1)[real]
+  np.testing.assert_array_equal(got, np.sort(np.asarray(routing["routes_BTLk"]), axis=-1)[real])
+  score = jax.jit(completion_logprobs, static_argnums=(4, 5, 6))
+  lp = score(MOE_PARAMS, seq, pos, seg, 8, MOE, 1.0, routes_BTLk=out["routes_BTLk"])["logp_BT"]
+  np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(lp) * np.asarray(out["mask_BN"]),
+                             atol=2e-5)
+
+
 def test_rejections():
   prompts, lens = PROMPT_P[None], jnp.array([P], jnp.int32)
-  with pytest.raises(ValueError, match="behavior_topk"):
-    spec.generate(PARAMS, spec.layers_drafter(PARAMS, CFG, 1), prompts, lens, jax.random.key(0), CFG,
-                  SamplerConfig(max_new_tokens=2, behavior_topk=2), 2)
   with pytest.raises(ValueError, match="spec_draft_layers"):
     spec.draft_from_layers(PARAMS, CFG, 4)
   other = dataclasses.replace(CFG, vocab_size=16, n_layers=1)
@@ -213,9 +299,7 @@ def test_sampler_config_fields_and_generate_dispatch():
   assert "spec_calls" not in plain
   assert SPEC_LAYOUTS == spec.LAYOUTS
   for bad, needle in [(dict(spec_gamma=-1), "spec_gamma"), (dict(spec_gamma="big"), "spec_gamma"),
-                      (dict(spec_gamma=2), "spec_draft_layers"), (dict(spec_layout="holes"), "spec_layout"),
-                      (dict(spec_gamma=2, spec_draft_layers=1, mc_samples=2), "spec_gamma"),
-                      (dict(spec_gamma=2, spec_draft_layers=1, kv_cache="int8"), "spec_gamma")]:
+                      (dict(spec_gamma=2), "spec_draft_layers"), (dict(spec_layout="holes"), "spec_layout")]:
     with pytest.raises(ValueError, match=needle):
       SamplerConfig(max_new_tokens=4, **bad)
 
@@ -226,22 +310,21 @@ def test_run_config_validation_names_the_field():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for over, needle in [({"spec_gamma": 2}, "config.sampler.spec_draft_layers=0"),
                        ({"spec_gamma": -2, "spec_draft_layers": 1}, "config.sampler.spec_gamma=-2"),
-                       ({"spec_gamma": 2, "spec_draft_layers": 1, "behavior_topk": 2}, "config.sampler.spec_gamma=2"),
                        ({"spec_layout": "holes"}, "config.sampler.spec_layout='holes'")]:
     c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
     c.sampler.update(over)
     with pytest.raises(config_lib.ConfigError) as e:
       config_lib.validate(c)
     assert needle in str(e.value)
-  # pairs that would drop speculation silently (slots) or fail while tracing (MoE) are refused by name
-  for path, over, needle in [("tiny.py", {"rollout.slots": 4}, "config.sampler.spec_gamma=2: continuous batching"),
-                             ("moe_tiny.py", {}, "config.sampler.spec_gamma=2: speculative decoding is not built for MoE")]:
-    c = config_lib.load_file(os.path.join(root, "configs", path))
-    c.sampler.update({"spec_gamma": 2, "spec_draft_layers": 1})
-    for k, v in over.items():
-      c.rollout[k.split(".")[1]] = v
-    with pytest.raises(config_lib.ConfigError, match=needle):
-      config_lib.validate(c)
+  # a pair that would drop speculation silently (slots) is refused by name; MoE, μ records and compressed caches run
+  c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
+  c.sampler.update({"spec_gamma": 2, "spec_draft_layers": 1})
+  c.rollout.slots = 4
+  with pytest.raises(config_lib.ConfigError, match="config.sampler.spec_gamma=2: continuous batching"):
+    config_lib.validate(c)
+  c = config_lib.load_file(os.path.join(root, "configs", "moe_tiny.py"))
+  c.sampler.update({"spec_gamma": 2, "spec_draft_layers": 1, "kv_cache": "int8", "behavior_topk": 2, "mc_samples": 2})
+  config_lib.validate(c)
   c = config_lib.load_file(os.path.join(root, "configs", "tiny.py"))
   c.sampler.update({"spec_gamma": -1, "spec_draft_layers": 1})  # -1: "auto"
   config_lib.validate(c)

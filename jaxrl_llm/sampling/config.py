@@ -40,7 +40,7 @@ class SamplerConfig:
     spec_gamma: speculative decoding (`sampling.speculative`): γ tokens drafted per policy call, 0 = off, "auto" =
       ReSpec's adaptive choice: per call from measured cost (`speculative.GammaTuner`, in `Generation.sample` of a
       one-process run), else by batch size (`speculative.AUTO_GAMMA`). The tokens keep the policy's sampling distribution exactly and μ
-      its log-probs; needs spec_draft_layers, no μ records and the full KV cache.
+      its log-probs; needs spec_draft_layers. Composes with the μ records, every kv_cache and MoE routes.
     spec_draft_layers: k, the drafter is the policy's first k layers (sharing its embedding and head).
     spec_layout: how rows accepting different numbers of drafts share the KV cache (`speculative.LAYOUTS`): "min"
       (every row emits the batch's common minimum per call) or "rows" (each keeps what it accepted; cache holes).
@@ -95,7 +95,7 @@ class SamplerConfig:
     self._check_spec()
 
   def _check_spec(self):
-    """`spec_gamma` / `spec_draft_layers`: types, and what speculative decoding does not support."""
+    """`spec_gamma` / `spec_draft_layers` / `spec_layout`: types and values."""
     g, k = self.spec_gamma, self.spec_draft_layers
     if g != "auto" and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
       raise ValueError(f"sampler.spec_gamma must be an int >= 0 (0 = off) or 'auto', got {g!r}")
@@ -105,9 +105,6 @@ class SamplerConfig:
       raise ValueError(f"sampler.spec_layout must be one of {SPEC_LAYOUTS}, got {self.spec_layout!r}")
     if g and not k:
       raise ValueError(f"sampler.spec_gamma={g!r} needs sampler.spec_draft_layers >= 1 (the drafter's depth)")
-    if g and (self.records or self.kv_cache != "full"):
-      raise ValueError(f"sampler.spec_gamma={g!r}: speculative decoding records no behavior_topk / mc_samples and "
-                       "needs kv_cache='full'")
 
   @property
   def kv_dtype(self) -> str:

@@ -29,6 +29,17 @@ same vocabulary (`draft_params`, `draft_cfg`). Whatever the drafter, the tokens 
 log-probs: only the acceptance rate depends on it. Fresh is not good: an untrained early exit drafts poorly
 (SmolLM2-135M, 30 layers, temperature 1: acceptance 2-6 % with k = 8, 33 % with k = 28; `bench/speculative.py`),
 hence the distilled drafter.
+
+Every feature of the plain loop is a property of the verify step here too:
+- the KV cache format (`sampler.kv_cache`): the policy's cache is int8 or sinks + window exactly as in `generate`
+  (the window is over RoPE positions, so the "rows" layout's holes do not move it); μ and the acceptance test use
+  that cache's policy, and "window" returns `kv_window_B2` for the learner's shadow mask. The drafter keeps a full
+  cache: it only proposes, so its cache changes the acceptance rate, never the distribution.
+- μ's records (`sampler.behavior_topk`, `mc_samples`): every emitted token's records come from the verify call's
+  logits at its position (`behavior.record`, the candidates from the call's own key), the first column's from
+  the prefill as in `generate`.
+- MoE routes (routing replay, R3): each completion column's routes are those of the slot where the policy fed it
+  (`slot_BN`; under "rows" a column's slot is not P + column), gathered into `generate`'s `routes_BTLk`.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sample import first_argmax, truncate
 from jaxrl_llm.sampling.sampler import decode_carry, emit_token, is_stop, prefill_prompts
@@ -205,17 +217,29 @@ def _draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: A
   return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1), cache
 
 
+def _record_block(logits_BGV: Array, block_BG: Array, mu_BG: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
+  """μ's records (`behavior.record`) at each of the G verified positions, [B, G, k|J] each: the block's token
+  there and its μ, one key for the call (the candidates of different rows and positions are independent draws)."""
+  B, G, V = logits_BGV.shape
+  recs = behavior.record(logits_BGV.reshape(B * G, V), block_BG.reshape(-1), mu_BG.reshape(-1), key, sampler_cfg)
+  return {name: x.reshape(B, G, -1) for name, x in recs.items()}
+
+
 def _write_block(carry: dict, block_BG: Array, mu_BG: Array, emit_B: Array, active_B: Array,
-                 sampler_cfg: SamplerConfig) -> dict:
-  """Writes the first `emit_B` tokens of each active row's block at its columns `col_B ...` and advances `col_B`
-  by `emit_B`; a row is live at a column until the column after its first stop id. Later columns of the block
-  get pad (nothing real lies past a row's `col_B`), and writes past the buffer are dropped."""
+                 sampler_cfg: SamplerConfig, recs: dict) -> dict:
+  """Writes the first `emit_B` tokens of each active row's block (and their `recs`, `_record_block`) at its
+  columns `col_B ...` and advances `col_B` by `emit_B`; a row is live at a column until the column after its
+  first stop id. Later columns of the block get pad (nothing real lies past a row's `col_B`), and writes past the
+  buffer are dropped."""
   B, G = block_BG.shape
   stop_BG = is_stop(block_BG, sampler_cfg.stop_ids)
   stopped_before_BG = jnp.cumsum(stop_BG, axis=1) - stop_BG > 0
   live_BG = active_B[:, None] & ~stopped_before_BG & (jnp.arange(G)[None, :] < emit_B[:, None])
   rows_B1, cols_BG = jnp.arange(B)[:, None], carry["col_B"][:, None] + jnp.arange(G)[None, :]
   put = lambda buf, x_BG: buf.at[rows_B1, cols_BG].set(x_BG.astype(buf.dtype), mode="drop")
+  for name, x_BG_ in recs.items():  # pad ids / zero log-probs where the row is not live (`behavior.write_column`)
+    fill = sampler_cfg.pad_id if name.endswith(("ids_BNk", "ids_BNJ")) else 0.0
+    carry = {**carry, name: put(carry[name], jnp.where(live_BG[..., None], x_BG_, fill))}
   return {
       **carry,
       "col_B": carry["col_B"] + emit_B,
@@ -252,15 +276,13 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
   Also returns the scalars spec_calls (verification calls), spec_accept_rate (accepted / proposed drafts over
   active rows, before any common minimum) and spec_tokens_per_call (tokens a row emits per verification call,
   averaged over the calls of rows still decoding).
-  Not supported (ValueError): the μ records (`behavior_topk`, `mc_samples`), a compressed KV cache, MoE models.
+  Like `generate` it also returns the μ records `sampler_cfg` asks for, `kv_window_B2` with a "window" cache and,
+  for MoE models, `routes_BTLk` (module docstring).
   """
   if gamma < 1:
     raise ValueError(f"generate_speculative: gamma must be >= 1, got {gamma}")
   if layout not in LAYOUTS:
     raise ValueError(f"generate_speculative: layout must be one of {LAYOUTS}, got {layout!r}")
-  if sampler_cfg.records or sampler_cfg.kv_cache != "full" or model_cfg.is_moe or draft_cfg.is_moe:
-    raise ValueError("speculative decoding supports neither sampler.behavior_topk / mc_samples, nor a compressed "
-                     "sampler.kv_cache, nor MoE models")
   if draft_cfg.vocab_size != model_cfg.vocab_size:
     raise ValueError(f"the drafter's vocabulary ({draft_cfg.vocab_size}) must be the policy's ({model_cfg.vocab_size})")
   B, P = prompt_tokens_BP.shape
@@ -280,6 +302,8 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
   zero = jnp.zeros((), jnp.float32)
   carry = {**carry, "col_B": jnp.ones((B,), jnp.int32), "dcache": dcache, "calls": jnp.zeros((), jnp.int32),
            "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero}
+  if model_cfg.is_moe:  # the slot where each completion column was fed (-1: never fed), for its routes
+    carry["slot_BN"] = jnp.full((B, N + G), -1, jnp.int32)
   active = lambda c: ~c["done_B"] & (c["col_B"] < N)
 
   def call(carry: dict) -> dict:
@@ -295,10 +319,13 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
     fed_BG = jnp.concatenate([last_B[:, None], drafts_Bg], axis=1)
     logits_BGV, cache = forward_with_cache(v_params, fed_BG, carry["cache"], model_cfg,
                                            positions_BT=pos0_B[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :],
-                                           segment_ids_BT=jnp.broadcast_to(live_B1, (B, G)))
+                                           segment_ids_BT=jnp.broadcast_to(live_B1, (B, G)),
+                                           kv_window=sampler_cfg.kv_window_arg)
     p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
     n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, jax.random.fold_in(k_call, 1))
     mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
+    recs = (_record_block(logits_BGV, block_BG, mu_BG, jax.random.fold_in(k_call, 2), sampler_cfg)
+            if sampler_cfg.records else {})
     if layout == "min":
       m = jnp.min(jnp.where(active_B, n_B + 1, G))
       emit_B = jnp.full((B,), m, jnp.int32)
@@ -313,12 +340,23 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
              "accepted": carry["accepted"] + jnp.sum(jnp.where(active_B, n_B, 0)),
              "proposed": carry["proposed"] + gamma * jnp.sum(active_B),
              "emitted": carry["emitted"] + jnp.sum(counted_B), "row_calls": carry["row_calls"] + jnp.sum(active_B)}
-    return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg)
+    if "slot_BN" in carry:  # this call fed columns col_B - 1 ... at slots start ...; the first emit_B are kept
+      i_G = jnp.arange(G)
+      cols_BG = jnp.where(i_G[None, :] < emit_B[:, None], col_B[:, None] - 1 + i_G[None, :], N + G)  # N+G: dropped
+      carry["slot_BN"] = carry["slot_BN"].at[jnp.arange(B)[:, None], cols_BG].set(
+          jnp.broadcast_to(start + i_G, (B, G)), mode="drop")
+    return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg, recs)
 
   carry = jax.lax.while_loop(lambda c: jnp.any(active(c)), call, carry)
   tokens_BN, mask_BN = carry["tokens_BN"][:, :N], carry["mask_BN"][:, :N]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  extra = {k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}
+  if sampler_cfg.kv_window_arg is not None:
+    extra["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (B, 2))
+  if model_cfg.is_moe:
+    extra["routes_BTLk"] = _routes(carry["cache"]["routes_LBSk"], carry["slot_BN"][:, :N], P)
   return {
+      **extra,
       "tokens_BN": tokens_BN,
       "mask_BN": mask_BN,
       "behavior_logp_BN": carry["logp_BN"][:, :N],
@@ -332,6 +370,17 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
       "spec_accept_rate": carry["accepted"] / jnp.maximum(carry["proposed"], 1.0),
       "spec_tokens_per_call": carry["emitted"] / jnp.maximum(carry["row_calls"], 1.0),
   }
+
+
+def _routes(routes_LBSk: Array, slot_BN: Array, P: int) -> Array:
+  """`generate`'s routes_BTLk [B, P + N, L, k]: the prompt's slots, then each completion column's routes at the slot
+  it was fed in (`slot_BN`); a column never fed (the last one, or past a row's end) holds experts 0..k-1 as
+  `generate`'s unwritten slots do."""
+  k = routes_LBSk.shape[-1]
+  idx_LBN1 = jnp.maximum(slot_BN, 0)[None, :, :, None]
+  fed_LBNk = jnp.take_along_axis(routes_LBSk, idx_LBN1, axis=2)
+  fed_LBNk = jnp.where((slot_BN >= 0)[None, :, :, None], fed_LBNk, jnp.arange(k, dtype=routes_LBSk.dtype))
+  return jnp.moveaxis(jnp.concatenate([routes_LBSk[:, :, :P], fed_LBNk], axis=2), 0, 2)
 
 
 def layers_drafter(params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
