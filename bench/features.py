@@ -66,10 +66,7 @@ def complete(features: dict | None) -> dict:
   unknown = set(features or {}) - set(DEFAULTS)
   if unknown:
     raise ValueError(f"unknown feature(s) {sorted(unknown)}: known features are {', '.join(DEFAULTS)}")
-  f = {**DEFAULTS, **(features or {})}
-  if f["slots"] and f["spec_gamma"]:
-    raise ValueError("features slots and spec_gamma: the continuous-batching engine does not decode speculatively")
-  return f
+  return {**DEFAULTS, **(features or {})}
 
 
 def draft_layers(features: dict, n_layers: int) -> int:

@@ -85,7 +85,10 @@ def sample(ctx: dict, params, p: collect.Prompts, key) -> tuple[dict, dict]:
   if f["slots"]:
     out = continuous.generate_slots(params, p.tokens_BP, p.len_B, request_keys(key, len(p.len_B)), ctx["cfg"],
                                     ctx["sampler_cfg"], slots=f["slots"], chunk=f["slot_chunk"])
-    return out, {"slot_wasted": 1 - out["live_steps"] / max(out["slot_steps"], 1)}
+    stats = {"slot_wasted": 1 - out["live_steps"] / max(out["slot_steps"], 1)}
+    if "spec_accept_rate" in out:  # the engine's draft-and-verify step
+      stats["spec_accept_rate"] = float(out["spec_accept_rate"])
+    return out, stats
   out = common.block(generate(params, p.tokens_BP, p.len_B, key, ctx["cfg"], ctx["sampler_cfg"]))
   lengths = np.asarray(out["lengths_B"])
   stats = {"slot_wasted": 1 - float((lengths - 1).clip(0).sum()) / max(len(lengths) * (int(lengths.max()) - 1), 1)}

@@ -96,7 +96,6 @@ def _each(reason: str, a, bs) -> dict[frozenset, str]:
   return {pair(x, y): reason for x in a for y in bs}
 
 
-_SPECS = ("speculative", "drafter")
 _EPS = ("episodes", "eviction")
 _NOT_BUILT = "not built yet"
 # The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
@@ -120,7 +119,6 @@ REFUSED: dict[frozenset, str] = {
             _EPS),
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
-    **_each(f"{_NOT_BUILT}: the slot engine has no draft-and-verify step (issue 44)", "slots", _SPECS),
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "
                                 "arrays every process would have to address",
 }

@@ -375,8 +375,8 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
 
 def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` (not
-  partial rollouts, not the slot engine), with every KV cache format, μ's records and MoE routes. spec_gamma -1 is
-  the sampler's "auto" (adaptive γ, ReSpec; ml_collections keeps the field an int)."""
+  partial rollouts), in the slot engine too ("min" layout), with every KV cache format, μ's records and MoE
+  routes. spec_gamma -1 is the sampler's "auto" (adaptive γ, ReSpec; ml_collections keeps the field an int)."""
   gamma, k = read(c, "sampler.spec_gamma"), read(c, "sampler.spec_draft_layers")
   _need(isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= -1, "sampler.spec_gamma", gamma,
         "must be an int >= 0 (0 = off) or -1 (adaptive γ)")
@@ -390,9 +390,9 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")
   _need(not c.rollout.partial_chunk, "sampler.spec_gamma", gamma,
         f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode without speculation")
-  _need(not read(c, "rollout.slots"), "sampler.spec_gamma", gamma,
-        f"continuous batching (rollout.slots={read(c, 'rollout.slots')}) decodes without speculation: set one of "
-        "them to 0")
+  _need(not read(c, "rollout.slots") or layout == "min", "sampler.spec_layout", layout,
+        f"continuous batching (rollout.slots={read(c, 'rollout.slots')}) speculates with 'min': its slots share "
+        "the cache's write index")
 
 
 SPEC_DRAFTERS = ("layers", "distilled")
@@ -420,8 +420,6 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   _need(gamma != 0, "sampler.spec_drafter", kind, "needs speculative decoding (sampler.spec_gamma != 0)")
   _need(c.rollout.mode in DRAFTER_MODES, "sampler.spec_drafter", kind,
         f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
-  _need(not read(c, "rollout.slots"), "sampler.spec_drafter", kind,
-        "continuous batching (rollout.slots) decodes without speculation")
 
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:

@@ -268,8 +268,7 @@ def test_features_parse_and_label():
                      ("remat=some", "one of none, full, dots"), ("slot_chunk=0", "int >= 1")):
     with pytest.raises(ValueError, match=words):
       features.parse(bad)
-  with pytest.raises(ValueError, match="does not decode speculatively"):
-    features.complete({"slots": 4, "spec_gamma": 2})
+  assert features.label({"slots": 4, "spec_gamma": 2}) == "slots=4,slot_chunk=8,spec_gamma=2"  # they compose
 
 
 @pytest.mark.parametrize("argv, words", [

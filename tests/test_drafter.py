@@ -223,7 +223,7 @@ def test_config_validation_names_the_field():
                        ({"sampler.spec_distill_steps": 0}, "config.sampler.spec_distill_steps=0"),
                        ({"sampler.spec_distill_lr": -1.0}, "config.sampler.spec_distill_lr=-1.0"),
                        ({"sampler.spec_distill_reward_weight": -0.5}, "config.sampler.spec_distill_reward_weight=-0.5"),
-                       ({"rollout.slots": 4}, "config.sampler.spec_drafter='distilled'")]:
+                       ({"rollout.slots": 4, "sampler.spec_layout": "rows"}, "config.sampler.spec_layout='rows'")]:
     c = drafter_config(1)
     for k, v in over.items():
       sec, key = k.split(".")

@@ -578,8 +578,8 @@ def test_serve_validation_names_the_field(field, value):
 
 
 def test_speculating_sampler_answers_top_logprobs():
-  """With speculative decoding on, a call that asks for top log-probs decodes without it (the draft-and-verify loop
-  records no candidates; the distribution is the same) instead of failing; other calls speculate."""
+  """With speculative decoding on, a call that asks for top log-probs speculates too and records μ's top-k at every
+  token (the verify step's records): the sampled token's log-prob among them is its μ."""
   import dataclasses
   import jax
   from jaxrl_llm.rollout.sources.harness import make_sample_fn
@@ -591,3 +591,9 @@ def test_speculating_sampler_answers_top_logprobs():
   plain = sample(PARAMS, 0, ctx, jax.random.key(0), 0)
   top = sample(PARAMS, 0, ctx, jax.random.key(0), 3)
   assert "behavior_topk_ids_BNk" not in plain and top["behavior_topk_ids_BNk"].shape[:2] == top["tokens_BN"].shape
+  import numpy as np
+  hit = top["behavior_topk_ids_BNk"] == top["tokens_BN"][..., None]
+  live = np.arange(top["tokens_BN"].shape[1])[None, :] < top["lengths_B"][:, None]
+  assert (hit.any(-1) & live).sum() >= 2
+  np.testing.assert_allclose(np.where(hit, top["behavior_topk_logp_BNk"], 0).sum(-1)[hit.any(-1) & live],
+                             top["behavior_logp_BN"][hit.any(-1) & live], atol=1e-5)

@@ -76,7 +76,7 @@ class SlotWorker:
     for g in self.groups.values():  # every group in the engine may sample tokens at v in this step
       if v not in g.pins:
         g.pins[v] = self.store.acquire(v)
-    for (rid, row), cols in self.slots.step(worker_params(self.decode), v):
+    for (rid, row), cols in self.slots.step(worker_params(self.decode), v, self.gen.draft_params()):
       g = self.groups[rid]
       g.rows[row] = cols
       if len(g.rows) == self.G:
@@ -135,6 +135,7 @@ class SlotWorker:
     p = g.prompts
     out = continuous.assemble_requests([g.rows[r] for r in range(self.G)], p.tokens_BP, p.len_B,
                                        self.gen.sampler_cfg)
+    out.update(self.slots.spec_stats())  # speculation: the engine's rates so far (its calls serve many groups)
     group = self.gen.finish(out, p.examples, out["versions_BN"])
     if self.score_fn is not None:
       group = group.replace(prox_logp_BN=prox_at_versions(self.score_fn, self.store, g.admitted, group))

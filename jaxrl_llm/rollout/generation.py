@@ -135,7 +135,8 @@ class Generation:
     with `fold_in(key, r)` (`request_keys`)."""
     if self.slots:
       out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
-                                      self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk)
+                                      self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk,
+                                      draft_params=self.draft_params())
       return {SLOT_STATS.get(k, k): v for k, v in out.items()}, None
     cfg, extra, N = self.sampler_cfg, {}, self.sampler_cfg.max_new_tokens
     cap = self.budget.max_new_tokens if self.budget is not None else None
@@ -155,6 +156,11 @@ class Generation:
     if cfg.max_new_tokens < N:
       out = pad_response(out, N, cfg.pad_id)
     return ({**out, **extra} if extra else out), owners
+
+  def draft_params(self):
+    """The distilled drafter's newest parameters when the `drafter` slot holds them, else None (the slot engine
+    then drafts with the policy's first `spec_draft_layers` layers)."""
+    return self.drafter.params if self.drafter is not None else None
 
   def generate_fn(self):
     """`sampling.generate`, drafting with the distilled drafter's newest parameters when the `drafter` slot holds

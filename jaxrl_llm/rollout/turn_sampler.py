@@ -160,6 +160,12 @@ class SlotTurns:
     return self._steps0[1] + (self.engine.live_steps if self.engine is not None else 0)
 
   @property
+  def spec(self) -> list[dict]:
+    """Speculative decoding's metrics (`SPEC_STATS`) of the engine's draft-and-verify calls so far ([] without)."""
+    got = self.engine.spec_stats() if self.engine is not None else {}
+    return [{k: got[k] for k in SPEC_STATS}] if got else []
+
+  @property
   def idle(self) -> bool:
     return self.engine is None or self.engine.idle
 
@@ -178,7 +184,7 @@ class SlotTurns:
     records = behavior.TOPK_FIELDS + behavior.MC_FIELDS
     return [(tag, {"tokens_N": cols["tokens_N"], "behavior_logp_N": cols["behavior_logp_N"],
                    "length": int(cols["mask_N"].sum()), **{k: cols[k] for k in records if k in cols}})
-            for tag, cols in engine.step(params, version)]
+            for tag, cols in engine.step(params, version, self.gen.draft_params())]
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     """One turn of the rows `rows_b` (episode ids): episode b draws with `fold_in(fold_in(key, b), n)`."""

@@ -22,10 +22,20 @@ samples the same tokens (log-probs equal up to float rounding: the attention sum
 Versions: `poll(version)` is asked at every chunk boundary for newer (version, params); the next chunk and the
 prefills after it use them (an in-flight update stalls the slots for at most one chunk). The cache keeps the
 keys/values the old parameters wrote (PipelineRL), and each token records the version that sampled it.
+
+Speculative decoding (`sampler.spec_gamma` γ > 0) is the engine's other step (`speculate_chunk`): every call
+drafts γ tokens per live slot with the drafter (the policy's first `spec_draft_layers` layers, or a distilled
+drafter's parameters) over a drafter cache of the same slot layout, verifies them in one policy call, and every
+live slot emits the common minimum m of what the live slots accepted (`speculative`'s "min" layout), so the
+write index still advances alike for all rows and column n still sits at slot base + P + n. The draws are the
+request's own (`fold_in(fold_in(key, SPEC_STREAM), column)`); the tokens follow the policy's sampling
+distribution exactly (not `generate`'s bits), and μ, the records and MoE routes are the verify call's, as in
+`speculative.generate_speculative`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import deque
 from typing import Any, Callable
@@ -37,7 +47,7 @@ import numpy as np
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_cache
-from jaxrl_llm.sampling import behavior
+from jaxrl_llm.sampling import behavior, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sample import noise_shape, row_noise, sample_token
 from jaxrl_llm.sampling.sampler import prefill_rows, is_stop, prompt_layout
@@ -50,11 +60,30 @@ Poll = Callable[[Any], Any]
 _SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "segment_ids_BS": 1, "routes_LBSk": 2}
 
 
+SPEC_STREAM = 0x5350  # folded into a request's key for its draft-and-verify draws ("SP")
+
+
+def engine_gamma(sampler_cfg: SamplerConfig, slots: int) -> int:
+  """γ of the engine's draft-and-verify step (0: plain decoding); "auto" picks it for S slots
+  (`speculative.auto_gamma`: the engine's batch is its slot count)."""
+  g = sampler_cfg.spec_gamma
+  return speculative.auto_gamma(slots) if g == "auto" else int(g)
+
+
 def check_supported(sampler_cfg: SamplerConfig) -> None:
-  """Raises ValueError for the sampler settings the slot engine does not implement: speculative decoding (a
-  draft-and-verify step of the engine is not built; ignoring `spec_gamma` would drop it silently)."""
-  if sampler_cfg.spec_gamma:
-    raise ValueError(f"continuous batching does not speculate (sampler.spec_gamma={sampler_cfg.spec_gamma!r})")
+  """Raises ValueError for the sampler settings the slot engine does not implement: speculation's "rows" layout
+  (every slot shares the cache's write index, so the slots advance by a common minimum: "min")."""
+  if sampler_cfg.spec_gamma and sampler_cfg.spec_layout != "min":
+    raise ValueError(f"continuous batching speculates with sampler.spec_layout='min' (the slots share one write "
+                     f"index), got {sampler_cfg.spec_layout!r}")
+
+
+def _drafter(params: dict, draft_params: dict | None, model_cfg: ModelConfig,
+             sampler_cfg: SamplerConfig) -> tuple[dict, ModelConfig]:
+  """(drafter parameters, its config): `draft_params` (a distilled drafter), else the policy's first layers."""
+  if draft_params is None:
+    draft_params = speculative.layers_drafter(params, model_cfg, sampler_cfg.spec_draft_layers)
+  return draft_params, dataclasses.replace(model_cfg, n_layers=speculative.drafter_depth(draft_params))
 
 
 def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
@@ -78,10 +107,17 @@ def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, w
   (room for the first prompts), and per slot its next column `step_S`, prompt length `start_S` (completion
   column n sits at RoPE position start + n), key, live / stopped flags, logits of its next column and its
   output columns (tokens, μ log-probs, mask, versions)."""
-  N = sampler_cfg.max_new_tokens
-  cache = init_cache(model_cfg, slots, width + N + chunk, sampler_cfg.kv_dtype)  # full or int8 (window: a mask)
+  N, gamma = sampler_cfg.max_new_tokens, engine_gamma(sampler_cfg, slots)
+  # a chunk advances the index by one slot per step, or by at most γ + 1 per draft-and-verify call (which writes γ + 1)
+  room = chunk if not gamma else (chunk + 1) * (gamma + 1)
+  cache = init_cache(model_cfg, slots, width + N + room, sampler_cfg.kv_dtype)  # full or int8 (window: a mask)
   cache["index"] = jnp.asarray(width, jnp.int32)
+  spec = {}
+  if gamma:  # the drafter's own cache, same slots (full: it only proposes)
+    d_cfg = dataclasses.replace(model_cfg, n_layers=sampler_cfg.spec_draft_layers)
+    spec["dcache"] = {**init_cache(d_cfg, slots, width + N + room), "index": jnp.asarray(width, jnp.int32)}
   return {
+      **spec,
       "cache": cache,
       "step_S": jnp.zeros((slots,), jnp.int32),
       "start_S": jnp.zeros((slots,), jnp.int32),
@@ -157,36 +193,138 @@ def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConf
   return {**state, "cache": stack_cache(state["cache"])}, steps
 
 
+def _place(cache: dict, small: dict, rows_k: Array, P: int) -> dict:
+  """`cache` with rows `rows_k` replaced by the prefilled `small` cache (P slots) at slots [index - P, index), the
+  rest of those rows cleared (segment 0); a row index >= S is dropped."""
+  at = cache["index"] - P
+  out = {"index": cache["index"]}
+  for name, x in cache.items():
+    if name == "index":
+      continue
+    ax = _SLOT_AXIS[name]
+    fresh = jnp.zeros(small[name].shape[:ax] + (x.shape[ax],) + small[name].shape[ax + 1:], x.dtype)
+    fresh = jax.lax.dynamic_update_slice_in_dim(fresh, small[name].astype(x.dtype), at, axis=ax)
+    out[name] = x.at[(slice(None),) * (ax - 1) + (rows_k,)].set(fresh, mode="drop")
+  return out
+
+
+def _put_block(buf_SN: Array, x_SG: Array, col_SG: Array, write_SG: Array) -> Array:
+  """`buf_SN` with row s's columns `col_SG[s]` set to `x_SG[s]` where `write_SG` (trailing axes ride along)."""
+  cols_SG = jnp.where(write_SG, col_SG, buf_SN.shape[1])  # out of range: dropped
+  return buf_SN.at[jnp.arange(buf_SN.shape[0])[:, None], cols_SG].set(x_SG.astype(buf_SN.dtype), mode="drop")
+
+
+SPEC_COUNTS = ("calls", "advance", "live_calls", "accepted", "proposed", "emitted")
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk", "gamma"),
+                   donate_argnames=("state",))
+def speculate_chunk(params: dict, draft_params: dict | None, state: dict, version: Array, model_cfg: ModelConfig,
+                    sampler_cfg: SamplerConfig, chunk: int, gamma: int) -> tuple[dict, dict]:
+  """`decode_chunk` with speculative decoding: up to `chunk` draft-and-verify calls over all slots (module
+  docstring). Returns (state, counts): `SPEC_COUNTS` summed over the calls (calls; advance, the slots the write
+  index moved; live_calls, live slot-calls; accepted / proposed drafts of live slots; emitted columns)."""
+  version = jnp.asarray(version, jnp.int32)
+  d_params, d_cfg = _drafter(params, draft_params, model_cfg, sampler_cfg)
+  v_params, cache = decode_view(params, state["cache"], model_cfg)
+  vd_params, dcache = decode_view(d_params, state["dcache"], d_cfg)
+  G, N = gamma + 1, sampler_cfg.max_new_tokens
+  i_G = jnp.arange(G, dtype=jnp.int32)
+
+  def call(carry: tuple[dict, dict]) -> tuple[dict, dict]:
+    st, n = carry
+    live_S, unfed_S, step_S = st["live_S"], st["unfed_S"], st["step_S"]
+    prev_S = jnp.maximum(step_S - 1, 0)
+    last_S = jnp.take_along_axis(st["tokens_SN"], prev_S[:, None], axis=1)[:, 0]
+    pos0_S = st["start_S"] + prev_S
+    keys_S = jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, SPEC_STREAM), c))(st["keys_S"], step_S)
+    start = st["cache"]["index"]
+    drafts_Sg, q_SgV, dcache = speculative.draft(vd_params, st["dcache"], last_S, pos0_S,
+                                                 live_S[:, None].astype(jnp.int32), speculative.fold(keys_S, 0),
+                                                 d_cfg, sampler_cfg, gamma)
+    # the last column of every unfed slot is real; the drafts only of live ones (MoE: a stop token is fed alone)
+    seg_SG = jnp.where(i_G[None, :] == 0, unfed_S[:, None], live_S[:, None]).astype(jnp.int32)
+    logits_SGV, cache = forward_with_cache(v_params, jnp.concatenate([last_S[:, None], drafts_Sg], axis=1),
+                                           st["cache"], model_cfg, positions_BT=pos0_S[:, None] + i_G[None, :],
+                                           segment_ids_BT=seg_SG, kv_window=sampler_cfg.kv_window_arg)
+    p_SGV = speculative.sampling_logp(logits_SGV, sampler_cfg)
+    n_S, block_SG = speculative.verify(p_SGV, q_SgV, drafts_Sg, speculative.fold(keys_S, 1))
+    mu_SG = speculative.behavior_logp(logits_SGV, p_SGV, block_SG, sampler_cfg)
+    m = jnp.where(jnp.any(live_S), jnp.min(jnp.where(live_S, n_S + 1, G)), 1)  # the common minimum
+    cache, dcache = {**cache, "index": start + m}, {**dcache, "index": start + m}
+    # each live slot writes its first m tokens, through its first stop id and up to column N - 1
+    stop_SG = is_stop(block_SG, sampler_cfg.stop_ids)
+    col_SG = step_S[:, None] + i_G[None, :]
+    write_SG = (live_S[:, None] & (i_G[None, :] < m) & ~(jnp.cumsum(stop_SG, axis=1) - stop_SG > 0)
+                & (col_SG < N))
+    new_S = jnp.sum(write_SG, axis=1).astype(jnp.int32)
+    stopped_S = jnp.any(write_SG & stop_SG, axis=1)
+    step_new_S = step_S + new_S
+    live_new_S = live_S & ~stopped_S & (step_new_S < N)
+    put = lambda name, x_SG: _put_block(st[name], x_SG, col_SG, write_SG)
+    recs = {}
+    if sampler_cfg.records:
+      got = speculative.record_block(logits_SGV, block_SG, mu_SG, speculative.fold(keys_S, 2), sampler_cfg)
+      recs = {name: put(name, x) for name, x in got.items()}
+    st = {
+        **st,
+        **recs,
+        "cache": cache,
+        "dcache": dcache,
+        "tokens_SN": put("tokens_SN", block_SG),
+        "logp_SN": put("logp_SN", mu_SG),
+        "mask_SN": put("mask_SN", jnp.ones_like(mu_SG)),
+        "versions_SN": put("versions_SN", jnp.broadcast_to(version, block_SG.shape)),
+        "stopped_S": st["stopped_S"] | stopped_S,
+        "live_S": live_new_S,
+        # the next call feeds the last written column of a live slot; MoE: also a stop this call did not feed (a
+        # written column i < m - 1 was fed here as draft i + 1), as `generate` feeds a stop token
+        "unfed_S": live_new_S | (model_cfg.is_moe & stopped_S & (new_S == m) & (step_new_S < N)),
+        "step_S": step_new_S,
+    }
+    live = jnp.sum(live_S).astype(jnp.float32)
+    n = {"calls": n["calls"] + 1, "advance": n["advance"] + m, "live_calls": n["live_calls"] + live,
+         "accepted": n["accepted"] + jnp.sum(jnp.where(live_S, n_S, 0)), "proposed": n["proposed"] + gamma * live,
+         "emitted": n["emitted"] + jnp.sum(new_S)}
+    return st, n
+
+  def keep_going(carry: tuple[dict, dict]) -> Array:
+    return (carry[1]["calls"] < chunk) & jnp.any(carry[0]["unfed_S"])
+
+  zero = jnp.zeros((), jnp.float32)
+  counts = {"calls": jnp.zeros((), jnp.int32), "advance": jnp.zeros((), jnp.int32), "live_calls": zero,
+            "accepted": zero, "proposed": zero, "emitted": zero}
+  state, counts = jax.lax.while_loop(keep_going, call, ({**state, "cache": cache, "dcache": dcache}, counts))
+  return {**state, "cache": stack_cache(state["cache"]), "dcache": stack_cache(state["dcache"])}, counts
+
+
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg"), donate_argnames=("state",))
 def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt_uP: Array, len_u: Array,
-                  keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+                  keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
+                  draft_params: dict | None = None) -> dict:
   """Admits k requests into slots `rows_k` (a row index >= S pads the bucket and is dropped): prefills the u
   distinct left-padded prompts once each (request i holds prompt `src_k[i]`: the G rows of a GRPO group admitted
   together share one prefill), writes the keys/values into slots [index - P, index) of those rows (the rest of
-  the row cleared to segment 0), and samples their column 0 with `version`."""
+  the row cleared to segment 0), and samples their column 0 with `version`. With speculation the drafter
+  (`draft_params`, None: the policy's first layers) prefills its own cache the same way."""
   P = prompt_uP.shape[1]
   positions_uP, segment_ids_uP = prompt_layout(len_u, P)
   prompt_uP = jnp.where(segment_ids_uP > 0, prompt_uP, sampler_cfg.pad_id).astype(jnp.int32)
   small, logits_uV = prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P,
                                    sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
   small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
-  cache, at = state["cache"], state["cache"]["index"] - P
-  new_cache = {"index": cache["index"]}
-  for name, x in cache.items():
-    if name == "index":
-      continue
-    ax = _SLOT_AXIS[name]
-    row_ax = ax - 1
-    fresh = jnp.zeros(small[name].shape[:ax] + (x.shape[ax],) + small[name].shape[ax + 1:], x.dtype)
-    fresh = jax.lax.dynamic_update_slice_in_dim(fresh, small[name].astype(x.dtype), at, axis=ax)
-    idx = (slice(None),) * row_ax + (rows_k,)
-    new_cache[name] = x.at[idx].set(fresh, mode="drop")
+  spec = {}
+  if "dcache" in state:
+    d_params, d_cfg = _drafter(params, draft_params, model_cfg, sampler_cfg)
+    dsmall, _ = prefill_rows(d_params, prompt_uP, positions_uP, segment_ids_uP, d_cfg, P)
+    spec["dcache"] = _place(state["dcache"], take_rows(dsmall, src_k), rows_k, P)
   N = sampler_cfg.max_new_tokens
   put = lambda buf, val: buf.at[rows_k].set(val, mode="drop")
   k = rows_k.shape[0]
   admitted = {
       **state,
-      "cache": new_cache,
+      **spec,
+      "cache": _place(state["cache"], small, rows_k, P),
       "step_S": put(state["step_S"], jnp.zeros((k,), jnp.int32)),
       "start_S": put(state["start_S"], len_k.astype(jnp.int32)),
       "keys_S": put(state["keys_S"], keys_k),
@@ -255,7 +393,8 @@ class SlotEngine:
   async source admits groups as admission allows; an episode queues its next turn when the environment
   answers), and switch `params`/`version` between steps: the next chunk and admissions use them (an in-flight
   update stalls the slots for at most one chunk). The device state lives in `state`; everything else is
-  queues and counters (`slot_steps`, `live_steps`).
+  queues and counters (`slot_steps`, `live_steps`; with speculation a step is a draft-and-verify call and
+  `spec_counts` sums `SPEC_COUNTS`, `spec_stats` turns them into `generate`'s spec_* metrics).
   """
 
   def __init__(self, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, slots: int, chunk: int, width: int):
@@ -263,6 +402,8 @@ class SlotEngine:
     if slots < 1 or chunk < 1:
       raise ValueError(f"continuous batching: slots={slots} and chunk={chunk} must be >= 1")
     self.model_cfg, self.sampler_cfg, self.slots, self.chunk, self.width = model_cfg, sampler_cfg, slots, chunk, width
+    self.gamma = engine_gamma(sampler_cfg, slots)
+    self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0.0)
     self.state = None  # built at the first admission (the key's shape comes from the first request)
     self.queue: deque = deque()  # (tag, prompt_P, length, key)
     self.tag_S: list = [None] * slots
@@ -285,8 +426,17 @@ class SlotEngine:
   def idle(self) -> bool:
     return not self.queue and not self.held
 
-  def step(self, params: dict, version: int) -> list[tuple[Any, dict]]:
-    """Admit → one decode chunk → harvest → shift; the requests that finished, as (tag, columns)."""
+  def spec_stats(self) -> dict:
+    """`generate`'s speculative metrics over every call so far ({} without speculation)."""
+    if not self.gamma:
+      return {}
+    c = self.spec_counts
+    return {"spec_calls": c["calls"], "spec_accept_rate": c["accepted"] / max(c["proposed"], 1.0),
+            "spec_tokens_per_call": c["emitted"] / max(c["live_calls"], 1.0)}
+
+  def step(self, params: dict, version: int, draft_params: dict | None = None) -> list[tuple[Any, dict]]:
+    """Admit → one decode chunk → harvest → shift; the requests that finished, as (tag, columns). `draft_params`:
+    a distilled drafter's (with speculation; None drafts with the policy's first `spec_draft_layers` layers)."""
     free = np.flatnonzero(self.owner_S < 0)
     take = min(len(free), len(self.queue))
     if take:
@@ -294,14 +444,23 @@ class SlotEngine:
       if self.state is None:
         self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
                                 jnp.asarray(reqs[0][3])[None])
-      self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg)
+      self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg,
+                          draft_params)
       for s, r in zip(free[:take], reqs):
         self.tag_S[s] = r[0]
       self.owner_S[free[:take]], self.base_S[free[:take]] = 1, self.index - self.width
     if not self.held:
       return []
     state = self.state
-    if np.asarray(state["unfed_S"]).any():  # live slots (and, MoE, stop tokens still to feed)
+    if np.asarray(state["unfed_S"]).any() and self.gamma:  # draft-and-verify calls
+      state, counts = speculate_chunk(params, draft_params, state, version, self.model_cfg, self.sampler_cfg,
+                                      self.chunk, self.gamma)
+      counts = {k: float(v) for k, v in jax.device_get(counts).items()}
+      for k, v in counts.items():
+        self.spec_counts[k] += v
+      self.index, self.slot_steps = self.index + int(counts["advance"]), self.slot_steps + self.slots * int(counts["calls"])
+      self.live_steps += int(counts["live_calls"])
+    elif np.asarray(state["unfed_S"]).any():  # live slots (and, MoE, stop tokens still to feed)
       step_before = int(np.asarray(state["step_S"]).sum())
       state, steps = decode_chunk(params, state, version, self.model_cfg, self.sampler_cfg, self.chunk)
       self.index, self.slot_steps = self.index + int(steps), self.slot_steps + self.slots * int(steps)
@@ -310,7 +469,9 @@ class SlotEngine:
     held = self.owner_S >= 0
     d = min([self.index - self.width] + ([int(self.base_S[held].min())] if held.any() else []))
     if d > 0:  # no live request reads slots [0, d) any more
-      state["cache"] = shift_cache(state["cache"], jnp.asarray(d, jnp.int32))
+      for name in ("cache", "dcache"):
+        if name in state:
+          state[name] = shift_cache(state[name], jnp.asarray(d, jnp.int32))
       self.index -= d
       self.base_S[held] -= d
     self.state = state
@@ -319,7 +480,7 @@ class SlotEngine:
 
 def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, model_cfg: ModelConfig,
                    sampler_cfg: SamplerConfig, *, slots: int, chunk: int, version: int = 0,
-                   poll: Poll | None = None) -> dict:
+                   poll: Poll | None = None, draft_params: dict | None = None) -> dict:
   """Samples up to N = `sampler_cfg.max_new_tokens` tokens after each of R left-padded prompts with S = `slots`
   decode slots (a `SlotEngine`), refilling a slot with the next queued request (in request order) once its
   request finished.
@@ -329,7 +490,9 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   Returns host arrays in request order with `generate`'s keys (tokens_BN, mask_BN, behavior_logp_BN, lengths_B,
   finished_B, sequence_BT, positions_BT, segment_ids_BT, completion_mask_BT) plus versions_BN (the version that
   sampled each token), and the counters slot_steps (S × decode steps run) and live_steps (the slot-steps that
-  decoded an unfinished request; 1 - live/slot is the share wasted on free or finished slots).
+  decoded an unfinished request; 1 - live/slot is the share wasted on free or finished slots). With speculation
+  (`sampler_cfg.spec_gamma`; `draft_params` a distilled drafter's, None the policy's first layers) a step is a
+  draft-and-verify call and the result adds `generate`'s spec_calls, spec_accept_rate and spec_tokens_per_call.
   """
   prompt_RP, len_R = np.asarray(prompt_tokens_RP, np.int32), np.asarray(prompt_len_R, np.int32)
   R, P = prompt_RP.shape
@@ -346,7 +509,7 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   for r in range(R):
     engine.submit(r, prompt_RP[r], len_R[r], keys_R[r])
   while not engine.idle:
-    for r, cols in engine.step(params, version):
+    for r, cols in engine.step(params, version, draft_params):
       out["tokens_BN"][r], out["behavior_logp_BN"][r] = cols["tokens_N"], cols["behavior_logp_N"]
       out["mask_BN"][r], out["versions_BN"][r], out["finished_B"][r] = cols["mask_N"], cols["versions_N"], cols["finished"]
       for name in _record_names(sc):
@@ -356,7 +519,8 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
     newer = poll(version) if poll is not None else None
     if newer is not None:
       version, params = newer
-  return _assemble(out, prompt_RP, len_R, sampler_cfg, engine.slot_steps, engine.live_steps)
+  return {**_assemble(out, prompt_RP, len_R, sampler_cfg, engine.slot_steps, engine.live_steps),
+          **engine.spec_stats()}
 
 
 def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: SamplerConfig) -> dict:
@@ -373,7 +537,7 @@ def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: 
 
 
 def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int, model_cfg: ModelConfig,
-           sampler_cfg: SamplerConfig) -> dict:
+           sampler_cfg: SamplerConfig, draft_params: dict | None = None) -> dict:
   """`prefill_slots` of queued requests `reqs` ((tag, prompt_P, length, key) each) into free slots `rows`, padded
   to power-of-two buckets (of requests and of distinct prompts) so that a run compiles it a few times only."""
   S, take = state["live_S"].shape[0], len(reqs)
@@ -388,7 +552,7 @@ def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int
   keys = [r[3] for r in reqs]
   keys_k = jnp.stack(keys + [keys[0]] * (kb - take))
   return prefill_slots(params, state, rows_k, src_k, prompt_kP[u_pick], len_k[u_pick], keys_k, version,
-                       model_cfg, sampler_cfg)
+                       model_cfg, sampler_cfg, draft_params)
 
 
 @functools.partial(jax.jit, static_argnames=("length",))

@@ -56,7 +56,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sample import first_argmax, truncate
+from jaxrl_llm.sampling.sample import first_argmax, is_row_keys, truncate
 from jaxrl_llm.sampling.sampler import decode_carry, emit_token, is_stop, prefill_prompts
 
 Array = jax.Array
@@ -169,9 +169,20 @@ def behavior_logp(logits_BTV: Array, logp_BTV: Array, tokens_BT: Array, cfg: Sam
   return jnp.take_along_axis(src_BTV, tokens_BT[..., None], axis=-1)[..., 0]
 
 
+def fold(key: Array, i) -> Array:
+  """`fold_in(key, i)` of one key, or of each key of one key per row (`sample.is_row_keys`)."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, i))(key) if is_row_keys(key) else jax.random.fold_in(key, i)
+
+
+def _draw(fn, key: Array, shape: tuple[int, ...]) -> Array:
+  """`fn(key, shape)` for the batch, or with one key per row each row's own `fn(key[b], shape[1:])` (the slot
+  engine: a request's draws depend on its key, not on its slot)."""
+  return jax.vmap(lambda k: fn(k, shape[1:]))(key) if is_row_keys(key) else fn(key, shape)
+
+
 def _categorical(key: Array, logp_BTV: Array) -> Array:
   """One draw per row of `logp` (Gumbel-max; -inf entries are never drawn)."""
-  g_BTV = jax.random.gumbel(key, logp_BTV.shape, jnp.float32)
+  g_BTV = _draw(lambda k, s: jax.random.gumbel(k, s, jnp.float32), key, logp_BTV.shape)
   return first_argmax(jnp.where(jnp.isneginf(logp_BTV), -jnp.inf, logp_BTV + g_BTV))
 
 
@@ -181,13 +192,13 @@ def verify(p_logp_BGV: Array, q_logp_BgV: Array, draft_Bg: Array, key: Array) ->
   p_logp_BGV: the policy's sampling log-probs at the G = γ + 1 verified positions; q_logp_BgV: the drafter's at
   the γ drafted ones; draft_Bg: the drafted tokens (drawn from q). block_BG: the row's candidate tokens, its
   first n_B + 1 being what it emits: the accepted drafts, then the draw from norm(max(0, p_n − q_n)) (or, with
-  every draft accepted, from p_γ: the residual against q = 0).
+  every draft accepted, from p_γ: the residual against q = 0). `key`: one key, or one key per row.
   """
   B, g = draft_Bg.shape
-  k_acc, k_fix = jax.random.split(key)
+  k_acc, k_fix = (fold(key, 0), fold(key, 1)) if is_row_keys(key) else jax.random.split(key)
   p_d_Bg = jnp.exp(jnp.take_along_axis(p_logp_BGV[:, :g], draft_Bg[..., None], axis=-1)[..., 0])
   q_d_Bg = jnp.exp(jnp.take_along_axis(q_logp_BgV, draft_Bg[..., None], axis=-1)[..., 0])
-  accept_Bg = jax.random.uniform(k_acc, (B, g)) * q_d_Bg < p_d_Bg  # u < p/q without dividing
+  accept_Bg = _draw(jax.random.uniform, k_acc, (B, g)) * q_d_Bg < p_d_Bg  # u < p/q without dividing
   n_B = jnp.sum(jnp.cumprod(accept_Bg.astype(jnp.int32), axis=1), axis=1)
   q_BGV = jnp.concatenate([jnp.exp(q_logp_BgV), jnp.zeros_like(p_logp_BGV[:, :1])], axis=1)
   p_BGV = jnp.exp(p_logp_BGV)
@@ -200,16 +211,17 @@ def verify(p_logp_BGV: Array, q_logp_BgV: Array, draft_Bg: Array, key: Array) ->
   return n_B, jnp.where(col_G[None, :] < n_B[:, None], drafts_BG, fix_BG).astype(jnp.int32)
 
 
-def _draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: Array, key: Array,
-           d_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array, dict]:
+def draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: Array, key: Array,
+          d_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array, dict]:
   """The drafter's γ proposals after `last_B` (at positions pos0_B + 1 ...): (draft_Bg, q_logp_BgV, cache). It
-  feeds γ + 1 tokens (the last draft too, head skipped) so that its cache holds every token the policy may keep."""
+  feeds γ + 1 tokens (the last draft too, head skipped) so that its cache holds every token the policy may keep.
+  `key`: one key, or one key per row."""
   tok_B1, drafts, qs = last_B[:, None], [], []
   for i in range(gamma):
     logits_B1V, cache = forward_with_cache(d_params, tok_B1, cache, d_cfg, positions_BT=(pos0_B + i)[:, None],
                                            segment_ids_BT=live_B1)
     q_B1V = sampling_logp(logits_B1V, sampler_cfg)
-    tok_B1 = _categorical(jax.random.fold_in(key, i), q_B1V)
+    tok_B1 = _categorical(fold(key, i), q_B1V)
     drafts.append(tok_B1)
     qs.append(q_B1V)
   _, cache = hidden_with_cache(d_params, tok_B1, cache, d_cfg, positions_BT=(pos0_B + gamma)[:, None],
@@ -217,9 +229,13 @@ def _draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: A
   return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1), cache
 
 
-def _record_block(logits_BGV: Array, block_BG: Array, mu_BG: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
+def record_block(logits_BGV: Array, block_BG: Array, mu_BG: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
   """μ's records (`behavior.record`) at each of the G verified positions, [B, G, k|J] each: the block's token
-  there and its μ, one key for the call (the candidates of different rows and positions are independent draws)."""
+  there and its μ, one key for the call (the candidates of different rows and positions are independent draws),
+  or one key per row (each row's records from its own)."""
+  if is_row_keys(key):
+    one = lambda l_GV, t_G, m_G, k: behavior.record(l_GV, t_G, m_G, k, sampler_cfg)
+    return jax.vmap(one)(logits_BGV, block_BG, mu_BG, key)
   B, G, V = logits_BGV.shape
   recs = behavior.record(logits_BGV.reshape(B * G, V), block_BG.reshape(-1), mu_BG.reshape(-1), key, sampler_cfg)
   return {name: x.reshape(B, G, -1) for name, x in recs.items()}
@@ -227,7 +243,7 @@ def _record_block(logits_BGV: Array, block_BG: Array, mu_BG: Array, key: Array, 
 
 def _write_block(carry: dict, block_BG: Array, mu_BG: Array, emit_B: Array, active_B: Array,
                  sampler_cfg: SamplerConfig, recs: dict) -> dict:
-  """Writes the first `emit_B` tokens of each active row's block (and their `recs`, `_record_block`) at its
+  """Writes the first `emit_B` tokens of each active row's block (and their `recs`, `record_block`) at its
   columns `col_B ...` and advances `col_B` by `emit_B`; a row is live at a column until the column after its
   first stop id. Later columns of the block get pad (nothing real lies past a row's `col_B`), and writes past the
   buffer are dropped."""
@@ -314,8 +330,8 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
     live_B1 = active_B[:, None].astype(jnp.int32)
     pos0_B = (prompt_len_B + col_B - 1).astype(jnp.int32)
     start = carry["cache"]["index"]
-    drafts_Bg, q_logp_BgV, dcache = _draft(vd_params, carry["dcache"], last_B, pos0_B, live_B1,
-                                           jax.random.fold_in(k_call, 0), draft_cfg, sampler_cfg, gamma)
+    drafts_Bg, q_logp_BgV, dcache = draft(vd_params, carry["dcache"], last_B, pos0_B, live_B1,
+                                          jax.random.fold_in(k_call, 0), draft_cfg, sampler_cfg, gamma)
     fed_BG = jnp.concatenate([last_B[:, None], drafts_Bg], axis=1)
     logits_BGV, cache = forward_with_cache(v_params, fed_BG, carry["cache"], model_cfg,
                                            positions_BT=pos0_B[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :],
@@ -324,7 +340,7 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
     p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
     n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, jax.random.fold_in(k_call, 1))
     mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
-    recs = (_record_block(logits_BGV, block_BG, mu_BG, jax.random.fold_in(k_call, 2), sampler_cfg)
+    recs = (record_block(logits_BGV, block_BG, mu_BG, jax.random.fold_in(k_call, 2), sampler_cfg)
             if sampler_cfg.records else {})
     if layout == "min":
       m = jnp.min(jnp.where(active_B, n_B + 1, G))

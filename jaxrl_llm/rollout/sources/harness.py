@@ -73,9 +73,8 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
   def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
     n = len(contexts)
     rows = list(contexts) + [contexts[0]] * (_bucket(n, max(max_batch, n)) - n)
-    # a call asking for top log-probs records μ's top-k, which the draft-and-verify loop does not: it decodes
-    # without speculation (the same distribution: speculative sampling is exact)
-    cfg = dataclasses.replace(base, behavior_topk=topk, spec_gamma=0) if top_logprobs else base
+    # a call asking for top log-probs records μ's top-k (speculating or not: the verify step records it too)
+    cfg = dataclasses.replace(base, behavior_topk=topk) if top_logprobs else base
     out = turns.turn(params, version, list(range(len(rows))), rows, key, cfg)
     return {k: np.asarray(v)[:n] for k, v in out.items() if k in (
         "tokens_BN", "lengths_B", "behavior_logp_BN", "behavior_topk_ids_BNk", "behavior_topk_logp_BNk")}
