@@ -101,10 +101,7 @@ _NOT_BUILT = "not built yet"
 # The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
 # otherwise what is missing). Keep it short: a refusal is a last resort (docs/compat.md).
 REFUSED: dict[frozenset, str] = {
-    **_each(f"{_NOT_BUILT}: the distilled drafter's state lives in one process, and partial rollouts do not "
-            "speculate", "drafter", ("partial", "processes")),
-    pair("partial", "speculative"): f"{_NOT_BUILT}: partial rollouts' chunked loop (`sampling.partial`) does not "
-                                    "speculate (issue 44: one engine)",
+    pair("drafter", "processes"): f"{_NOT_BUILT}: the distilled drafter's state lives in one process",
     pair("partial", "slots"): "inherent: async slots already switch to the newest version at every slot_chunk "
                               "boundary, keeping the cache: partial_chunk would be a second, conflicting switch",
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "

@@ -374,8 +374,8 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
 
 
 def _validate_speculative(c: ml_collections.ConfigDict) -> None:
-  """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate` (not
-  partial rollouts), in the slot engine too ("min" layout), with every KV cache format, μ's records and MoE
+  """`sampler.spec_gamma` / `spec_draft_layers` (absent: 0, 0): speculative decoding runs in `generate`, in partial
+  rollouts' chunks and in the slot engine ("min" layout), with every KV cache format, μ's records and MoE
   routes. spec_gamma -1 is the sampler's "auto" (adaptive γ, ReSpec; ml_collections keeps the field an int)."""
   gamma, k = read(c, "sampler.spec_gamma"), read(c, "sampler.spec_draft_layers")
   _need(isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= -1, "sampler.spec_gamma", gamma,
@@ -388,8 +388,6 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
   if not gamma:
     return
   _need(k >= 1, "sampler.spec_draft_layers", k, f"must be >= 1 with sampler.spec_gamma={gamma!r} (the drafter's depth)")
-  _need(not c.rollout.partial_chunk, "sampler.spec_gamma", gamma,
-        f"partial rollouts (rollout.partial_chunk={c.rollout.partial_chunk}) decode without speculation")
   _need(not read(c, "rollout.slots") or layout == "min", "sampler.spec_layout", layout,
         f"continuous batching (rollout.slots={read(c, 'rollout.slots')}) speculates with 'min': its slots share "
         "the cache's write index")

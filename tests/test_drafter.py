@@ -218,8 +218,6 @@ def test_config_validation_names_the_field():
   validate(c)
   for over, needle in [({"sampler.spec_drafter": "eagle"}, "config.sampler.spec_drafter='eagle'"),
                        ({"sampler.spec_gamma": 0}, "config.sampler.spec_drafter='distilled'"),
-                       ({"rollout.mode": "async", "rollout.lag": 1, "rollout.partial_chunk": 2},
-                        "config.sampler.spec_gamma=2: partial rollouts"),
                        ({"sampler.spec_distill_steps": 0}, "config.sampler.spec_distill_steps=0"),
                        ({"sampler.spec_distill_lr": -1.0}, "config.sampler.spec_distill_lr=-1.0"),
                        ({"sampler.spec_distill_reward_weight": -0.5}, "config.sampler.spec_distill_reward_weight=-0.5"),

@@ -761,9 +761,12 @@ def test_the_plot_held_out_curve_starts_with_the_before_accuracy(tmp_path):
   assert os.path.getsize(tmp_path / "p.png") > 0
 
 
-def test_speculative_metrics_in_async_mode(tmp_path):
-  # issue 43 (f): sampler.spec_gamma in rollout.mode=async speculated but reported no spec_* metrics.
-  c = fast(rollout__mode="async", rollout__lag=1, sampler__spec_gamma=2, sampler__spec_draft_layers=1)
+@pytest.mark.parametrize("partial_chunk", [0, 2])
+def test_speculative_metrics_in_async_mode(tmp_path, partial_chunk):
+  # issue 43 (f): sampler.spec_gamma in rollout.mode=async speculated but reported no spec_* metrics. With partial
+  # rollouts (rollout.partial_chunk) the chunks are draft-and-verify calls (issue 44).
+  c = fast(rollout__mode="async", rollout__lag=1, rollout__partial_chunk=partial_chunk, sampler__spec_gamma=2,
+           sampler__spec_draft_layers=1)
   c.checkpoint.every = 0
   rows = loop.run(c, str(tmp_path / "run"))
   for r in rows:

@@ -132,3 +132,55 @@ def test_without_publish_equals_generate_with_compressed_caches_and_records(over
     if k in ref:
       np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
   assert ("mc_ids_BNJ" in out) == bool(sc.mc_samples) and ("kv_window_B2" in out) == (sc.kv_cache == "window")
+
+
+SPEC = dict(spec_gamma=2, spec_draft_layers=1)
+
+
+def spec_switch_check(out, old, new):
+  """Every row's versions are 0s then 1s, switching at one call boundary (the "min" layout keeps rows in step) at
+  or after the chunk's column; μ is the version's that sampled each token."""
+  versions, mask = np.asarray(out["versions_BN"]), np.asarray(out["mask_BN"]) > 0
+  switch = int(np.argmax(versions.max(axis=0) == 1))
+  assert switch >= 3 and np.all(versions[:, :switch][mask[:, :switch]] == 0)
+  assert np.all(versions[:, switch:][mask[:, switch:]] == 1)
+  logp = np.asarray(out["behavior_logp_BN"])
+  before, after = mask & (versions == 0), mask & (versions == 1)
+  assert after.sum() >= B
+  np.testing.assert_allclose(logp[before], np.asarray(learner_logp(old, out))[before], rtol=0, atol=2e-5)
+  np.testing.assert_allclose(logp[after], np.asarray(learner_logp(new, out))[after], rtol=0, atol=2e-5)
+  assert np.max(np.abs(logp[after] - np.asarray(learner_logp(old, out))[after])) > 1e-2
+
+
+def test_speculating_chunks_without_publish_equal_generate_greedy():
+  import dataclasses
+  sc = dataclasses.replace(SC, temperature=0.0, **SPEC)
+  ref = generate(OLD, PROMPTS, PROMPT_LEN, KEY, CFG, dataclasses.replace(sc, spec_gamma=0))
+  out = partial.generate_partial(0, OLD, lambda v: None, PROMPTS, PROMPT_LEN, KEY, CFG, sc, chunk_steps=2,
+                                 draft_params=random_params(5))
+  np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))
+  np.testing.assert_allclose(np.asarray(out["behavior_logp_BN"]), np.asarray(ref["behavior_logp_BN"]), atol=2e-5)
+  assert np.all(np.asarray(out["versions_BN"]) == 0) and 0 <= float(out["spec_accept_rate"]) < 1
+
+
+@pytest.mark.parametrize("layout,reprefill", [("min", True), ("rows", False)])
+def test_speculating_switch_samples_each_token_from_its_version(layout, reprefill):
+  """A switch between draft-and-verify calls: with reprefill the tokens after it are the new policy's; keeping the
+  cache ("rows" layout) with new params that differ only in the lm-head, too (the kept cache is theirs)."""
+  import dataclasses
+  new = random_params(1) if reprefill else {**OLD, "lm_head": random_params(1)["lm_head"]}
+  poll, calls = switch_at_first_poll(1, new)
+  sc = dataclasses.replace(SC, spec_layout=layout, **SPEC)
+  out = partial.generate_partial(0, OLD, poll, PROMPTS, PROMPT_LEN, KEY, CFG, sc, chunk_steps=3, reprefill=reprefill,
+                                 draft_params=random_params(5))
+  if layout == "min":
+    spec_switch_check(out, OLD, new)
+  else:  # rows switch at their own columns: check μ against each token's version
+    versions, mask = np.asarray(out["versions_BN"]), np.asarray(out["mask_BN"]) > 0
+    logp = np.asarray(out["behavior_logp_BN"])
+    for v, params in ((0, OLD), (1, new)):
+      at = mask & (versions == v)
+      assert at.sum() >= B
+      np.testing.assert_allclose(logp[at], np.asarray(learner_logp(params, out))[at], atol=2e-5)
+    assert np.all(np.diff(versions * mask, axis=1)[mask[:, 1:]] >= 0)  # a row's versions never go back
+  assert calls[0] == 0 and calls[-1] is None and 0 < float(out["spec_tokens_per_call"])

@@ -112,7 +112,8 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
       versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
     else:
       out = partial_lib.generate_partial(snap.version, worker_params(snap), store_poller(store), *args, gen.model_cfg,
-                                         gen.sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill)
+                                         gen.sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill,
+                                         draft_params=gen.draft_params())
       versions_GN = np.asarray(out["versions_BN"])
     group = gen.finish(jax.tree.map(np.asarray, out), p.examples, versions_GN)  # scored here: no other process
     if score_fn is not None:

@@ -13,6 +13,12 @@ for line (left-padded prompts, key `fold_in(key, n)` for column n, the stop id i
 after it), so without a switch the result equals `generate`. Shapes are static: one compilation
 per (B, P, N) bucket and pair of configs, whatever the chunk boundaries.
 
+Speculative decoding (`sampler.spec_gamma`): the chunks are draft-and-verify calls (`speculative.decode_until`,
+the loop `generate_speculative` runs) with the drafter of the current version (the policy's first layers, or
+`draft_params`); a chunk ends at the first call boundary at or after its column, so a switch lands between calls
+and every token is still an exact sample of the version that verified it. The drafter's cache is kept across a
+switch (it only proposes: a stale drafter lowers acceptance, never changes the distribution).
+
 MoE models also return `routes_BTLk` (routing replay, R3): the expert ids the KV cache holds for
 each slot, i.e. the routes under which every later token was computed. Keeping the cache, a slot
 keeps the routes of the version that fed it (older tokens keep old routes); `reprefill` re-routes
@@ -22,6 +28,7 @@ them for the tokens sampled before the switch is then approximate: one route set
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -31,7 +38,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, stack_cache
-from jaxrl_llm.sampling import behavior
+from jaxrl_llm.sampling import behavior, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sampler import emit_token, feed_previous_column, prefill_grouped, prefill_prompts
 
@@ -102,22 +109,23 @@ def reprefill_cache(params: dict, carry: dict, model_cfg: ModelConfig, group_siz
   """
   B, P = carry["prompt_BP"].shape
   N = carry["tokens_BN"].shape[1]
+  S = carry["cache"]["positions_BS"].shape[1]  # P + N, or more (speculation's verify writes past the last column)
   fed_BN = carry["mask_BN"] * (jnp.arange(N)[None, :] < carry["step"] - 1)
   positions_BN = (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
   if group_size == 1 or (model_cfg.is_moe and model_cfg.capacity_factor > 0):
     tokens_BT = jnp.concatenate([carry["prompt_BP"], carry["tokens_BN"]], axis=1)
     positions_BT = jnp.concatenate([carry["positions_BP"], positions_BN], axis=1)
     segment_ids_BT = jnp.concatenate([carry["segment_ids_BP"], fed_BN.astype(jnp.int32)], axis=1)
-    _, cache = hidden_with_cache(params, tokens_BT, init_cache(model_cfg, B, P + N), model_cfg,
+    _, cache = hidden_with_cache(params, tokens_BT, init_cache(model_cfg, B, S), model_cfg,
                                  positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
   else:
     cache, _ = prefill_grouped(params, carry["prompt_BP"], carry["positions_BP"], carry["segment_ids_BP"], model_cfg,
-                               P + N, group_size)
+                               S, group_size)
     _, cache = hidden_with_cache(params, carry["tokens_BN"], cache, model_cfg, positions_BT=positions_BN,
                                  segment_ids_BT=fed_BN.astype(jnp.int32))
   index = (P + carry["step"] - 1).astype(jnp.int32)
   if "routes_LBSk" in cache:  # slots not fed yet keep their routes (the never-fed last slot holds 0..k-1)
-    fed_S = jnp.arange(P + N) < index
+    fed_S = jnp.arange(S) < index
     cache["routes_LBSk"] = jnp.where(fed_S[None, None, :, None], cache["routes_LBSk"], carry["cache"]["routes_LBSk"])
   return {**carry, "cache": {**cache, "index": index}}
 
@@ -147,7 +155,7 @@ def finalize(carry: dict) -> dict:
 
 def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: Array, prompt_len_B: Array,
                      key: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, chunk_steps: int,
-                     reprefill: bool = False) -> dict:
+                     reprefill: bool = False, draft_params: dict | None = None) -> dict:
   """Generates like `sampling.generate`, polling for a newer version every `chunk_steps` columns.
 
   Args:
@@ -156,6 +164,8 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       it is called once more with None at the end (to release what it pinned).
     chunk_steps: columns per chunk; the switch happens at column multiples of it.
     reprefill: recompute the prefix's KV cache with the new parameters at a switch (else keep it).
+    draft_params: with `sampler_cfg.spec_gamma`, a distilled drafter's parameters (None: the current version's
+      first `spec_draft_layers` layers); the chunks then speculate (module docstring; "rows" layout: keep the cache).
   Returns the `generate` dict plus `versions_BN`: the version that sampled each column (MoE:
   `routes_BTLk` as the final KV cache holds them, see the module docstring), μ's records when the sampler config
   asks for them, and `kv_window_B2` with a window cache. A compressed cache (int8, window) is kept across a switch.
@@ -166,11 +176,22 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
     raise ValueError(f"partial rollouts with reprefill support sampler.kv_cache='full' only, got "
                      f"{sampler_cfg.kv_cache!r}")
   N = sampler_cfg.max_new_tokens
+  gamma = sampler_cfg.spec_gamma
+  gamma = speculative.auto_gamma(prompt_tokens_BP.shape[0]) if gamma == "auto" else gamma
+  spec = _Speculating(sampler_cfg, model_cfg, gamma, draft_params) if gamma else None
+  if spec is not None and reprefill and sampler_cfg.spec_layout != "min":  # the re-prefill puts column n at P + n
+    raise ValueError("partial rollouts with reprefill speculate with sampler.spec_layout='min' only")
   try:
-    carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)
+    if spec is None:
+      carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)
+    else:
+      carry = spec.start(params, prompt_tokens_BP, prompt_len_B, key, version)
     stop = min(chunk_steps, N)
     while True:
-      carry = decode_until(params, carry, key, stop, version, model_cfg, sampler_cfg)
+      if spec is None:
+        carry = decode_until(params, carry, key, stop, version, model_cfg, sampler_cfg)
+      else:
+        carry = spec.decode(params, carry, key, stop, version)
       if int(carry["step"]) >= N or bool(jnp.all(carry["done_B"])):
         break
       newer = poll(version)
@@ -178,10 +199,39 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
         version, params = newer
         if reprefill:
           carry = reprefill_cache(params, carry, model_cfg, sampler_cfg.group_size)
-      stop = min(stop + chunk_steps, N)
+      stop = min(max(stop, int(carry["step"])) + chunk_steps, N) if spec is not None else min(stop + chunk_steps, N)
   finally:
     poll(None)
-  out = finalize(carry)
+  out = finalize(carry) if spec is None else spec.finish(carry)
   if sampler_cfg.kv_window_arg is not None:  # what each token could see, as `generate` records it (SMD)
     out["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (out["mask_BN"].shape[0], 2))
   return out
+
+
+class _Speculating:
+  """`generate_partial`'s chunks as draft-and-verify calls (`speculative`'s start / decode_until / finish)."""
+
+  def __init__(self, sampler_cfg: SamplerConfig, model_cfg: ModelConfig, gamma: int, draft_params: dict | None):
+    self.sampler_cfg, self.model_cfg, self.gamma, self.draft_params = sampler_cfg, model_cfg, gamma, draft_params
+    k = speculative.drafter_depth(draft_params) if draft_params is not None else sampler_cfg.spec_draft_layers
+    self.draft_cfg = dataclasses.replace(model_cfg, n_layers=k)
+
+  def _drafter(self, params: dict) -> dict:
+    if self.draft_params is not None:
+      return self.draft_params
+    return speculative.layers_drafter(params, self.model_cfg, self.sampler_cfg.spec_draft_layers)
+
+  def _static(self) -> dict:
+    return dict(model_cfg=self.model_cfg, draft_cfg=self.draft_cfg, sampler_cfg=self.sampler_cfg, gamma=self.gamma,
+                layout=self.sampler_cfg.spec_layout)
+
+  def start(self, params, prompt_tokens_BP, prompt_len_B, key, version) -> dict:
+    return speculative.start_partial(params, self._drafter(params), prompt_tokens_BP, prompt_len_B, key,
+                                     version=jnp.asarray(version, jnp.int32), **self._static())
+
+  def decode(self, params, carry, key, stop, version) -> dict:
+    return speculative.decode_until(params, self._drafter(params), carry, key, jnp.asarray(stop, jnp.int32),
+                                    jnp.asarray(version, jnp.int32), **self._static())
+
+  def finish(self, carry) -> dict:
+    return speculative.finish_partial(carry, self.model_cfg, self.sampler_cfg)

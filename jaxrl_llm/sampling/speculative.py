@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache
+from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, stack_cache
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sample import first_argmax, is_row_keys, truncate
@@ -242,7 +242,7 @@ def record_block(logits_BGV: Array, block_BG: Array, mu_BG: Array, key: Array, s
 
 
 def _write_block(carry: dict, block_BG: Array, mu_BG: Array, emit_B: Array, active_B: Array,
-                 sampler_cfg: SamplerConfig, recs: dict) -> dict:
+                 sampler_cfg: SamplerConfig, recs: dict, version: Array | None = None) -> dict:
   """Writes the first `emit_B` tokens of each active row's block (and their `recs`, `record_block`) at its
   columns `col_B ...` and advances `col_B` by `emit_B`; a row is live at a column until the column after its
   first stop id. Later columns of the block get pad (nothing real lies past a row's `col_B`), and writes past the
@@ -256,6 +256,8 @@ def _write_block(carry: dict, block_BG: Array, mu_BG: Array, emit_B: Array, acti
   for name, x_BG_ in recs.items():  # pad ids / zero log-probs where the row is not live (`behavior.write_column`)
     fill = sampler_cfg.pad_id if name.endswith(("ids_BNk", "ids_BNJ")) else 0.0
     carry = {**carry, name: put(carry[name], jnp.where(live_BG[..., None], x_BG_, fill))}
+  if version is not None:  # partial rollouts: the version that sampled each column
+    carry = {**carry, "versions_BN": put(carry["versions_BN"], jnp.where(live_BG, version, 0))}
   return {
       **carry,
       "col_B": carry["col_B"] + emit_B,
@@ -275,32 +277,21 @@ def _mark_holes(cache: dict, start: Array, keep_BG: Array) -> dict:
 LAYOUTS = ("min", "rows")
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "draft_cfg", "sampler_cfg", "gamma", "layout"))
-def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
-                         model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig,
-                         gamma: int, layout: str = "min") -> dict:
-  """`sampler.generate`'s contract (same conventions and output fields) with speculative decoding: the drafter
-  (`draft_params`, `draft_cfg`, same vocabulary) proposes `gamma` tokens per policy call (module docstring).
-
-  The tokens follow the policy's sampling distribution exactly (not the same bits as `generate` for a key:
-  the draws differ); greedy (temperature 0) emits `generate`'s tokens up to rounding between a T = 1 and a
-  T = γ + 1 forward. Column 0 is drawn like `generate`'s (from the prefill's logits).
-  `layout`: how rows that accept different numbers of drafts share the caches' one write index:
-    "min": every row emits the common minimum m per call and both caches roll back to it (P + N + γ + 1 slots);
-    "rows": every row keeps all it accepted; the index advances γ + 1 slots per call and the slots a row rejected
-      become holes (segment 0), so the caches need P + N·(γ + 1) slots and attention reads them all.
-  Also returns the scalars spec_calls (verification calls), spec_accept_rate (accepted / proposed drafts over
-  active rows, before any common minimum) and spec_tokens_per_call (tokens a row emits per verification call,
-  averaged over the calls of rows still decoding).
-  Like `generate` it also returns the μ records `sampler_cfg` asks for, `kv_window_B2` with a "window" cache and,
-  for MoE models, `routes_BTLk` (module docstring).
-  """
+def _check(model_cfg: ModelConfig, draft_cfg: ModelConfig, gamma: int, layout: str) -> None:
   if gamma < 1:
     raise ValueError(f"generate_speculative: gamma must be >= 1, got {gamma}")
   if layout not in LAYOUTS:
     raise ValueError(f"generate_speculative: layout must be one of {LAYOUTS}, got {layout!r}")
   if draft_cfg.vocab_size != model_cfg.vocab_size:
     raise ValueError(f"the drafter's vocabulary ({draft_cfg.vocab_size}) must be the policy's ({model_cfg.vocab_size})")
+
+
+def _start(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
+           model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int, layout: str,
+           version: Array | None = None) -> dict:
+  """Both caches prefilled with the prompts and column 0 drawn (as `generate` draws it): the loop's carry (stacked
+  caches). `version` (partial rollouts): also record the version of every column (`versions_BN`)."""
+  _check(model_cfg, draft_cfg, gamma, layout)
   B, P = prompt_tokens_BP.shape
   N, G = sampler_cfg.max_new_tokens, gamma + 1
   # min: the last call starts at slot P + N - 2 and writes G; rows: at most N - 1 calls of G slots each
@@ -310,17 +301,37 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
   dcache = init_cache(draft_cfg, B, P + new_slots)
   _, dcache = hidden_with_cache(draft_params, prompt_BP, dcache, draft_cfg, positions_BT=positions_BP,
                                 segment_ids_BT=segment_ids_BP)
-
-  v_params, cache = decode_view(params, cache, model_cfg)
-  vd_params, dcache = decode_view(draft_params, dcache, draft_cfg)
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
                      sampler_cfg)
   zero = jnp.zeros((), jnp.float32)
   carry = {**carry, "col_B": jnp.ones((B,), jnp.int32), "dcache": dcache, "calls": jnp.zeros((), jnp.int32),
-           "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero}
+           "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero, "prompt_BP": prompt_BP,
+           "positions_BP": positions_BP, "segment_ids_BP": segment_ids_BP,
+           "prompt_len_B": prompt_len_B.astype(jnp.int32)}
   if model_cfg.is_moe:  # the slot where each completion column was fed (-1: never fed), for its routes
     carry["slot_BN"] = jnp.full((B, N + G), -1, jnp.int32)
-  active = lambda c: ~c["done_B"] & (c["col_B"] < N)
+  if version is not None:
+    carry["versions_BN"] = jnp.zeros((B, N + G), jnp.int32).at[:, 0].set(jnp.asarray(version, jnp.int32))
+  return _with_step(carry, N)
+
+
+def _with_step(carry: dict, N: int) -> dict:
+  """`step`: the smallest column a row still decoding writes next (N when none is): under "min" every row's, which
+  is what `partial.reprefill_cache` needs (slots before P + step - 1 are fed)."""
+  going_B = ~carry["done_B"] & (carry["col_B"] < N)
+  return {**carry, "step": jnp.min(jnp.where(going_B, carry["col_B"], N)).astype(jnp.int32)}
+
+
+def _decode(params: dict, draft_params: dict, carry: dict, key: Array, stop: Array, version: Array | None,
+            model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int,
+            layout: str) -> dict:
+  """Draft-and-verify calls while a row is still decoding below column `stop` (a row may pass it by up to γ
+  columns in its last call): the one loop of `generate_speculative` and of speculating partial rollouts."""
+  B, N, G = carry["col_B"].shape[0], sampler_cfg.max_new_tokens, gamma + 1
+  prompt_len_B = carry["prompt_len_B"]
+  v_params, cache = decode_view(params, carry["cache"], model_cfg)
+  vd_params, dcache = decode_view(draft_params, carry["dcache"], draft_cfg)
+  active = lambda c: ~c["done_B"] & (c["col_B"] < jnp.minimum(stop, N))
 
   def call(carry: dict) -> dict:
     """One draft-and-verify round: emits >= 1 token for every active row."""
@@ -361,12 +372,20 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
       cols_BG = jnp.where(i_G[None, :] < emit_B[:, None], col_B[:, None] - 1 + i_G[None, :], N + G)  # N+G: dropped
       carry["slot_BN"] = carry["slot_BN"].at[jnp.arange(B)[:, None], cols_BG].set(
           jnp.broadcast_to(start + i_G, (B, G)), mode="drop")
-    return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg, recs)
+    return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg, recs, version)
 
-  carry = jax.lax.while_loop(lambda c: jnp.any(active(c)), call, carry)
+  carry = jax.lax.while_loop(lambda c: jnp.any(active(c)), call, {**carry, "cache": cache, "dcache": dcache})
+  return _with_step({**carry, "cache": stack_cache(carry["cache"]), "dcache": stack_cache(carry["dcache"])}, N)
+
+
+def _finish(carry: dict, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
+  """`generate`'s outputs of a finished carry, the spec_* metrics, and `versions_BN` when recorded."""
+  N = sampler_cfg.max_new_tokens
+  prompt_BP, positions_BP, segment_ids_BP = carry["prompt_BP"], carry["positions_BP"], carry["segment_ids_BP"]
+  B, P = prompt_BP.shape
   tokens_BN, mask_BN = carry["tokens_BN"][:, :N], carry["mask_BN"][:, :N]
-  positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
-  extra = {k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}
+  positions_BN = (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
+  extra = {k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS + ("versions_BN",) if k in carry}
   if sampler_cfg.kv_window_arg is not None:
     extra["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (B, 2))
   if model_cfg.is_moe:
@@ -386,6 +405,43 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
       "spec_accept_rate": carry["accepted"] / jnp.maximum(carry["proposed"], 1.0),
       "spec_tokens_per_call": carry["emitted"] / jnp.maximum(carry["row_calls"], 1.0),
   }
+
+
+_STATIC = ("model_cfg", "draft_cfg", "sampler_cfg", "gamma", "layout")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
+                         model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig,
+                         gamma: int, layout: str = "min") -> dict:
+  """`sampler.generate`'s contract (same conventions and output fields) with speculative decoding: the drafter
+  (`draft_params`, `draft_cfg`, same vocabulary) proposes `gamma` tokens per policy call (module docstring).
+
+  The tokens follow the policy's sampling distribution exactly (not the same bits as `generate` for a key:
+  the draws differ); greedy (temperature 0) emits `generate`'s tokens up to rounding between a T = 1 and a
+  T = γ + 1 forward. Column 0 is drawn like `generate`'s (from the prefill's logits).
+  `layout`: how rows that accept different numbers of drafts share the caches' one write index:
+    "min": every row emits the common minimum m per call and both caches roll back to it (P + N + γ + 1 slots);
+    "rows": every row keeps all it accepted; the index advances γ + 1 slots per call and the slots a row rejected
+      become holes (segment 0), so the caches need P + N·(γ + 1) slots and attention reads them all.
+  Also returns the scalars spec_calls (verification calls), spec_accept_rate (accepted / proposed drafts over
+  active rows, before any common minimum) and spec_tokens_per_call (tokens a row emits per verification call,
+  averaged over the calls of rows still decoding).
+  Like `generate` it also returns the μ records `sampler_cfg` asks for, `kv_window_B2` with a "window" cache and,
+  for MoE models, `routes_BTLk` (module docstring).
+  """
+  carry = _start(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, draft_cfg, sampler_cfg, gamma,
+                 layout)
+  carry = _decode(params, draft_params, carry, key, jnp.asarray(sampler_cfg.max_new_tokens, jnp.int32), None,
+                  model_cfg, draft_cfg, sampler_cfg, gamma, layout)
+  return _finish(carry, model_cfg, sampler_cfg)
+
+
+# Partial rollouts' pieces (`sampling.partial.generate_partial` with `spec_gamma`): the same start, loop and finish,
+# jitted apart so that the driver can switch versions (and re-prefill the policy's cache) between chunks.
+start_partial = jax.jit(_start, static_argnames=_STATIC)
+decode_until = jax.jit(_decode, static_argnames=_STATIC, donate_argnames=("carry",))
+finish_partial = jax.jit(_finish, static_argnames=("model_cfg", "sampler_cfg"))
 
 
 def _routes(routes_LBSk: Array, slot_BN: Array, P: int) -> Array:
