@@ -27,6 +27,8 @@ CASES = {
     # continuous batching (8 slots for 48 rows: refills) of single completions, and of episode turns
     "slots": ("tiny.py", {"rollout.slots": 8}),
     "agent_slots": ("agent_tiny.py", {"rollout.slots": 4, "loss.entropy_coef": 0.01}),
+    # ... speculating: the slot engine's draft-and-verify step (the policy's first layer drafting)
+    "slots_speculative": ("tiny.py", {"rollout.slots": 8, "sampler.spec_gamma": 2, "sampler.spec_draft_layers": 1}),
     # the packed learner (two sequences of 11 tokens per row of 22; π_old recomputed on packed rows at lag 1), its
     # packed rows split over the batch axes
     "packing": ("tiny.py", {"optim.pack_width": 22, "rollout.mode": "fixed_lag", "rollout.lag": 1,
@@ -110,6 +112,15 @@ def test_continuous_batching_on_a_mesh(tmp_path, on_mesh, name, counter):
   """Per-request keys: the slot engine draws the same tokens on the mesh as on one device."""
   mesh, rows = twins(name, tmp_path, on_mesh)
   assert [r[counter] for r in mesh] == [r[counter] for r in rows] and all(r[counter] > 0 for r in mesh)
+
+
+@pytest.mark.slow
+def test_speculating_slots_on_a_mesh(tmp_path, on_mesh):
+  """Continuous batching and speculative decoding together on the mesh: the same draws, acceptance and slot-steps."""
+  mesh, rows = twins("slots_speculative", tmp_path, on_mesh)
+  for a, b in zip(mesh, rows):
+    assert a["slot_live_steps"] == b["slot_live_steps"] > 0 and a["slot_steps"] == b["slot_steps"]
+    assert a["spec_accept_rate"] == pytest.approx(b["spec_accept_rate"], abs=1e-6) and b["spec_tokens_per_call"] > 1
 
 
 @pytest.mark.slow
