@@ -616,9 +616,6 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
           f"must be an int >= {lo}" + (f" with env.evict={e.evict!r}" if f == "context_budget" and lo else ""))
   _need(not read(c, "rollout.partial_chunk"), "rollout.partial_chunk", c.rollout.get("partial_chunk"),
         f"must be 0 with env.name={e.name!r} (async episodes switch versions between turns: env.newest_each_turn)")
-  moe_routes = read(c, "model.num_experts") and read(c, "model.routing_replay")
-  _need(not moe_routes, "model.routing_replay", c.model.get("routing_replay"),
-        f"must be off for an MoE model with env.name={e.name!r} (episodes do not keep the sampler's routes)")
   if c.get("distill") and c.distill.get("teacher") == "sft":  # the SFT teacher of an agent learns from demonstrations
     from jaxrl_llm.envs import demos
     player = read(c, "distill.teacher_demo_player") or read(c, "sft.demo_player")

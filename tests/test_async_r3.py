@@ -177,3 +177,22 @@ def test_async_moe_run_replays_sampler_routes(tmp_path, monkeypatch):
   for r in rows:
     assert r["mismatch_abs_max"] < 2e-5 and "sync_payload_ratio" in r
   assert max(r["lag_max"] for r in rows) <= 1
+
+
+@pytest.mark.parametrize("over", [{"env.kv_cache": True}, {"rollout.slots": 4},
+                                  {"env.kv_cache": False, "env.evict": "drop_oldest", "env.context_budget": 8}],
+                         ids=["kept_cache", "slots", "reprefill_evicting"])
+def test_moe_episodes_replay_the_sampler_routes(tmp_path, over):
+  """MoE episodes (routing replay): each row carries every token's routes from where a turn sampler fed it (the
+  kept cache, the slot engine, a re-prefill of an evicted context), so the learner's π_old, replaying them, equals μ
+  at every policy token (sync: one version). Replaying routes in the wrong order misses by ~1e-2 here."""
+  c = load_file(os.path.join(ROOT, "configs", "agent_tiny.py"))
+  c.log.tensorboard = False
+  c.sft.steps, c.eval.every, c.num_steps = 0, 0, 2
+  c.model.num_experts, c.model.experts_per_token = 4, 2
+  for k, v in over.items():
+    sec, key = k.split(".")
+    c[sec][key] = v
+  rows = loop.run(c, str(tmp_path))
+  assert all(r["mismatch_abs_max"] < 1e-5 and r["env_turns_mean"] > 1 for r in rows), rows
+  assert np.isfinite(rows[-1]["loss"])

@@ -305,12 +305,15 @@ def _play_turns(bt: "_Batch", params, key, poll: Callable | None, keep_turns: bo
     out = {k: np.zeros((B,) + got[k].shape[1:], got[k].dtype) for k in names}
     for k in out:
       out[k][idx] = np.asarray(got[k])[:len(idx)]
+    routes = got.get("routes_BXLk") if bt.routes_BTLk is not None else None
     if keep_turns:
       bt.turn_outputs.append({"tokens_BN": out["tokens_BN"], "lengths_B": out["lengths_B"],
                               "behavior_logp_BN": out["behavior_logp_BN"], "live_B": bt.live.copy(),
                               "start_B": bt.used_B.copy(), "version": bt.version})
     calls, rows = [], []
-    for b in idx:
+    for i, b in enumerate(idx):
+      if routes is not None:  # before `take` moves the episode's end: the turn's context is the live one
+        bt.put_routes(b, routes[i], int(out["lengths_B"][b]))
       action = bt.take(b, t, out["tokens_BN"][b], out["behavior_logp_BN"][b], int(out["lengths_B"][b]),
                        {k: out[k][b] for k in bt.recs})
       if action is not None:
@@ -344,6 +347,8 @@ def _play_refill(bt: "_Batch", params, key, keep_turns: bool) -> None:
       t = turn_of[b]
       if keep_turns:
         bt.keep_turn(t, b, o)
+      if bt.routes_BTLk is not None and "routes_XLk" in o:
+        bt.put_routes(b, o["routes_XLk"], o["length"])
       action = bt.take(b, t, o["tokens_N"], o["behavior_logp_N"], o["length"], {k: o[k] for k in bt.recs})
       if action is not None:
         calls.append((bt.envs[b].step, action))
@@ -417,6 +422,11 @@ class _Batch:
     self.pending: list[tuple] = []  # SDCC: (row, uncompressed context, first column of the next turn, turn)
     self.n_evicted = self.n_copied = 0
     self.summarizing: dict[int, tuple] = {}  # "summary": row -> (its last observation, uncompressed context ids)
+    # MoE routing replay: each row token's expert ids from the last time the sampler fed it (`put_routes`)
+    self.routes_BTLk = None
+    if gen.keep_routes and gen.model_cfg.is_moe:
+      L, k = gen.model_cfg.n_layers, gen.model_cfg.experts_per_token
+      self.routes_BTLk = np.broadcast_to(np.arange(k, dtype=np.int32), (B, P + N, L, k)).copy()
 
   def live_context(self, b: int) -> tuple[list[int], list[int]]:
     """(ids, turn ids) of episode b's live context: its current segment (with the first message in segment 1)."""
@@ -451,6 +461,19 @@ class _Batch:
     keep = evict_lib.drop_oldest(turn_L, s.context_budget, s.keep_last_turns)
     if keep is not None:
       self.open_segment(b, [i for i, k in zip(ctx, keep) if k], np.asarray(turn_L)[keep].tolist(), ctx, t)
+
+  def put_routes(self, b: int, routes_XLk: np.ndarray, n_b: int) -> None:
+    """Episode b's turn routes (`turn_sampler.routes_by_position`: its live context, then its `n_b` new tokens) into
+    the row: context token i at its column (the prompt's, or the current segment's), the new tokens after `used`.
+    A token fed again in a later turn (every context is) takes that turn's routes: the learner replays the last
+    routing each token saw, which is exact within a version (routing depends on the prefix only) and, across an
+    async version switch between turns, the newest (as partial rollouts' re-prefill records it)."""
+    a = self.seg_starts[b][-1] if self.seg_starts[b] else 0
+    head = 0 if self.seg_starts[b] else len(self.prompts[b])
+    u, P = int(self.used_B[b]), self.P
+    k = min(n_b, self.N - u)
+    cols = np.concatenate([np.arange(P - head, P), P + np.arange(a, u), P + u + np.arange(k)]).astype(np.int64)
+    self.routes_BTLk[b, cols] = routes_XLk[:len(cols)]
 
   def keep_turn(self, t: int, b: int, o: dict) -> None:
     """`keep_turns` under `_play_refill`: episode b's turn t output in turn t's record (as `_play_turns` keeps it)."""
@@ -572,4 +595,4 @@ class _Batch:
                    segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=self.logp_BN,
                    versions_BN=ver_BN, reward_B=self.reward_B, turn_reward_BK=self.turn_reward_BK,
                    group_B=np.arange(B, dtype=np.int32) // self.G, turn_BN=self.turn_BN, env_mask_BN=self.env_mask_BN,
-                   extra=extra, stats=stats, **self.recs)
+                   routes_BTLk=self.routes_BTLk, extra=extra, stats=stats, **self.recs)

@@ -3,7 +3,9 @@
   turn(params, version, rows_b, contexts, key, cfg) -> {tokens_BN, lengths_B, behavior_logp_BN} (host numpy)
 
 `rows_b` are the episode ids of the sampler rows (a padded batch repeats the first one), `contexts[i]` the
-whole episode so far of row i (prompt ids + response ids, compact), `cfg` the turn's `SamplerConfig`.
+whole episode so far of row i (prompt ids + response ids, compact), `cfg` the turn's `SamplerConfig`. MoE models
+(routing replay) also get `routes_BXLk`: row i's expert ids indexed by context position (`routes_by_position`:
+position p < len(context) is context token p, then the turn's tokens), from wherever the sampler fed each token.
 
 - `Reprefill`: every turn re-prefills each context, left-padded to one width W = P + N (one compiled shape
   per batch bucket), over the run's mesh when it has one (`multiprocess.generate_on_mesh`); the turn sampler of
@@ -51,6 +53,20 @@ from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
 _prefill = jax.jit(prefill_grouped, static_argnames=("model_cfg", "slots", "group_size", "kv_dtype", "kv_window"))
 
 
+def routes_by_position(routes_BSLk, positions_BS, segment_ids_BS, width: int) -> np.ndarray:
+  """[B, width, L, k] host array: each row's expert ids indexed by RoPE position, i.e. by context index (contexts
+  start at position 0), read from the slots it fed (segment > 0; later slots win); positions never fed hold
+  experts 0..k-1, as `generate`'s unwritten slots do. Works for any slot layout: left-padded rows, a kept cache
+  with gaps, the slot engine's."""
+  routes_BSLk, pos_BS, seg_BS = np.asarray(routes_BSLk), np.asarray(positions_BS), np.asarray(segment_ids_BS)
+  B, _, L, k = routes_BSLk.shape
+  out = np.broadcast_to(np.arange(k, dtype=np.int32), (B, width, L, k)).copy()
+  for b in range(B):
+    s = np.flatnonzero((seg_BS[b] > 0) & (pos_BS[b] < width))
+    out[b, pos_BS[b, s]] = routes_BSLk[b, s]
+  return out
+
+
 def _bucket(n: int) -> int:
   """Appended widths are rounded up to a power of two (few compiled `extend` shapes)."""
   return 1 << max(0, n - 1).bit_length()
@@ -72,6 +88,9 @@ class Reprefill:
                                            cfg, self.mesh)
     if SPEC_STATS[0] in got:
       self.spec.append({k: float(got[k]) for k in SPEC_STATS})
+    if got.get("routes_BTLk") is not None:  # MoE: the positions each row fed, at their routes
+      got = {**got, "routes_BXLk": routes_by_position(got["routes_BTLk"], got["positions_BT"], got["segment_ids_BT"],
+                                                      got["routes_BTLk"].shape[1])}
     return got
 
   def forget(self, row: int) -> None:
@@ -114,6 +133,10 @@ class CachedTurns:
     out, self.cache, self.last_logits_bV = decode_turn(params, cache, logits_bV, start_b, key, self.gen.model_cfg,
                                                        cfg_decode)
     out = jax.tree.map(np.asarray, out)
+    if "routes_LBSk" in self.cache:  # MoE: every token the kept cache holds was fed once, at its slot
+      c = self.cache
+      out["routes_BXLk"] = routes_by_position(np.moveaxis(np.asarray(c["routes_LBSk"]), 0, 2), c["positions_BS"],
+                                              c["segment_ids_BS"], self.slots)
     self.version = version
     self.row_of, self.cached_len = {}, {}
     for i, b in enumerate(rows_b):
@@ -150,6 +173,7 @@ class SlotTurns:
     self.engine: continuous.SlotEngine | None = None
     self.prefills = 0  # admission batches (`prefill_slots` calls) so far
     self._steps0 = (0, 0)  # (slot_steps, live_steps) of engines replaced so far
+    self._length: dict[Any, int] = {}  # a queued or decoding request's context length (MoE routes by position)
 
   @property
   def slot_steps(self) -> int:
@@ -183,8 +207,20 @@ class SlotTurns:
       self.prefills += 1
     records = behavior.TOPK_FIELDS + behavior.MC_FIELDS
     return [(tag, {"tokens_N": cols["tokens_N"], "behavior_logp_N": cols["behavior_logp_N"],
-                   "length": int(cols["mask_N"].sum()), **{k: cols[k] for k in records if k in cols}})
+                   "length": int(cols["mask_N"].sum()), **{k: cols[k] for k in records if k in cols},
+                   **self._routes(tag, cols)})
             for tag, cols in engine.step(params, version, self.gen.draft_params())]
+
+  def _routes(self, tag: Any, cols: dict) -> dict:
+    """MoE: {"routes_XLk": the request's routes by context position} (its slots: the left-padded context of
+    `width`, then its columns), else {}."""
+    if "routes_TLk" not in cols:
+      return {}
+    n = self._length.pop(tag)
+    W, N = self.width, cols["mask_N"].shape[0]
+    pos_T = np.concatenate([np.maximum(np.arange(W) - (W - n), 0), n + np.arange(N)])
+    seg_T = np.concatenate([np.arange(W) >= W - n, cols["mask_N"] > 0])
+    return {"routes_XLk": routes_by_position(cols["routes_TLk"][None], pos_T[None], seg_T[None], W + N)[0]}
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     """One turn of the rows `rows_b` (episode ids): episode b draws with `fold_in(fold_in(key, b), n)`."""
@@ -195,6 +231,7 @@ class SlotTurns:
       if b not in first:
         first[b] = i
         self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg)
+    routes: dict[int, np.ndarray] = {}
     N = cfg.max_new_tokens
     out = {"tokens_BN": np.full((len(rows_b), N), cfg.pad_id, np.int32),
            "behavior_logp_BN": np.zeros((len(rows_b), N), np.float32), "lengths_B": np.zeros((len(rows_b),), np.int32),
@@ -207,6 +244,10 @@ class SlotTurns:
         for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS:
           if k in o:
             out[k][i] = o[k]
+        if "routes_XLk" in o:
+          routes[i] = o["routes_XLk"]
+    if routes:
+      out["routes_BXLk"] = np.stack([routes[first[b]] for b in rows_b])
     for i, b in enumerate(rows_b):
       if first[b] != i:
         for k in out:
@@ -219,6 +260,7 @@ class SlotTurns:
   def _put(self, tag: Any, prompt_W: np.ndarray, length: int, row_key, cfg) -> None:
     """Queues one request (a left-padded context and its key) on the engine of `cfg`."""
     self._engine(cfg).submit(tag, prompt_W, length, row_key)
+    self._length[tag] = length
 
   def _engine(self, cfg) -> continuous.SlotEngine:
     cfg = dataclasses.replace(cfg, group_size=1)  # the engine prefills each distinct prompt once by itself
