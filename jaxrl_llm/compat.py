@@ -110,8 +110,6 @@ REFUSED: dict[frozenset, str] = {
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
     pair("sparse_sync", "processes"): f"{_NOT_BUILT}: the changed elements are packed on one host, which would "
                                       "need every process's shards",
-    **_each(f"{_NOT_BUILT}: expert weights have no adapters (an MoE model takes adapters on its attention "
-            "projections: model.lora.targets='q_proj,k_proj,v_proj,o_proj')", ("lora", "qlora"), ("moe",)),
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "

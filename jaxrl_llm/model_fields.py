@@ -88,11 +88,7 @@ def check_lora(f: Mapping[str, Any] | None, rank, alpha, targets, dropout=0.0,
                                "leaves no separate adapter input to drop"
   if base_quantize not in LORA_BASE_QUANTIZE:
     return "base_quantize", base_quantize, f"must be one of {LORA_BASE_QUANTIZE}"
-  if f is not None:
-    mlp = [t for t in names if LORA_TARGETS[t] in ("w_gate", "w_up", "w_down")]
-    if f.get("num_experts") and mlp:  # the attention projections of an MoE model are dense: those adapt
-      return "targets", targets, (f"{', '.join(mlp)}: an MoE model's MLP weights are its experts, which have no "
-                                  "adapters; target the attention projections (q_proj,k_proj,v_proj,o_proj)")
+  if f is not None:  # an MoE model's MLP targets are its experts: one adapter pair each (`models.lora`)
     for t in names:
       n_in, n_out = lora_dims(f, LORA_TARGETS[t])
       if rank > min(n_in, n_out):

@@ -2,6 +2,8 @@
 reach the adapters only (and are the LoRA chain rule of the base model's weight gradient), the sampler computes
 with the adapters the learner just published, resume is exact, QLoRA trains, and bad fields are one-line errors."""
 
+import dataclasses
+import itertools
 import json
 import os
 
@@ -14,7 +16,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import learner, loop
 from jaxrl_llm.config import load_file
 from jaxrl_llm.metrics import read_jsonl
-from jaxrl_llm.models import ModelConfig, forward, forward_with_cache, init_cache, init_params, lora
+from jaxrl_llm.models import ModelConfig, forward, forward_with_cache, hf, init_cache, init_params, lora
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import SamplerConfig, generate
 
@@ -380,16 +382,37 @@ def test_peft_export_round_trips_through_peft_and_transformers(tmp_path, sft_bas
   np.testing.assert_allclose(theirs_merged, ours, atol=2e-4)
 
 
-def test_lora_on_an_moe_model_adapts_the_attention_projections(tmp_path):
-  """MoE: the attention projections take adapters (the experts do not: asking for MLP targets names the field);
-  the run trains the adapters with routing replay and the sampler computes with them (μ equals the learner's)."""
+def test_moe_experts_take_one_adapter_pair_each():
+  """MoE: each expert's gate/up/down weight gets its own PEFT pair (lora_A [L, E, r, in], lora_B [L, E, out, r]);
+  the merged expert e of layer l is W_e + scale · (B_e A_e)ᵀ, computed here per expert, and the scan-merged forward
+  equals the merged model's; PEFT export names the missing MoE export."""
+  moe = dataclasses.replace(CFG, num_experts=3, experts_per_token=2)
+  base = init_params(moe, jax.random.key(0))
+  ad = lora.init_adapters(moe, lora.LoraConfig(3, 6.0, ALL), jax.random.key(1))
+  assert ad.weights["w_up"]["lora_A"].shape == (2, 3, 3, 16) and ad.weights["w_up"]["lora_B"].shape == (2, 3, 24, 3)
+  assert ad.weights["wq"]["lora_A"].shape == (2, 3, 16)  # attention stays dense
+  ad = ad.replace(weights=jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape),
+                                       ad.weights))
+  policy, merged = lora.attach(base, ad), lora.merge(base, ad)
+  for name in ("w_gate", "w_down"):
+    ab = ad.weights[name]
+    for l, e in itertools.product(range(2), range(3)):
+      A, Bm = np.asarray(ab["lora_A"][l, e], np.float64), np.asarray(ab["lora_B"][l, e], np.float64)
+      w = np.asarray(base["layers"][name][l, e], np.float64)
+      np.testing.assert_allclose(np.asarray(merged["layers"][name][l, e]), w + ad.scale * (Bm @ A).T, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(forward(policy, tokens(), moe)), np.asarray(forward(merged, tokens(), moe)),
+                             atol=1e-5)
+  with pytest.raises(ValueError, match="MoE experts"):
+    hf.save_peft("/nonexistent", ad)
+
+
+def test_lora_on_an_moe_model_adapts_the_experts(tmp_path):
+  """MoE with LoRA on every projection (the experts included) and QLoRA's int8 base: the run trains the adapters
+  with routing replay and the sampler computes with them (μ equals the learner's); adapters are what is published."""
   c = load_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
   c.log.tensorboard, c.checkpoint.every, c.eval.every, c.num_steps, c.sft.steps = False, 0, 0, 2, 0
-  c.model.lora.rank, c.model.lora.alpha = 4, 8.0
-  with pytest.raises(config_lib.ConfigError, match=r"^config\.model\.lora\.targets=.*gate_proj.*experts"):
-    config_lib.validate(c)
-  c.model.lora.targets = "q_proj,k_proj,v_proj,o_proj"
+  c.model.lora.rank, c.model.lora.alpha, c.model.lora.base_quantize = 4, 8.0, "int8"
   c.loss.entropy_coef, c.optim.lr, c.optim.warmup_steps = 0.01, 1e-2, 0
   rows = loop.run(c, str(tmp_path))
   assert all(r["grad_norm"] > 0 and r["mismatch_abs_max"] < 1e-5 for r in rows)
-  assert 0 < rows[0]["sync_payload_ratio"] < 0.1  # the adapters are what is published
+  assert 0 < rows[0]["sync_payload_ratio"] < 0.2

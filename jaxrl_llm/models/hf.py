@@ -373,6 +373,10 @@ def save_peft(path, adapters, base_model: str = "") -> None:
   """
   from jaxrl_llm.models import lora
   host = jax.device_get(adapters.weights)
+  experts = sorted(w for w, ab in host.items() if ab["lora_A"].ndim == 4)
+  if experts:  # the MoE checkpoint itself has no Hugging Face export here (`save_hf`: dense families only)
+    raise ValueError(f"save_peft: adapters of MoE experts ({', '.join(experts)}) have no PEFT export yet (MoE models "
+                     "have no Hugging Face export here)")
   tensors, ranks = {}, set()
   for w, ab in host.items():
     ranks.add(ab["lora_A"].shape[1])

@@ -8,7 +8,10 @@ weight that `models.hf` maps it to, rows in the same order). Its adapter is PEFT
   lora_B [L, out, r] (zeros: the adapted model equals the base at step 0)
 
 stacked on L like the base, fp32, and the effective weight is W + scale · (B A)ᵀ with scale = alpha / r,
-i.e. the Hugging Face weight W_hf + scale · B A exactly as PEFT merges it.
+i.e. the Hugging Face weight W_hf + scale · B A exactly as PEFT merges it. An MoE model's MLP targets are its
+experts' stacked weights [L, E, in, out]: each expert gets its own pair, lora_A [L, E, r, in] and lora_B
+[L, E, out, r] (as PEFT adapts every expert's `gate_proj` / `up_proj` / `down_proj` Linear of a Mixtral- or
+Qwen-MoE-style model); the router and the attention projections are dense as above.
 
 A policy with adapters is the base pytree plus one entry, `params["lora"]`: an `Adapters` node holding the
 A/B arrays (its leaves) and the scale (static). Every forward takes such a pytree as it takes a plain one
@@ -78,22 +81,31 @@ def check(cfg: ModelConfig | None, rank, alpha, targets, dropout=0.0, base_quant
   return model_fields.check_lora(shape, rank, alpha, targets, dropout, base_quantize)
 
 
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # an MoE model's experts: one adapter pair per expert
+
+
 def init_adapters(cfg: ModelConfig, lc: LoraConfig, key: Array) -> Adapters:
-  """Fresh fp32 adapters: A kaiming-uniform per weight (key folded with the target's index), B zeros."""
+  """Fresh fp32 adapters: A kaiming-uniform per weight (key folded with the target's index), B zeros; an MoE
+  model's expert weights get one pair per expert (a leading E axis after L)."""
   weights = {}
   for i, w in enumerate(lc.weights):
     n_in, n_out = dims(cfg, w)
+    lead = (cfg.n_layers, cfg.num_experts) if cfg.num_experts and w in EXPERT_WEIGHTS else (cfg.n_layers,)
     bound = 1.0 / math.sqrt(n_in)  # kaiming_uniform(a=sqrt(5)) of an [r, in] matrix, as PEFT initialises lora_A
-    a = jax.random.uniform(jax.random.fold_in(key, i), (cfg.n_layers, lc.rank, n_in), jnp.float32, -bound, bound)
-    weights[w] = {"lora_A": a, "lora_B": jnp.zeros((cfg.n_layers, n_out, lc.rank), jnp.float32)}
+    a = jax.random.uniform(jax.random.fold_in(key, i), lead + (lc.rank, n_in), jnp.float32, -bound, bound)
+    weights[w] = {"lora_A": a, "lora_B": jnp.zeros(lead + (n_out, lc.rank), jnp.float32)}
   return Adapters(weights, lc.scale)
 
 
+def _delta_io(ab: dict, scale: float) -> Array:
+  """scale · (B A)ᵀ over any leading axes (layers, experts): [..., in, out], float32."""
+  return scale * jnp.einsum("...ri,...or->...io", ab["lora_A"], ab["lora_B"], preferred_element_type=jnp.float32)
+
+
 def delta(w_L: Array, ab: dict, scale: float) -> Array:
-  """scale · (B A)ᵀ of every layer, shaped like the stacked weight `w_L` [L, in..., out...], float32."""
-  L, r, n_in = ab["lora_A"].shape
-  d_Lio = scale * jnp.einsum("lri,lor->lio", ab["lora_A"], ab["lora_B"], preferred_element_type=jnp.float32)
-  return d_Lio.reshape(w_L.shape)
+  """scale · (B A)ᵀ of every layer (and expert), shaped like the stacked weight `w_L` [L, (E,) in..., out...],
+  float32."""
+  return _delta_io(ab, scale).reshape(w_L.shape)
 
 
 def merge(base: dict, adapters: Adapters) -> dict:
@@ -125,8 +137,7 @@ def merge_layer(p_l: dict, dtype) -> dict:
     return p_l
   out = {k: v for k, v in p_l.items() if k != "lora"}
   for w, ab in adapters.weights.items():
-    d_io = adapters.scale * jnp.einsum("ri,or->io", ab["lora_A"], ab["lora_B"], preferred_element_type=jnp.float32)
-    out[w] = (out[w].astype(jnp.float32) + d_io.reshape(out[w].shape)).astype(dtype)
+    out[w] = (out[w].astype(jnp.float32) + _delta_io(ab, adapters.scale).reshape(out[w].shape)).astype(dtype)
   return out
 
 
