@@ -214,9 +214,9 @@ class SlotTurns:
   def _routes(self, tag: Any, cols: dict) -> dict:
     """MoE: {"routes_XLk": the request's routes by context position} (its slots: the left-padded context of
     `width`, then its columns), else {}."""
-    if "routes_TLk" not in cols:
+    n = self._length.pop(tag, None)
+    if "routes_TLk" not in cols or n is None:
       return {}
-    n = self._length.pop(tag)
     W, N = self.width, cols["mask_N"].shape[0]
     pos_T = np.concatenate([np.maximum(np.arange(W) - (W - n), 0), n + np.arange(N)])
     seg_T = np.concatenate([np.arange(W) >= W - n, cols["mask_N"] > 0])
