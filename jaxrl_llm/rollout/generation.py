@@ -165,9 +165,8 @@ class Generation:
   def generate_fn(self):
     """`sampling.generate`, drafting with the distilled drafter's newest parameters when the `drafter` slot holds
     them (they change speed, never μ); every static sampler call of a run goes through it."""
-    if self.drafter is not None and self.drafter.params is not None:
-      return functools.partial(generate, draft_params=self.drafter.params)
-    return generate
+    d = self.draft_params()
+    return generate if d is None else functools.partial(generate, draft_params=d)
 
   def finish(self, out: dict, examples: list[dict], versions_BN: np.ndarray, owners: np.ndarray | None = None,
              **stats) -> Rollout:

@@ -78,14 +78,6 @@ def check_supported(sampler_cfg: SamplerConfig) -> None:
                      f"index), got {sampler_cfg.spec_layout!r}")
 
 
-def _drafter(params: dict, draft_params: dict | None, model_cfg: ModelConfig,
-             sampler_cfg: SamplerConfig) -> tuple[dict, ModelConfig]:
-  """(drafter parameters, its config): `draft_params` (a distilled drafter), else the policy's first layers."""
-  if draft_params is None:
-    draft_params = speculative.layers_drafter(params, model_cfg, sampler_cfg.spec_draft_layers)
-  return draft_params, dataclasses.replace(model_cfg, n_layers=speculative.drafter_depth(draft_params))
-
-
 def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
   """(token_S, logp_S): each row's column `step_S` drawn with `fold_in(keys_S[row], step_S[row])`."""
   shape = noise_shape(*logits_SV.shape, sampler_cfg)
@@ -225,7 +217,7 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
   docstring). Returns (state, counts): `SPEC_COUNTS` summed over the calls (calls; advance, the slots the write
   index moved; live_calls, live slot-calls; accepted / proposed drafts of live slots; emitted columns)."""
   version = jnp.asarray(version, jnp.int32)
-  d_params, d_cfg = _drafter(params, draft_params, model_cfg, sampler_cfg)
+  d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   v_params, cache = decode_view(params, state["cache"], model_cfg)
   vd_params, dcache = decode_view(d_params, state["dcache"], d_cfg)
   G, N = gamma + 1, sampler_cfg.max_new_tokens
@@ -315,7 +307,7 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
   small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
   spec = {}
   if "dcache" in state:
-    d_params, d_cfg = _drafter(params, draft_params, model_cfg, sampler_cfg)
+    d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
     dsmall, _ = prefill_rows(d_params, prompt_uP, positions_uP, segment_ids_uP, d_cfg, P)
     spec["dcache"] = _place(state["dcache"], take_rows(dsmall, src_k), rows_k, P)
   N = sampler_cfg.max_new_tokens

@@ -28,12 +28,7 @@ def generate(params: dict, prompt_tokens_BP: jax.Array, prompt_len_B: jax.Array,
     B = prompt_tokens_BP.shape[0]
     gamma = speculative.auto_gamma(B) if sampler_cfg.spec_gamma == "auto" else sampler_cfg.spec_gamma
     if gamma:
-      k = sampler_cfg.spec_draft_layers
-      if draft_params is None:
-        draft_params = speculative.layers_drafter(params, model_cfg, k)
-      elif speculative.drafter_depth(draft_params) != k:
-        raise ValueError(f"the drafter has {speculative.drafter_depth(draft_params)} layers, "
-                         f"sampler.spec_draft_layers={k}")
+      draft_params, _ = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
       return speculative.generate(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg,
                                   gamma, sampler_cfg.spec_layout)
   return sampler.generate(params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg)

@@ -213,24 +213,18 @@ class _Speculating:
 
   def __init__(self, sampler_cfg: SamplerConfig, model_cfg: ModelConfig, gamma: int, draft_params: dict | None):
     self.sampler_cfg, self.model_cfg, self.gamma, self.draft_params = sampler_cfg, model_cfg, gamma, draft_params
-    k = speculative.drafter_depth(draft_params) if draft_params is not None else sampler_cfg.spec_draft_layers
-    self.draft_cfg = dataclasses.replace(model_cfg, n_layers=k)
-
-  def _drafter(self, params: dict) -> dict:
-    if self.draft_params is not None:
-      return self.draft_params
-    return speculative.layers_drafter(params, self.model_cfg, self.sampler_cfg.spec_draft_layers)
+    self.draft_cfg = dataclasses.replace(model_cfg, n_layers=sampler_cfg.spec_draft_layers)
 
   def _static(self) -> dict:
     return dict(model_cfg=self.model_cfg, draft_cfg=self.draft_cfg, sampler_cfg=self.sampler_cfg, gamma=self.gamma,
                 layout=self.sampler_cfg.spec_layout)
 
   def start(self, params, prompt_tokens_BP, prompt_len_B, key, version) -> dict:
-    return speculative.start_partial(params, self._drafter(params), prompt_tokens_BP, prompt_len_B, key,
+    return speculative.start_partial(params, self.draft_params, prompt_tokens_BP, prompt_len_B, key,
                                      version=jnp.asarray(version, jnp.int32), **self._static())
 
   def decode(self, params, carry, key, stop, version) -> dict:
-    return speculative.decode_until(params, self._drafter(params), carry, key, jnp.asarray(stop, jnp.int32),
+    return speculative.decode_until(params, self.draft_params, carry, key, jnp.asarray(stop, jnp.int32),
                                     jnp.asarray(version, jnp.int32), **self._static())
 
   def finish(self, carry) -> dict:

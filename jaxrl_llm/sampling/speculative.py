@@ -290,8 +290,10 @@ def _start(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len
            model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int, layout: str,
            version: Array | None = None) -> dict:
   """Both caches prefilled with the prompts and column 0 drawn (as `generate` draws it): the loop's carry (stacked
-  caches). `version` (partial rollouts): also record the version of every column (`versions_BN`)."""
+  caches). `version` (partial rollouts): also record the version of every column (`versions_BN`). `draft_params`
+  None: the policy's first `draft_cfg.n_layers` layers."""
   _check(model_cfg, draft_cfg, gamma, layout)
+  draft_params, _ = resolve_drafter(params, draft_params, model_cfg, draft_cfg.n_layers)
   B, P = prompt_tokens_BP.shape
   N, G = sampler_cfg.max_new_tokens, gamma + 1
   # min: the last call starts at slot P + N - 2 and writes G; rows: at most N - 1 calls of G slots each
@@ -327,6 +329,7 @@ def _decode(params: dict, draft_params: dict, carry: dict, key: Array, stop: Arr
             layout: str) -> dict:
   """Draft-and-verify calls while a row is still decoding below column `stop` (a row may pass it by up to γ
   columns in its last call): the one loop of `generate_speculative` and of speculating partial rollouts."""
+  draft_params, _ = resolve_drafter(params, draft_params, model_cfg, draft_cfg.n_layers)
   B, N, G = carry["col_B"].shape[0], sampler_cfg.max_new_tokens, gamma + 1
   prompt_len_B = carry["prompt_len_B"]
   v_params, cache = decode_view(params, carry["cache"], model_cfg)
@@ -464,6 +467,18 @@ def layers_drafter(params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
 def drafter_depth(draft_params: dict) -> int:
   """k, the number of decoder layers a drafter's (stacked) parameters hold (static: a shape)."""
   return int(jax.tree.leaves(draft_params["layers"])[0].shape[0])
+
+
+def resolve_drafter(params: dict, draft_params: dict | None, model_cfg: ModelConfig,
+                    n_layers: int) -> tuple[dict, ModelConfig]:
+  """(drafter parameters, drafter config) of `sampler.spec_draft_layers` = `n_layers`: `draft_params` (a distilled
+  drafter; ValueError when it has another depth), or None for the policy's first layers (`layers_drafter`; inside
+  a jitted function, so no copy of them is made per call)."""
+  if draft_params is None:
+    draft_params = layers_drafter(params, model_cfg, n_layers)
+  elif drafter_depth(draft_params) != n_layers:
+    raise ValueError(f"the drafter has {drafter_depth(draft_params)} layers, sampler.spec_draft_layers={n_layers}")
+  return draft_params, dataclasses.replace(model_cfg, n_layers=n_layers)
 
 
 def generate(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array,
