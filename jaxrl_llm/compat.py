@@ -101,15 +101,12 @@ _NOT_BUILT = "not built yet"
 # The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
 # otherwise what is missing). Keep it short: a refusal is a last resort (docs/compat.md).
 REFUSED: dict[frozenset, str] = {
-    pair("drafter", "processes"): f"{_NOT_BUILT}: the distilled drafter's state lives in one process",
     pair("partial", "slots"): "inherent: async slots already switch to the newest version at every slot_chunk "
                               "boundary, keeping the cache: partial_chunk would be a second, conflicting switch",
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "
             "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
     pair("harness", "processes"): f"{_NOT_BUILT}: one process serves the endpoint and owns every episode",
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
-    pair("sparse_sync", "processes"): f"{_NOT_BUILT}: the changed elements are packed on one host, which would "
-                                      "need every process's shards",
     pair("packing", "eviction"): f"{_NOT_BUILT}: an evicted episode's row already holds several segments; packing "
                                  "moves one span per row",
     pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "

@@ -400,8 +400,8 @@ DRAFTER_MODES = ("sync", "fixed_lag", "staged", "async", "harness")  # the sourc
 def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   """`sampler.spec_drafter` and its distillation fields (absent: "layers", 1e-4, 1, 0.0). "distilled" keeps the
   drafter's state in the loop and hands it to the sampler (`Generation.drafter`): the sync, fixed_lag (with or
-  without replay), staged, async and harness sources, LoRA policies included, on one device or a mesh in one process (the
-  rest is refused by name rather than run untested)."""
+  without replay), staged, async and harness sources, LoRA policies included, on one device, a mesh or several processes
+  (the rest is refused by name rather than run untested)."""
   kind = read(c, "sampler.spec_drafter")
   _need(kind in SPEC_DRAFTERS, "sampler.spec_drafter", kind, f"must be one of {SPEC_DRAFTERS}")
   lr, steps = read(c, "sampler.spec_distill_lr"), read(c, "sampler.spec_distill_steps")
@@ -422,8 +422,8 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
 
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   """What a run over several processes (`jax.process_count() > 1`) supports: one mesh over every device
-  (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, replay and on-policy
-  distillation (the rest is refused by name rather than run untested)."""
+  (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, replay, on-policy
+  distillation, sparse sync and the distilled drafter (the rest is refused by name rather than run untested)."""
   import jax  # local: and no device is touched unless `jax.distributed` is initialised (the CLI does it first)
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
     return
@@ -434,10 +434,6 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
   _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
         f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
-  _need(read(c, "sampler.spec_drafter") != "distilled", "sampler.spec_drafter", read(c, "sampler.spec_drafter"),
-        f"the distilled drafter's state lives in one process: use 'layers' over {n_proc} processes")
-  _need(c.rollout.weight_sync != "sparse", "rollout.weight_sync", c.rollout.weight_sync,
-        f"sparse sync packs the changed elements on one host: use 'full' over {n_proc} processes")
   _need(not read(c, "rollout.slots"), "rollout.slots", read(c, "rollout.slots"),
         f"continuous batching runs in one process (its engine admits and harvests every slot on the host), not "
         f"over {n_proc} processes")

@@ -43,7 +43,7 @@ from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import generate
 # Re-exported: experiments, notebooks and tests set runs up through `loop.setup` & co.
 from jaxrl_llm.wiring import (Run, encoder_from_config, evaluate, fresh_state, new_store, prompt_width,  # noqa: F401
-                              reward_policy, sampler_config, setup)
+                              reward_policy, sampler_config, setup, source_class)
 
 
 def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
@@ -202,11 +202,14 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
 
 def sampler_drafter(r: Run, params):
   """The distilled drafter's parameters where the sampler drafts: as they are on one device, else a copy replicated
-  over the sampler's devices (its mesh, or devices of its own; the drafter is k layers, small next to the policy)."""
+  over the sampler's devices (its mesh, or devices of its own; the drafter is k layers, small next to the policy);
+  async over several processes: this process's replica of it, as its workers run the policy's snapshots."""
   if r.sampler_mesh is None:
     return params
   from jaxrl_llm import sharding
-  return sharding.reshard(params, sharding.replicated(r.sampler_mesh))
+  params = sharding.reshard(params, sharding.replicated(r.sampler_mesh))
+  replicas = multiprocess.multi() and source_class(r.c).per_process_workers  # as `new_store` views the snapshots
+  return multiprocess.local_view(params) if replicas else params
 
 
 def _skip_failure(c, m: dict, t: int) -> str | None:

@@ -205,7 +205,9 @@ def _sparse_sync_checks(out):
   params = sharding.init_params_sharded(cfg, jax.random.key(0), lsh)
   sparse = ParamStore(keep_last=1, sampler_dtype=jnp.bfloat16, sampler_shardings=ssh, weight_sync="sparse")
   dense = ParamStore(keep_last=1, sampler_dtype=jnp.bfloat16, sampler_shardings=ssh)
-  same, layout, ratios = [], [], []
+  # the sampler in the learner's own layout: blocks are the learner's shards, each scattered into its own shard
+  sparse_here = ParamStore(keep_last=1, sampler_dtype=jnp.bfloat16, weight_sync="sparse")
+  same, layout, ratios, same_here, ratios_here = [], [], [], [], []
   for step in range(3):
     if step:  # a small update: few bf16 elements flip
       noise = jax.tree.map(lambda x: 1e-3 * jnp.ones_like(x) * (jnp.arange(x.size).reshape(x.shape) % 7 == 0), params)
@@ -216,9 +218,15 @@ def _sparse_sync_checks(out):
     layout.append(all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(a.params),
                                                                               jax.tree.leaves(ssh))))
     ratios.append(sparse.sync_metrics()["sync_payload_ratio"])
+    h = sparse_here.acquire(sparse_here.publish(params))
+    same_here.append(all(np.array_equal(np.asarray(ss.bits(x)), np.asarray(ss.bits(y.astype(jnp.bfloat16))))
+                         and x.sharding == y.sharding for x, y in zip(jax.tree.leaves(h.params), jax.tree.leaves(params))))
+    ratios_here.append(sparse_here.sync_metrics()["sync_payload_ratio"])
     sparse.release(a)
     dense.release(b)
-  out["sparse_sync"] = {"bit_identical": same, "sampler_layout": layout, "payload_ratio": ratios}
+    sparse_here.release(h)
+  out["sparse_sync"] = {"bit_identical": same, "sampler_layout": layout, "payload_ratio": ratios,
+                        "same_layout_bit_identical": same_here, "same_layout_payload_ratio": ratios_here}
 
 
 def worker():
@@ -296,6 +304,9 @@ def test_sparse_sync_to_a_sampler_of_its_own_devices_is_bit_identical(eight):
   r = eight["sparse_sync"]
   assert r["bit_identical"] == [True] * 3 and r["sampler_layout"] == [True] * 3, r
   assert r["payload_ratio"][0] == 1.0 and all(x < 0.9 for x in r["payload_ratio"][1:]), r  # first publish dense
+  # and to a sampler in the learner's layout (each shard a block of its own): bit-identical, same layout, sparse
+  assert r["same_layout_bit_identical"] == [True] * 3, r
+  assert r["same_layout_payload_ratio"][0] == 1.0 and all(x < 0.9 for x in r["same_layout_payload_ratio"][1:]), r
 
 
 # ----------------------------------------------------------------------------------- in-process tests

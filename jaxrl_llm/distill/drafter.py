@@ -148,10 +148,15 @@ class DrafterDistill:
 
   def update(self, state: DrafterState, policy_params: dict, ro) -> tuple[DrafterState, dict]:
     """Distils the drafter on rollout record `ro` (its sequences, completion mask and rewards) against
-    `policy_params`; returns the new state and the metrics as floats."""
-    state, m = distill_step(state, policy_params, jnp.asarray(ro.sequence_BT), jnp.asarray(ro.positions_BT),
-                            jnp.asarray(ro.segment_ids_BT), jnp.asarray(ro.mask_BN, jnp.float32),
-                            jnp.asarray(ro.reward_B, jnp.float32), model_cfg=self.model_cfg,
+    `policy_params`; returns the new state and the metrics as floats. A drafter replicated over a mesh gets the
+    batch replicated there too: over several processes every process holds the same host batch, and a program
+    over their devices takes only global arrays."""
+    sh = getattr(jax.tree.leaves(state.params)[0], "sharding", None)
+    on_mesh = isinstance(sh, jax.sharding.NamedSharding) and sh.is_fully_replicated
+    put = (lambda x, dt=None: jax.device_put(np.asarray(x, dt), sh)) if on_mesh else jnp.asarray
+    state, m = distill_step(state, policy_params, put(ro.sequence_BT), put(ro.positions_BT),
+                            put(ro.segment_ids_BT), put(ro.mask_BN, jnp.float32),
+                            put(ro.reward_B, jnp.float32), model_cfg=self.model_cfg,
                             temperature=float(self.temperature), lr=float(self.lr), steps=self.steps,
                             alpha=float(self.alpha))
     return state, {k: float(np.asarray(v)) for k, v in m.items()}

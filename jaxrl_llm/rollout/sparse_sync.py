@@ -14,10 +14,15 @@ Trainer:  union = init_union(params); low = cast(params, dtype)
           at a sync: payload = pack(low, union); union = init_union(params)
 Sampler:  sampler_params = apply(sampler_params, payload)
 
-`SyncLink` runs both ends in one process, one sync per ParamStore publish (`weight_sync="sparse"`). The sender
-tracks changes in the learner's layout; the receiver's copy may live in another (the sampler's layout on the same
-mesh, or its own devices, `rollout.sampler_devices`): the payload is packed on the host and scattered into the
-receiver's shards, which is where the saving is real (only indices + values cross to the sampler's devices).
+Payloads are per block: a tensor's blocks are its device shards in the sender's layout (the whole tensor on one
+device), each packed by the process holding its first replica, so over several processes no host ever reads a
+shard it does not hold; the blocks then reach every process (the host wire between them), and each receiver shard
+takes what the blocks change in its own region, whatever its layout.
+
+`SyncLink` runs both ends, one sync per ParamStore publish (`weight_sync="sparse"`). The sender tracks changes in the
+learner's layout; the receiver's copy may live in another (the sampler's layout on the same mesh, or its own
+devices, `rollout.sampler_devices`), which is where the saving is real (only indices + values cross to the
+sampler's devices).
 """
 
 from __future__ import annotations
@@ -70,11 +75,32 @@ def track_step(union, prev_low, params, dtype):
   return jax.tree.map(jnp.logical_or, union, changed(prev_low, new_low)), new_low
 
 
-class Leaf(NamedTuple):
-  """Payload of one tensor: `indices` None means dense (`values` is the whole tensor)."""
-  indices: np.ndarray | None  # int32 flat indices, increasing
-  values: np.ndarray  # sampler dtype
+class Block(NamedTuple):
+  """One block of a tensor (a device shard; the whole tensor on one device): where it starts, its shape, and its
+  changed elements: `indices` None means dense (`values` is the whole block)."""
+  start: tuple[int, ...]  # global coordinates of the block's first element
   shape: tuple[int, ...]
+  indices: np.ndarray | None  # int32 flat indices within the block, increasing
+  values: np.ndarray  # flat, sampler dtype
+
+
+class Leaf(NamedTuple):
+  """Payload of one tensor: its blocks, each sent by the process that holds its first replica."""
+  shape: tuple[int, ...]
+  blocks: list[Block]
+
+  def _one(self) -> Block:
+    if len(self.blocks) != 1:
+      raise ValueError(f"a tensor sent as {len(self.blocks)} blocks has no single indices / values")
+    return self.blocks[0]
+
+  @property
+  def indices(self) -> np.ndarray | None:
+    return self._one().indices
+
+  @property
+  def values(self) -> np.ndarray:
+    return self._one().values
 
 
 class Payload(NamedTuple):
@@ -88,21 +114,60 @@ def break_even(dtype) -> float:
   return n / (4 + n)
 
 
-def pack(low, union, max_density: float | None = None) -> Payload:
-  """Host-side packing (Alg. 2): per tensor, changed flat indices + current values, or dense.
+def _start(index, shape) -> tuple[int, ...]:
+  return tuple(0 if s.start is None else int(s.start) for s in index) + (0,) * (len(shape) - len(index))
 
-  `max_density` None: each tensor's `break_even` (the smaller payload of the two).
+
+def _own_blocks(w, u) -> list[tuple[tuple[int, ...], np.ndarray, np.ndarray]]:
+  """(start, values, changed) of the blocks this process sends: the shards of `w` whose first replica it holds
+  (every block exactly once over the processes); a host array or a one-device array is one block."""
+  if not isinstance(w, jax.Array) or len(w.sharding.device_set) == 1:
+    w_np = np.asarray(w)
+    return [((0,) * w_np.ndim, w_np, np.asarray(u))]
+  if u.sharding != w.sharding:
+    u = jax.device_put(u, w.sharding)
+  u_by_device = {s.device: s.data for s in u.addressable_shards}
+  return [(_start(s.index, w.shape), np.asarray(s.data), np.asarray(u_by_device[s.device]))
+          for s in w.addressable_shards if s.replica_id == 0]
+
+
+def _pack_block(start, w_np: np.ndarray, u_np: np.ndarray, max_density: float | None) -> Block:
+  w_flat, u_flat = w_np.reshape(-1), u_np.reshape(-1)
+  idx = np.flatnonzero(u_flat).astype(np.int32)
+  if idx.size > (break_even(w_flat.dtype) if max_density is None else max_density) * w_flat.size:
+    return Block(start, tuple(w_np.shape), None, w_flat.copy())
+  return Block(start, tuple(w_np.shape), idx, w_flat[idx])
+
+
+def _gather_blocks(per_leaf: list[list[Block]]) -> list[list[Block]]:
+  """Every process's blocks of every tensor, ordered by start (one process: its own). Values travel as their bits
+  (bfloat16 has no plain-data dtype); nothing is pickled."""
+  from jaxrl_llm import multiprocess  # local: one process never needs it
+  if not multiprocess.multi():
+    return per_leaf
+  wire = [[{"start": list(b.start), "shape": list(b.shape), "indices": b.indices, "dtype": b.values.dtype.name,
+            "bits": b.values.view(f"uint{8 * b.values.dtype.itemsize}")} for b in blocks] for blocks in per_leaf]
+  out = [[] for _ in per_leaf]
+  for theirs in multiprocess.allgather_host(wire):
+    for i, blocks in enumerate(theirs):
+      out[i] += [Block(tuple(b["start"]), tuple(b["shape"]), None if b["indices"] is None else
+                       np.asarray(b["indices"], np.int32), np.asarray(b["bits"]).view(jnp.dtype(b["dtype"])))
+                 for b in blocks]
+  return [sorted(blocks, key=lambda b: b.start) for blocks in out]
+
+
+def pack(low, union, max_density: float | None = None) -> Payload:
+  """Host-side packing (Alg. 2), per block (`Block`: a device shard, or the whole tensor on one device): the changed
+  flat indices + current values, or the block dense when its changed fraction exceeds `max_density` (None: the
+  dtype's `break_even`, the smaller payload of the two). Over several processes each process packs the blocks whose
+  first replica it holds and every process gets all of them (`multiprocess.allgather_host`): the payload is the same
+  on every process, and equals the one-process payload of the same layout.
   """
   lows, treedef = jax.tree.flatten(low)
-  leaves = []
-  for w, u in zip(lows, jax.tree.leaves(union)):
-    w_flat, u_flat = np.asarray(w).reshape(-1), np.asarray(u).reshape(-1)
-    idx = np.flatnonzero(u_flat).astype(np.int32)
-    if idx.size > (break_even(w_flat.dtype) if max_density is None else max_density) * w_flat.size:
-      leaves.append(Leaf(None, np.asarray(w), tuple(w.shape)))
-    else:
-      leaves.append(Leaf(idx, w_flat[idx], tuple(w.shape)))
-  return Payload(treedef, leaves)
+  unions = jax.tree.leaves(union)
+  per_leaf = [[_pack_block(start, w_np, u_np, max_density) for start, w_np, u_np in _own_blocks(w, u)]
+              for w, u in zip(lows, unions)]
+  return Payload(treedef, [Leaf(tuple(w.shape), blocks) for w, blocks in zip(lows, _gather_blocks(per_leaf))])
 
 
 @jax.jit
@@ -116,10 +181,50 @@ def _pad(n: int) -> int:
   return max(8, 1 << (max(n, 1) - 1).bit_length())
 
 
-def apply(sampler_params, payload: Payload):
-  """Receiver side (Alg. 3): scatters the payload into a copy of the sampler's parameters.
+def _updates(blocks: list[Block], start, shape) -> tuple[np.ndarray, np.ndarray] | np.ndarray:
+  """What the blocks change in the region [start, start + shape): (flat indices in the region, values), or the
+  region's values whole when one dense block is exactly the region (the common case: the same layout)."""
+  idx, vals = [], []
+  for b in blocks:
+    if b.start == start and b.shape == shape:
+      if b.indices is None:
+        return b.values.reshape(shape)
+      idx.append(b.indices)
+      vals.append(b.values)
+      continue
+    lo, hi = np.array(b.start), np.array(b.start) + np.array(b.shape)
+    r_lo, r_hi = np.array(start), np.array(start) + np.array(shape)
+    if np.any(np.maximum(lo, r_lo) >= np.minimum(hi, r_hi)):
+      continue  # no overlap
+    flat = np.arange(int(np.prod(b.shape))) if b.indices is None else b.indices
+    coords = np.stack(np.unravel_index(flat, b.shape), -1) + lo if len(b.shape) else np.zeros((flat.size, 0), int)
+    inside = np.all((coords >= r_lo) & (coords < r_hi), axis=-1)
+    idx.append(np.ravel_multi_index(tuple((coords[inside] - r_lo).T), shape).astype(np.int32) if len(shape)
+               else np.zeros(int(inside.sum()), np.int32))
+    vals.append(b.values[inside])
+  if not idx:
+    return np.zeros((0,), np.int32), np.zeros((0,), blocks[0].values.dtype if blocks else np.float32)
+  return np.concatenate(idx), np.concatenate(vals)
 
-  Returns new arrays (no donation: the old copy may still be pinned by a ParamStore snapshot).
+
+def _scatter_block(w: Array, upd, dtype) -> Array:
+  """A new array: `w` (one device's block) with the updates `_updates` found for it."""
+  if isinstance(upd, np.ndarray):  # dense
+    return jax.device_put(np.asarray(upd, dtype), next(iter(w.devices())) if isinstance(w, jax.Array) else None)
+  indices, values = upd
+  n = _pad(indices.size)
+  idx = np.full((n,), w.size, np.int32)
+  idx[:indices.size] = indices
+  vals = np.zeros((n,), dtype)
+  vals[:values.size] = values
+  return _scatter(w, jnp.asarray(idx), jnp.asarray(vals))
+
+
+def apply(sampler_params, payload: Payload):
+  """Receiver side (Alg. 3): scatters the payload into a copy of the sampler's parameters, block by block of the
+  receiver's own layout (each device's shard takes what the payload's blocks change in its region, whatever the
+  sender's layout was). Returns new arrays in the receiver's layout (no donation: the old copy may still be pinned
+  by a ParamStore snapshot).
   """
   ws, treedef = jax.tree.flatten(sampler_params)
   if treedef != payload.treedef:
@@ -128,29 +233,25 @@ def apply(sampler_params, payload: Payload):
   for w, leaf in zip(ws, payload.leaves):
     if tuple(w.shape) != leaf.shape:
       raise ValueError(f"payload shape {leaf.shape} does not match the sampler tensor {w.shape}")
-    if leaf.indices is None:
-      new = jnp.asarray(leaf.values, dtype=w.dtype)
-    else:
-      n = _pad(leaf.indices.size)
-      idx = np.full((n,), w.size, np.int32)
-      idx[:leaf.indices.size] = leaf.indices
-      vals = np.zeros((n,), leaf.values.dtype)
-      vals[:leaf.values.size] = leaf.values
-      new = _scatter(w, jnp.asarray(idx), jnp.asarray(vals, dtype=w.dtype))
-    if isinstance(w, jax.Array) and new.sharding != w.sharding:  # the receiver keeps its own layout
-      new = jax.device_put(new, w.sharding)
-    out.append(new)
+    dtype = np.dtype(w.dtype)
+    if not isinstance(w, jax.Array) or len(w.sharding.device_set) == 1:
+      out.append(_scatter_block(w, _updates(leaf.blocks, (0,) * w.ndim, tuple(w.shape)), dtype))
+      continue
+    shards = [_scatter_block(s.data, _updates(leaf.blocks, _start(s.index, w.shape), tuple(s.data.shape)), dtype)
+              for s in w.addressable_shards]
+    out.append(jax.make_array_from_single_device_arrays(w.shape, w.sharding, shards))
   return jax.tree.unflatten(treedef, out)
 
 
 def payload_bytes(payload: Payload) -> int:
-  """Bytes on the wire: indices + values of sparse tensors, values of dense ones (unpadded)."""
-  return sum(leaf.values.nbytes + (0 if leaf.indices is None else leaf.indices.nbytes) for leaf in payload.leaves)
+  """Bytes on the wire: indices + values of sparse blocks, values of dense ones (unpadded)."""
+  return sum(b.values.nbytes + (0 if b.indices is None else b.indices.nbytes)
+             for leaf in payload.leaves for b in leaf.blocks)
 
 
 def dense_bytes(payload: Payload) -> int:
   """The cost of sending every tensor whole in the sampler dtype."""
-  return sum(int(np.prod(leaf.shape)) * leaf.values.dtype.itemsize for leaf in payload.leaves)
+  return sum(int(np.prod(leaf.shape)) * leaf.blocks[0].values.dtype.itemsize for leaf in payload.leaves if leaf.blocks)
 
 
 def payload_ratio(payload: Payload) -> float:
@@ -173,6 +274,18 @@ class SyncStats(NamedTuple):
   @property
   def ratio(self) -> float:
     return self.payload_bytes / max(self.dense_bytes, 1)
+
+
+def _into_layout_of(x, like):
+  """`x` laid out as `like`. Multi-controller JAX moves arrays across processes only within one device set: a copy
+  replicated over other devices (the async sampler's replicas of a restored base) goes through this process's
+  replica on the host; every process holds the same values."""
+  if not isinstance(x, jax.Array) or not isinstance(like, jax.Array) or x.sharding == like.sharding:
+    return x
+  if not x.is_fully_addressable and x.sharding.device_set != like.sharding.device_set:
+    from jaxrl_llm import multiprocess  # local: one process never needs it
+    return jax.device_put(np.asarray(multiprocess.local_view(x)), like.sharding)
+  return jax.device_put(x, like.sharding)
 
 
 class SyncLink:
@@ -211,8 +324,7 @@ class SyncLink:
       stats = SyncStats(n, n, 1.0)
     else:
       # a restored base (`reset`) comes in the receiver's layout: the sender tracks changes in its own
-      same = lambda l, p: not isinstance(l, jax.Array) or not isinstance(p, jax.Array) or l.sharding == p.sharding
-      prev = jax.tree.map(lambda l, p: l if same(l, p) else jax.device_put(l, p.sharding), self.low, params)
+      prev = jax.tree.map(_into_layout_of, self.low, params)
       union, low = track_step(init_union(params), prev, params, self.dtype)
       payload = pack(low, union, self.max_density)
       receiver = apply(self.receiver, payload)
