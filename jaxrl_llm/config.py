@@ -258,8 +258,6 @@ def _validate_packing(c: ml_collections.ConfigDict, spec) -> None:
     why = f"loss {c.loss.name!r} draws its perturbation per row (ALP) and is not packed"
   elif "shadow" in spec.needs:
     why = f"loss {c.loss.name!r} runs a shadow forward under the sampler's KV window, which is not packed"
-  elif evicting(c):
-    why = f"env.evict={c.env.evict!r}: evicted episodes already hold several segments per row"
   _need(why is None, "optim.pack_width", w, why or "")
 
 

@@ -2,9 +2,10 @@
 
 A learner batch is B rows of T = P + N columns (left-padded prompt, response, then padding after EOS). With
 `optim.pack_width = W > 0` the host packs each row's real span (its columns from the first to the last real
-token, `segment_ids_BT > 0`) into rows of width W, first-fit-decreasing by length. Inside a packed row the k-th
-sequence gets segment id k, so attention never crosses sequences (`models.transformer`: equal ids attend
-causally, 0 = padding); positions are copied from the padded batch, so each sequence sees exactly the context
+token, `segment_ids_BT > 0`) into rows of width W, first-fit-decreasing by length. Inside a packed row each
+sequence's segments get the row's next segment ids (one segment, or an evicted episode's several: its row is
+already a packing of contexts), so attention never crosses sequences nor, within one, segments
+(`models.transformer`: equal ids attend causally, 0 = padding); positions are copied from the padded batch, so each sequence sees exactly the context
 and RoPE phases it had there. The forward scores every packed position once (`packed_logprobs`) and gathers
 the per-token outputs back into the padded [B, N] layout on device, so losses, advantages (group structure
 untouched: rows keep their order and index) and metrics read the same `LossInputs` as the padded path.
@@ -21,7 +22,7 @@ MoE: the sampler's routes (routing replay) are packed with their tokens and repl
 load-balancing loss covers the same real tokens (its value differs from the padded path's only in which
 row-final tokens the shifted forward leaves out). Not supported (refused by `config.validate` with a ConfigError
 naming `optim.pack_width`): MoE with a capacity limit (token drops depend on how many tokens share a call), ALP's
-per-row noise, the SMD shadow forward and episodes with eviction (a row already holds several segments).
+per-row noise and the SMD shadow forward.
 """
 
 from __future__ import annotations
@@ -56,11 +57,8 @@ class Packing:
 
 
 def _spans(segment_ids_BT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(first column, length) of each row's real span; a row with several segment ids is refused."""
+  """(first column, length) of each row's real span (all its segments: an evicted episode's row holds several)."""
   real_BT = segment_ids_BT > 0
-  if np.any((segment_ids_BT > 0) & (segment_ids_BT != np.max(segment_ids_BT, axis=1, keepdims=True))):
-    raise ValueError("config.optim.pack_width: a row holds several segments (episodes with eviction); "
-                     "packing needs one sequence per padded row")
   any_B = real_BT.any(1)
   T = real_BT.shape[1]
   first_B = np.where(any_B, real_BT.argmax(1), 0)
@@ -122,10 +120,14 @@ def pack(sequence_BT, positions_BT, segment_ids_BT, width: int, chunks: int = 1,
     if n == 0:
       continue
     r, s, f = (b // Bc) * R + int(row_B[b]), int(start_B[b]), int(first_B[b])
-    counts[r] += 1
     tokens[r, s:s + n] = seq[b, f:f + n]
     positions[r, s:s + n] = pos[b, f:f + n]
-    segments[r, s:s + n] = np.where(seg[b, f:f + n] > 0, counts[r], 0)  # padding inside a span stays padding
+    # the row's own segments (one, or an evicted episode's several) get the packed row's next ids, so equal ids
+    # stay equal and distinct ones distinct; padding inside a span stays padding
+    span = seg[b, f:f + n]
+    ids = np.unique(span[span > 0])
+    segments[r, s:s + n] = np.where(span > 0, counts[r] + 1 + np.searchsorted(ids, span), 0)
+    counts[r] += len(ids)
     if routes_out is not None:  # routes are per token: they travel with their tokens
       routes_out[r, s:s + n] = routes[b, f:f + n]
   return Packing(tokens_RW=tokens, positions_RW=positions, segment_ids_RW=segments, row_B=row_B, start_B=start_B,

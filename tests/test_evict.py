@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import envs, losses
+from jaxrl_llm import envs, losses, packing
 from jaxrl_llm.learner import completion_logprobs
 from jaxrl_llm.models import ModelConfig, forward, init_params
 from jaxrl_llm.rollout import evict, turn_sampler
@@ -282,6 +282,23 @@ def test_packed_row_equals_per_context_forwards_in_value_and_gradient(evicted):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
   m = r.mask_BN > 0
   np.testing.assert_allclose(np.asarray(_packed_logp(PARAMS, r))[m], r.behavior_logp_BN[m], atol=1e-4)
+
+
+def test_learner_packing_scores_evicted_rows_as_their_padded_rows(evicted):
+  """`optim.pack_width` on evicted episodes: their rows (several segments each) packed together score every
+  policy token as the padded rows do, in value and in gradient."""
+  r, _, _ = evicted
+  T, N = r.sequence_BT.shape[1], r.mask_BN.shape[1]
+  assert (r.segment_ids_BT.max(1) >= 2).any()
+  pk = jax.tree.map(jnp.asarray, packing.pack(r.sequence_BT, r.positions_BT, r.segment_ids_BT, 2 * T))
+  assert pk.tokens_RW.shape[0] < len(pk.len_B)  # episodes share packed rows
+  w_BN = jnp.asarray(np.random.default_rng(1).normal(size=r.mask_BN.shape) * r.mask_BN, jnp.float32)
+  packed = lambda params: jnp.sum(w_BN * packing.packed_logprobs(params, pk, T, N, CFG, 1.0)["logp_BT"])
+  padded = lambda params: jnp.sum(w_BN * _packed_logp(params, r))
+  v1, g1 = jax.jit(jax.value_and_grad(packed))(PARAMS)
+  v2, g2 = jax.jit(jax.value_and_grad(padded))(PARAMS)
+  np.testing.assert_allclose(v1, v2, rtol=1e-5, atol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
 
 
 def test_kept_kv_cache_reprefills_after_an_eviction():

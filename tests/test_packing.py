@@ -177,12 +177,37 @@ def test_fused_reference_kl_packed_equals_padded():
                                      batch.mask_BN), a, atol=2e-5)
 
 
-def test_several_segments_per_row_refused():
-  seq, pos, seg, _ = padded(np.random.default_rng(0), (2, 3), (2, 2))
-  seg[0, -1] = 2  # an evicted episode's row: two segments
-  seg[0, -2] = 2
-  with pytest.raises(ValueError, match="optim.pack_width"):
-    packing.pack(seq, pos, seg, 2 * (P + N))
+def test_rows_of_several_segments_pack_exactly():
+  """An evicted episode's row holds several segments (here ids 1, 2, 1 again, with positions restarting in
+  segment 2): packed with other sequences, each of its segments gets an id of its own in the packed row (equal
+  ids stay equal) and every scored token's log-prob equals the padded forward's."""
+  params = init_params(CFG, jax.random.key(4))
+  batch = make_batch(params)
+  seg = np.asarray(batch.segment_ids_BT).copy()
+  pos = np.asarray(batch.positions_BT).copy()
+  seg[0, P + 1:P + 4] = 2  # row 0: prompt + 1 token in segment 1, 3 tokens in segment 2, the rest in 1 again
+  pos[0, P + 1:P + 4] = np.arange(3)
+  seg[6, P:P + 3] = 3  # row 6: ids 1 and 3 (not consecutive)
+  batch = batch.replace(segment_ids_BT=jnp.asarray(seg), positions_BT=jnp.asarray(pos))
+  pk = packing.pack(np.asarray(batch.sequence_BT), pos, seg, 2 * (P + N))
+  for b in (0, 6):
+    r, s0, n = int(pk.row_B[b]), int(pk.start_B[b]), int(pk.len_B[b])
+    own = pk.segment_ids_RW[r, s0:s0 + n]
+    f = int(pk.first_B[b])
+    want = seg[b, f:f + n]
+    assert len(set(own[want > 0])) == len(set(want[want > 0]))  # distinct stay distinct, equal stay equal
+    assert all(len(set(own[want == i])) == 1 for i in set(want[want > 0]))
+    others = np.r_[pk.segment_ids_RW[r, :s0], pk.segment_ids_RW[r, s0 + n:]]
+    assert not set(own[own > 0]) & set(others[others > 0])  # no other sequence shares its ids
+  assert any(pk.row_B[c] == pk.row_B[0] for c in range(1, len(pk.row_B)))  # row 0 shares its packed row
+  want = learner.completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, N, CFG,
+                                     1.0)["logp_BT"]
+  got = packing.packed_logprobs(params, jax.tree.map(jnp.asarray, pk), P + N, N, CFG, 1.0)["logp_BT"]
+  m = np.asarray(batch.mask_BN) > 0
+  np.testing.assert_allclose(np.asarray(got)[m], np.asarray(want)[m], atol=2e-5, rtol=1e-5)
+  single = learner.completion_logprobs(params, batch.sequence_BT, jnp.asarray(np.asarray(make_batch(params).positions_BT)),
+                                       jnp.asarray((seg > 0).astype(np.int32)), N, CFG, 1.0)["logp_BT"]
+  assert np.abs(np.asarray(single)[0][m[0]] - np.asarray(want)[0][m[0]]).max() > 1e-4  # the segments mattered
 
 
 def run_config(pack_width, steps=3):
@@ -231,9 +256,9 @@ def test_unsupported_combinations_refused(field, value, match):
     validate(c)
 
 
-@pytest.mark.parametrize("name,match", [("sdcc_tiny", "evict"), ("kv_window_smd_tiny", "shadow")])
+@pytest.mark.parametrize("name,match", [("kv_window_smd_tiny", "shadow")])
 def test_shipped_configs_refuse_packing_they_cannot_use(name, match):
-  """Episodes with eviction, SMD's shadow forward and MoE: valid configs that become errors with packing on."""
+  """SMD's shadow forward: a valid config that becomes an error with packing on."""
   import os
   from jaxrl_llm.config import ConfigError, load_file, validate
   c = load_file(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{name}.py"))
