@@ -37,6 +37,7 @@ frozen base joins them inside the loss (`lora.with_trainable`) as a constant and
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -242,6 +243,276 @@ def _jit_shardings(in_shardings, out_shardings) -> dict:
   return {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """The static settings of one train step, which its pieces read (`make_train_step` builds it once)."""
+  model_cfg: ModelConfig
+  loss_name: str
+  loss: Any  # losses.LossSpec
+  hp: Any  # the loss's Hparams
+  temperature: float = 1.0
+  agg_mode: str = "token-mean"
+  drop_rejected: bool = False
+  norm_len: float | None = None
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  entropy_coef: float = 0.0
+  router_aux_coef: float = 0.0
+  grad_accum: int = 1
+  minibatches: int = 1
+  epochs: int = 1
+  group_size: int = 1
+
+  def needs(self, what: str) -> bool:
+    return what in self.loss.needs
+
+  @property
+  def perturbed(self) -> bool:  # ALP: a noise hook trained beside the parameters
+    return self.needs("perturb")
+
+  @property
+  def shadow(self) -> bool:  # SMD: a second forward under the sampler's KV visibility mask
+    return self.needs("shadow")
+
+  @property
+  def student_dense(self) -> bool:  # full-distribution losses read the student as a VocabHead
+    return self.needs("student_logits") or self.shadow
+
+  @property
+  def n_updates(self) -> int:
+    return self.minibatches * self.epochs
+
+
+# --- the pieces of a train step, each a pure function of the spec and its arrays ---------------------------------
+
+def _candidate_ids(s: StepSpec, batch: Batch) -> dict:
+  """{loss field: [B, N, k] ids}: the id sets at which the one forward gathers π_θ (the teacher's top-k, μ's
+  recorded top-k, the Monte-Carlo candidates), in a fixed order."""
+  id_sets = {"student_topk_logp_BNk": (batch.extra or {}).get("teacher_topk_ids_BNk") if s.needs("student_topk")
+             else None,
+             "topk_logp_BNk": batch.behavior_topk_ids_BNk if s.needs("behavior_topk") else None,
+             "mc_logp_BNJ": batch.mc_ids_BNJ if s.needs("mc") else None}
+  return {k: v for k, v in id_sets.items() if v is not None}
+
+
+def _policy_forward(s: StepSpec, params, batch: Batch, perturb, gather_ids) -> dict:
+  """The forward variant: packed rows (`optim.pack_width`, outputs gathered back to [B, N]) or the padded rows
+  (each GRPO prompt once with `group_size` > 1)."""
+  n_new = batch.mask_BN.shape[1]
+  if batch.pack is not None:
+    return packing.packed_logprobs(params, batch.pack, batch.sequence_BT.shape[1], n_new, s.model_cfg, s.temperature,
+                                   True, gather_ids_BNk=gather_ids, return_hidden=s.student_dense)
+  return grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
+                                     s.model_cfg, s.temperature, s.group_size, True, perturb=perturb,
+                                     routes_BTLk=batch.routes_BTLk, gather_ids_BNk=gather_ids,
+                                     return_hidden=s.student_dense)
+
+
+def _loss_inputs(s: StepSpec, params, state: TrainState, batch: Batch, out: dict, id_sets: dict,
+                 perturb) -> LossInputs:
+  """What the loss reads: the forward's outputs, the batch's records and each need's extra fields."""
+  n_new = batch.mask_BN.shape[1]
+  prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
+  inputs = LossInputs(
+      logp_BN=out["logp_BT"], mask_BN=batch.mask_BN, adv_BN=batch.adv_BN,
+      prox_logp_BN=prox_BN, behavior_logp_BN=batch.behavior_logp_BN, ref_logp_BN=batch.ref_logp_BN,
+      entropy_BN=out.get("entropy_BT"), versions_BN=batch.versions_BN, current_version=state.version,
+      lag_B=batch.lag_B, state=state.loss_state, tokens_BN=batch.sequence_BT[:, -n_new:],
+      turn_BN=batch.turn_BN)  # None for single completions; multi-turn episodes number their turns
+  if batch.extra:
+    inputs = inputs.replace(**batch.extra)
+  head = lambda h: VocabHead(hidden_BND=h, w_DV=lm_head_weights(params, s.model_cfg), temperature=s.temperature)
+  if s.student_dense:
+    inputs = inputs.replace(student_head=head(out["hidden_BTD"]))
+  if id_sets:  # one gather over the concatenated id sets, split back in order
+    ends = np.cumsum([v.shape[-1] for v in id_sets.values()])
+    inputs = inputs.replace(**dict(zip(id_sets, jnp.split(out["gathered_logp_BTk"], ends[:-1], axis=-1))))
+  if s.shadow:
+    if batch.kv_window_B2 is None:
+      raise ValueError(f"loss {s.loss_name!r} needs the sampler's KV window record kv_window_B2 "
+                       "(sampler.kv_cache='window')")
+    sh = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new, s.model_cfg,
+                             s.temperature, perturb=perturb, routes_BTLk=batch.routes_BTLk, return_hidden=True,
+                             kv_window_B2=batch.kv_window_B2)
+    inputs = inputs.replace(shadow_logp_BN=sh["logp_BT"], shadow_head=head(sh["hidden_BTD"]))
+  if s.needs("behavior_topk"):
+    inputs = inputs.replace(behavior_topk_ids_BNk=batch.behavior_topk_ids_BNk,
+                            behavior_topk_logp_BNk=batch.behavior_topk_logp_BNk)
+  if s.needs("mc"):  # mc_teacher_logp_BNJ comes with the teacher's fields (`extra`)
+    inputs = inputs.replace(mc_ids_BNJ=batch.mc_ids_BNJ, mc_behavior_logp_BNJ=batch.mc_behavior_logp_BNJ)
+  return inputs
+
+
+def _objective(s: StepSpec, inputs: LossInputs, out: dict) -> tuple[Array, tuple[Array, Array, dict]]:
+  """(objective numerator, (numerator, denominator, aux)) of the loss and its regularisers (KL to the reference,
+  entropy bonus, MoE load balancing); the gradient is ∇objective / denominator."""
+  losses.check_needs(s.loss, inputs)
+  loss_BN, aux = s.loss.fn(inputs, s.hp)
+  aux = dict(aux)
+  if s.kl_coef > 0:
+    term, m = core.kl_to_ref_term(inputs, s.kl_coef, s.kl_estimator)
+    loss_BN, aux = loss_BN + term, {**aux, **m}
+  if s.entropy_coef > 0:
+    term, m = core.entropy_term(inputs, s.entropy_coef)
+    loss_BN, aux = loss_BN + term, {**aux, **m}
+  num, den = losses.reduce_parts(loss_BN, inputs.mask_BN, s.agg_mode, keep_BN=aux.pop("keep_BN", None),
+                                 drop_rejected=s.drop_rejected, norm_len=s.norm_len)
+  objective = num
+  if "router_aux_loss" in out:
+    # Weighted by this micro-batch's denominator so that objective / Σ den = loss + coef · aux.
+    den_sg = jax.lax.stop_gradient(den)
+    objective = objective + s.router_aux_coef * out["router_aux_loss"] * den_sg
+    aux["router_aux_loss"] = (out["router_aux_loss"] * den_sg, den_sg)
+  return objective, (num, den, aux)
+
+
+def _diagnostics(inputs: LossInputs, out: dict) -> dict:
+  """Metrics of every step, whatever the loss: π_θ against μ, π_old against μ, π_θ against π_old, entropy."""
+  mask_BN, mu_BN = inputs.mask_BN, inputs.behavior_logp_BN
+  # Divergence between the behaviour policy μ and π_θ on the sampled tokens (samples from μ).
+  lr = core.safe_log_ratio(inputs.logp_BN, mu_BN, mask_BN)
+  aux = {"kl_mu_k1": core.metric(-lr, mask_BN), "kl_mu_k3": core.metric(jnp.exp(lr) - lr - 1.0, mask_BN)}
+  # Training–inference mismatch |π_old − μ| (precision / kernels; equal versions under `recompute`). A loss
+  # that reads no π_old gets none scored (`config.scores_prox`): π_θ stands in, and on stale batches this
+  # then measures |π_θ − μ|, staleness included.
+  mism_BN = jnp.abs(core.safe_log_ratio(inputs.prox_logp_BN, mu_BN, mask_BN))
+  # Drift of π_θ from π_old, |π_θ/π_old − 1|: exactly 0 with one update per batch and π_old current,
+  # > 0 once earlier minibatches of the same batch have moved the policy.
+  drift_BN = jnp.abs(jnp.exp(core.safe_log_ratio(inputs.logp_BN, inputs.prox_logp_BN, mask_BN)) - 1.0)
+  aux["ratio_old_abs_dev"] = core.metric(drift_BN, mask_BN)
+  aux["mismatch_abs_mean"] = core.metric(mism_BN, mask_BN)
+  aux["mismatch_abs_max"] = core.max_metric(mism_BN, mask_BN)
+  if "entropy_BT" in out:
+    aux["entropy"] = core.metric(out["entropy_BT"], mask_BN)
+  return aux
+
+
+def _loss_parts(s: StepSpec, trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
+  """forward → loss inputs → objective (+ diagnostics): what `jax.value_and_grad` differentiates."""
+  params, hook = trainable if s.perturbed else (trainable, None)
+  params = lora.with_trainable(state.params, params)  # LoRA: the frozen base joins the adapters here
+  batch = _put_shared(batch, heads)
+  # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
+  perturb = (hook["log_sigma_L"], key) if s.perturbed else None
+  id_sets = _candidate_ids(s, batch)
+  gather_ids = jnp.concatenate([jnp.asarray(v, jnp.int32) for v in id_sets.values()], -1) if id_sets else None
+  out = _policy_forward(s, params, batch, perturb, gather_ids)
+  inputs = _loss_inputs(s, params, state, batch, out, id_sets, perturb)
+  objective, (num, den, aux) = _objective(s, inputs, out)
+  diagnostics = _diagnostics(inputs, out)
+  if "entropy" in aux:  # the loss's own entropy metric (e.g. the entropy bonus's) is kept
+    diagnostics.pop("entropy", None)
+  return objective, (num, den, {**aux, **diagnostics})
+
+
+def _accumulate(s: StepSpec, trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
+  """(loss, aux, grads) of the whole batch from `grad_accum` sequential micro-batches."""
+  parts_and_grad = jax.value_and_grad(functools.partial(_loss_parts, s), has_aux=True)
+  if s.grad_accum == 1:
+    (_, (num, den, aux)), g = parts_and_grad(trainable, state, batch, key, heads)
+  else:
+    def micro(g_acc, xs):
+      mb, i = xs
+      (_, (num, den, aux)), g = parts_and_grad(trainable, state, mb, jax.random.fold_in(key, i), heads)
+      return jax.tree.map(jnp.add, g_acc, g), (num, den, aux)
+
+    zeros = jax.tree.map(jnp.zeros_like, trainable)
+    g, (num_M, den_M, aux_M) = jax.lax.scan(micro, zeros, (_split_micro(batch, s.grad_accum), jnp.arange(s.grad_accum)))
+    new_loss_state = aux_M.pop("state", None)
+    num, den, aux = num_M.sum(), den_M.sum(), _combine_micro(aux_M)
+    if new_loss_state is not None:
+      aux["state"] = new_loss_state
+  scale = 1.0 / jnp.maximum(den, 1.0)
+  return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
+
+
+def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, batch: Batch, key: Array, heads: dict):
+  """One optimiser update on `batch`: (state with new params / opt / loss state / skips, applied, loss,
+  aux, grads, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
+  the caller (they count learner steps). `heads`: the batch-wide arrays `_take_shared` took out of `batch`."""
+  own = lora.trainable(state.params)  # the adapters of a LoRA policy (the base is a constant), else all params
+  trainable = (own, state.hook_params) if s.perturbed else own
+  loss, aux, grads = _accumulate(s, trainable, state, batch, key, heads)
+  finite = jnp.isfinite(loss) & _all_finite(grads)
+  # A batch with no token to train on (every sample failed or masked) moves nothing: AdamW's moments and weight
+  # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
+  empty = ~jnp.any(batch.mask_BN > 0)
+  apply = finite & ~empty
+  updates, opt_state = tx.update(grads, state.opt_state, trainable)
+  new_trainable = optax.apply_updates(trainable, updates)
+  params, hook_params = new_trainable if s.perturbed else (new_trainable, None)
+  params = lora.with_trainable(state.params, params)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+  new_loss_state = aux.pop("state", state.loss_state)
+  new_state = state.replace(
+      params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+      loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
+      skipped=jnp.where(finite, jnp.where(empty, state.skipped, 0), state.skipped + 1),
+      hook_params=keep(hook_params, state.hook_params) if s.perturbed else None)
+  return new_state, apply, loss, aux, grads, empty
+
+
+def _finish(s: StepSpec, state: TrainState, new_state: TrainState, applied: Array, aux: dict, metrics: dict):
+  """The step's bookkeeping: `step` + 1, `version` + 1 when an update applied; the metrics."""
+  new_state = new_state.replace(step=state.step + 1, version=state.version + applied.astype(jnp.int32))
+  if s.perturbed:
+    aux["alp_sigma_mean"] = (jnp.exp(new_state.hook_params["log_sigma_L"]).mean(), jnp.ones(()))
+  return new_state, {**losses.combine_metrics(aux), **metrics, "update_skipped": (~applied).astype(jnp.int32),
+                     "skipped_consecutive": new_state.skipped}
+
+
+def _one_update_step(s: StepSpec, tx, state: TrainState, batch: Batch, key: Array, heads: dict):
+  """The default schedule: one update on the whole batch."""
+  new_state, applied, loss, aux, grads, empty = _update(s, tx, state, batch, key, heads)
+  d_sum, d_count = aux["ratio_old_abs_dev"]
+  return _finish(s, state, new_state, applied, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
+                                                     "updates_applied": applied.astype(jnp.int32),
+                                                     "updates_skipped_empty": empty.astype(jnp.int32),
+                                                     "ratio_old_abs_dev_last": d_sum / jnp.maximum(d_count, 1.0)})
+
+
+def _multi_update_step(s: StepSpec, tx, state: TrainState, batch: Batch, key: Array, heads: dict):
+  """`epochs` passes of `minibatches` updates, π_old fixed at the step start (module docstring)."""
+  if batch.prox_logp_BN is None:  # π_old = the parameters at the step start, scored once
+    if batch.pack is not None:
+      out = packing.packed_logprobs(state.params, batch.pack, batch.sequence_BT.shape[1], batch.mask_BN.shape[1],
+                                    s.model_cfg, s.temperature)
+    else:
+      out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
+                                batch.mask_BN.shape[1], s.model_cfg, s.temperature, routes_BTLk=batch.routes_BTLk)
+    batch = batch.replace(prox_logp_BN=jax.lax.stop_gradient(jnp.where(batch.mask_BN > 0, out["logp_BT"], 0.0)))
+  mbs = _split_micro(batch, s.minibatches, "optim.minibatches")
+
+  def one(st, xs):
+    mb, i = xs
+    st, applied, loss, aux, grads, empty = _update(s, tx, st, mb, jax.random.fold_in(key, i), heads)
+    return st, (applied, empty, loss, optax.global_norm(grads), aux)
+
+  def epoch(st, e):
+    return jax.lax.scan(one, st, (mbs, e * s.minibatches + jnp.arange(s.minibatches)))
+
+  new_state, (applied_RM, empty_RM, loss_RM, gnorm_RM, aux_RM) = jax.lax.scan(epoch, state, jnp.arange(s.epochs))
+  flat = lambda x: x.reshape(s.n_updates, *x.shape[2:])
+  aux = _combine_micro(jax.tree.map(flat, aux_RM))
+  drift_s, drift_c = aux_RM["ratio_old_abs_dev"]
+  metrics = {"loss": loss_RM.mean(), "grad_norm": gnorm_RM.mean(),
+             "updates_applied": applied_RM.sum().astype(jnp.int32),
+             "updates_skipped_empty": empty_RM.sum().astype(jnp.int32),
+             # the last update's drift from π_old: > 0 once earlier minibatches moved the policy
+             "ratio_old_abs_dev_last": flat(drift_s)[-1] / jnp.maximum(flat(drift_c)[-1], 1.0)}
+  return _finish(s, state, new_state, applied_RM.any(), aux, metrics)
+
+
+def _train_step(s: StepSpec, tx, on_trace, state: TrainState, batch: Batch, key: Array):
+  if on_trace is not None:
+    on_trace()
+  if batch.adv_BN is None or batch.lag_B is None:
+    raise ValueError("the learner's batch needs adv_BN and lag_B (`jaxrl_llm.batch.make_batch` sets them)")
+  batch, heads = _take_shared(batch)
+  schedule = _multi_update_step if s.n_updates > 1 else _one_update_step
+  return schedule(s, tx, state, batch, key, heads)
+
+
 @_once_per_static_args
 def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, loss_name: str,
                     loss_hparams: dict | None = None, *, temperature: float = 1.0,
@@ -251,6 +522,13 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                     in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None,
                     group_size: int = 1):
   """Builds the jitted `train_step(state, batch, key) -> (state, metrics)` for one loss.
+
+  The step is composed of small pure pieces over one static `StepSpec`: the candidate ids the loss reads
+  (`_candidate_ids`), the forward variant (`_policy_forward`: packed or padded rows), the loss's inputs
+  (`_loss_inputs`: each need adds its fields), the objective and its regularisers (`_objective`) with the
+  diagnostics every step logs (`_diagnostics`), micro-batching (`_accumulate`), the update with its skip rules
+  (`_update`) and the update schedule (`_one_update_step`, `_multi_update_step`). A feature adds a piece or a
+  field of the spec, not a branch here.
 
   A non-finite loss or gradient skips the update: parameters and optimiser state stay bitwise
   unchanged, `version` does not advance, and `update_skipped` / `skipped_consecutive` say so.
@@ -269,215 +547,19 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   outputs are gathered back to [B, N], so the loss sees the same inputs (`packing` module docstring).
   """
   spec = losses.get(loss_name)
-  hp = losses.make_hparams(spec, loss_hparams)
-  with_entropy = True  # logged every step (DESIGN §3); it enters the loss only via needs / entropy_coef
-  perturbed = "perturb" in spec.needs
-  # Full-distribution losses read the student as a VocabHead (hidden states + lm-head, logits formed
-  # chunk by chunk in the loss); top-k losses only the student at the teacher's ids, which the chunked
-  # lm-head gathers. Neither holds a [B, N, V] array.
-  # SMD (`losses.smd`): a second forward under the sampler's KV visibility mask (π_shadow), and the dense
-  # forward's VocabHead for the dense ↔ shadow KL.
-  shadow = "shadow" in spec.needs
-  student_dense = "student_logits" in spec.needs or shadow
-  student_topk = "student_topk" in spec.needs
-  # The rollout's own candidates: π_θ at μ's top-k ids (DPPO's top-k divergence) and at the Monte-Carlo
-  # candidates (AsyncOPD), gathered by the same chunked lm-head in the same forward.
-  behavior_topk = "behavior_topk" in spec.needs
-  mc = "mc" in spec.needs
   why = losses.micro_batching_error(spec, grad_accum)
   if why is not None:
     raise ValueError(f"optim.grad_accum={grad_accum!r}: {why}")
   for name, v in (("optim.minibatches", minibatches), ("optim.epochs", epochs)):
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-  n_updates = minibatches * epochs
-
-  def loss_parts(trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
-    """(objective numerator, (numerator, denominator, aux)); the gradient is ∇objective / denominator."""
-    params, hook = trainable if perturbed else (trainable, None)
-    params = lora.with_trainable(state.params, params)  # LoRA: the frozen base joins the adapters here
-    batch = _put_shared(batch, heads)
-    n_new = batch.mask_BN.shape[1]
-    # ALP: only the numerator forward is perturbed (fresh noise per step, deterministic given the key).
-    perturb = (hook["log_sigma_L"], key) if perturbed else None
-    topk_ids = (batch.extra or {}).get("teacher_topk_ids_BNk") if student_topk else None
-    id_sets = {"student_topk_logp_BNk": topk_ids,
-               "topk_logp_BNk": batch.behavior_topk_ids_BNk if behavior_topk else None,
-               "mc_logp_BNJ": batch.mc_ids_BNJ if mc else None}
-    id_sets = {k: v for k, v in id_sets.items() if v is not None}
-    gather_ids = jnp.concatenate([jnp.asarray(v, jnp.int32) for v in id_sets.values()], -1) if id_sets else None
-    if batch.pack is not None:  # packed rows (`optim.pack_width`), outputs in the padded [B, N] layout
-      out = packing.packed_logprobs(params, batch.pack, batch.sequence_BT.shape[1], n_new, model_cfg, temperature,
-                                    with_entropy, gather_ids_BNk=gather_ids, return_hidden=student_dense)
-    else:
-      out = grouped_completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new,
-                                        model_cfg, temperature, group_size, with_entropy, perturb=perturb,
-                                        routes_BTLk=batch.routes_BTLk, gather_ids_BNk=gather_ids,
-                                        return_hidden=student_dense)
-    prox_BN = batch.prox_logp_BN if batch.prox_logp_BN is not None else jax.lax.stop_gradient(out["logp_BT"])
-    inputs = LossInputs(
-        logp_BN=out["logp_BT"], mask_BN=batch.mask_BN, adv_BN=batch.adv_BN,
-        prox_logp_BN=prox_BN, behavior_logp_BN=batch.behavior_logp_BN, ref_logp_BN=batch.ref_logp_BN,
-        entropy_BN=out.get("entropy_BT"), versions_BN=batch.versions_BN, current_version=state.version,
-        lag_B=batch.lag_B, state=state.loss_state, tokens_BN=batch.sequence_BT[:, -n_new:],
-        turn_BN=batch.turn_BN)  # None for single completions; multi-turn episodes number their turns
-    if batch.extra:
-      inputs = inputs.replace(**batch.extra)
-    if student_dense:
-      head = VocabHead(hidden_BND=out["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature)
-      inputs = inputs.replace(student_head=head)
-    if id_sets:  # one gather over the concatenated id sets, split back in order
-      ends = np.cumsum([v.shape[-1] for v in id_sets.values()])
-      inputs = inputs.replace(**dict(zip(id_sets, jnp.split(out["gathered_logp_BTk"], ends[:-1], axis=-1))))
-    if shadow:
-      if batch.kv_window_B2 is None:
-        raise ValueError(f"loss {loss_name!r} needs the sampler's KV window record kv_window_B2 "
-                         "(sampler.kv_cache='window')")
-      sh = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT, n_new, model_cfg,
-                               temperature, perturb=perturb, routes_BTLk=batch.routes_BTLk, return_hidden=True,
-                               kv_window_B2=batch.kv_window_B2)
-      inputs = inputs.replace(shadow_logp_BN=sh["logp_BT"], shadow_head=VocabHead(
-          hidden_BND=sh["hidden_BTD"], w_DV=lm_head_weights(params, model_cfg), temperature=temperature))
-    if behavior_topk:
-      inputs = inputs.replace(behavior_topk_ids_BNk=batch.behavior_topk_ids_BNk,
-                              behavior_topk_logp_BNk=batch.behavior_topk_logp_BNk)
-    if mc:  # mc_teacher_logp_BNJ comes with the teacher's fields (`extra`)
-      inputs = inputs.replace(mc_ids_BNJ=batch.mc_ids_BNJ, mc_behavior_logp_BNJ=batch.mc_behavior_logp_BNJ)
-    losses.check_needs(spec, inputs)
-    loss_BN, aux = spec.fn(inputs, hp)
-    aux = dict(aux)
-    if kl_coef > 0:
-      term, m = core.kl_to_ref_term(inputs, kl_coef, kl_estimator)
-      loss_BN, aux = loss_BN + term, {**aux, **m}
-    if entropy_coef > 0:
-      term, m = core.entropy_term(inputs, entropy_coef)
-      loss_BN, aux = loss_BN + term, {**aux, **m}
-    num, den = losses.reduce_parts(loss_BN, batch.mask_BN, agg_mode, keep_BN=aux.pop("keep_BN", None),
-                                   drop_rejected=drop_rejected, norm_len=norm_len)
-    objective = num
-    if "router_aux_loss" in out:
-      # Weighted by this micro-batch's denominator so that objective / Σ den = loss + coef · aux.
-      den_sg = jax.lax.stop_gradient(den)
-      objective = objective + router_aux_coef * out["router_aux_loss"] * den_sg
-      aux["router_aux_loss"] = (out["router_aux_loss"] * den_sg, den_sg)
-    # Divergence between the behaviour policy μ and π_θ on the sampled tokens (samples from μ).
-    lr = core.safe_log_ratio(out["logp_BT"], batch.behavior_logp_BN, batch.mask_BN)
-    aux["kl_mu_k1"] = core.metric(-lr, batch.mask_BN)
-    aux["kl_mu_k3"] = core.metric(jnp.exp(lr) - lr - 1.0, batch.mask_BN)
-    # Training–inference mismatch |π_old − μ| (precision / kernels; equal versions under `recompute`). A loss
-    # that reads no π_old gets none scored (`config.scores_prox`): π_θ stands in, and on stale batches this
-    # then measures |π_θ − μ|, staleness included.
-    mism_BN = jnp.abs(core.safe_log_ratio(prox_BN, batch.behavior_logp_BN, batch.mask_BN))
-    # Drift of π_θ from π_old, |π_θ/π_old − 1|: exactly 0 with one update per batch and π_old current,
-    # > 0 once earlier minibatches of the same batch have moved the policy.
-    drift_BN = jnp.abs(jnp.exp(core.safe_log_ratio(out["logp_BT"], prox_BN, batch.mask_BN)) - 1.0)
-    aux["ratio_old_abs_dev"] = core.metric(drift_BN, batch.mask_BN)
-    aux["mismatch_abs_mean"] = core.metric(mism_BN, batch.mask_BN)
-    aux["mismatch_abs_max"] = core.max_metric(mism_BN, batch.mask_BN)
-    if "entropy_BT" in out and "entropy" not in aux:
-      aux["entropy"] = core.metric(out["entropy_BT"], batch.mask_BN)
-    return objective, (num, den, aux)
-
-  parts_and_grad = jax.value_and_grad(loss_parts, has_aux=True)
-
-  def accumulate(trainable, state: TrainState, batch: Batch, key: Array, heads: dict):
-    """(loss, aux, grads) of the whole batch from `grad_accum` sequential micro-batches."""
-    if grad_accum == 1:
-      (_, (num, den, aux)), g = parts_and_grad(trainable, state, batch, key, heads)
-    else:
-      def micro(g_acc, xs):
-        mb, i = xs
-        (_, (num, den, aux)), g = parts_and_grad(trainable, state, mb, jax.random.fold_in(key, i), heads)
-        return jax.tree.map(jnp.add, g_acc, g), (num, den, aux)
-
-      zeros = jax.tree.map(jnp.zeros_like, trainable)
-      g, (num_M, den_M, aux_M) = jax.lax.scan(micro, zeros, (_split_micro(batch, grad_accum), jnp.arange(grad_accum)))
-      new_loss_state = aux_M.pop("state", None)
-      num, den, aux = num_M.sum(), den_M.sum(), _combine_micro(aux_M)
-      if new_loss_state is not None:
-        aux["state"] = new_loss_state
-    scale = 1.0 / jnp.maximum(den, 1.0)
-    return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
-
-  def update(state: TrainState, batch: Batch, key: Array, heads: dict):
-    """One optimiser update on `batch`: (state with new params / opt / loss state / skips, applied, loss,
-    aux, grads, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
-    the caller (they count learner steps). `heads`: the batch-wide arrays `_take_shared` took out of `batch`."""
-    own = lora.trainable(state.params)  # the adapters of a LoRA policy (the base is a constant), else all params
-    trainable = (own, state.hook_params) if perturbed else own
-    loss, aux, grads = accumulate(trainable, state, batch, key, heads)
-    finite = jnp.isfinite(loss) & _all_finite(grads)
-    # A batch with no token to train on (every sample failed or masked) moves nothing: AdamW's moments and weight
-    # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
-    empty = ~jnp.any(batch.mask_BN > 0)
-    apply = finite & ~empty
-    updates, opt_state = tx.update(grads, state.opt_state, trainable)
-    new_trainable = optax.apply_updates(trainable, updates)
-    params, hook_params = new_trainable if perturbed else (new_trainable, None)
-    params = lora.with_trainable(state.params, params)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
-    new_loss_state = aux.pop("state", state.loss_state)
-    new_state = state.replace(
-        params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
-        loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
-        skipped=jnp.where(finite, jnp.where(empty, state.skipped, 0), state.skipped + 1),
-        hook_params=keep(hook_params, state.hook_params) if perturbed else None)
-    return new_state, apply, loss, aux, grads, empty
-
-  def finish(state: TrainState, new_state: TrainState, applied: Array, aux: dict, metrics: dict):
-    new_state = new_state.replace(step=state.step + 1, version=state.version + applied.astype(jnp.int32))
-    if perturbed:
-      aux["alp_sigma_mean"] = (jnp.exp(new_state.hook_params["log_sigma_L"]).mean(), jnp.ones(()))
-    return new_state, {**losses.combine_metrics(aux), **metrics, "update_skipped": (~applied).astype(jnp.int32),
-                       "skipped_consecutive": new_state.skipped}
-
-  def train_step(state: TrainState, batch: Batch, key: Array):
-    if on_trace is not None:
-      on_trace()
-    if batch.adv_BN is None or batch.lag_B is None:
-      raise ValueError("the learner's batch needs adv_BN and lag_B (`jaxrl_llm.batch.make_batch` sets them)")
-    batch, heads = _take_shared(batch)
-    if n_updates > 1:
-      return multi_update_step(state, batch, key, heads)
-    new_state, applied, loss, aux, grads, empty = update(state, batch, key, heads)
-    s, c = aux["ratio_old_abs_dev"]
-    return finish(state, new_state, applied, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
-                                                   "updates_applied": applied.astype(jnp.int32),
-                                                   "updates_skipped_empty": empty.astype(jnp.int32),
-                                                  "ratio_old_abs_dev_last": s / jnp.maximum(c, 1.0)})
-
-  def multi_update_step(state: TrainState, batch: Batch, key: Array, heads: dict):
-    """`epochs` passes of `minibatches` updates, π_old fixed at the step start (module docstring)."""
-    if batch.prox_logp_BN is None:  # π_old = the parameters at the step start, scored once
-      if batch.pack is not None:
-        out = packing.packed_logprobs(state.params, batch.pack, batch.sequence_BT.shape[1], batch.mask_BN.shape[1],
-                                      model_cfg, temperature)
-      else:
-        out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
-                                  batch.mask_BN.shape[1], model_cfg, temperature, routes_BTLk=batch.routes_BTLk)
-      batch = batch.replace(prox_logp_BN=jax.lax.stop_gradient(jnp.where(batch.mask_BN > 0, out["logp_BT"], 0.0)))
-    mbs = _split_micro(batch, minibatches, "optim.minibatches")
-
-    def one(st, xs):
-      mb, i = xs
-      st, applied, loss, aux, grads, empty = update(st, mb, jax.random.fold_in(key, i), heads)
-      return st, (applied, empty, loss, optax.global_norm(grads), aux)
-
-    def epoch(st, e):
-      return jax.lax.scan(one, st, (mbs, e * minibatches + jnp.arange(minibatches)))
-
-    new_state, (applied_RM, empty_RM, loss_RM, gnorm_RM, aux_RM) = jax.lax.scan(epoch, state, jnp.arange(epochs))
-    flat = lambda x: x.reshape(n_updates, *x.shape[2:])
-    aux = _combine_micro(jax.tree.map(flat, aux_RM))
-    drift_s, drift_c = aux_RM["ratio_old_abs_dev"]
-    metrics = {"loss": loss_RM.mean(), "grad_norm": gnorm_RM.mean(),
-               "updates_applied": applied_RM.sum().astype(jnp.int32),
-               "updates_skipped_empty": empty_RM.sum().astype(jnp.int32),
-               # the last update's drift from π_old: > 0 once earlier minibatches moved the policy
-               "ratio_old_abs_dev_last": flat(drift_s)[-1] / jnp.maximum(flat(drift_c)[-1], 1.0)}
-    return finish(state, new_state, applied_RM.any(), aux, metrics)
-
-  return jax.jit(train_step, donate_argnums=0, **_jit_shardings(in_shardings, out_shardings))
+  s = StepSpec(model_cfg=model_cfg, loss_name=loss_name, loss=spec, hp=losses.make_hparams(spec, loss_hparams),
+               temperature=temperature, agg_mode=agg_mode, drop_rejected=drop_rejected, norm_len=norm_len,
+               kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+               router_aux_coef=router_aux_coef, grad_accum=grad_accum, minibatches=minibatches, epochs=epochs,
+               group_size=group_size)
+  return jax.jit(functools.partial(_train_step, s, tx, on_trace), donate_argnums=0,
+                 **_jit_shardings(in_shardings, out_shardings))
 
 
 @_once_per_static_args

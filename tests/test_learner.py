@@ -115,6 +115,9 @@ def test_train_step_compiles_once():
   for i in range(3):
     state, _ = step(state, make_batch(state.params), jax.random.key(i))
   assert step._cache_size() == 1
+  # the builders return one jitted function per static configuration: a second run in the process reuses it
+  assert learner.make_train_step(CFG, tx, "ppo_clip") is step
+  assert learner.make_train_step(CFG, tx, "ppo_clip", entropy_coef=0.01) is not step
 
 
 def test_unknown_loss_and_bad_hparam():
