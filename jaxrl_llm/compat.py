@@ -107,8 +107,6 @@ REFUSED: dict[frozenset, str] = {
             "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
     pair("harness", "processes"): f"{_NOT_BUILT}: one process serves the endpoint and owns every episode",
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
-    pair("processes", "slots"): f"{_NOT_BUILT}: the slot engine admits and harvests on its process's host, over "
-                                "arrays every process would have to address",
 }
 
 

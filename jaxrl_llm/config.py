@@ -421,7 +421,8 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   """What a run over several processes (`jax.process_count() > 1`) supports: one mesh over every device
   (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, replay, on-policy
-  distillation, sparse sync and the distilled drafter (the rest is refused by name rather than run untested)."""
+  distillation, sparse sync, the distilled drafter and continuous batching (one slot engine per process; the rest
+  is refused by name rather than run untested)."""
   import jax  # local: and no device is touched unless `jax.distributed` is initialised (the CLI does it first)
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
     return
@@ -432,9 +433,15 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
   _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
         f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
-  _need(not read(c, "rollout.slots"), "rollout.slots", read(c, "rollout.slots"),
-        f"continuous batching runs in one process (its engine admits and harvests every slot on the host), not "
-        f"over {n_proc} processes")
+  slots = read(c, "rollout.slots")
+  if slots:  # each process runs its own slot engine over an equal share of every sampler call's rows
+    _need(not env_on(c), "rollout.slots", slots,
+          f"multi-turn episodes over {n_proc} processes re-prefill their turns: set rollout.slots=0")
+    fresh = read(c, "rollout.replay.capacity") and read(c, "rollout.replay.fresh_per_step")
+    for field, n in (("rollout.prompts_per_step", c.rollout.prompts_per_step),
+                     ("rollout.replay.fresh_per_step", fresh)):
+      _need(not n or n % n_proc == 0, field, n, f"with rollout.slots over {n_proc} processes each process runs "
+            f"its slot engine over an equal share of the prompts: it must be divisible by {n_proc}")
   _need(not n_sampler or c.rollout.mode == "async", "rollout.sampler_devices", n_sampler,
         f"devices of the sampler's own are for rollout.mode='async' in multi-process runs ({n_proc} processes)")
   if c.rollout.mode == "async":

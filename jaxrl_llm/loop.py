@@ -43,7 +43,7 @@ from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.sampling import generate
 # Re-exported: experiments, notebooks and tests set runs up through `loop.setup` & co.
 from jaxrl_llm.wiring import (Run, encoder_from_config, evaluate, fresh_state, new_store, prompt_width,  # noqa: F401
-                              reward_policy, sampler_config, setup, source_class)
+                              reward_policy, sampler_config, sampler_replicas, setup)
 
 
 def run(c: ml_collections.ConfigDict, workdir: str, on_step=None) -> list[dict]:
@@ -208,8 +208,7 @@ def sampler_drafter(r: Run, params):
     return params
   from jaxrl_llm import sharding
   params = sharding.reshard(params, sharding.replicated(r.sampler_mesh))
-  replicas = multiprocess.multi() and source_class(r.c).per_process_workers  # as `new_store` views the snapshots
-  return multiprocess.local_view(params) if replicas else params
+  return multiprocess.local_view(params) if sampler_replicas(r.c) else params  # as `new_store` views the snapshots
 
 
 def _skip_failure(c, m: dict, t: int) -> str | None:

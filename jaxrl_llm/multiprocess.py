@@ -108,6 +108,16 @@ def generate_on_mesh(generate, params, tokens_BP: np.ndarray, len_B: np.ndarray,
   return to_host(generate(params, toks, lens, key, model_cfg, sampler_cfg)), row_owners(sh, tokens_BP.shape[0])
 
 
+def my_rows(n_rows: int) -> np.ndarray:
+  """The rows this process decodes when every process runs an engine of its own (continuous batching): an equal,
+  contiguous share, in process order (all rows with one process)."""
+  n_proc, me = jax.process_count(), jax.process_index()
+  if n_rows % n_proc:
+    raise ValueError(f"{n_rows} rows cannot be shared equally by {n_proc} processes")
+  per = n_rows // n_proc
+  return np.arange(me * per, (me + 1) * per)
+
+
 def score_rows(score, examples: list, tokens_BN: np.ndarray, owners: np.ndarray | None) -> tuple[np.ndarray, dict]:
   """(reward_B, {ok, error, timeout} counts) of all rows, each scored once, by the process that owns it.
 

@@ -151,6 +151,14 @@ def source_class(c: ml_collections.ConfigDict):
   return sources.get(sources.pick(rollout_settings(c)))
 
 
+def sampler_replicas(c: ml_collections.ConfigDict) -> bool:
+  """Whether each process samples from a replica of its own (several processes): the async workers, and the slot
+  engines (each process runs one over its share of a sampler call's rows, `Generation.sample`). The snapshot is
+  then replicated onto every process's sampler devices (its last device when it has none of its own) and viewed
+  there (`multiprocess.local_view`)."""
+  return multiprocess.multi() and (source_class(c).per_process_workers or bool(config_lib.read(c, "rollout.slots")))
+
+
 def encoder_from_config(c: ml_collections.ConfigDict) -> Encoder:
   """The run's prompt `Encoder`: the tokenizer of `model.init_from` (the char tokenizer without one),
   rendered per `task.chat_template` ("auto" | "chat" | "none") with `task.system_prompt`."""
@@ -470,7 +478,7 @@ def mesh_layouts(c, model_cfg: ModelConfig, tx, hook_params, key) -> dict:
   devices, n_sampler = jax.devices(), config_lib.read(c, "rollout.sampler_devices")
   learner_devices, sampler_devices = multiprocess.split_devices(devices, n_sampler)
   mesh = sharding.mesh_from_config(c.mesh, devices=learner_devices)
-  if not n_sampler and multiprocess.multi() and source_class(c).per_process_workers:
+  if not n_sampler and sampler_replicas(c):
     sampler_devices = multiprocess.split_devices(devices, 1)[1]
   sampler_mesh = sharding.make_mesh(data=len(sampler_devices), devices=sampler_devices) if sampler_devices else mesh
   psh = sharding.param_shardings(model_cfg, mesh, sharding.LEARNER)
@@ -496,7 +504,7 @@ def new_store(run: Run) -> ParamStore:
     transform = int8_weight_only
   # π_old is recomputed from a learner copy when the sampler's differs in dtype, or lives on one replica
   # per process (async over several processes), whose programs are not the learner's SPMD ones.
-  replicas = multiprocess.multi() and source_class(c).per_process_workers  # each process's own replica
+  replicas = sampler_replicas(c)  # each process's own replica
   differs = sampler_dtype is not None or transform is not None or replicas
   return ParamStore(keep_last=sources.retention(run.ctx.settings), sampler_dtype=sampler_dtype,
                     keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,

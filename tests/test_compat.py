@@ -54,3 +54,26 @@ def test_docs_compat_page_is_current(probed):
   _, pairs = probed
   with open(os.path.join(ROOT, "docs", "compat.md")) as f:
     assert f.read() == compat.render(pairs), "regenerate: python -m jaxrl_llm.compat > docs/compat.md"
+
+
+def test_slots_over_processes_refuse_episodes_and_uneven_shares():
+  """One slot engine per process takes an equal share of the prompts, and episodes' turns over processes
+  re-prefill: both are refused by name (validated as one of 2 processes, on 8 forced devices)."""
+  code = ("import json\n"
+          "from jaxrl_llm import compat, config\n"
+          "def err(fields):\n"
+          "  try:\n"
+          "    with compat._processes(2):\n"
+          "      config.validate(compat.config_of(fields))\n"
+          "  except config.ConfigError as e:\n"
+          "    return str(e)\n"
+          "f = compat.merged(('processes', 'slots'))\n"
+          "print(json.dumps([compat.check(('processes', 'slots', 'episodes')), err(f),\n"
+          "                  err({**f, 'rollout.prompts_per_step': 3})]))\n")
+  env = {**with_devices(compat.DEVICES), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  episodes, plain, uneven = json.loads(r.stdout.strip().splitlines()[-1])
+  assert plain is None
+  assert episodes.startswith("config.rollout.slots=8:") and "re-prefill" in episodes, episodes
+  assert uneven.startswith("config.rollout.prompts_per_step=3:") and "divisible by 2" in uneven, uneven

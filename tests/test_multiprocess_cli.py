@@ -1,13 +1,13 @@
 """`python -m jaxrl_llm` over 2 processes x 4 forced CPU devices (gloo collectives, localhost) writes the
 metrics of 1 process x 8 devices with the same global batch and mesh (data=2 x fsdp=4), in sync (with the
-distilled speculative drafter), staged (with sparse weight sync), replay (over fixed_lag, with a KL to the reference
-policy), on-policy distillation, LoRA and multi-turn agent runs; a SIGTERM to one process stops both after the same
-step with one checkpoint, and from it both the restarted pair and one process over the same mesh continue the
-metrics of the uninterrupted run; a killed (or frozen) process makes the other exit 1 with a one-line error, bounded
-by the heartbeat timeout (no hang). Async (not bitwise repeatable; sparse sync and the distilled drafter on) runs
-over the 2 processes with a sampler device of each process's own, keeps every lag within η, reports the learner's
-idle fraction and resumes after a SIGTERM without consuming a request twice. The 1-process 8-device reference also
-equals `loop.run` on this process's one device (replay, LoRA).
+distilled speculative drafter), staged (with sparse weight sync and a slot engine per process), replay (over
+fixed_lag, with a KL to the reference policy), on-policy distillation, LoRA and multi-turn agent runs; a SIGTERM to
+one process stops both after the same step with one checkpoint, and from it both the restarted pair and one process
+over the same mesh continue the metrics of the uninterrupted run; a killed (or frozen) process makes the other exit 1
+with a one-line error, bounded by the heartbeat timeout (no hang). Async (not bitwise repeatable; sparse sync, the
+distilled drafter and slot workers on) runs over the 2 processes with a sampler device of each process's own, keeps every lag within
+η, reports the learner's idle fraction and resumes after a SIGTERM without consuming a request twice. The 1-process
+8-device reference also equals `loop.run` on this process's one device (replay, LoRA).
 
 Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
 learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);
@@ -52,9 +52,10 @@ DRAFTER = ["--config.model.n_layers=2", "--config.sampler.spec_gamma=2", "--conf
            "--config.sampler.spec_drafter=distilled"]
 MODES = {"sync": [*DRAFTER, *NO_EVAL],
          # 2 stages of 2 learner steps; sparse weight sync (each process packs the shards it holds: the payload's
-         # ratio and changed fraction are metrics)
+         # ratio and changed fraction are metrics); continuous batching (one slot engine per process over its half
+         # of each stage's rows, on its replica: the tokens are the one-engine run's, its counters are not)
          "staged": ["--config.rollout.mode=staged", "--config.rollout.lag=2", "--config.rollout.weight_sync=sparse",
-                    *NO_EVAL],
+                    "--config.rollout.slots=4", "--config.rollout.slot_chunk=2", *NO_EVAL],
          # Fixed lag 1; 2 fresh prompts per step into a buffer of 8 groups, a batch of 4 sampled from it (lags
          # 0..3; the buffer is host state in the checkpoint); a KL to the reference policy (the fused reference
          # step, over the mesh and across processes).
@@ -126,10 +127,10 @@ def _wait_for_rows(path: str, n: int, procs, timeout: float = 600) -> None:
   raise AssertionError(f"no {n} rows in {path} after {timeout} s")
 
 
-def assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+def assert_same_metrics(got: list[dict], want: list[dict], skip: tuple[str, ...] = ()) -> None:
   assert [r["step"] for r in got] == [r["step"] for r in want]
   for a, b in zip(got, want):
-    keys = {k for k in a.keys() | b.keys() if not k.startswith("time_")}
+    keys = {k for k in a.keys() | b.keys() if not k.startswith("time_") and k not in skip}
     assert keys <= a.keys() and keys <= b.keys(), keys ^ (a.keys() & b.keys())
     for k in sorted(keys):
       x, y = a[k], b[k]
@@ -182,7 +183,10 @@ def test_two_processes_write_the_metrics_of_one(tmp_path, reference, teachers, m
   if mode == "staged":  # sparse payloads after the first (dense) publish; none while warm-up's lr is 0
     ratios = [r["sync_payload_ratio"] for r in rows]
     assert all(0.0 <= x < 1.0 for x in ratios) and max(ratios) > 0, ratios
-  assert_same_metrics(rows, reference[mode])
+    assert rows[0]["slot_live_steps"] > 0 and rows[0]["slot_steps"] >= rows[0]["slot_live_steps"], rows[0]
+  # slot-steps count each engine's slots, busy or not: two engines of 4 slots run more of them than one; the
+  # slot-steps that decoded a live request (slot_live_steps) are the tokens, and are compared
+  assert_same_metrics(rows, reference[mode], skip=("slot_steps",) if mode == "staged" else ())
   info = json.load(open(tmp_path / "run_info.json"))
   assert info["resumed_from_step"] == 0 and info["error"] is None
   assert {"2", "4"} <= set(os.listdir(tmp_path / "checkpoints"))
@@ -270,11 +274,12 @@ ETA = 1
 ASYNC_STEPS = 8  # room for the SIGTERM to land mid-run
 # 2 processes x (3 learner + 1 sampler device): a 6-device learner mesh, each process's workers on its own
 # last device; 6 prompts per step, 3 generated by each process.
-# Sparse sync into the sampler's replicas and the distilled drafter (each process's workers draft with its replica).
-ASYNC = ["--config.rollout.mode=async", f"--config.rollout.lag={ETA}", "--config.rollout.num_workers=2",
+# Sparse sync into the sampler's replicas, the distilled drafter (each process's workers draft with its replica) and
+# continuous batching (each process's slot worker).
+ASYNC = ["--config.rollout.mode=async", f"--config.rollout.lag={ETA}", "--config.rollout.num_workers=1",
          "--config.rollout.sampler_devices=1", "--config.mesh.data=3", "--config.mesh.fsdp=2",
          "--config.rollout.prompts_per_step=6", f"--config.num_steps={ASYNC_STEPS}", "--config.eval.every=0",
-         "--config.rollout.weight_sync=sparse", *DRAFTER]
+         "--config.rollout.weight_sync=sparse", "--config.rollout.slots=4", *DRAFTER]
 
 
 @pytest.mark.slow
@@ -296,6 +301,7 @@ def test_async_over_two_processes_bounds_lag_and_resumes(tmp_path):
   assert rows[0]["version"] == 1 and rows[-1]["version"] == ASYNC_STEPS  # every update published
   assert all(0.0 <= r["spec_accept_rate"] <= 1.0 and np.isfinite(r["spec_drafter_kl"]) for r in rows), rows
   assert all(0.0 <= r["sync_payload_ratio"] < 1.0 for r in rows), [r["sync_payload_ratio"] for r in rows]
+  assert sum(r["async_slot_live_steps"] for r in rows) > 0, rows  # the slot workers decoded (between rows)
   used = [i for r in rows for i in r["request_ids"]]
   assert len(used) == len(set(used)), used  # no request consumed twice, across the resume too
   # the two processes take disjoint ids (p, p + 2, ...), and each generated 3 groups of every batch

@@ -36,6 +36,22 @@ SLOT_STATS = {"slot_steps": "slot_steps", "live_steps": "slot_live_steps"}
 SAMPLER_STATS = RATE_STATS + tuple(SLOT_STATS.values())  # what a sampler call reports beyond its rows
 
 
+def join_shares(shares: list[dict]) -> dict:
+  """Sampler outputs of consecutive row shares (one per process) as one: arrays concatenated along their rows,
+  counters (slot-steps, speculative calls) summed, speculative rates averaged weighted by each share's calls."""
+  calls = [float(s.get("spec_calls", 0)) for s in shares]
+  out = {}
+  for k, v in shares[0].items():
+    vals = [s[k] for s in shares]
+    if isinstance(v, np.ndarray) and v.ndim:
+      out[k] = np.concatenate(vals)
+    elif k in SPEC_STATS:
+      out[k] = float(np.average(vals, weights=calls)) if sum(calls) else float(np.mean(vals))
+    else:
+      out[k] = sum(vals)
+  return out
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def request_keys(key, n: int):
   """One sampling key per request: request r draws its column t with `fold_in(fold_in(key, r), t)`, so its tokens
@@ -134,10 +150,7 @@ class Generation:
     the `drafter` slot's parameters when set); with `slots` > 0 the slot engine (one device), request r drawing
     with `fold_in(key, r)` (`request_keys`)."""
     if self.slots:
-      out = continuous.generate_slots(params, prompts.tokens_BP, prompts.len_B, request_keys(key, len(prompts.len_B)),
-                                      self.model_cfg, self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk,
-                                      draft_params=self.draft_params())
-      return {SLOT_STATS.get(k, k): v for k, v in out.items()}, None
+      return self._sample_slots(params, prompts, key)
     cfg, extra, N = self.sampler_cfg, {}, self.sampler_cfg.max_new_tokens
     cap = self.budget.max_new_tokens if self.budget is not None else None
     if cap is not None and cap < N:  # fewer new tokens (ADWIN: nothing past the horizon is trained on)
@@ -156,6 +169,23 @@ class Generation:
     if cfg.max_new_tokens < N:
       out = pad_response(out, N, cfg.pad_id)
     return ({**out, **extra} if extra else out), owners
+
+  def _sample_slots(self, params, prompts: collect.Prompts, key) -> tuple[dict, np.ndarray | None]:
+    """`sample` with the slot engine. Several processes: each runs its engine over an equal, contiguous share of
+    the rows on its own replica (`params` as the store's view gives them), request r still drawing with
+    `fold_in(key, r)`, so the tokens do not depend on the process count; the shares are all-gathered in process
+    order and every row is owned (scored) by the process that decoded it."""
+    B = len(prompts.len_B)
+    keys = request_keys(key, B)
+    rows = multiprocess.my_rows(B) if multiprocess.multi() else np.arange(B)
+    out = continuous.generate_slots(params, prompts.tokens_BP[rows], prompts.len_B[rows], keys[rows], self.model_cfg,
+                                    self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk,
+                                    draft_params=self.draft_params())
+    out = {SLOT_STATS.get(k, k): v for k, v in out.items()}
+    if not multiprocess.multi():
+      return out, None
+    n_proc = jax.process_count()
+    return join_shares(multiprocess.allgather_host(out)), np.repeat(np.arange(n_proc), B // n_proc)
 
   def draft_params(self):
     """The distilled drafter's newest parameters when the `drafter` slot holds them, else None (the slot engine

@@ -36,7 +36,9 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
   snap = store.acquire(v_b)
   try:
     t0 = time.perf_counter()
-    out, owners = gen.sample(snap.params, p, gen.step_key(v_b, steps[0], call))
+    # several processes with slot engines: each runs its own replica (the store's view of the snapshot)
+    params = snap.params if snap.worker_params is None else snap.worker_params
+    out, owners = gen.sample(params, p, gen.step_key(v_b, steps[0], call))
     time_gen = time.perf_counter() - t0
   finally:
     store.release(snap)
