@@ -97,7 +97,6 @@ def _each(reason: str, a, bs) -> dict[frozenset, str]:
 
 
 _EPS = ("episodes", "eviction")
-_NOT_BUILT = "not built yet"
 # The pairs still refused, each with its reason ("inherent: ..." where no implementation could run the pair;
 # otherwise what is missing). Keep it short: a refusal is a last resort (docs/compat.md).
 REFUSED: dict[frozenset, str] = {
@@ -105,7 +104,6 @@ REFUSED: dict[frozenset, str] = {
                               "boundary, keeping the cache: partial_chunk would be a second, conflicting switch",
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "
             "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
-    pair("harness", "processes"): f"{_NOT_BUILT}: one process serves the endpoint and owns every episode",
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
 }
 

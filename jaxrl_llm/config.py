@@ -418,9 +418,13 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
         f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
 
 
+MULTIPROCESS_MODES = ("sync", "fixed_lag", "staged", "async", "harness")
+PER_PROCESS_MODES = ("async", "harness")  # over several processes each process runs workers of its own
+
+
 def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   """What a run over several processes (`jax.process_count() > 1`) supports: one mesh over every device
-  (but the sampler's own, under async), the sync, fixed_lag, staged and async modes, replay, on-policy
+  (but the sampler's own, under async), the sync, fixed_lag, staged, async and harness modes, replay, on-policy
   distillation, sparse sync, the distilled drafter and continuous batching (one slot engine per process; the rest
   is refused by name rather than run untested)."""
   import jax  # local: and no device is touched unless `jax.distributed` is initialised (the CLI does it first)
@@ -431,8 +435,8 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   if n_mesh == 1:
     raise ConfigError(f"config.mesh={dict(c.mesh)}: {n_proc} processes run one model over all "
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
-  _need(c.rollout.mode in ("sync", "fixed_lag", "staged", "async"), "rollout.mode", c.rollout.mode,
-        f"multi-process runs ({n_proc} processes) support 'sync', 'fixed_lag', 'staged' and 'async' for now")
+  _need(c.rollout.mode in MULTIPROCESS_MODES, "rollout.mode", c.rollout.mode,
+        f"multi-process runs ({n_proc} processes) support {MULTIPROCESS_MODES}")
   slots = read(c, "rollout.slots")
   if slots:  # each process runs its own slot engine over an equal share of every sampler call's rows
     _need(not env_on(c), "rollout.slots", slots,
@@ -442,13 +446,16 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                      ("rollout.replay.fresh_per_step", fresh)):
       _need(not n or n % n_proc == 0, field, n, f"with rollout.slots over {n_proc} processes each process runs "
             f"its slot engine over an equal share of the prompts: it must be divisible by {n_proc}")
-  _need(not n_sampler or c.rollout.mode == "async", "rollout.sampler_devices", n_sampler,
-        f"devices of the sampler's own are for rollout.mode='async' in multi-process runs ({n_proc} processes)")
-  if c.rollout.mode == "async":
+  mode = c.rollout.mode
+  _need(not n_sampler or mode in PER_PROCESS_MODES, "rollout.sampler_devices", n_sampler,
+        f"devices of the sampler's own are for rollout.mode in {PER_PROCESS_MODES} in multi-process runs "
+        f"({n_proc} processes)")
+  if mode in PER_PROCESS_MODES:  # each process's workers (its endpoint and harness under "harness") and replica
     _need(c.rollout.prompts_per_step % n_proc == 0, "rollout.prompts_per_step", c.rollout.prompts_per_step,
-          f"async over {n_proc} processes: each process generates an equal share, so it must be divisible by {n_proc}")
+          f"{mode} over {n_proc} processes: each process generates an equal share, so it must be divisible by "
+          f"{n_proc}")
     _need(not c.rollout.prox_in_worker, "rollout.prox_in_worker", c.rollout.prox_in_worker,
-          f"async over {n_proc} processes: π_old is scored by the learner (the workers' replica is not its layout)")
+          f"{mode} over {n_proc} processes: π_old is scored by the learner (the workers' replica is not its layout)")
 
 
 def task_kwargs(c: ml_collections.ConfigDict) -> dict:
@@ -667,8 +674,6 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
           "must be a number > 0")
   _need(not env_on(c), "env.name", c.get("env", {}).get("name"), 'must be "" with rollout.mode="harness" (the harness '
         "is the environment)")
-  n_proc = read(c, "dist.num_processes") or 1
-  _need(n_proc == 1, "dist.num_processes", n_proc, 'must be 1 with rollout.mode="harness" (one process serves)')
 
 
 def serve_length(c: ml_collections.ConfigDict) -> int:

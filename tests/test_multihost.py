@@ -246,6 +246,12 @@ def test_merge_processes_joins_rows_and_adds_counts():
   assert got.stats["env_episodes"] == 6 and got.stats["env_turns"] == 14 and got.stats["env_done"] == 3
   assert got.stats["env_turns_mean"] == 14 / 6 and got.stats["env_version_span_max"] == 1
   assert got.stats["episode_status"] == {"done": 3, "error": 0} and got.stats["reward_errors"] == 3
+  # harness: episode timelines joined in process order, the batcher's largest call the larger, its mean the mean
+  serve = lambda p, n: {**part(p, n).stats, "timeline": [{"request_id": p, "episode": f"e{p}"}],
+                        "serve_batch_max": 4 + p, "serve_batch_mean": 2.0 + p, "serve_calls": 3}
+  got = merge_processes([part(0, 2).replace(stats=serve(0, 2)), part(1, 1).replace(stats=serve(1, 1))])
+  assert [e["episode"] for e in got.stats["timeline"]] == ["e0", "e1"]
+  assert got.stats["serve_batch_max"] == 5 and got.stats["serve_batch_mean"] == 2.5 and got.stats["serve_calls"] == 6
 
 
 def test_row_owners_are_the_lowest_process_holding_each_row():

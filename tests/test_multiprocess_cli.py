@@ -307,3 +307,25 @@ def test_async_over_two_processes_bounds_lag_and_resumes(tmp_path):
   # the two processes take disjoint ids (p, p + 2, ...), and each generated 3 groups of every batch
   assert all(sorted(i % 2 for i in r["request_ids"]) == [0, 0, 0, 1, 1, 1] for r in rows), \
       [r["request_ids"] for r in rows]
+
+
+@pytest.mark.slow
+def test_harness_over_two_processes_serves_an_endpoint_on_each(tmp_path, monkeypatch):
+  """`rollout.mode="harness"` over 2 processes: each serves its own endpoint from its own replica (its sampler
+  device) to harnesses of its own and plays its half of every batch (one group of 4 episodes; ids p, p + 2, ...);
+  every lag is within η, a failing episode costs itself only, π_old at each token's version equals the served μ,
+  and both processes' episodes reach the timeline."""
+  tests = os.path.dirname(os.path.abspath(__file__))  # the harness: test_serve.short_harness (1 of 4 raises)
+  monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  flags = ["--config=configs/harness_tiny.py", "--config.num_steps=3", "--config.mesh.data=3", "--config.mesh.fsdp=2",
+           "--config.rollout.sampler_devices=1", "--config.serve.harness=test_serve:short_harness", *NO_EVAL]
+  rows = _run(str(tmp_path), 2, flags)
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  for r in rows:
+    assert r["lag_max"] <= 1 and r["serve_episodes"] == 8 and r["serve_failed"] == r["serve_errors"] == 2, r
+    assert sorted(i % 2 for i in r["request_ids"]) == [0, 1], r["request_ids"]  # one group from each process
+    assert np.isfinite(r["loss"]) and r["mismatch_abs_max"] < 1e-5
+  assert sum(r["updates_applied"] for r in rows) >= 1
+  assert sum(r["serve_calls"] for r in rows) >= 16  # both endpoints served (calls counted between batches)
+  timeline = read_jsonl(str(tmp_path / "timeline.jsonl"))
+  assert {int(e["request_id"]) % 2 for e in timeline} == {0, 1}

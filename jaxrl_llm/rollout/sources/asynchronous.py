@@ -92,8 +92,9 @@ def spec_means(groups: list[Rollout]) -> dict:
 
 
 def merge_processes(parts: list[Rollout]) -> Rollout:
-  """One batch from the processes' own batches (`Async.next_batch`): rows in process order, groups
-  renumbered, counts and lag histograms added, `time_*` of the slowest process, request ids joined."""
+  """One batch from the processes' own batches (`Async.next_batch`, `Harness.next_batch`): rows in process order,
+  groups renumbered, counts and lag histograms added, `time_*` and `*_max` the largest, rates and `*_mean` the
+  processes' mean, request ids and other lists joined."""
   offsets = np.cumsum([0] + [int(p.group_B.max()) + 1 if p.group_B.size else 0 for p in parts[:-1]])
   arrays = {k: np.concatenate([np.asarray(p.arrays()[k]) for p in parts]) for k in parts[0].arrays()}
   arrays["group_B"] = np.concatenate([p.group_B + o for p, o in zip(parts, offsets)]).astype(parts[0].group_B.dtype)
@@ -106,9 +107,11 @@ def merge_processes(parts: list[Rollout]) -> Rollout:
       stats[k] = np.sum(vals, axis=0).astype(int).tolist()
     elif k == "request_ids":
       stats[k] = sorted(i for v in vals for i in v)
-    elif k.startswith("time_"):
+    elif isinstance(first, list):  # per-item records (the harness's episode timelines): joined in process order
+      stats[k] = [x for v in vals for x in v]
+    elif k.startswith("time_") or k.endswith("_max"):
       stats[k] = max(vals)
-    elif k in RATE_STATS:  # rates: the processes' mean
+    elif k in RATE_STATS or k.endswith("_mean"):  # rates: the processes' mean
       stats[k] = float(np.mean(vals))
     else:  # reward_errors, async_dropped_stale / _buffered / _running: counts
       stats[k] = sum(vals)

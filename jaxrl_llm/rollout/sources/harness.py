@@ -31,6 +31,11 @@ calls served and tool results carried, then its reward or why it is invalid; `t`
 
 Checkpoint state is minimal: the request-id cursor (the seed counter) only. Episodes in flight or buffered at a
 checkpoint are not saved; a resumed run starts new requests after the cursor.
+
+Over several processes every process serves an endpoint of its own (on its host) to harnesses of its own, from its
+replica of the snapshot, and plays its share of each batch (`prompts_per_step / processes` groups; process p takes
+request ids p, p + n, ...), as async workers do; the learner's batch is the processes' batches joined in process
+order (`asynchronous.merge_processes`), and the checkpoint holds every process's cursor (resumed on as many).
 """
 
 from __future__ import annotations
@@ -41,13 +46,16 @@ import threading
 import time
 import uuid
 
+import jax
 import numpy as np
 
-from jaxrl_llm.record import Rollout
+from jaxrl_llm import multiprocess
+from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
 from jaxrl_llm.rollout import turn_sampler
 from jaxrl_llm.rollout.buffer import collate, group_record, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
+from jaxrl_llm.rollout.sources.asynchronous import merge_processes
 from jaxrl_llm.rollout.sources.base import register
 from jaxrl_llm.tasks.reward import interrupt_thread
 
@@ -206,7 +214,7 @@ class Harness:
   """The harness source (module docstring)."""
 
   on_policy = False
-  per_process_workers = False
+  per_process_workers = True  # several processes: each serves its own endpoint from its own replica
 
   @staticmethod
   def retention(s: RolloutSettings) -> int:
@@ -227,7 +235,7 @@ class Harness:
         raise ConfigError(f"config.serve.harness={self.s.harness!r}: serve.sandbox=True: {e}") from None
     self.service = None
     self.engine: ae.AsyncRollout | None = None
-    self.next_request_id = 0
+    self.next_request_id = jax.process_index()  # several processes: ids p, p + n, ...
     self._sizes_seen = 0  # batcher calls already reported
 
   def _start(self) -> None:
@@ -239,9 +247,10 @@ class Harness:
     score_fn = self.ctx.score if st.old_logp == "recompute" and st.prox_in_worker else None
     fn = make_harness_rollout(self.ctx.gen, self.service, self.harness, self.s, group_size=st.group_size,
                               store=self.store, score_fn=score_fn)
-    self.engine = ae.AsyncRollout(self.store, fn, batch_groups=st.prompts_per_step, eta=st.lag,
+    n_proc = jax.process_count()  # config validation: divides prompts_per_step
+    self.engine = ae.AsyncRollout(self.store, fn, batch_groups=st.prompts_per_step // n_proc, eta=st.lag,
                                   num_workers=max(1, self.s.concurrency // st.group_size),
-                                  next_request_id=self.next_request_id).start()
+                                  next_request_id=self.next_request_id, id_stride=n_proc).start()
 
   def next_batch(self, step: int, version: int) -> Rollout:
     del step
@@ -252,7 +261,7 @@ class Harness:
     self._sizes_seen += len(sizes)
     counts = {k: sum(int(g.stat(k)) for g in groups) for k in
               ("serve_episodes", "serve_failed", "serve_split", *(f"serve_{k}" for k in FAIL_KINDS))}
-    return collate(groups, version).with_stats(
+    ro = collate(groups, version).with_stats(
         **counts, serve_batch_mean=float(np.mean(sizes)) if sizes else 0.0,
         serve_batch_max=int(max(sizes, default=0)), serve_calls=int(sum(sizes)),
         time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
@@ -260,15 +269,28 @@ class Harness:
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.ctx.settings.lag + 1).tolist(),
         request_ids=sorted({int(g.stat("request_id")) for g in groups}),
         timeline=[{"request_id": int(g.stat("request_id")), **e} for g in groups for e in g.stat("timeline", [])])
+    if not multiprocess.multi():
+      return ro
+    return merge_processes([from_plain(p) for p in multiprocess.allgather_host(to_plain(ro))])
 
   def state(self) -> dict:
-    """The request-id cursor only (module docstring): episodes in flight are not saved."""
+    """The request-id cursor only (module docstring): episodes in flight are not saved. Several processes: every
+    process's cursor."""
     cursor = self.engine.state()["next_request_id"] if self.engine is not None else self.next_request_id
+    if multiprocess.multi():
+      return {"processes": multiprocess.allgather_host({"next_request_id": int(cursor)})}
     return {"next_request_id": int(cursor)}
 
   def restore(self, state: dict | None) -> None:
     self.close()
-    self.next_request_id = int((state or {}).get("next_request_id", 0))
+    state = state or {}
+    n_proc = jax.process_count()
+    saved = len(state["processes"]) if "processes" in state else 1
+    if state and saved != n_proc:
+      raise ValueError(f"the harness state was saved by {saved} process(es) and this run has {n_proc}: a harness run "
+                       "resumes on the number of processes that wrote its checkpoint")
+    mine = state["processes"][jax.process_index()] if "processes" in state else state
+    self.next_request_id = int(mine.get("next_request_id", jax.process_index()))
 
   def close(self) -> None:
     """Stops the endpoint first (a harness still playing then fails fast), then the worker threads: each returns
