@@ -49,6 +49,7 @@ def get_config():
   c.model.remat = ml_collections.FieldReference(False, field_type=object)  # what the backward pass recomputes
   c.model.memory_budget_gb = 0.0  # remat="auto"'s budget per device; 0 = the accelerator's limit / 0.8 of free host RAM
   c.model.layer_unroll = 0  # layers per scan iteration; 0 = unroll all (fast on CPU), 1 = rolled (short compiles)
+  c.model.decode_unroll = True  # decode loops read each layer in place, whatever layer_unroll (faster decode steps)
   c.model.init_from = ""  # path to a Hugging Face checkpoint folder; "" = random init + SFT warm start
   # LoRA (jaxrl_llm.models.lora): train low-rank adapters only, the base frozen (and not checkpointed: the run
   # re-reads it from model.init_from, checked by checksum, or re-draws it from the seed, and repeats the SFT warm start

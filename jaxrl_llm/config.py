@@ -37,7 +37,7 @@ SPEC_LAYOUTS = ("min", "rows")
 # docs/config.md shows them all (`python -m jaxrl_llm.config_doc`).
 ABSENT_DEFAULTS = {
     "task.held_out": 0.0, "task.chat_template": "auto", "task.system_prompt": "",
-    "model.num_experts": 0, "model.routing_replay": True, "model.layer_unroll": 0, "model.memory_budget_gb": 0.0,
+    "model.num_experts": 0, "model.routing_replay": True, "model.layer_unroll": 0, "model.decode_unroll": True, "model.memory_budget_gb": 0.0,
     "model.lora.rank": 0, "model.lora.dropout": 0.0, "model.lora.base_quantize": "none",
     "sampler.behavior_topk": 0, "sampler.mc_samples": 0,
     "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
@@ -294,6 +294,8 @@ def _validate_model(c: ml_collections.ConfigDict) -> None:
     if name == "layer_unroll":  # the config's own range: 0 is allowed
       why = "must be an int >= 0 (0 = unroll every layer)"
     raise ConfigError(f"config.model.{name}={m[name]!r}: {why}")
+  _need(isinstance(read(c, "model.decode_unroll"), bool), "model.decode_unroll", read(c, "model.decode_unroll"),
+        "must be a bool")
   budget = read(c, "model.memory_budget_gb")
   _need(isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget >= 0,
         "model.memory_budget_gb", budget, "must be a number >= 0 (decimal GB per device; 0 = from the machine)")

@@ -36,7 +36,7 @@ FEATURES = {
     "": "run", "task": "task and prompts", "model": "policy model", "model.num_experts": "MoE",
     "model.experts_per_token": "MoE", "model.capacity_factor": "MoE", "model.router_aux_coef": "MoE",
     "model.routing_replay": "MoE (R3)", "model.remat": "memory", "model.memory_budget_gb": "memory",
-    "model.layer_unroll": "compile time", "model.init_from": "pretrained init", "model.lora": "LoRA",
+    "model.layer_unroll": "compile time", "model.decode_unroll": "decode speed", "model.init_from": "pretrained init", "model.lora": "LoRA",
     "sampler": "sampling", "sampler.quantize": "train/inference mismatch", "sampler.dtype": "train/inference mismatch",
     "sampler.behavior_topk": "records of μ", "sampler.mc_samples": "records of μ",
     "sampler.kv_": "KV-compressed rollouts", "sampler.spec_": "speculative decoding",

@@ -61,7 +61,7 @@ def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok
   return ModelConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                      n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, rope_theta=m.rope_theta,
                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm, dtype=m.dtype, remat=m.remat,
-                     layer_unroll=layer_unroll(c),
+                     layer_unroll=layer_unroll(c), decode_unroll=config_lib.read(c, "model.decode_unroll"),
                      num_experts=m.num_experts, experts_per_token=m.experts_per_token,
                      capacity_factor=m.capacity_factor,
                      # an episode (`env`) re-prefills its prompt bucket + token budget every turn; a served
@@ -114,7 +114,7 @@ def checkpoint_model_config(c, model_cfg: ModelConfig, hf_cfg: ModelConfig, toke
         f"config.model.init_from={c.model.init_from!r}: checkpoint vocab_size={hf_cfg.vocab_size} is smaller than "
         f"its tokenizer's vocab_size={tokenizer_vocab}")
   return dataclasses.replace(hf_cfg, dtype=model_cfg.dtype, remat=model_cfg.remat,
-                             layer_unroll=layer_unroll(c, hf_cfg.n_layers),
+                             layer_unroll=layer_unroll(c, hf_cfg.n_layers), decode_unroll=model_cfg.decode_unroll,
                              max_seq_len=max(hf_cfg.max_seq_len, model_cfg.max_seq_len))
 
 

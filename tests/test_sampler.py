@@ -225,12 +225,13 @@ MOE = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2
 
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_unrolled_decode_view_matches_the_layer_scan(cfg):
-  """A fully unrolled model decodes from per-layer weights and caches (`decode_view`): same samples,
-  log-probs and routes as the rolled layer scan (rounding aside)."""
+  """Decode from per-layer weights and caches (`decode_view`, `decode_unroll`, the default) gives the same samples,
+  log-probs and routes as decode through the rolled layer scan (`decode_unroll=False`), rounding aside."""
   sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7)
   params = random_params(cfg)
-  scan = run(sc, params=params, model_cfg=cfg)
-  unrolled = run(sc, params=params, model_cfg=dataclasses.replace(cfg, layer_unroll=cfg.n_layers))
+  assert cfg.layer_unroll == 1 and cfg.decode_unroll
+  scan = run(sc, params=params, model_cfg=dataclasses.replace(cfg, decode_unroll=False))
+  unrolled = run(sc, params=params, model_cfg=cfg)
   for name in ("tokens_BN", "mask_BN") + (("routes_BTLk",) if cfg.is_moe else ()):
     np.testing.assert_array_equal(scan[name], unrolled[name], err_msg=name)
   np.testing.assert_allclose(scan["behavior_logp_BN"], unrolled["behavior_logp_BN"], rtol=0, atol=1e-5)
@@ -240,7 +241,7 @@ def test_unrolled_decode_view_matches_the_layer_scan(cfg):
 
 
 def test_decode_view_cache_round_trips():
-  cfg = dataclasses.replace(CFG, layer_unroll=CFG.n_layers)
+  cfg = CFG  # layer_unroll=1: decode unstacks all the same (`decode_unroll`)
   cache = init_cache(cfg, 2, 5)
   cache = {**cache, "k": jax.random.normal(jax.random.key(0), cache["k"].shape),
            "v": jax.random.normal(jax.random.key(1), cache["v"].shape)}
@@ -250,5 +251,5 @@ def test_decode_view_cache_round_trips():
   back = stack_cache(view)
   for name in ("k", "v"):
     np.testing.assert_array_equal(back[name], cache[name])
-  rolled_params, rolled = decode_view(PARAMS, cache, CFG)  # layer_unroll=1: unchanged
+  rolled_params, rolled = decode_view(PARAMS, cache, dataclasses.replace(CFG, decode_unroll=False))  # the scan
   assert rolled is cache and rolled_params is PARAMS

@@ -394,11 +394,11 @@ def stack_cache(cache: dict) -> dict:
 
 
 def decode_view(params: dict, cache: dict, cfg: ModelConfig) -> tuple[dict, dict]:
-  """(params, cache) for a decode loop: unstacked (`unstack_layers`, `unstack_cache`) when the model
-  is fully unrolled (`cfg.layer_unroll >= n_layers`), else unchanged (a rolled layer scan keeps one
-  compiled layer body for deep models; an int8 cache also stays stacked). `stack_cache` turns the cache back
-  after the loop."""
-  if cfg.layer_unroll < cfg.n_layers or "k_scale" in cache:  # int8 caches decode through the layer scan
+  """(params, cache) for a decode loop: unstacked (`unstack_layers`, `unstack_cache`) with `cfg.decode_unroll`
+  (the default, whatever `layer_unroll` says: a rolled scan's per-layer slices were copied at every step), else
+  unchanged (the layer scan: one compiled layer body; an int8 cache also stays stacked). `stack_cache` turns the
+  cache back after the loop."""
+  if not cfg.decode_unroll or "k_scale" in cache:  # int8 caches decode through the layer scan
     return params, cache
   return unstack_layers(params, cfg), unstack_cache(cache)
 
