@@ -104,3 +104,24 @@ def test_sampler_copy_is_bit_exact_over_adam_steps(lr, sync_every):
     assert max(ratios) < 0.4 and kinds == {False}
   else:
     assert True in kinds  # large steps change most elements: dense fallback taken
+
+
+def test_blocks_of_one_layout_update_any_region_of_another():
+  """The receiver side of per-block payloads (`_updates`): blocks of a 2 x 2 grid over a [4, 6] tensor (some sparse,
+  one dense) update a region of another layout exactly where the tensor changed, in the region's own flat order."""
+  rng = np.random.default_rng(0)
+  old, new = rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(4, 6)).astype(np.float32)
+  changed = rng.random((4, 6)) < 0.3
+  new = np.where(changed, new, old)
+  blocks = [ss._pack_block((r, c), new[r:r + 2, c:c + 3], changed[r:r + 2, c:c + 3], 0.5) for r in (0, 2) for c in (0, 3)]
+  blocks[1] = ss._pack_block((0, 3), new[0:2, 3:6], np.ones((2, 3), bool), 0.5)  # sent dense
+  assert blocks[1].indices is None and any(b.indices is not None for b in blocks)
+  for start, shape in (((0, 0), (4, 6)), ((1, 0), (3, 6)), ((0, 2), (4, 2)), ((2, 3), (2, 3))):
+    region = tuple(slice(s, s + n) for s, n in zip(start, shape))
+    got = old[region].copy().reshape(-1)
+    upd = ss._updates(blocks, start, shape)
+    if isinstance(upd, np.ndarray):  # one dense block is the region
+      got = upd.reshape(-1)
+    else:
+      got[upd[0]] = upd[1]
+    np.testing.assert_array_equal(got.reshape(shape), new[region])
