@@ -147,8 +147,8 @@ class Generation:
 
   def sample(self, params, prompts: collect.Prompts, key) -> tuple[dict, np.ndarray | None]:
     """(sampler output as host arrays, row owners or None): `sampling.generate` on the mesh, if any (drafting with
-    the `drafter` slot's parameters when set); with `slots` > 0 the slot engine (one device), request r drawing
-    with `fold_in(key, r)` (`request_keys`)."""
+    the `drafter` slot's parameters when set); with `slots` > 0 the slot engine (`_sample_slots`: one per process),
+    request r drawing with `fold_in(key, r)` (`request_keys`)."""
     if self.slots:
       return self._sample_slots(params, prompts, key)
     cfg, extra, N = self.sampler_cfg, {}, self.sampler_cfg.max_new_tokens
