@@ -45,7 +45,8 @@ def measure(model_dir: str, batches: list[int], prompt: int, new_tokens: int) ->
       for n in (1, new_tokens):
         sc = SamplerConfig(max_new_tokens=n, stop_ids=(), pad_id=0, temperature=1.0)
         first[n] = _timed(lambda: generate(params, toks, lens, jax.random.key(0), cfg, sc))
-        best[n] = min(_timed(lambda r=r: generate(params, toks, lens, jax.random.key(r + 1), cfg, sc)) for r in range(2))
+        best[n] = min(_timed(lambda r=r: generate(params, toks, lens, jax.random.key(r + 1), cfg, sc))
+                      for r in range(2))
       out.append({"batch": B, "decode_unroll": unstacked,
                   "decode_step_ms": round(1000 * (best[new_tokens] - best[1]) / (new_tokens - 1), 1),
                   "first_call_s": round(first[new_tokens], 1)})

@@ -37,7 +37,8 @@ SPEC_LAYOUTS = ("min", "rows")
 # docs/config.md shows them all (`python -m jaxrl_llm.config_doc`).
 ABSENT_DEFAULTS = {
     "task.held_out": 0.0, "task.chat_template": "auto", "task.system_prompt": "",
-    "model.num_experts": 0, "model.routing_replay": True, "model.layer_unroll": 0, "model.decode_unroll": True, "model.memory_budget_gb": 0.0,
+    "model.num_experts": 0, "model.routing_replay": True, "model.layer_unroll": 0, "model.decode_unroll": True,
+    "model.memory_budget_gb": 0.0,
     "model.lora.rank": 0, "model.lora.dropout": 0.0, "model.lora.base_quantize": "none",
     "sampler.behavior_topk": 0, "sampler.mc_samples": 0,
     "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
@@ -437,8 +438,9 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
   if n_mesh == 1:
     raise ConfigError(f"config.mesh={dict(c.mesh)}: {n_proc} processes run one model over all "
                       f"{jax.device_count() - n_sampler * n_proc} devices: set the mesh axes to multiply to that")
-  _need(c.rollout.mode in MULTIPROCESS_MODES, "rollout.mode", c.rollout.mode,
-        f"multi-process runs ({n_proc} processes) support {MULTIPROCESS_MODES}")
+  mode = c.rollout.mode
+  _need(mode in MULTIPROCESS_MODES, "rollout.mode", mode, f"multi-process runs ({n_proc} processes) support "
+        f"{MULTIPROCESS_MODES}")
   slots = read(c, "rollout.slots")
   if slots:  # each process runs its own slot engine over an equal share of every sampler call's rows
     _need(not env_on(c), "rollout.slots", slots,
@@ -448,7 +450,6 @@ def _validate_multiprocess(c: ml_collections.ConfigDict, n_mesh: int) -> None:
                      ("rollout.replay.fresh_per_step", fresh)):
       _need(not n or n % n_proc == 0, field, n, f"with rollout.slots over {n_proc} processes each process runs "
             f"its slot engine over an equal share of the prompts: it must be divisible by {n_proc}")
-  mode = c.rollout.mode
   _need(not n_sampler or mode in PER_PROCESS_MODES, "rollout.sampler_devices", n_sampler,
         f"devices of the sampler's own are for rollout.mode in {PER_PROCESS_MODES} in multi-process runs "
         f"({n_proc} processes)")

@@ -5,8 +5,8 @@ A learner batch is B rows of T = P + N columns (left-padded prompt, response, th
 token, `segment_ids_BT > 0`) into rows of width W, first-fit-decreasing by length. Inside a packed row each
 sequence's segments get the row's next segment ids (one segment, or an evicted episode's several: its row is
 already a packing of contexts), so attention never crosses sequences nor, within one, segments
-(`models.transformer`: equal ids attend causally, 0 = padding); positions are copied from the padded batch, so each sequence sees exactly the context
-and RoPE phases it had there. The forward scores every packed position once (`packed_logprobs`) and gathers
+(`models.transformer`: equal ids attend causally, 0 = padding); positions are copied from the padded batch, so
+each sequence sees exactly the context and RoPE phases it had there. The forward scores every packed position once (`packed_logprobs`) and gathers
 the per-token outputs back into the padded [B, N] layout on device, so losses, advantages (group structure
 untouched: rows keep their order and index) and metrics read the same `LossInputs` as the padded path.
 

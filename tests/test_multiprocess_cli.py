@@ -5,9 +5,10 @@ fixed_lag, with a KL to the reference policy), on-policy distillation, LoRA and 
 one process stops both after the same step with one checkpoint, and from it both the restarted pair and one process
 over the same mesh continue the metrics of the uninterrupted run; a killed (or frozen) process makes the other exit 1
 with a one-line error, bounded by the heartbeat timeout (no hang). Async (not bitwise repeatable; sparse sync, the
-distilled drafter and slot workers on) runs over the 2 processes with a sampler device of each process's own, keeps every lag within
-η, reports the learner's idle fraction and resumes after a SIGTERM without consuming a request twice. The 1-process
-8-device reference also equals `loop.run` on this process's one device (replay, LoRA).
+distilled drafter and slot workers on) runs over the 2 processes with a sampler device of each process's own, keeps
+every lag within η, reports the learner's idle fraction and resumes after a SIGTERM without consuming a request
+twice. A harness run serves an endpoint on each process. The 1-process 8-device reference also equals `loop.run`
+on this process's one device (replay, LoRA).
 
 Field by field: integers, booleans and strings equal; floats within 1e-4 relative or 1e-5 absolute (the
 learner's cross-process reductions run through gloo instead of in-process, so summation order may differ);

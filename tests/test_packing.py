@@ -184,7 +184,8 @@ def test_rows_of_several_segments_pack_exactly():
   params = init_params(CFG, jax.random.key(4))
   batch = make_batch(params)
   seg = np.asarray(batch.segment_ids_BT).copy()
-  pos = np.asarray(batch.positions_BT).copy()
+  pos0 = np.asarray(batch.positions_BT)
+  pos = pos0.copy()
   seg[0, P + 1:P + 4] = 2  # row 0: prompt + 1 token in segment 1, 3 tokens in segment 2, the rest in 1 again
   pos[0, P + 1:P + 4] = np.arange(3)
   seg[6, P:P + 3] = 3  # row 6: ids 1 and 3 (not consecutive)
@@ -205,7 +206,7 @@ def test_rows_of_several_segments_pack_exactly():
   got = packing.packed_logprobs(params, jax.tree.map(jnp.asarray, pk), P + N, N, CFG, 1.0)["logp_BT"]
   m = np.asarray(batch.mask_BN) > 0
   np.testing.assert_allclose(np.asarray(got)[m], np.asarray(want)[m], atol=2e-5, rtol=1e-5)
-  single = learner.completion_logprobs(params, batch.sequence_BT, jnp.asarray(np.asarray(make_batch(params).positions_BT)),
+  single = learner.completion_logprobs(params, batch.sequence_BT, jnp.asarray(pos0),
                                        jnp.asarray((seg > 0).astype(np.int32)), N, CFG, 1.0)["logp_BT"]
   assert np.abs(np.asarray(single)[0][m[0]] - np.asarray(want)[0][m[0]]).max() > 1e-4  # the segments mattered
 

@@ -220,7 +220,8 @@ def _sparse_sync_checks(out):
     ratios.append(sparse.sync_metrics()["sync_payload_ratio"])
     h = sparse_here.acquire(sparse_here.publish(params))
     same_here.append(all(np.array_equal(np.asarray(ss.bits(x)), np.asarray(ss.bits(y.astype(jnp.bfloat16))))
-                         and x.sharding == y.sharding for x, y in zip(jax.tree.leaves(h.params), jax.tree.leaves(params))))
+                         and x.sharding == y.sharding
+                         for x, y in zip(jax.tree.leaves(h.params), jax.tree.leaves(params))))
     ratios_here.append(sparse_here.sync_metrics()["sync_payload_ratio"])
     sparse.release(a)
     dense.release(b)

@@ -113,7 +113,8 @@ def test_blocks_of_one_layout_update_any_region_of_another():
   old, new = rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(4, 6)).astype(np.float32)
   changed = rng.random((4, 6)) < 0.3
   new = np.where(changed, new, old)
-  blocks = [ss._pack_block((r, c), new[r:r + 2, c:c + 3], changed[r:r + 2, c:c + 3], 0.5) for r in (0, 2) for c in (0, 3)]
+  blocks = [ss._pack_block((r, c), new[r:r + 2, c:c + 3], changed[r:r + 2, c:c + 3], 0.5)
+            for r in (0, 2) for c in (0, 3)]
   blocks[1] = ss._pack_block((0, 3), new[0:2, 3:6], np.ones((2, 3), bool), 0.5)  # sent dense
   assert blocks[1].indices is None and any(b.indices is not None for b in blocks)
   for start, shape in (((0, 0), (4, 6)), ((1, 0), (3, 6)), ((0, 2), (4, 2)), ((2, 3), (2, 3))):

@@ -289,7 +289,8 @@ def _into_layout_of(x, like):
 
 
 class SyncLink:
-  """Both ends of one trainer -> sampler link in one process; holds references and counters only.
+  """Both ends of one trainer -> sampler link (every process runs both, each on its own shards); holds references
+  and counters only.
 
   Trainer end: `low`, the cast copy of the last synced parameters. Receiver end: `receiver`, the
   sampler's copy, rebuilt only by `apply` from payloads, so it equals `cast(params)` bit for bit
