@@ -42,7 +42,10 @@ def get_config():
   c.model.experts_per_token = 2  # MoE top-k: experts each token is routed to
   c.model.capacity_factor = 0.0  # MoE expert capacity; 0 = dropless
   c.model.router_aux_coef = 0.01  # MoE load-balancing loss weight
-  c.model.routing_replay = True  # R3: the learner replays the sampler's expert ids (MoE only)
+  # MoE only: True / "R3" the learner replays the sampler's expert ids; "R2" those of its own forward at the step
+  # start, in every update of the step (optim.minibatches / epochs > 1); False: each forward routes afresh. Any type,
+  # as remat below, so --config.model.routing_replay=R2 is taken.
+  c.model.routing_replay = ml_collections.FieldReference(True, field_type=object)  # MoE expert ids replayed
   # Recompute in the backward pass: False/"none", True/"full" (each layer), "dots" (matmul outputs kept), "auto"
   # ("none" when the step's estimated memory fits memory_budget_gb, else "full"; jaxrl_llm/memory.py). Any type:
   # ml_collections would otherwise pin the field to bool and refuse --config.model.remat=auto.

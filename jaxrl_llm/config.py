@@ -232,7 +232,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
             "(set sft.steps=0 to skip the warm start)")
   _need(isinstance(c.optim.max_skips, int) and c.optim.max_skips >= 1, "optim.max_skips", c.optim.max_skips,
         "must be an int >= 1")
-  _validate_packing(c, spec)
+  _validate_packing(c)
   _validate_reward(c)
   _validate_env(c)
   missing = losses.missing_needs(spec, available_needs(c))
@@ -242,7 +242,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                       f"(available: {sorted(available_needs(c))}){hints}")
 
 
-def _validate_packing(c: ml_collections.ConfigDict, spec) -> None:
+def _validate_packing(c: ml_collections.ConfigDict) -> None:
   """`optim.pack_width`: 0 (off) or a row width; the combinations `jaxrl_llm.packing` does not support are refused."""
   w = read(c, "optim.pack_width")
   _need(isinstance(w, int) and not isinstance(w, bool) and (w == 0 or w >= 2), "optim.pack_width", w,
@@ -252,14 +252,21 @@ def _validate_packing(c: ml_collections.ConfigDict, spec) -> None:
   row = max(env_length(c) - (c.env.turn_tokens if env_on(c) else 0), c.serve.max_context if serve_on(c) else 0)
   _need(w >= row, "optim.pack_width", w, f"must hold one learner row of {row} tokens (an episode's prompt bucket + "
         "token budget, or the harness's serve.max_context)")  # single completions: checked against P at setup
-  why = None
-  if read(c, "model.num_experts") and c.model.get("capacity_factor", 0):
-    why = "an MoE with a capacity limit (model.capacity_factor > 0) drops tokens by how many share a call"
-  elif "perturb" in spec.needs:
-    why = f"loss {c.loss.name!r} draws its perturbation per row (ALP) and is not packed"
-  elif "shadow" in spec.needs:
-    why = f"loss {c.loss.name!r} runs a shadow forward under the sampler's KV window, which is not packed"
+  why = packing_refusal(c)
   _need(why is None, "optim.pack_width", w, why or "")
+
+
+def packing_refusal(c: ml_collections.ConfigDict) -> str | None:
+  """Why this run's learner cannot take packed rows (`jaxrl_llm.packing`), or None."""
+  from jaxrl_llm import losses  # local, as in `validate`
+  needs = losses.get(c.loss.name).needs
+  if read(c, "model.num_experts") and c.model.get("capacity_factor", 0):
+    return "an MoE with a capacity limit (model.capacity_factor > 0) drops tokens by how many share a call"
+  if "perturb" in needs:
+    return f"loss {c.loss.name!r} draws its perturbation per row (ALP) and is not packed"
+  if "shadow" in needs:
+    return f"loss {c.loss.name!r} runs a shadow forward under the sampler's KV window, which is not packed"
+  return None
 
 
 def validate_dist(c: ml_collections.ConfigDict) -> None:
@@ -297,9 +304,25 @@ def _validate_model(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.model.{name}={m[name]!r}: {why}")
   _need(isinstance(read(c, "model.decode_unroll"), bool), "model.decode_unroll", read(c, "model.decode_unroll"),
         "must be a bool")
+  rr = read(c, "model.routing_replay")
+  _need(isinstance(rr, bool) or rr in ROUTING_REPLAY, "model.routing_replay", rr,
+        f"must be a bool (True = 'R3') or one of {ROUTING_REPLAY}")
   budget = read(c, "model.memory_budget_gb")
   _need(isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget >= 0,
         "model.memory_budget_gb", budget, "must be a number >= 0 (decimal GB per device; 0 = from the machine)")
+
+
+ROUTING_REPLAY = ("R3", "R2")  # `model.routing_replay` besides a bool
+
+
+def routing_replay_mode(c: ml_collections.ConfigDict) -> str:
+  """Which expert ids an MoE learner replays (`model.routing_replay`): "R3" (True) the sampler's, recorded at
+  rollout; "R2" those of the learner's own forward at the step start (π_old in the training engine), replayed by
+  the step's later updates (`optim.minibatches` / `optim.epochs` > 1); "off" (False) none. Dense models: "off"."""
+  rr = read(c, "model.routing_replay")
+  if not read(c, "model.num_experts") or rr is False:
+    return "off"
+  return "R3" if rr is True else rr
 
 
 def uses_reference(c: ml_collections.ConfigDict) -> bool:

@@ -35,7 +35,7 @@ OPAQUE = ("task.kwargs", "env.kwargs", "loss.hparams", "distill.teachers")
 FEATURES = {
     "": "run", "task": "task and prompts", "model": "policy model", "model.num_experts": "MoE",
     "model.experts_per_token": "MoE", "model.capacity_factor": "MoE", "model.router_aux_coef": "MoE",
-    "model.routing_replay": "MoE (R3)", "model.remat": "memory", "model.memory_budget_gb": "memory",
+    "model.routing_replay": "MoE (R2 / R3)", "model.remat": "memory", "model.memory_budget_gb": "memory",
     "model.layer_unroll": "compile time", "model.decode_unroll": "decode speed", "model.init_from": "pretrained init",
     "model.lora": "LoRA",
     "sampler": "sampling", "sampler.quantize": "train/inference mismatch", "sampler.dtype": "train/inference mismatch",
@@ -69,6 +69,7 @@ def _allowed() -> dict[str, Iterable]:
   return {
       "task.name": tasks.task_names(), "task.source": c.TASK_SOURCES, "task.chat_template": encoder.CHAT_MODES,
       "model.dtype": c.DTYPES, "model.remat": model_fields.REMAT,
+      "model.routing_replay": (False, True, *c.ROUTING_REPLAY),
       "model.lora.targets": [f"comma-separated {', '.join(model_fields.LORA_TARGETS)}"],
       "model.lora.base_quantize": model_fields.LORA_BASE_QUANTIZE,
       "sampler.dtype": c.DTYPES, "sampler.quantize": c.SAMPLER_QUANTIZE, "sampler.kv_cache": c.KV_CACHES,

@@ -85,7 +85,8 @@ Batch = Rollout
 
 def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new: int, cfg: ModelConfig,
                         temperature: float, with_entropy: bool = False, perturb=None, routes_BTLk=None,
-                        gather_ids_BNk=None, return_hidden: bool = False, kv_window_B2=None) -> dict:
+                        gather_ids_BNk=None, return_hidden: bool = False, kv_window_B2=None,
+                        keep_routes: bool = False) -> dict:
   """Log-probs (and entropy) of the last `n_new` tokens of each sequence under `params`.
 
   Position j of the result scores completion token j given everything before it, exactly the
@@ -95,7 +96,8 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
   (chunked lm-head: no [B, n_new, V] array). `return_hidden`: also "hidden_BTD", the final hidden states of
   the scored positions (the student's side of a `VocabHead`). `kv_window_B2` [B, 2]: each row's (sinks, window)
   of the sampler's sinks + window KV cache; the forward then sees only what the sampler saw (π_shadow,
-  `cache.window_attention_mask`).
+  `cache.window_attention_mask`). `keep_routes` (MoE): also "routes_BTLk", the expert ids this forward used at
+  every input column, in the batch's [B, T, L, k] layout (the last column, never an input, 0).
   """
   routes = None if routes_BTLk is None else routes_BTLk[:, :-1]
   P = sequence_BT.shape[1] - n_new
@@ -109,7 +111,9 @@ def completion_logprobs(params, sequence_BT, positions_BT, segment_ids_BT, n_new
                        segment_ids_BT=segment_ids_BT[:, :-1], temperature=temperature, with_entropy=with_entropy,
                        perturb=perturb, routes_BTLk=routes, query_start=P - 1, gather_ids_BTk=gather_ids_BNk,
                        return_hidden=return_hidden, mask_BTT=mask_BTT)
-  out.pop("routes_BTLk", None)
+  used = out.pop("routes_BTLk", None)
+  if keep_routes and used is not None:
+    out["routes_BTLk"] = jnp.pad(used, ((0, 0), (0, 1)) + ((0, 0),) * (used.ndim - 2))
   return out
 
 
@@ -262,6 +266,7 @@ class StepSpec:
   minibatches: int = 1
   epochs: int = 1
   group_size: int = 1
+  old_policy_routes: bool = False  # R2: updates after the first replay the routes of the step-start forward
 
   def needs(self, what: str) -> bool:
     return what in self.loss.needs
@@ -471,16 +476,32 @@ def _one_update_step(s: StepSpec, tx, state: TrainState, batch: Batch, key: Arra
                                                      "ratio_old_abs_dev_last": d_sum / jnp.maximum(d_count, 1.0)})
 
 
+def _step_start_forward(s: StepSpec, params, batch: Batch) -> Batch:
+  """The forward of the parameters at the step start: π_old's log-probs where the batch has none, and with R2
+  (`old_policy_routes`, routing replay from the training engine's π_old forward) that forward's own expert ids,
+  put into the batch so that every update of the step replays them (the sampler's routes, if any, are not used)."""
+  r2 = s.old_policy_routes
+  if batch.pack is not None:
+    pk = batch.pack.replace(routes_RWLk=None) if r2 else batch.pack
+    out = packing.packed_logprobs(params, pk, batch.sequence_BT.shape[1], batch.mask_BN.shape[1], s.model_cfg,
+                                  s.temperature, keep_routes=r2)
+    if r2:
+      batch = batch.replace(pack=batch.pack.replace(routes_RWLk=jax.lax.stop_gradient(out["routes_RWLk"])))
+  else:
+    out = completion_logprobs(params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
+                              batch.mask_BN.shape[1], s.model_cfg, s.temperature,
+                              routes_BTLk=None if r2 else batch.routes_BTLk, keep_routes=r2)
+    if r2:
+      batch = batch.replace(routes_BTLk=jax.lax.stop_gradient(out["routes_BTLk"]))
+  if batch.prox_logp_BN is None:
+    batch = batch.replace(prox_logp_BN=jax.lax.stop_gradient(jnp.where(batch.mask_BN > 0, out["logp_BT"], 0.0)))
+  return batch
+
+
 def _multi_update_step(s: StepSpec, tx, state: TrainState, batch: Batch, key: Array, heads: dict):
   """`epochs` passes of `minibatches` updates, π_old fixed at the step start (module docstring)."""
-  if batch.prox_logp_BN is None:  # π_old = the parameters at the step start, scored once
-    if batch.pack is not None:
-      out = packing.packed_logprobs(state.params, batch.pack, batch.sequence_BT.shape[1], batch.mask_BN.shape[1],
-                                    s.model_cfg, s.temperature)
-    else:
-      out = completion_logprobs(state.params, batch.sequence_BT, batch.positions_BT, batch.segment_ids_BT,
-                                batch.mask_BN.shape[1], s.model_cfg, s.temperature, routes_BTLk=batch.routes_BTLk)
-    batch = batch.replace(prox_logp_BN=jax.lax.stop_gradient(jnp.where(batch.mask_BN > 0, out["logp_BT"], 0.0)))
+  if batch.prox_logp_BN is None or s.old_policy_routes:  # the parameters at the step start, scored once
+    batch = _step_start_forward(s, state.params, batch)
   mbs = _split_micro(batch, s.minibatches, "optim.minibatches")
 
   def one(st, xs):
@@ -520,7 +541,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                     kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
                     router_aux_coef: float = 0.0, grad_accum: int = 1, minibatches: int = 1, epochs: int = 1,
                     in_shardings=None, out_shardings=None, on_trace: Callable[[], None] | None = None,
-                    group_size: int = 1):
+                    group_size: int = 1, old_policy_routes: bool = False):
   """Builds the jitted `train_step(state, batch, key) -> (state, metrics)` for one loss.
 
   The step is composed of small pure pieces over one static `StepSpec`: the candidate ids the loss reads
@@ -534,7 +555,9 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
   unchanged, `version` does not advance, and `update_skipped` / `skipped_consecutive` say so.
 
   MoE: `router_aux_coef` weights the load-balancing loss (token-weighted over micro-batches); a
-  batch with `routes_BTLk` replays the sampler's expert ids (R3). `grad_accum` micro-batches and the
+  batch with `routes_BTLk` replays the sampler's expert ids (R3). `old_policy_routes` (R2): a step of several
+  updates routes the step-start forward natively and replays its expert ids in every update (one update: its
+  own routing, which is the same thing). `grad_accum` micro-batches and the
   `minibatches` x `epochs` update schedule: see the module docstring. `in_shardings` / `out_shardings` are passed to `jax.jit` (see
   `jaxrl_llm.sharding.train_step_shardings`); None keeps the single-device default.
   `group_size` G > 1 (GRPO groups: rows g·G .. g·G+G-1 share one prompt): the policy forward and
@@ -557,7 +580,7 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
                temperature=temperature, agg_mode=agg_mode, drop_rejected=drop_rejected, norm_len=norm_len,
                kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
                router_aux_coef=router_aux_coef, grad_accum=grad_accum, minibatches=minibatches, epochs=epochs,
-               group_size=group_size)
+               group_size=group_size, old_policy_routes=old_policy_routes and model_cfg.is_moe)
   return jax.jit(functools.partial(_train_step, s, tx, on_trace), donate_argnums=0,
                  **_jit_shardings(in_shardings, out_shardings))
 

@@ -157,18 +157,26 @@ def _open_source(r: Run, store: ParamStore, name: str, state, where: str):
 def pack_batch(c, batch: Rollout, ro: Rollout, batch_sharding=None) -> tuple[Rollout, float]:
   """(the learner's batch, its fraction of padding token slots): packed into rows of `optim.pack_width` when on
   (`jaxrl_llm.packing`; one packing per micro-batch of every minibatch; on a mesh, `batch_sharding`, a row count
-  its batch axes divide), else the padded batch as it is."""
+  its batch axes divide), else the padded batch as it is. Evicted episodes (`env.evict`) are packed even with
+  `optim.pack_width=0`, one row each at the width their rows take once each later segment's copy of the first
+  message is left out (`packing.compact_width`), where the loss allows packing (`config.packing_refusal`)."""
   width = config_lib.read(c, "optim.pack_width")
+  P = ro.sequence_BT.shape[1] - ro.mask_BN.shape[1]  # an evicted episode's first message is packed once
+  chunks = c.optim.grad_accum * config_lib.read(c, "optim.minibatches")
+  rows = 0
+  if not width and config_lib.evicting(c) and config_lib.packing_refusal(c) is None:
+    width, rows = packing.compact_width(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, P,
+                                        batch.routes_BTLk), ro.sequence_BT.shape[0] // chunks
+    width = 0 if width == ro.sequence_BT.shape[1] else width  # no copy to leave out: the padded rows
   if not width:
     return batch, packing.pad_frac(ro.segment_ids_BT)
-  chunks = c.optim.grad_accum * config_lib.read(c, "optim.minibatches")
   shards = 1
   if batch_sharding is not None:  # devices along the batch axes: the mesh size over the spec's leading axes
     axes = batch_sharding.spec[0] if len(batch_sharding.spec) else None
     for ax in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
       shards *= batch_sharding.mesh.shape[ax]
   pk = packing.pack(ro.sequence_BT, ro.positions_BT, ro.segment_ids_BT, width, chunks, shards,
-                    routes_BTLk=batch.routes_BTLk)  # MoE: replayed routes travel with their tokens
+                    routes_BTLk=batch.routes_BTLk, prompt_len=P, rows=rows)  # MoE: routes travel with their tokens
   return batch.replace(pack=jax.tree.map(jax.numpy.asarray, pk)), packing.pad_frac(pk.segment_ids_RW)
 
 
@@ -178,6 +186,8 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   Returns (state, step metrics, batch info)."""
   batch, info = make_batch(r, store, state, extra, ro)
   batch, info["learner_pad_frac"] = pack_batch(r.c, batch, ro, r.batch_sharding)
+  if batch.pack is not None and batch.pack.share_RW is not None:  # the copies of first messages left out
+    info["learner_copies_skipped"] = packing.skipped_tokens(batch.pack, ro.segment_ids_BT)
   if r.mesh is not None:  # the step's explicit in_shardings: lay the batch out along `batch`
     batch = jax.device_put(batch, r.batch_sharding)
   t_train = time.perf_counter()

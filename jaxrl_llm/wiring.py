@@ -63,7 +63,8 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
   return RolloutSettings(mode=ro.mode, prompts_per_step=ro.prompts_per_step, group_size=ro.group_size, seed=c.seed,
                          lag=ro.lag, old_logp=config_lib.old_logp_strategy(c), num_workers=ro.num_workers,
                          partial_chunk=ro.partial_chunk,
-                         prox_in_worker=ro.prox_in_worker, routing_replay=bool(c.model.routing_replay), replay=replay,
+                         prox_in_worker=ro.prox_in_worker, replay=replay,
+                         routing_replay=config_lib.routing_replay_mode(c) == "R3",
                          env=env_settings(c), serve=serve_settings(c))
 
 
@@ -359,7 +360,8 @@ def setup(c: ml_collections.ConfigDict) -> Run:
       drop_rejected=c.loss.drop_rejected, norm_len=c.loss.norm_len or float(c.sampler.max_new_tokens),
       kl_coef=c.loss.kl_coef, kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
       router_aux_coef=c.model.router_aux_coef if model_cfg.is_moe else 0.0, grad_accum=c.optim.grad_accum,
-      minibatches=config_lib.read(c, "optim.minibatches"), epochs=config_lib.read(c, "optim.epochs"), **shard_kw)
+      minibatches=config_lib.read(c, "optim.minibatches"), epochs=config_lib.read(c, "optim.epochs"),
+      old_policy_routes=config_lib.routing_replay_mode(c) == "R2", **shard_kw)
   # The learner's own forward runs each group's prompt row by row: sharing it (`make_train_step(group_size=G)`,
   # `bench/grpo_real.py --shared-prefill`) compiles both paths of its on-device check into the train step,
   # which doubles the largest compile of every run; the sampler, reference and teacher share it.
@@ -383,7 +385,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   drafter = drafter_distill(c, model_cfg)
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
-                   keep_routes=bool(c.model.routing_replay), mesh=mesh_kw.get("sampler_mesh"),
+                   keep_routes=config_lib.routing_replay_mode(c) == "R3", mesh=mesh_kw.get("sampler_mesh"),
                    slots=config_lib.read(c, "rollout.slots"), slot_chunk=config_lib.read(c, "rollout.slot_chunk"),
                    drafter=None if drafter is None else DrafterSlot(), gamma_tuner=_gamma_tuner(samp_cfg),
                    budget=TokenBudget() if getattr(batch_extras, "adwin_cfg", None) is not None else None)

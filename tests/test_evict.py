@@ -284,13 +284,24 @@ def test_packed_row_equals_per_context_forwards_in_value_and_gradient(evicted):
   np.testing.assert_allclose(np.asarray(_packed_logp(PARAMS, r))[m], r.behavior_logp_BN[m], atol=1e-4)
 
 
-def test_learner_packing_scores_evicted_rows_as_their_padded_rows(evicted):
+@pytest.mark.parametrize("share", [False, True])
+def test_learner_packing_scores_evicted_rows_as_their_padded_rows(evicted, share):
   """`optim.pack_width` on evicted episodes: their rows (several segments each) packed together score every
-  policy token as the padded rows do, in value and in gradient."""
+  policy token as the padded rows do, in value and in gradient; `share`: with each later segment's copy of the
+  first message left out and the first message written once (`pack(prompt_len=P)`, as the loop packs)."""
   r, _, _ = evicted
   T, N = r.sequence_BT.shape[1], r.mask_BN.shape[1]
   assert (r.segment_ids_BT.max(1) >= 2).any()
-  pk = jax.tree.map(jnp.asarray, packing.pack(r.sequence_BT, r.positions_BT, r.segment_ids_BT, 2 * T))
+  pk = packing.pack(r.sequence_BT, r.positions_BT, r.segment_ids_BT, 2 * T, prompt_len=(T - N) if share else 0)
+  real = int((r.segment_ids_BT > 0).sum())
+  if share:  # every later segment drops all but the last token of its copy of the first message
+    plen_B = (r.segment_ids_BT[:, :T - N] > 0).sum(1)
+    later_B = np.asarray([len(np.unique(x[x > 1])) for x in r.segment_ids_BT])
+    assert (later_B > 0).any() and pk.share_RW is not None
+    assert int(pk.len_B.sum()) == real - int((later_B * (plen_B - 1)).sum())
+  else:
+    assert pk.share_RW is None and int(pk.len_B.sum()) == real
+  pk = jax.tree.map(jnp.asarray, pk)
   assert pk.tokens_RW.shape[0] < len(pk.len_B)  # episodes share packed rows
   w_BN = jnp.asarray(np.random.default_rng(1).normal(size=r.mask_BN.shape) * r.mask_BN, jnp.float32)
   packed = lambda params: jnp.sum(w_BN * packing.packed_logprobs(params, pk, T, N, CFG, 1.0)["logp_BT"])
@@ -299,6 +310,36 @@ def test_learner_packing_scores_evicted_rows_as_their_padded_rows(evicted):
   v2, g2 = jax.jit(jax.value_and_grad(padded))(PARAMS)
   np.testing.assert_allclose(v1, v2, rtol=1e-5, atol=1e-4)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
+
+
+def test_loop_packs_evicted_episodes_with_their_first_message_once(evicted):
+  """`loop.pack_batch` on evicted episodes: with `optim.pack_width=0` one row each at the compacted width (fewer
+  columns than the padded rows, still one row per episode), with a width the shared layout too; either way the
+  packed forward scores every policy token as the padded rows do, and ALP (not packable) keeps the padded rows."""
+  from jaxrl_llm import learner, loop  # noqa: PLC0415
+  r, _, _ = evicted
+  T, N = r.sequence_BT.shape[1], r.mask_BN.shape[1]
+  B = r.mask_BN.shape[0]
+  batch = learner.Batch(sequence_BT=jnp.asarray(r.sequence_BT), positions_BT=jnp.asarray(r.positions_BT),
+                        segment_ids_BT=jnp.asarray(r.segment_ids_BT), mask_BN=jnp.asarray(r.mask_BN),
+                        adv_BN=jnp.zeros(r.mask_BN.shape), behavior_logp_BN=jnp.asarray(r.behavior_logp_BN),
+                        versions_BN=jnp.zeros(r.mask_BN.shape, jnp.int32), lag_B=jnp.zeros(B, jnp.int32))
+  c = _sdcc_config()
+  want = np.asarray(_packed_logp(PARAMS, r))
+  m = r.mask_BN > 0
+  for width in (0, 2 * T):
+    c.optim.pack_width = width
+    got, _ = loop.pack_batch(c, batch, r)
+    pk = got.pack
+    assert pk.share_RW is not None and packing.skipped_tokens(pk, r.segment_ids_BT) > 0
+    if width == 0:
+      assert pk.tokens_RW.shape == (B, packing.compact_width(r.sequence_BT, r.positions_BT, r.segment_ids_BT,
+                                                              T - N)) and pk.tokens_RW.shape[1] < T
+    lp = np.asarray(packing.packed_logprobs(PARAMS, pk, T, N, CFG, 1.0)["logp_BT"])
+    np.testing.assert_allclose(lp[m], want[m], atol=1e-4)
+  c.optim.pack_width, c.loss.name = 0, "alp"
+  same, _ = loop.pack_batch(c, batch, r)
+  assert same is batch
 
 
 def test_kept_kv_cache_reprefills_after_an_eviction():
@@ -431,7 +472,8 @@ def test_shared_prompt_4d_mask_layout_equals_the_segment_row(evicted):
 
 def test_eviction_extra_survives_plain_data_and_sdcc_trains_async(tmp_path):
   """The eviction layout is rollout data: `record.to_plain` keeps it (checkpoints, async gathering) and `from_plain`
-  restores it; teacher outputs (device arrays) are still refused. configs/sdcc_tiny.py trains 2 async steps."""
+  restores it; teacher outputs (device arrays) are still refused. configs/sdcc_tiny.py trains 2 async steps with
+  the learner writing each episode's first message once (`learner_copies_skipped`, `optim.pack_width=0`)."""
   from jaxrl_llm import loop, record  # noqa: PLC0415
   s = dataclasses.replace(SETTINGS, max_turns=3)
   r = run_episodes(make_gen(), PARAMS, [5], 2, s, jax.random.key(2), version=0, width=P)
@@ -447,3 +489,4 @@ def test_eviction_extra_survives_plain_data_and_sdcc_trains_async(tmp_path):
   rows = loop.run(c, str(tmp_path / "async"))
   assert [x["step"] for x in rows] == [0, 1] and all(np.isfinite(x["loss"]) for x in rows)
   assert sum(x["env_evictions"] for x in rows) > 0 and all("sdcc_kl" in x for x in rows)
+  assert all(x.get("learner_copies_skipped", 0) > 0 for x in rows if x["env_evictions"])

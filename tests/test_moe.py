@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import learner
+from jaxrl_llm import learner, packing
 from jaxrl_llm.config import load_file
 from jaxrl_llm.models import ModelConfig, hidden_with_routing, init_params, moe, token_logprobs
 from jaxrl_llm.sampling import SamplerConfig, generate
@@ -214,6 +214,66 @@ def test_learner_step_with_replayed_routes_is_on_policy_at_step_zero():
   assert float(m["kl_mu_k1"]) == pytest.approx(0.0, abs=1e-5)
   assert 1.0 <= float(m["router_aux_loss"]) < CFG.num_experts and int(m["update_skipped"]) == 0
   assert float(jnp.max(jnp.abs(state.params["layers"]["router"] - params["layers"]["router"]))) > 0
+
+
+def test_r2_replays_the_step_start_routes_in_every_update():
+  """R2 (`old_policy_routes`): a step of 2 minibatches × 2 epochs routes the step-start forward natively and every
+  update replays those ids, so it equals the R3 step given the routes of `hidden_with_routing` at the step-start
+  parameters as if a sampler had recorded them; with a large learning rate the first update moves some routes, so
+  it differs from routing afresh in every update."""
+  params = random_params(CFG)
+  out = _sample(params, CFG)
+  mask, B = out["mask_BN"], out["mask_BN"].shape[0]
+  _, routing = hidden_with_routing(params, out["sequence_BT"][:, :-1], CFG, positions_BT=out["positions_BT"][:, :-1],
+                                   segment_ids_BT=out["segment_ids_BT"][:, :-1])
+  start = jnp.pad(routing["routes_BTLk"], ((0, 0), (0, 1), (0, 0), (0, 0)))
+  batch = learner.Batch(sequence_BT=out["sequence_BT"], positions_BT=out["positions_BT"],
+                        segment_ids_BT=out["segment_ids_BT"], mask_BN=mask,
+                        adv_BN=jnp.linspace(-1, 1, B)[:, None] * mask, behavior_logp_BN=out["behavior_logp_BN"],
+                        versions_BN=jnp.zeros(mask.shape, jnp.int32), lag_B=jnp.zeros((B,), jnp.int32))
+  tx = learner.make_optimizer(0.05)
+  # no load-balancing loss: over packed rows its value differs (`packing` docstring), and Adam would amplify that
+  kw = dict(router_aux_coef=0.0, minibatches=2, epochs=2)
+
+  def run(routes, r2, pack=None):
+    step = learner.make_train_step(CFG, tx, "ppo_clip", old_policy_routes=r2, **kw)
+    st, m = step(learner.init_state(jax.tree.map(jnp.copy, params), tx),
+                 batch.replace(routes_BTLk=routes, pack=pack), jax.random.key(0))
+    return st.params, m
+
+  r2, m2 = run(None, True)
+  r3, m3 = run(start, False)
+  fresh, _ = run(None, False)
+  T = out["sequence_BT"].shape[1]  # the packed learner: each minibatch's rows packed on their own, same R2 routes
+  pk = packing.pack(*(np.asarray(out[k]) for k in ("sequence_BT", "positions_BT", "segment_ids_BT")), 2 * T, 2)
+  r2_packed, _ = run(None, True, jax.tree.map(jnp.asarray, pk))
+  assert int(m2["updates_applied"]) == 4
+  gap = lambda x, y: max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+  # Adam's 4 updates at lr 0.05 turn rounding (replayed vs computed gates) into ~5e-5; fresh routing moves ~0.25
+  assert gap(r2, r3) < 1e-3 and gap(r2, fresh) > 100 * gap(r2, r3), (gap(r2, r3), gap(r2, fresh))
+  assert gap(r2, r2_packed) < 1e-3
+  np.testing.assert_allclose(float(m2["loss"]), float(m3["loss"]), rtol=1e-5)
+  _, moved = hidden_with_routing(r2, out["sequence_BT"][:, :-1], CFG, positions_BT=out["positions_BT"][:, :-1],
+                                 segment_ids_BT=out["segment_ids_BT"][:, :-1])
+  assert (np.asarray(moved["routes_BTLk"]) != np.asarray(routing["routes_BTLk"])).any()  # the updates moved routes
+
+
+def test_routing_replay_modes():
+  """`model.routing_replay`: True / "R3" the sampler records routes for the learner; "R2" it does not and the
+  learner replays its own step-start routes; False neither; a dense model: off; anything else names the field."""
+  from jaxrl_llm import config as config_lib, wiring  # noqa: PLC0415
+  c = _moe_tiny()
+  for value, mode in ((True, "R3"), ("R3", "R3"), ("R2", "R2"), (False, "off")):
+    c.model.routing_replay = value
+    config_lib.validate(c)
+    assert config_lib.routing_replay_mode(c) == mode
+    assert wiring.rollout_settings(c).routing_replay == (mode == "R3")
+  c.model.num_experts = 0
+  c.model.routing_replay = "R2"
+  assert config_lib.routing_replay_mode(c) == "off"
+  c.model.routing_replay = "R1"
+  with pytest.raises(config_lib.ConfigError, match="model.routing_replay"):
+    config_lib.validate(c)
 
 
 # -------------------------------------------------------------------------------- config / CLI

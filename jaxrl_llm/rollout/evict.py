@@ -19,7 +19,9 @@ generated under it; each eviction opens a new segment in the response that start
 context (positions restarting at 0, its own segment id, mask 0: copies are context, never trained), followed by
 the tokens generated under it. Attention never crosses segments (the model's segment rule), so every policy token
 is scored by the learner, π_old recompute and the reference under exactly the context it was sampled with. Copies
-keep their original turn ids (-1 on the copied first message) and carry the version of the turn they open.
+keep their original turn ids (-1 on the copied first message) and carry the version of the turn they open. The
+learner packs such rows with the first message written once (`packing.pack(prompt_len=)`, MemoryWalker's packed
+replay; `shared_prompt_layout` below is the same layout as a standalone dense mask, for checks and the bench).
 
 SDCC (`losses.sdcc`, MemoryWalker): for the policy tokens of the first turn after each eviction, the teacher is
 the same policy on the uncompressed context (the live context just before the eviction; for "summary", the context
