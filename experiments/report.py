@@ -970,6 +970,49 @@ def kv_compression_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims
 
 
+def routing_replay_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """MoE routing replay off-policy (`experiments/routing_replay.py`): no replay, R3 and R2 at each lag, held-out
+  accuracy (late), end reward and the mean |log π_old − log μ|. Claims by `exceeds` on held-out accuracy (MARGIN
+  and 2 se): R3 beats no replay at the largest lag; R2 beats R3 at the smallest lag and R3 beats R2 at the largest
+  (Qwen's "R2 at low off-policiness, R3 at high")."""
+  lines = ["## MoE routing replay off-policy (none / R3 / R2)", "", provenance(doc), ""]
+  ok = [r for r in doc.get("runs", []) if "summary" in r]
+  lags = doc.get("lags", [])
+  arms = [a for a in doc.get("arms", {}) if any(r["arm"] == a for r in ok)]
+  lines += [f"The tiny policy with an MoE MLP ({doc.get('base_overrides', {}).get('model.num_experts')} experts, "
+            f"top-{doc.get('base_overrides', {}).get('model.experts_per_token')}), sampled in bfloat16 and trained "
+            f"in float32 with `ppo_clip` at fixed lag, 2 minibatches per step, {doc.get('steps')} steps, seeds "
+            f"{planned_seeds(doc)}. R3 replays the sampler's expert ids, R2 the learner's own at the step start.", "",
+            "| arm | lag | held-out accuracy (late) | initial accuracy | reward (end) | mean abs(log π_old − log μ) |",
+            "|---|---|---|---|---|---|"]
+  acc = {}
+  for lag in lags:
+    for a in arms:
+      rs = [r for r in ok if r["arm"] == a and r["lag"] == lag]
+      acc[a, lag] = cell(rs)
+      lines.append(f"| {a} | {lag} | {fmt(acc[a, lag])} | {fmt(cell(rs, 'eval_accuracy_initial'))} | "
+                   f"{fmt(cell(rs, 'reward_mean_last'))} | {fmt(cell(rs, 'mismatch_abs_mean'), 5)} |")
+  errors = [r for r in doc.get("runs", []) if "error" in r]
+  if errors:
+    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  lines.append("")
+  claims = []
+  if not lags:
+    return lines, claims
+  lo, hi = min(lags), max(lags)
+  pairs = [(("R3", hi), ("none", hi), "Routing replay (R3) is needed for MoE RL off-policy: it beats no replay at "
+            f"lag {hi}", "R3, arXiv 2510.11370 (methods-rl §8)"),
+           (("R2", lo), ("R3", lo), f"R2 beats R3 at low off-policiness (lag {lo})", "Qwen routing replay study "
+            "(methods-rl §8)"),
+           (("R3", hi), ("R2", hi), f"R3 beats R2 at high off-policiness (lag {hi})", "Qwen routing replay study "
+            "(methods-rl §8)")]
+  for a, b, text, source in pairs:
+    if a in acc and b in acc:
+      claims.append(claim(text, source, exceeds(acc[a], acc[b]),
+                          f"held-out accuracy {a[0]} {fmt(acc[a])} vs {b[0]} {fmt(acc[b])}" + seeds_note(acc[a], acc[b])))
+  return lines, claims
+
+
 def claim(text: str, source: str, verdict: bool | str | None, evidence: str) -> dict:
   return {"claim": text, "source": source, "verdict": verdict, "evidence": evidence}
 
@@ -985,7 +1028,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "async_throughput": throughput_section,
             "async_throughput_smollm2": functools.partial(throughput_section, real=True), "async_staleness": async_section,
             "replay_ablation": replay_section, "soak": soak_section, "agent_staleness": agent_section,
-            "kv_compression": kv_compression_section}
+            "kv_compression": kv_compression_section, "routing_replay": routing_replay_section}
 
 
 # Other results documents a section reads beside its own (keyword argument -> experiment name).

@@ -725,3 +725,40 @@ def test_agent_real_table_says_whether_the_agent_learns():
   assert "| 0 | 0.100 → 0.300 | 1.00 → 1.50 | 0.100 → 0.200 | 0.00 → 0.25 | 70.0 | 1.0→2.0 |" in text
   assert agent_real.table([run(0, 0.0, 0.1)], heldout=10).splitlines()[2].endswith("| yes |")
   assert agent_real.table([{"seed": 0, "error": "x"}], heldout=10).startswith("No run finished")
+
+
+def _routing_doc(acc):
+  """A synthetic routing_replay document: arm -> lag -> 3 seeds' held-out accuracy."""
+  runs = [{"arm": a, "lag": lag, "seed": s, "summary": {"eval_accuracy_late": v[s], "eval_accuracy_initial": 0.1,
+                                                        "reward_mean_last": 0.2, "mismatch_abs_mean": 0.003}}
+          for (a, lag), v in acc.items() for s in range(3)]
+  return {"experiment": "routing_replay", "command": "python -m experiments.routing_replay", "commit": "abc",
+          "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 100, "seeds": 3, "lags": [0, 8],
+          "base_overrides": {"model.num_experts": 4, "model.experts_per_token": 2},
+          "arms": {"none": {}, "R3": {}, "R2": {}}, "runs": runs}
+
+
+def test_routing_replay_section_verdicts_follow_the_numbers(tmp_path):
+  """R3 far above none at lag 8 reproduces; R2 ≈ R3 at lag 0 does not; R3 above R2 at lag 8 within the noise is
+  undecided."""
+  hi, lo = (0.50, 0.52, 0.48), (0.20, 0.21, 0.19)
+  acc = {("none", 0): lo, ("R3", 0): lo, ("R2", 0): lo, ("none", 8): lo, ("R3", 8): hi, ("R2", 8): (0.10, 0.70, 0.40)}
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "routing_replay.json").write_text(json.dumps(_routing_doc(acc)))
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "Routing replay (R3) is needed") == "reproduces"
+  assert _verdict(text, "R2 beats R3 at low") == "does not reproduce"
+  assert _verdict(text, "R3 beats R2 at high") == "undecided at this noise"
+  assert "| R3 | 8 | 0.500 ± 0.012 (n=3) |" in text
+
+
+def test_two_step_routing_replay_run_writes_results(tmp_path):
+  from experiments import routing_replay
+  path = routing_replay.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--arms", "R2",
+                              "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])
+  doc = json.load(open(path))
+  assert [(r["arm"], r["lag"]) for r in doc["runs"]] == [("R2", 0), ("R2", 8)]
+  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]

@@ -133,3 +133,35 @@ def test_extreme_ratios_and_inf_padding_are_finite():
   _, aux = SPEC.fn(inputs, r2.Hparams())
   assert np.isfinite(v) and np.all(np.isfinite(g)) and np.isfinite(float(aux["state"]))
   assert np.all(g[MASK == 0] == 0.0)
+
+
+def test_stale_sequences_are_reweighted_not_dropped():
+  """A sequence whose behaviour ratio π_old/μ has mean (ρ − 1)² = v above stale_delta keeps its surrogate gradient
+  scaled by sqrt(stale_delta / v) (numpy golden); a fresh sequence (μ = π_old) and the variance penalty are
+  untouched; stale_delta=0 (or no behaviour record) is the plain objective."""
+  lam, hp = 0.7, r2.Hparams(delta=0.03, stale_delta=0.1)
+  inputs = _inputs(lam)
+  prox = np.asarray(inputs.prox_logp_BN)
+  mu_shift = np.array([[0.0] * 4, [0.9, -0.8, 0.7, -0.6], [0.0, 0.05, -0.05, 0.0]], np.float32)  # log π_old − log μ
+  stale = inputs.replace(behavior_logp_BN=jnp.asarray(np.where(MASK > 0, prox - mu_shift, -np.inf)))
+  _, g_plain = _value_and_grad(inputs.replace(behavior_logp_BN=stale.behavior_logp_BN), r2.Hparams(delta=0.03,
+                                                                                                     stale_delta=0.0))
+  _, g = _value_and_grad(stale, hp)
+  rho = np.exp(mu_shift.astype(np.float64))
+  v = np.array([((rho[b] - 1) ** 2)[MASK[b] > 0].mean() for b in range(3)])
+  w = np.where(v > hp.stale_delta, np.sqrt(hp.stale_delta / np.maximum(v, 1e-30)), 1.0)
+  assert w[0] == 1.0 and w[2] == 1.0 and 0 < w[1] < 1  # only the second sequence is past the budget
+  # the surrogate's part of the gradient scales by w; the penalty's part (λ ∂Var/∂logp) does not
+  obj0, g_np0, _ = _objective_np(LR, ADV, MASK, 0.0, hp.delta)  # surrogate only
+  want = g_plain + (w[:, None] - 1.0) * g_np0
+  np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
+  assert np.all(g[MASK == 0] == 0.0)
+  _, aux = SPEC.fn(stale, hp)
+  np.testing.assert_allclose(float(aux["stale_weight_mean"][0]) / float(aux["stale_weight_mean"][1]), w.mean(),
+                             rtol=1e-5)
+  np.testing.assert_allclose(float(aux["stale_reweighted_frac"][0]), 1.0)
+  # fresh data (μ = π_old) and no behaviour record: the plain objective
+  for fresh in (inputs.replace(behavior_logp_BN=inputs.prox_logp_BN), inputs):
+    _, g_fresh = _value_and_grad(fresh, hp)
+    _, g_off = _value_and_grad(fresh, r2.Hparams(delta=0.03, stale_delta=0.0))
+    np.testing.assert_array_equal(g_fresh, g_off)

@@ -1,0 +1,67 @@
+"""MoE routing replay off-policy: no replay, R3 (the sampler's expert ids) and R2 (the learner's own step-start ids).
+
+The tiny policy with an MoE MLP (4 experts, top-2; the run's own SFT warm start, `configs/default.py`, 2-digit
+addition) is sampled in bfloat16 while the learner runs in float32, so some routing decisions differ between
+sampler and learner (a real gap, measured by `tests/test_moe.py`), and trained with `ppo_clip` at fixed lag 0 and
+8 with 2 minibatches per step (so R2's replay has updates to act on). Per run: held-out accuracy (late),
+the training reward of the last fifth of the steps, and the mean |log π_old − log μ| (`mismatch_abs_mean`:
+what replay is meant to shrink).
+
+Claims decided (`experiments/report.py`, `routing_replay_section`): routing replay is needed off-policy (R3 vs
+none at lag 8; R3 paper, arXiv 2510.11370) and Qwen's finding that R2 does better at low off-policiness and R3
+at high (lag 0 vs lag 8).
+
+    python -m experiments.routing_replay           # CI-sized
+    python -m experiments.routing_replay --full
+
+Writes experiments/results/routing_replay.json; `python -m experiments.report` renders it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from experiments import common
+
+BASE = {"optim.lr": 2e-4, "optim.warmup_steps": 5, "rollout.prompts_per_step": 8, "rollout.group_size": 8,
+        "eval.num_prompts": 256, "rollout.mode": "fixed_lag", "rollout.old_logp": "recompute",
+        "loss.name": "ppo_clip", "optim.minibatches": 2, "sampler.dtype": "bfloat16", **common.TASKS["arithmetic"]}
+ARCH = {"model.num_experts": 4, "model.experts_per_token": 2}  # the warm start needs the same architecture
+ARMS = {"none": {"model.routing_replay": False}, "R3": {"model.routing_replay": "R3"},
+        "R2": {"model.routing_replay": "R2"}}
+SETTINGS = {
+    "ci": {"steps": 100, "eval_every": 25, "seeds": 3, "lags": [0, 8]},
+    "full": {"steps": 400, "eval_every": 25, "seeds": 5, "lags": [0, 4, 16]},
+}
+
+
+def main(argv=None) -> str:
+  p = common.base_parser(__doc__.splitlines()[0])
+  p.add_argument("--arms", default="", help="comma-separated subset of none,R3,R2")
+  args = p.parse_args(argv)
+  name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
+  arms = args.arms.split(",") if args.arms else list(ARMS)
+  runs = [{"arm": a, "lag": lag, "seed": s} for s in range(seeds) for lag in setting["lags"] for a in arms]
+  if args.dry_run:
+    for r in runs:
+      print(r)
+    return ""
+  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  results = []
+  for i, r in enumerate(runs):
+    # Each run does its own SFT warm start (the same for every arm of a seed): an MoE policy has no Hugging Face
+    # family to export a shared warm start to (`models.hf`).
+    over = {**BASE, **ARCH, **ARMS[r["arm"]], "rollout.lag": r["lag"], "seed": r["seed"], "num_steps": steps,
+            "eval.every": eval_every}
+    out = common.run_one(args.base, over, os.path.join(args.workdir, "routing", f"{r['arm']}_l{r['lag']}_s{r['seed']}"))
+    results.append({**r, **out})
+    s = out.get("summary", {})
+    common.log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
+               f"mismatch {s.get('mismatch_abs_mean')} ({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
+  return common.write_results("routing_replay", {
+      "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
+      "base_overrides": {**BASE, **ARCH}, "arms": ARMS, "lags": setting["lags"], "runs": results}, args.out, argv)
+
+
+if __name__ == "__main__":
+  print(main())
