@@ -104,6 +104,7 @@ def get_config():
   c.rollout.slots = 0  # continuous batching (sync sources): decode slots refilled as requests finish (0 = off)
   c.rollout.slot_chunk = 8  # continuous batching: decode steps between slot refills and version checks
   c.rollout.prox_in_worker = False  # async + recompute: workers score π_old at generation (else the learner does)
+  c.rollout.score_at_switch = False  # prox_in_worker + partial rollouts: score each version's tokens at its switch
   c.rollout.weight_sync = "full"  # publish: "full" dense copy | "sparse" SparseRL-Sync delta (bit-identical copy)
   c.rollout.replay = ml_collections.ConfigDict()  # experience replay of groups (sync / fixed_lag modes)
   c.rollout.replay.capacity = 0  # groups held in the FIFO; 0 = off (every rollout consumed once)

@@ -46,6 +46,7 @@ ABSENT_DEFAULTS = {
     "sampler.spec_drafter": "layers", "sampler.spec_distill_lr": 1e-4, "sampler.spec_distill_steps": 1,
     "sampler.spec_distill_reward_weight": 0.0,
     "rollout.dynamic_sampling": False, "rollout.sampler_devices": 0, "rollout.partial_chunk": 0, "rollout.slots": 0,
+    "rollout.score_at_switch": False,
     "rollout.slot_chunk": 8,
     "rollout.replay.capacity": 0,
     "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
@@ -165,6 +166,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.rollout.prox_in_worker and (c.rollout.mode != "async" or c.rollout.old_logp != "recompute"):
     raise ConfigError(f"config.rollout.prox_in_worker={c.rollout.prox_in_worker}: workers score π_old only with "
                       "rollout.mode='async' and rollout.old_logp='recompute'")
+  at_switch = read(c, "rollout.score_at_switch")
+  _need(isinstance(at_switch, bool), "rollout.score_at_switch", at_switch, "must be a bool")
+  _need(not at_switch or (c.rollout.prox_in_worker and c.rollout.partial_chunk), "rollout.score_at_switch", at_switch,
+        "scores each version's tokens when a partial rollout switches version: it needs rollout.partial_chunk > 0 "
+        "and rollout.prox_in_worker=True")
   _need(c.rollout.weight_sync in WEIGHT_SYNC, "rollout.weight_sync", c.rollout.weight_sync,
         f"must be one of {WEIGHT_SYNC}")
   _validate_slots(c, n_mesh, n_sampler)

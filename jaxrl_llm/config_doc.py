@@ -43,7 +43,7 @@ FEATURES = {
     "sampler.kv_": "KV-compressed rollouts", "sampler.spec_": "speculative decoding",
     "sampler.spec_drafter": "speculative decoding (drafter)", "sampler.spec_distill": "speculative decoding (drafter)",
     "rollout": "rollout schedule", "rollout.dynamic_sampling": "DAPO", "rollout.old_logp": "π_old",
-    "rollout.ewma_beta": "π_old", "rollout.prox_in_worker": "π_old", "rollout.num_workers": "async rollouts",
+    "rollout.ewma_beta": "π_old", "rollout.prox_in_worker": "π_old", "rollout.score_at_switch": "π_old", "rollout.num_workers": "async rollouts",
     "rollout.sampler_devices": "sampler devices", "rollout.partial_chunk": "partial rollouts",
     "rollout.slot": "continuous batching", "rollout.weight_sync": "weight sync", "rollout.replay": "experience replay",
     "serve": "agent harness (rollout.mode=harness)", "loss": "policy loss", "loss.kl_": "KL to the reference",

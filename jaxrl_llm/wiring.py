@@ -64,6 +64,7 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
                          lag=ro.lag, old_logp=config_lib.old_logp_strategy(c), num_workers=ro.num_workers,
                          partial_chunk=ro.partial_chunk,
                          prox_in_worker=ro.prox_in_worker, replay=replay,
+                         score_at_switch=config_lib.read(c, "rollout.score_at_switch"),
                          routing_replay=config_lib.routing_replay_mode(c) == "R3",
                          env=env_settings(c), serve=serve_settings(c))
 

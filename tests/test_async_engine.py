@@ -198,6 +198,54 @@ def test_worker_scores_prox_at_each_tokens_version(task_setup, chunk):
   assert checked > 0
 
 
+@pytest.mark.parametrize("at_switch", [False, True])
+def test_interruption_route_keeps_old_logits_the_store_dropped(task_setup, at_switch):
+  """The missing-old-logits paper's interruption route (`score_at_switch`): with a store that keeps only the newest
+  version, partial rollouts spanning versions lose the snapshots of their earlier versions before they finish, so
+  the snapshot route (`prox_at_versions`) cannot score them (π_old left to the learner); scored at each switch,
+  every group has π_old, equal to the learner's scorer at each token's version. The sequences themselves do not
+  depend on the route."""
+  from jaxrl_llm import learner
+  task, examples = task_setup
+  width = task.max_prompt_len + 1
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=tok.pad_id, temperature=1.0)  # full length: switches
+  score = learner.make_score_fn(CFG, 1.0)
+  params = {0: init_params(CFG, jax.random.key(0))}
+  store = ParamStore(keep_last=1)
+  store.publish(params[0])
+  rollout = make_group_rollout(generation(task, examples, width, sc), group_size=G, store=store, chunk_steps=1,
+                               score_fn=score, score_at_switch=at_switch)
+  bump = jax.jit(lambda p, k: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(k, x.shape), p))
+  snap = store.acquire()  # the admitted version, as a worker holds it
+
+  class Publishing(async_engine.StorePoller):  # publishes a new version before every poll: each chunk switches
+    def __call__(self, v):
+      if v is not None:
+        params[store.latest_version + 1] = bump(params[store.latest_version], jax.random.key(store.latest_version))
+        store.publish(params[store.latest_version + 1])
+      return super().__call__(v)
+
+  real_poller = async_engine.store_poller
+  async_engine.store_poller = Publishing
+  try:
+    g = rollout(snap, 0)
+  finally:
+    async_engine.store_poller = real_poller
+    store.release(snap)
+  live = g.mask_BN > 0
+  used = np.unique(g.versions_BN[live])
+  assert len(used) >= 3  # the group spans versions the store no longer keeps
+  if not at_switch:
+    assert g.prox_logp_BN is None  # the snapshot route: an earlier version was freed
+    return
+  seq = (jnp.asarray(g.sequence_BT), jnp.asarray(g.positions_BT), jnp.asarray(g.segment_ids_BT))
+  for v in used:
+    want = np.asarray(score(params[int(v)], *seq, jnp.asarray(g.mask_BN)))
+    at = (g.versions_BN == v) & live
+    np.testing.assert_allclose(g.prox_logp_BN[at], want[at], atol=1e-5)
+  assert store.held_versions() == [store.latest_version]  # the route released what it scored with
+
+
 def test_rollout_key_depends_on_version_and_request():
   root = jax.random.key(0)
   keys = {(v, r): tuple(np.asarray(jax.random.key_data(async_engine.rollout_key(root, v, r))).tolist())

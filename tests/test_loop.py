@@ -130,7 +130,9 @@ def test_kl_to_reference_is_scored_inside_the_step(tmp_path):
 
 def test_async_with_worker_scored_prox(tmp_path):
   """`rollout.prox_in_worker`: workers attach π_old to their groups; the learner trains on it (mismatch to μ
-  stays at fp32 noise with an fp32 sampler), and the option is refused outside async + recompute."""
+  stays at fp32 noise with an fp32 sampler), and the option is refused outside async + recompute;
+  `rollout.score_at_switch` (the interruption route, `tests/test_async_engine.py`) reaches the sources' settings
+  and needs partial rollouts."""
   c = tiny(rollout__mode="async", rollout__lag=1, rollout__prox_in_worker=True)
   c.num_steps, c.eval.every, c.sft.steps = 4, 0, 0
   rows = loop.run(c, str(tmp_path))
@@ -139,3 +141,9 @@ def test_async_with_worker_scored_prox(tmp_path):
   from jaxrl_llm import config as config_lib
   with pytest.raises(config_lib.ConfigError, match=r"config\.rollout\.prox_in_worker="):
     config_lib.validate(tiny(rollout__mode="sync", rollout__prox_in_worker=True))
+  with pytest.raises(config_lib.ConfigError, match=r"config\.rollout\.score_at_switch=True: .*partial_chunk"):
+    config_lib.validate(tiny(rollout__mode="async", rollout__prox_in_worker=True, rollout__score_at_switch=True))
+  from jaxrl_llm import wiring
+  c = tiny(rollout__mode="async", rollout__prox_in_worker=True, rollout__partial_chunk=2, rollout__score_at_switch=True)
+  config_lib.validate(c)
+  assert wiring.rollout_settings(c).score_at_switch

@@ -83,7 +83,7 @@ def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
 
 def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | None = None,
                        chunk_steps: int | None = None, reprefill: bool = False,
-                       score_fn: Callable | None = None) -> RolloutFn:
+                       score_fn: Callable | None = None, score_at_switch: bool = False) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Rollout`: one prompt, G completions, as a buffer
   group (`buffer.group_record`), generated and scored by the run's `Generation` (`gen.finish`).
 
@@ -93,7 +93,10 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
   `gen.keep_routes` (MoE, routing replay R3): the group carries the sampler's expert ids `routes_BTLk`.
   `score_fn` (`learner.make_score_fn`, for `old_logp=recompute`): the worker also scores π_old of
   every token with the learner-dtype snapshot of its generating version (`prox_logp_BN`), so the
-  learner does not spend a forward per distinct version of its batch.
+  learner does not spend a forward per distinct version of its batch. `score_at_switch` (partial rollouts, the
+  missing-old-logits paper's interruption route): each version's tokens are scored when it stops sampling (at the
+  switch, while its snapshot is still pinned), so π_old stays exact when the store no longer keeps that version
+  by the time the group finishes (the snapshot route, `prox_at_versions`, then leaves the group to the learner).
   A snapshot generates from its `worker_params`, made when it was published (several processes: each
   process's own replica, `ParamStore(view=multiprocess.local_view)`); a worker builds no arrays from it.
   Workers run on their own process's devices: `gen.mesh` is not used here.
@@ -106,17 +109,23 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
     p = collect.encode_prompts([example] * group_size, gen.width, gen.encoder)
     key = rollout_key(gen.key_root, snap.version, request_id)
     args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
+    at_switch = None
     if chunk_steps is None:
       # a distilled speculative drafter drafts with its newest parameters (unpinned: they change speed, never μ)
       out = gen.generate_fn()(worker_params(snap), *args, gen.model_cfg, gen.sampler_cfg)
       versions_GN = np.full(out["mask_BN"].shape, snap.version, np.int32)
     else:
-      out = partial_lib.generate_partial(snap.version, worker_params(snap), store_poller(store), *args, gen.model_cfg,
+      poller, at_switch = store_poller(store), None
+      if score_fn is not None and score_at_switch:
+        at_switch = _SwitchScores(score_fn, lambda v: snap if v == snap.version else poller.held(v))
+      out = partial_lib.generate_partial(snap.version, worker_params(snap), poller, *args, gen.model_cfg,
                                          gen.sampler_cfg, chunk_steps=chunk_steps, reprefill=reprefill,
-                                         draft_params=gen.draft_params())
+                                         draft_params=gen.draft_params(), on_version_end=at_switch)
       versions_GN = np.asarray(out["versions_BN"])
     group = gen.finish(jax.tree.map(np.asarray, out), p.examples, versions_GN)  # scored here: no other process
-    if score_fn is not None:
+    if at_switch is not None:
+      group = group.replace(prox_logp_BN=at_switch.prox_BN)
+    elif score_fn is not None:
       group = group.replace(prox_logp_BN=prox_at_versions(score_fn, store, snap, group))
     return group_record(group, request_id=request_id, example_id=int(example["example_id"]),
                         start_version=snap.version)
@@ -131,7 +140,7 @@ def episode_seed(seed: int, request_id: int) -> int:
 
 
 def make_episode_rollout(gen: Generation, env: EnvSettings, *, group_size: int, store: ParamStore | None = None,
-                         score_fn: Callable | None = None) -> RolloutFn:
+                         score_fn: Callable | None = None, score_at_switch: bool = False) -> RolloutFn:
   """`rollout_fn(snapshot, request_id) -> Rollout` for multi-turn episodes (`rollout.episodes.run_episodes`):
   one group of G episodes from the environment seed of the request (`episode_seed`).
 
@@ -155,6 +164,25 @@ def make_episode_rollout(gen: Generation, env: EnvSettings, *, group_size: int, 
     return group_record(group, request_id=request_id, example_id=seed, start_version=snap.version)
 
   return rollout
+
+
+class _SwitchScores:
+  """`generate_partial(on_version_end=)` for the interruption route: the tokens a version sampled, scored by its
+  learner-dtype copy while it is held (`snapshot(version)`), gathered into `prox_BN`."""
+
+  def __init__(self, score_fn: Callable, snapshot: Callable[[int], Snapshot | None]):
+    self.score_fn, self.snapshot = score_fn, snapshot
+    self.prox_BN: np.ndarray | None = None
+
+  def __call__(self, version: int, out: dict) -> None:
+    snap = self.snapshot(version)
+    assert snap is not None, f"version {version} stopped sampling but is not held"
+    mask = np.asarray(out["mask_BN"])
+    routes = out.get("routes_BTLk")
+    logp = np.asarray(self.score_fn(old_logp.learner_copy(snap), out["sequence_BT"], out["positions_BT"],
+                                    out["segment_ids_BT"], jnp.asarray(mask), routes))
+    mine = (np.asarray(out["versions_BN"]) == version) & (mask > 0)
+    self.prox_BN = np.where(mine, logp, 0.0 if self.prox_BN is None else self.prox_BN).astype(np.float32)
 
 
 def prox_at_versions(score_fn: Callable, store: ParamStore | None, held: Snapshot, group: Rollout) -> np.ndarray | None:
@@ -188,30 +216,34 @@ def worker_params(snap: Snapshot):
   return snap.params if snap.worker_params is None else snap.worker_params
 
 
-def store_poller(store: ParamStore) -> partial_lib.Poll:
-  """A `generate_partial` poll over a ParamStore: pins the newest snapshot when it is newer (its
-  `worker_params`, as in `make_group_rollout`).
+class StorePoller:
+  """A `generate_partial` poll over a ParamStore: pins the newest snapshot when it is newer (its `worker_params`,
+  as in `make_group_rollout`).
 
-  The snapshot pinned for the previous switch is released on the next switch or at the end; the
-  admitted snapshot stays the worker's to release.
+  A snapshot pinned at a switch is released at the next call (the next switch's, or the end's): one call later
+  than the switch that superseded it, so `generate_partial(on_version_end=)` can still score with it (`held`).
+  The admitted snapshot stays the worker's to release.
   """
-  held: list[Snapshot] = []
 
-  def poll(current_version: int | None):
-    if current_version is None:  # generation finished
-      for s in held:
-        store.release(s)
-      held.clear()
+  def __init__(self, store: ParamStore):
+    self.store = store
+    self.pinned: list[Snapshot] = []  # the last is the current version's; earlier ones are released next call
+
+  def __call__(self, current_version: int | None):
+    while len(self.pinned) > (0 if current_version is None else 1):  # superseded at an earlier switch
+      self.store.release(self.pinned.pop(0))
+    if current_version is None or self.store.latest_version <= current_version:  # the end, or nothing newer
       return None
-    if store.latest_version <= current_version:
-      return None
-    snap = store.acquire()
-    for s in held:
-      store.release(s)
-    held[:] = [snap]
+    snap = self.store.acquire()
+    self.pinned.append(snap)
     return snap.version, worker_params(snap)
 
-  return poll
+  def held(self, version: int) -> Snapshot | None:
+    return next((s for s in self.pinned if s.version == version), None)
+
+
+def store_poller(store: ParamStore) -> StorePoller:
+  return StorePoller(store)
 
 
 class AsyncRollout:

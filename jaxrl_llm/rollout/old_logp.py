@@ -77,7 +77,7 @@ def is_current(name: str, on_policy: bool, perturbed: bool) -> bool:
   return name == "step_start" or (name == "recompute" and on_policy)
 
 
-def _learner_copy(snap: Snapshot):
+def learner_copy(snap: Snapshot):
   return snap.learner_params if snap.learner_params is not None else snap.params
 
 
@@ -92,7 +92,7 @@ def score_at_versions(score: ScoreFn, versions_BN, mask_BN, seq: tuple, routes,
   used = np.unique(np.asarray(versions_BN)[np.asarray(mask_BN) > 0]).tolist()
   for v in used or ([] if default_version is None else [default_version]):
     with pinned(int(v)) as snap:
-      logp = score(_learner_copy(snap), *seq, jnp.asarray(mask_BN), routes)
+      logp = score(learner_copy(snap), *seq, jnp.asarray(mask_BN), routes)
     out = jnp.where(versions == v, logp, out)
   return out
 

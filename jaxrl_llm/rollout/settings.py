@@ -52,6 +52,7 @@ class RolloutSettings:
   num_workers: int = 1  # async rollout threads
   partial_chunk: int = 0  # async partial rollouts: decode steps between parameter switches (0 = off)
   prox_in_worker: bool = False  # async + recompute: the workers score π_old
+  score_at_switch: bool = False  # ... each version's tokens when a partial rollout switches (interruption route)
   routing_replay: bool = False  # MoE R3: the batch carries the sampler's expert ids
   replay: Optional[ReplaySettings] = None  # experience replay (None = off)
   env: Optional[EnvSettings] = None  # multi-turn episodes in a text environment (None = single completions)

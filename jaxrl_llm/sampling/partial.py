@@ -155,7 +155,8 @@ def finalize(carry: dict) -> dict:
 
 def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: Array, prompt_len_B: Array,
                      key: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, chunk_steps: int,
-                     reprefill: bool = False, draft_params: dict | None = None) -> dict:
+                     reprefill: bool = False, draft_params: dict | None = None,
+                     on_version_end: Callable[[int, dict], None] | None = None) -> dict:
   """Generates like `sampling.generate`, polling for a newer version every `chunk_steps` columns.
 
   Args:
@@ -166,6 +167,9 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
     reprefill: recompute the prefix's KV cache with the new parameters at a switch (else keep it).
     draft_params: with `sampler_cfg.spec_gamma`, a distilled drafter's parameters (None: the current version's
       first `spec_draft_layers` layers); the chunks then speculate (module docstring; "rows" layout: keep the cache).
+    on_version_end: called as `on_version_end(version, out)` when a version stops sampling (at each switch, before
+      the newer one takes over, and at the end, before `poll(None)`), `out` the outputs so far (as returned): the
+      interruption route to exact old logits scores the version's tokens there, while its snapshot is held.
   Returns the `generate` dict plus `versions_BN`: the version that sampled each column (MoE:
   `routes_BTLk` as the final KV cache holds them, see the module docstring), μ's records when the sampler config
   asks for them, and `kv_window_B2` with a window cache. A compressed cache (int8, window) is kept across a switch.
@@ -181,6 +185,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
   spec = _Speculating(sampler_cfg, model_cfg, gamma, draft_params) if gamma else None
   if spec is not None and reprefill and sampler_cfg.spec_layout != "min":  # the re-prefill puts column n at P + n
     raise ValueError("partial rollouts with reprefill speculate with sampler.spec_layout='min' only")
+  outputs = lambda c: finalize(c) if spec is None else spec.finish(c)
   try:
     if spec is None:
       carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)
@@ -196,13 +201,17 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
         break
       newer = poll(version)
       if newer is not None:
+        if on_version_end is not None:
+          on_version_end(version, outputs(carry))
         version, params = newer
         if reprefill:
           carry = reprefill_cache(params, carry, model_cfg, sampler_cfg.group_size)
       stop = min(max(stop, int(carry["step"])) + chunk_steps, N) if spec is not None else min(stop + chunk_steps, N)
+    out = outputs(carry)
+    if on_version_end is not None:
+      on_version_end(version, out)
   finally:
     poll(None)
-  out = finalize(carry) if spec is None else spec.finish(carry)
   if sampler_cfg.kv_window_arg is not None:  # what each token could see, as `generate` records it (SMD)
     out["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (out["mask_BN"].shape[0], 2))
   return out

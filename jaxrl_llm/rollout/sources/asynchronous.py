@@ -74,7 +74,7 @@ def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
     fn = ae.make_episode_rollout(ctx.gen, s.env, group_size=s.group_size, store=store, score_fn=score_fn)
   else:
     fn = ae.make_group_rollout(ctx.gen, group_size=s.group_size, store=store, chunk_steps=s.partial_chunk or None,
-                               score_fn=score_fn)
+                               score_fn=score_fn, score_at_switch=s.score_at_switch)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
   return ae.AsyncRollout(store, fn, next_request_id=jax.process_index(), **kw)
