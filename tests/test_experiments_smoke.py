@@ -762,3 +762,33 @@ def test_two_step_routing_replay_run_writes_results(tmp_path):
   doc = json.load(open(path))
   assert [(r["arm"], r["lag"]) for r in doc["runs"]] == [("R2", 0), ("R2", 8)]
   assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+
+
+def test_mu_grpo_section_verdicts_follow_the_numbers(tmp_path):
+  """μ-GRPO within the margin of GRPO's accuracy matches it; 2× the steps/s is faster; far below does not match."""
+  def doc(mu_acc, mu_step):
+    runs = [{"arm": a, "seed": s, "summary": {"eval_accuracy_late": acc[s], "eval_accuracy_initial": 0.1,
+                                              "reward_mean_last": 0.3, "time_step_s": t}}
+            for a, acc, t in (("grpo", (0.50, 0.52, 0.48), 1.0), ("mu_grpo", mu_acc, mu_step)) for s in range(3)]
+    return {"experiment": "mu_grpo", "command": "python -m experiments.mu_grpo", "commit": "abc",
+            "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 100, "seeds": 3, "stages": 4,
+            "arms": {"grpo": {}, "mu_grpo": {"rollout.lag": 25}}, "runs": runs}
+  for (mu_acc, mu_step), v_acc, v_speed in ((((0.49, 0.51, 0.50), 0.5), "reproduces", "reproduces"),
+                                            (((0.20, 0.21, 0.19), 0.9), "does not reproduce", "does not reproduce")):
+    results = tmp_path / f"results_{v_acc[:4]}"
+    results.mkdir()
+    (results / "mu_grpo.json").write_text(json.dumps(doc(mu_acc, mu_step)))
+    out = tmp_path / "RESULTS.md"
+    report.main(["--results", str(results), "--out", str(out)])
+    text = out.read_text()
+    assert _verdict(text, "μ-GRPO in a few large stages matches") == v_acc
+    assert _verdict(text, "μ-GRPO's staged schedule trains faster") == v_speed
+
+
+def test_two_step_mu_grpo_run_writes_results(tmp_path):
+  from experiments import mu_grpo
+  path = mu_grpo.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
+                       "--workdir", str(tmp_path / "wd")])
+  doc = json.load(open(path))
+  assert [r["arm"] for r in doc["runs"]] == ["grpo", "mu_grpo"] and doc["arms"]["mu_grpo"]["rollout.lag"] == 1
+  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
