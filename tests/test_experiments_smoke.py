@@ -792,3 +792,29 @@ def test_two_step_mu_grpo_run_writes_results(tmp_path):
   doc = json.load(open(path))
   assert [r["arm"] for r in doc["runs"]] == ["grpo", "mu_grpo"] and doc["arms"]["mu_grpo"]["rollout.lag"] == 1
   assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+
+
+def test_a3po_time_section_verdict_follows_the_numbers(tmp_path):
+  """A 20 % shorter step on every repeat reproduces the saving; 3 % does not."""
+  def doc(t_a3po):
+    runs = [{"arm": a, "repeat": k, "timing": {"time_step_s": t + 0.01 * k, "steps_per_s": 1 / (t + 0.01 * k)}}
+            for k in range(3) for a, t in (("decoupled_ppo", 1.0), ("a3po", t_a3po))]
+    return {"experiment": "a3po_time", "command": "python -m experiments.a3po_time", "commit": "abc",
+            "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 40, "skip": 5, "repeats": 3,
+            "base_overrides": {"rollout.mode": "fixed_lag", "rollout.lag": 4}, "arms": {"decoupled_ppo": {}, "a3po": {}},
+            "runs": runs}
+  for t, want in ((0.8, "reproduces"), (0.97, "does not reproduce")):
+    results = tmp_path / f"r{t}"
+    results.mkdir()
+    (results / "a3po_time.json").write_text(json.dumps(doc(t)))
+    out = tmp_path / "RESULTS.md"
+    report.main(["--results", str(results), "--out", str(out)])
+    assert _verdict(out.read_text(), "A-3PO cuts training time") == want
+
+
+def test_two_step_a3po_time_run_writes_results(tmp_path):
+  from experiments import a3po_time
+  path = a3po_time.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
+                         "--workdir", str(tmp_path / "wd")])
+  doc = json.load(open(path))
+  assert [r["arm"] for r in doc["runs"]] == ["decoupled_ppo", "a3po"] and all("timing" in r for r in doc["runs"])
