@@ -1061,6 +1061,37 @@ def mu_grpo_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims
 
 
+def method_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """Claims one pair of runs decides (`experiments/method_claims.py`): a table of every cell's held-out accuracy,
+  and per claim (a, b, rule) `exceeds(a, b)` ("beats") or `stays_within(a, b, MARGIN)` ("as good as": b not
+  above a by more than the margin), UNDECIDED kept."""
+  lines = ["## Single-comparison method claims (SAT, Delightful PG, ALP)", "", provenance(doc), ""]
+  ok = [r for r in doc.get("runs", []) if "summary" in r]
+  lines += [f"{doc.get('steps')} steps, seeds {planned_seeds(doc)}, from the SFT warm start of "
+            f"`configs/{doc.get('base_config', 'default')}.py` on 2-digit addition.", "",
+            "| cell | overrides | held-out accuracy (late) | initial accuracy | reward (end) |", "|---|---|---|---|---|"]
+  acc = {}
+  for c, over in doc.get("cells", {}).items():
+    rs = [r for r in ok if r["cell"] == c]
+    acc[c] = cell(rs)
+    shown = ", ".join(f"`{k}={v}`" for k, v in over.items())
+    lines.append(f"| {c} | {shown} | {fmt(acc[c])} | {fmt(cell(rs, 'eval_accuracy_initial'))} | "
+                 f"{fmt(cell(rs, 'reward_mean_last'))} |")
+  errors = [r for r in doc.get("runs", []) if "error" in r]
+  if errors:
+    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  lines.append("")
+  claims = []
+  for text, source, a, b, rule in doc.get("claims", []):
+    if acc.get(a) is None or acc.get(b) is None:
+      continue
+    v = exceeds(acc[a], acc[b]) if rule == "exceeds" else stays_within(acc[a], acc[b], MARGIN)
+    how = "higher by > MARGIN and 2 se" if rule == "exceeds" else f"{b} not above by > MARGIN"
+    claims.append(claim(text, source, v, f"held-out accuracy {a} {fmt(acc[a])} vs {b} {fmt(acc[b])} (rule: "
+                        f"{how.replace('MARGIN', str(MARGIN))})" + seeds_note(acc[a], acc[b])))
+  return lines, claims
+
+
 A3PO_SAVING = 0.18  # A-3PO's abstract: training time reduced by 18 %
 
 
@@ -1111,7 +1142,8 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "async_throughput_smollm2": functools.partial(throughput_section, real=True), "async_staleness": async_section,
             "replay_ablation": replay_section, "soak": soak_section, "agent_staleness": agent_section,
             "kv_compression": kv_compression_section, "routing_replay": routing_replay_section,
-            "mu_grpo": mu_grpo_section, "a3po_time": a3po_time_section}
+            "mu_grpo": mu_grpo_section, "a3po_time": a3po_time_section,
+            "method_claims": method_claims_section}
 
 
 # Other results documents a section reads beside its own (keyword argument -> experiment name).

@@ -818,3 +818,32 @@ def test_two_step_a3po_time_run_writes_results(tmp_path):
                          "--workdir", str(tmp_path / "wd")])
   doc = json.load(open(path))
   assert [r["arm"] for r in doc["runs"]] == ["decoupled_ppo", "a3po"] and all("timing" in r for r in doc["runs"])
+
+
+def test_method_claims_section_applies_each_claims_rule(tmp_path):
+  """A "beats" claim past the margin reproduces; an "as good as" claim with the reference far above does not."""
+  acc = {"a": (0.50, 0.52, 0.48), "b": (0.20, 0.21, 0.19)}
+  runs = [{"cell": c, "seed": s, "summary": {"eval_accuracy_late": v[s], "eval_accuracy_initial": 0.1,
+                                             "reward_mean_last": 0.2}} for c, v in acc.items() for s in range(3)]
+  doc = {"experiment": "method_claims", "command": "python -m experiments.method_claims", "commit": "abc",
+         "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 100, "seeds": 3,
+         "cells": {"a": {"loss.name": "x"}, "b": {"loss.name": "y"}},
+         "claims": [["A beats B", "src", "a", "b", "exceeds"], ["B is as good as A", "src", "b", "a", "within"]],
+         "runs": runs}
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "method_claims.json").write_text(json.dumps(doc))
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert _verdict(text, "A beats B") == "reproduces" and _verdict(text, "B is as good as A") == "does not reproduce"
+  assert "| a | `loss.name=x` | 0.500 ± 0.012 (n=3) |" in text
+
+
+def test_two_step_method_claims_run_writes_results(tmp_path):
+  from experiments import method_claims
+  path = method_claims.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--cells", "alp_bf16,sat_lag8",
+                             "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])
+  doc = json.load(open(path))
+  assert [r["cell"] for r in doc["runs"]] == ["alp_bf16", "sat_lag8"]
+  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
