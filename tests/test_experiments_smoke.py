@@ -727,9 +727,9 @@ def test_agent_real_table_says_whether_the_agent_learns():
   assert agent_real.table([{"seed": 0, "error": "x"}], heldout=10).startswith("No run finished")
 
 
-def _routing_doc(acc):
+def _routing_doc(acc, init=0.1):
   """A synthetic routing_replay document: arm -> lag -> 3 seeds' held-out accuracy."""
-  runs = [{"arm": a, "lag": lag, "seed": s, "summary": {"eval_accuracy_late": v[s], "eval_accuracy_initial": 0.1,
+  runs = [{"arm": a, "lag": lag, "seed": s, "summary": {"eval_accuracy_late": v[s], "eval_accuracy_initial": init,
                                                         "reward_mean_last": 0.2, "mismatch_abs_mean": 0.003}}
           for (a, lag), v in acc.items() for s in range(3)]
   return {"experiment": "routing_replay", "command": "python -m experiments.routing_replay", "commit": "abc",
@@ -753,6 +753,10 @@ def test_routing_replay_section_verdicts_follow_the_numbers(tmp_path):
   assert _verdict(text, "R2 beats R3 at low") == "does not reproduce"
   assert _verdict(text, "R3 beats R2 at high") == "undecided at this noise"
   assert "| R3 | 8 | 0.500 ± 0.012 (n=3) |" in text
+  (results / "routing_replay.json").write_text(json.dumps(_routing_doc(acc, init=0.3)))  # RL did not learn at lag 0
+  report.main(["--results", str(results), "--out", str(out)])
+  text = out.read_text()
+  assert all(_verdict(text, c) == "not testable here" for c in ("Routing replay (R3) is needed", "R2 beats R3"))
 
 
 def test_two_step_routing_replay_run_writes_results(tmp_path):
