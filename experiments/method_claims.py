@@ -37,7 +37,7 @@ CLAIMS = [
      "ppo_clip_bf16", "exceeds"),
 ]
 SETTINGS = {
-    "ci": {"steps": 100, "eval_every": 25, "seeds": 3},
+    "ci": {"steps": 100, "eval_every": 25, "seeds": 5},
     "full": {"steps": 400, "eval_every": 25, "seeds": 5},
 }
 

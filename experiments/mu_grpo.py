@@ -26,7 +26,7 @@ BASE = {"optim.lr": 2e-4, "optim.warmup_steps": 5, "rollout.prompts_per_step": 8
         "eval.num_prompts": 256, "rollout.old_logp": "recompute", **common.TASKS["arithmetic"]}
 STAGES = 4  # μ-GRPO's few large stages
 SETTINGS = {
-    "ci": {"steps": 100, "eval_every": 25, "seeds": 3},
+    "ci": {"steps": 100, "eval_every": 25, "seeds": 5},
     "full": {"steps": 400, "eval_every": 25, "seeds": 5},
 }
 

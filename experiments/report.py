@@ -1102,6 +1102,35 @@ def method_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   return lines, claims
 
 
+def respec_drafter_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """ReSpec's drafter distillation (`experiments/respec_drafter.py`): acceptance of a distilled 1-layer drafter
+  against the policy's own first layer. "Raises acceptance": the distilled arm's acceptance over the last fifth of
+  the steps exceeds the layer view's by MARGIN (an absolute rate here) and 2 se (`exceeds`)."""
+  lines = ["## ReSpec: a distilled speculative drafter against the policy's first layer", "", provenance(doc), ""]
+  ok = [r for r in doc.get("runs", []) if "summary" in r]
+  b = doc.get("base_overrides", {})
+  lines += [f"γ = {b.get('sampler.spec_gamma')} drafted tokens per policy call, a {b.get('sampler.spec_draft_layers')}"
+            f"-layer drafter, {doc.get('steps')} steps, seeds {planned_seeds(doc)}. Acceptance = drafted tokens the "
+            "policy accepted (`spec_accept_rate`), over the first and the last fifth of the steps.", "",
+            "| drafter | acceptance (first fifth) | acceptance (last fifth) | held-out accuracy (late) |",
+            "|---|---|---|---|"]
+  last = {}
+  for a in doc.get("arms", {}):
+    rs = [r for r in ok if r["arm"] == a]
+    if rs:
+      last[a] = cell(rs, "accept_last")
+      lines.append(f"| {a} | {fmt(cell(rs, 'accept_first'))} | {fmt(last[a])} | {fmt(cell(rs))} |")
+  lines.append("")
+  claims = []
+  if last.get("distilled") is not None and last.get("layers") is not None:
+    claims.append(claim("Distilling the drafter on rollouts raises speculative acceptance", "ReSpec (spec B9)",
+                        exceeds(last["distilled"], last["layers"]),
+                        f"acceptance (last fifth) distilled {fmt(last['distilled'])} vs the policy's first layer "
+                        f"{fmt(last['layers'])} (rule: higher by > {MARGIN} and 2 se)"
+                        + seeds_note(last["distilled"], last["layers"])))
+  return lines, claims
+
+
 A3PO_SAVING = 0.18  # A-3PO's abstract: training time reduced by 18 %
 
 
@@ -1153,7 +1182,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "replay_ablation": replay_section, "soak": soak_section, "agent_staleness": agent_section,
             "kv_compression": kv_compression_section, "routing_replay": routing_replay_section,
             "mu_grpo": mu_grpo_section, "a3po_time": a3po_time_section,
-            "method_claims": method_claims_section}
+            "method_claims": method_claims_section, "respec_drafter": respec_drafter_section}
 
 
 # Other results documents a section reads beside its own (keyword argument -> experiment name).

@@ -851,3 +851,24 @@ def test_two_step_method_claims_run_writes_results(tmp_path):
   doc = json.load(open(path))
   assert [r["cell"] for r in doc["runs"]] == ["alp_bf16", "sat_lag8"]
   assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+
+
+def test_two_step_respec_drafter_run_and_its_verdict(tmp_path):
+  """Two steps of each arm record the acceptance the report reads; the section's verdict follows the numbers."""
+  from experiments import respec_drafter
+  path = respec_drafter.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
+                              "--workdir", str(tmp_path / "wd")])
+  doc = json.load(open(path))
+  assert [r["arm"] for r in doc["runs"]] == ["layers", "distilled"]
+  assert all(0.0 <= r["summary"]["accept_last"] <= 1.0 for r in doc["runs"]), doc["runs"]
+  for s in range(3):  # synthetic seeds: the distilled drafter accepts 0.2 more
+    doc["runs"] += [{"arm": a, "seed": s + 1, "summary": {"accept_first": 0.3, "accept_last": v + 0.01 * s,
+                                                          "eval_accuracy_late": 0.5}}
+                    for a, v in (("layers", 0.3), ("distilled", 0.5))]
+  doc["runs"] = doc["runs"][2:]
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "respec_drafter.json").write_text(json.dumps(doc))
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  assert _verdict(out.read_text(), "Distilling the drafter on rollouts raises") == "reproduces"
