@@ -1155,11 +1155,12 @@ def respec_drafter_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   lines.append("")
   claims = []
   if last.get("distilled") is not None and last.get("layers") is not None:
+    d = paired(ok, "arm", "distilled", "layers", "accept_last")
     claims.append(claim("Distilling the drafter on rollouts raises speculative acceptance", "ReSpec (spec B9)",
-                        exceeds(last["distilled"], last["layers"]),
+                        exceeds_paired(d),
                         f"acceptance (last fifth) distilled {fmt(last['distilled'])} vs the policy's first layer "
-                        f"{fmt(last['layers'])} (rule: higher by > {MARGIN} and 2 se)"
-                        + seeds_note(last["distilled"], last["layers"])))
+                        f"{fmt(last['layers'])}; per-seed difference {fmt(d)} (rule, paired by seed: higher by > "
+                        f"{MARGIN} and 2 se)" + seeds_note(last["distilled"], last["layers"])))
   return lines, claims
 
 
