@@ -264,6 +264,36 @@ def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, .
   return written or path
 
 
+def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict, warm: dict | None = None,
+               after=None) -> str:
+  """The small grid most tiny-policy scripts run: each run `r` of `runs` (a dict with a "seed") trains with
+  `overrides(r)`, from the SFT warm start of its seed made once with `warm` (None: each run does its own SFT),
+  and its summary gets `after(workdir)`; writes `<args.out>/<name>.json` ({**payload, "runs": ...}).
+  `--dry-run` prints the runs."""
+  if args.dry_run:
+    for r in runs:
+      print(r)
+    return ""
+  enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  starts = {} if warm is None else {
+      s: warm_start(args.base, {**warm, "seed": s}, os.path.join(args.workdir, "warm", f"{name}_s{s}"))
+      for s in sorted({r["seed"] for r in runs})}
+  results = []
+  for i, r in enumerate(runs):
+    over = overrides(r)
+    if warm is not None:
+      over = {**over, "model.init_from": starts[r["seed"]], "sft.steps": 0}
+    wd = os.path.join(args.workdir, name, "_".join(str(v) for v in r.values()))
+    out = run_one(args.base, over, wd)
+    if after is not None and "summary" in out:
+      out["summary"].update(after(wd))
+    results.append({**r, **out})
+    s = out.get("summary", {})
+    log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
+        f"({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
+  return write_results(name, {**payload, "runs": results}, args.out, argv)
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
   """Flags every script shares: --full, --seeds, --steps, --out, --workdir, --dry-run."""
   p = argparse.ArgumentParser(description=description)

@@ -13,8 +13,6 @@ Writes experiments/results/method_claims.json; `python -m experiments.report` re
 
 from __future__ import annotations
 
-import os
-
 from experiments import common
 
 BASE = {"optim.lr": 2e-4, "optim.warmup_steps": 5, "rollout.prompts_per_step": 8, "rollout.group_size": 8,
@@ -49,26 +47,10 @@ def main(argv=None) -> str:
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   cells = args.cells.split(",") if args.cells else list(CELLS)
   runs = [{"cell": c, "seed": s} for s in range(seeds) for c in cells]
-  if args.dry_run:
-    for r in runs:
-      print(r)
-    return ""
-  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
-  warm = {s: common.warm_start(args.base, {**BASE, "seed": s}, os.path.join(args.workdir, "warm", f"claims_s{s}"))
-          for s in range(seeds)}
-  results = []
-  for i, r in enumerate(runs):
-    over = {**BASE, **CELLS[r["cell"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
-            "model.init_from": warm[r["seed"]], "sft.steps": 0}
-    out = common.run_one(args.base, over, os.path.join(args.workdir, "claims", f"{r['cell']}_s{r['seed']}"))
-    results.append({**r, **out})
-    s = out.get("summary", {})
-    common.log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
-               f"({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
-  return common.write_results("method_claims", {
+  over = lambda r: {**BASE, **CELLS[r["cell"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every}
+  return common.run_seeded("method_claims", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": BASE, "cells": {c: CELLS[c] for c in cells}, "claims": CLAIMS, "runs": results},
-      args.out, argv)
+      "base_overrides": BASE, "cells": {c: CELLS[c] for c in cells}, "claims": CLAIMS}, warm=BASE)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ Writes experiments/results/mu_grpo.json; `python -m experiments.report` renders 
 
 from __future__ import annotations
 
-import os
-
 from experiments import common
 
 BASE = {"optim.lr": 2e-4, "optim.warmup_steps": 5, "rollout.prompts_per_step": 8, "rollout.group_size": 8,
@@ -42,25 +40,10 @@ def main(argv=None) -> str:
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   arm = arms(steps)
   runs = [{"arm": a, "seed": s} for s in range(seeds) for a in arm]
-  if args.dry_run:
-    for r in runs:
-      print(r)
-    return ""
-  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
-  warm = {s: common.warm_start(args.base, {**BASE, "seed": s}, os.path.join(args.workdir, "warm", f"mu_s{s}"))
-          for s in range(seeds)}
-  results = []
-  for i, r in enumerate(runs):
-    over = {**BASE, **arm[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
-            "model.init_from": warm[r["seed"]], "sft.steps": 0}
-    out = common.run_one(args.base, over, os.path.join(args.workdir, "mu_grpo", f"{r['arm']}_s{r['seed']}"))
-    results.append({**r, **out})
-    s = out.get("summary", {})
-    common.log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
-               f"step {s.get('time_step_s')} s ({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
-  return common.write_results("mu_grpo", {
+  over = lambda r: {**BASE, **arm[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every}
+  return common.run_seeded("mu_grpo", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": BASE, "arms": arm, "stages": STAGES, "runs": results}, args.out, argv)
+      "base_overrides": BASE, "arms": arm, "stages": STAGES}, warm=BASE)
 
 
 if __name__ == "__main__":

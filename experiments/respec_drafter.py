@@ -46,28 +46,10 @@ def main(argv=None) -> str:
   args = p.parse_args(argv)
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   runs = [{"arm": a, "seed": s} for s in range(seeds) for a in ARMS]
-  if args.dry_run:
-    for r in runs:
-      print(r)
-    return ""
-  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
-  warm = {s: common.warm_start(args.base, {**BASE, "seed": s}, os.path.join(args.workdir, "warm", f"respec_s{s}"))
-          for s in range(seeds)}
-  results = []
-  for i, r in enumerate(runs):
-    over = {**BASE, **ARMS[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
-            "model.init_from": warm[r["seed"]], "sft.steps": 0}
-    wd = os.path.join(args.workdir, "respec", f"{r['arm']}_s{r['seed']}")
-    out = common.run_one(args.base, over, wd)
-    if "summary" in out:
-      out["summary"].update(acceptance(wd))
-    results.append({**r, **out})
-    s = out.get("summary", {})
-    common.log(f"{i + 1}/{len(runs)} {r} accept {s.get('accept_first')} -> {s.get('accept_last')} "
-               f"acc {s.get('eval_accuracy_late')} ({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
-  return common.write_results("respec_drafter", {
+  over = lambda r: {**BASE, **ARMS[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every}
+  return common.run_seeded("respec_drafter", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": BASE, "arms": ARMS, "runs": results}, args.out, argv)
+      "base_overrides": BASE, "arms": ARMS}, warm=BASE, after=acceptance)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ Writes experiments/results/routing_replay.json; `python -m experiments.report` r
 
 from __future__ import annotations
 
-import os
-
 from experiments import common
 
 BASE = {"optim.lr": 2e-4, "optim.warmup_steps": 5, "rollout.prompts_per_step": 8, "rollout.group_size": 8,
@@ -42,25 +40,13 @@ def main(argv=None) -> str:
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
   arms = args.arms.split(",") if args.arms else list(ARMS)
   runs = [{"arm": a, "lag": lag, "seed": s} for s in range(seeds) for lag in setting["lags"] for a in arms]
-  if args.dry_run:
-    for r in runs:
-      print(r)
-    return ""
-  common.enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
-  results = []
-  for i, r in enumerate(runs):
-    # Each run does its own SFT warm start (the same for every arm of a seed): an MoE policy has no Hugging Face
-    # family to export a shared warm start to (`models.hf`).
-    over = {**BASE, **ARCH, **ARMS[r["arm"]], "rollout.lag": r["lag"], "seed": r["seed"], "num_steps": steps,
-            "eval.every": eval_every}
-    out = common.run_one(args.base, over, os.path.join(args.workdir, "routing", f"{r['arm']}_l{r['lag']}_s{r['seed']}"))
-    results.append({**r, **out})
-    s = out.get("summary", {})
-    common.log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
-               f"mismatch {s.get('mismatch_abs_mean')} ({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
-  return common.write_results("routing_replay", {
+  # Each run does its own SFT warm start (the same for every arm of a seed): an MoE policy has no Hugging Face
+  # family to export a shared warm start to (`models.hf`).
+  over = lambda r: {**BASE, **ARCH, **ARMS[r["arm"]], "rollout.lag": r["lag"], "seed": r["seed"],
+                    "num_steps": steps, "eval.every": eval_every}
+  return common.run_seeded("routing_replay", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": {**BASE, **ARCH}, "arms": ARMS, "lags": setting["lags"], "runs": results}, args.out, argv)
+      "base_overrides": {**BASE, **ARCH}, "arms": ARMS, "lags": setting["lags"]})
 
 
 if __name__ == "__main__":
