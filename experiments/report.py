@@ -1109,7 +1109,8 @@ def method_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   ok = [r for r in doc.get("runs", []) if "summary" in r]
   lines += [f"{doc.get('steps')} steps, seeds {planned_seeds(doc)}, from the SFT warm start of "
             f"`configs/{doc.get('base_config', 'default')}.py` on 2-digit addition.", "",
-            "| cell | overrides | held-out accuracy (late) | initial accuracy | reward (end) |", "|---|---|---|---|---|"]
+            "| cell | overrides | held-out accuracy (late) | initial accuracy | reward (end) |",
+            "|---|---|---|---|---|"]
   acc = {}
   for c, over in doc.get("cells", {}).items():
     rs = [r for r in ok if r["cell"] == c]

@@ -805,7 +805,8 @@ def test_a3po_time_section_verdict_follows_the_numbers(tmp_path):
             for k in range(3) for a, t in (("decoupled_ppo", 1.0), ("a3po", t_a3po))]
     return {"experiment": "a3po_time", "command": "python -m experiments.a3po_time", "commit": "abc",
             "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 40, "skip": 5, "repeats": 3,
-            "base_overrides": {"rollout.mode": "fixed_lag", "rollout.lag": 4}, "arms": {"decoupled_ppo": {}, "a3po": {}},
+            "base_overrides": {"rollout.mode": "fixed_lag", "rollout.lag": 4},
+            "arms": {"decoupled_ppo": {}, "a3po": {}},
             "runs": runs}
   for t, want in ((0.8, "reproduces"), (0.97, "does not reproduce")):
     results = tmp_path / f"r{t}"
