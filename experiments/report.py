@@ -403,10 +403,11 @@ def staleness_claims(tr, task, base, lags, real: bool = False) -> list[dict]:
 def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list[dict]:
   out = []
   b0, bk = cell(tr, method=base, lag=k0), cell(tr, method=base, lag=kmax)
-  base_drops = drops(b0, bk)
+  degrades = exceeds(b0, bk)  # three-way: a fall past the margin but within 2 se is undecided, not "no"
+  base_drops = degrades is True
   out.append(claim(
       f"GRPO degrades as staleness grows ({task}, lag {k0} → {kmax})", "M2PO / VESPO papers; methods-rl §9.2",
-      base_drops, f"{base}: {fmt(b0)} at lag {k0} vs {fmt(bk)} at lag {kmax}" + seeds_note(b0, bk)))
+      degrades, f"{base}: {fmt(b0)} at lag {k0} vs {fmt(bk)} at lag {kmax}" + seeds_note(b0, bk)))
   for m, paper in (("m2po", "M2PO (arXiv 2510.01161)"), ("vespo", "VESPO (arXiv 2602.10693)"),
                    ("dppo", "DPPO (arXiv 2602.04879)")):
     a0, ak = cell(tr, method=m, lag=k0), cell(tr, method=m, lag=kmax)
@@ -418,7 +419,8 @@ def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list
     if base_drops and stable == UNDECIDED:
       evidence += f"; undecided: {m} falls by more than {MARGIN} but within 2 se"
     if not base_drops:
-      evidence += f"; not testable here: the {base} baseline did not degrade"
+      evidence += f"; not testable here: the {base} baseline did not degrade" + (
+          " past 2 se" if degrades == UNDECIDED else "")
     out.append(claim(f"{m} stays stable where GRPO degrades ({task}, lag {kmax})", paper, verdict, evidence))
   # The real grid also asks it at the stale lag alone (a correction whose lag-0 cells have not run yet still
   # answers it): does the correction beat GRPO there, by the margin and 2 combined standard errors?
@@ -433,7 +435,8 @@ def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list
     if base_drops and better == UNDECIDED:
       evidence += f"; undecided: {m} is higher by more than {MARGIN} but within 2 se"
     if not base_drops:
-      evidence += f"; not testable here: the {base} baseline did not degrade"
+      evidence += f"; not testable here: the {base} baseline did not degrade" + (
+          " past 2 se" if degrades == UNDECIDED else "")
     out.append(claim(f"{m} beats GRPO under staleness ({task}, lag {kmax})", paper,
                      better if base_drops else None, evidence))
   g = [trust_frac(r["summary"]) for r in tr if r["method"] == base and r["lag"] == kmax and "summary" in r]
