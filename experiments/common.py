@@ -8,6 +8,7 @@ docs/RESULTS.md. Nothing here is imported by `jaxrl_llm`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -269,14 +270,16 @@ def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict
   """The small grid most tiny-policy scripts run: each run `r` of `runs` (a dict with a "seed") trains with
   `overrides(r)`, from the SFT warm start of its seed made once with `warm` (None: each run does its own SFT),
   and its summary gets `after(workdir)`; writes `<args.out>/<name>.json` ({**payload, "runs": ...}).
+  Warm starts are keyed by their overrides, so scripts that warm-start alike share one in a workdir.
   `--dry-run` prints the runs."""
   if args.dry_run:
     for r in runs:
       print(r)
     return ""
   enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
+  tag = hashlib.sha1(json.dumps(warm, sort_keys=True).encode()).hexdigest()[:10]
   starts = {} if warm is None else {
-      s: warm_start(args.base, {**warm, "seed": s}, os.path.join(args.workdir, "warm", f"{name}_s{s}"))
+      s: warm_start(args.base, {**warm, "seed": s}, os.path.join(args.workdir, "warm", f"seeded_{tag}_s{s}"))
       for s in sorted({r["seed"] for r in runs})}
   results = []
   for i, r in enumerate(runs):

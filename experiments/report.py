@@ -977,9 +977,7 @@ def kv_compression_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
     rs = [r for r in ok if r["method"] == m]
     lines.append(f"| {m} | {fmt(cell(rs, 'reward_mean_last'))} | {fmt(cell(rs))} | "
                  f"{fmt(cell(rs, 'eval_accuracy_initial'))} | {fmt(cell(rs, 'mismatch_abs_mean'), 5)} |")
-  errors = [r for r in doc.get("runs", []) if "error" in r]
-  if errors:
-    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  lines += rejected(doc)
   dead = [r for r in ok if (r["summary"].get("reward_mean_last") or 0.0) < 1e-3
           and (r["summary"].get("eval_accuracy_initial") or 0.0) > 0]
   if dead:
@@ -1032,9 +1030,7 @@ def routing_replay_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
       acc[a, lag] = cell(rs)
       lines.append(f"| {a} | {lag} | {fmt(acc[a, lag])} | {fmt(cell(rs, 'eval_accuracy_initial'))} | "
                    f"{fmt(cell(rs, 'reward_mean_last'))} | {fmt(cell(rs, 'mismatch_abs_mean'), 5)} |")
-  errors = [r for r in doc.get("runs", []) if "error" in r]
-  if errors:
-    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  lines += rejected(doc)
   lines.append("")
   claims = []
   if not lags:
@@ -1092,9 +1088,7 @@ def mu_grpo_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
     acc[a], step[a] = cell(rs), cell(rs, "time_step_s")
     lines.append(f"| {a} | {fmt(acc[a])} | {fmt(cell(rs, 'eval_accuracy_initial'))} | "
                  f"{fmt(cell(rs, 'reward_mean_last'))} | {fmt(step[a])} |")
-  errors = [r for r in doc.get("runs", []) if "error" in r]
-  if errors:
-    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  lines += rejected(doc)
   lines.append("")
   claims = []
   if "grpo" in acc and "mu_grpo" in acc:
@@ -1128,9 +1122,7 @@ def method_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
     shown = ", ".join(f"`{k}={v}`" for k, v in over.items())
     lines.append(f"| {c} | {shown} | {fmt(acc[c])} | {fmt(cell(rs, 'eval_accuracy_initial'))} | "
                  f"{fmt(cell(rs, 'reward_mean_last'))} |")
-  errors = [r for r in doc.get("runs", []) if "error" in r]
-  if errors:
-    lines += ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"]
+  lines += rejected(doc)
   lines.append("")
   claims = []
   for text, source, a, b, rule in doc.get("claims", []):
@@ -1207,6 +1199,12 @@ def a3po_time_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
                         f"{saving:.1%} (rule: ≥ {A3PO_SAVING / 2:.0%} and 2 se); the tiny model's forward is a smaller "
                         "share of a step than an LLM's"))
   return lines, claims
+
+
+def rejected(doc) -> list[str]:
+  """The lines saying how many of a document's runs their config rejected, and the first reason ([] if none)."""
+  errors = [r for r in doc.get("runs", []) if "error" in r]
+  return ["", f"{len(errors)} run(s) rejected: {errors[0]['error']}"] if errors else []
 
 
 def claim(text: str, source: str, verdict: bool | str | None, evidence: str) -> dict:

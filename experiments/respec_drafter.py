@@ -49,7 +49,8 @@ def main(argv=None) -> str:
   over = lambda r: {**BASE, **ARMS[r["arm"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every}
   return common.run_seeded("respec_drafter", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": BASE, "arms": ARMS}, warm=BASE, after=acceptance)
+      "base_overrides": BASE, "arms": ARMS}, after=acceptance,
+      warm={k: v for k, v in BASE.items() if not k.startswith("sampler.")})  # the SFT needs no drafter
 
 
 if __name__ == "__main__":

@@ -33,6 +33,16 @@ def _verdict(text, claim_start):
   return line.split("**")[1]
 
 
+def _render(tmp_path, name: str, doc: dict) -> str:
+  """RESULTS.md rendered from one synthetic results document `name`.json (a fresh folder per call)."""
+  results = tmp_path / f"results_{len(list(tmp_path.glob('results_*')))}"
+  results.mkdir()
+  (results / f"{name}.json").write_text(json.dumps(doc))
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(results), "--out", str(out)])
+  return out.read_text()
+
+
 def test_drops_rule_golden_values():
   a = report.stats([0.50, 0.52])  # mean 0.51, std 0.01414, se 0.01
   b = report.stats([0.40, 0.42])
@@ -637,12 +647,7 @@ def test_a_fall_within_the_noise_is_undecided_not_a_no(tmp_path):
   for r in doc["runs"]:
     if r["method"] == "grpo" and r["lag"] == 4:
       r["summary"]["eval_accuracy_late"] = 0.80 + next(spread)
-  results = tmp_path / "results"
-  results.mkdir()
-  (results / "agent_staleness.json").write_text(json.dumps(doc))
-  out = tmp_path / "RESULTS.md"
-  report.main(["--results", str(results), "--out", str(out)])
-  text = out.read_text()
+  text = _render(tmp_path, "agent_staleness", doc)
   assert _verdict(text, "GRPO degrades as staleness grows (guess_number") == "undecided at this noise"
   assert _verdict(text, "m2po stays stable where GRPO degrades (guess_number") == "not testable here"
   assert "did not degrade past 2 se" in text
@@ -762,29 +767,13 @@ def test_routing_replay_section_verdicts_follow_the_numbers(tmp_path):
   undecided."""
   hi, lo = (0.50, 0.52, 0.48), (0.20, 0.21, 0.19)
   acc = {("none", 0): lo, ("R3", 0): lo, ("R2", 0): lo, ("none", 8): lo, ("R3", 8): hi, ("R2", 8): (0.10, 0.70, 0.40)}
-  results = tmp_path / "results"
-  results.mkdir()
-  (results / "routing_replay.json").write_text(json.dumps(_routing_doc(acc)))
-  out = tmp_path / "RESULTS.md"
-  report.main(["--results", str(results), "--out", str(out)])
-  text = out.read_text()
+  text = _render(tmp_path, "routing_replay", _routing_doc(acc))
   assert _verdict(text, "Routing replay (R3) is needed") == "reproduces"
   assert _verdict(text, "R2 beats R3 at low") == "does not reproduce"
   assert _verdict(text, "R3 beats R2 at high") == "undecided at this noise"
   assert "| R3 | 8 | 0.500 ± 0.012 (n=3) |" in text
-  (results / "routing_replay.json").write_text(json.dumps(_routing_doc(acc, init=0.3)))  # RL did not learn at lag 0
-  report.main(["--results", str(results), "--out", str(out)])
-  text = out.read_text()
+  text = _render(tmp_path, "routing_replay", _routing_doc(acc, init=0.3))  # RL did not learn at lag 0
   assert all(_verdict(text, c) == "not testable here" for c in ("Routing replay (R3) is needed", "R2 beats R3"))
-
-
-def test_two_step_routing_replay_run_writes_results(tmp_path):
-  from experiments import routing_replay
-  path = routing_replay.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--arms", "R2", "--sft-steps", "5",
-                              "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])
-  doc = json.load(open(path))
-  assert [(r["arm"], r["lag"]) for r in doc["runs"]] == [("R2", 0), ("R2", 8)]
-  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
 
 
 def test_mu_grpo_section_verdicts_follow_the_numbers(tmp_path):
@@ -798,23 +787,9 @@ def test_mu_grpo_section_verdicts_follow_the_numbers(tmp_path):
             "arms": {"grpo": {}, "mu_grpo": {"rollout.lag": 25}}, "runs": runs}
   for (mu_acc, mu_step), v_acc, v_speed in ((((0.49, 0.51, 0.50), 0.5), "reproduces", "reproduces"),
                                             (((0.20, 0.21, 0.19), 0.9), "does not reproduce", "does not reproduce")):
-    results = tmp_path / f"results_{v_acc[:4]}"
-    results.mkdir()
-    (results / "mu_grpo.json").write_text(json.dumps(doc(mu_acc, mu_step)))
-    out = tmp_path / "RESULTS.md"
-    report.main(["--results", str(results), "--out", str(out)])
-    text = out.read_text()
+    text = _render(tmp_path, "mu_grpo", doc(mu_acc, mu_step))
     assert _verdict(text, "μ-GRPO in a few large stages matches") == v_acc
     assert _verdict(text, "μ-GRPO's staged schedule trains faster") == v_speed
-
-
-def test_two_step_mu_grpo_run_writes_results(tmp_path):
-  from experiments import mu_grpo
-  path = mu_grpo.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
-                       "--workdir", str(tmp_path / "wd")])
-  doc = json.load(open(path))
-  assert [r["arm"] for r in doc["runs"]] == ["grpo", "mu_grpo"] and doc["arms"]["mu_grpo"]["rollout.lag"] == 1
-  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
 
 
 def test_a3po_time_section_verdict_follows_the_numbers(tmp_path):
@@ -828,12 +803,7 @@ def test_a3po_time_section_verdict_follows_the_numbers(tmp_path):
             "arms": {"decoupled_ppo": {}, "a3po": {}},
             "runs": runs}
   for t, want in ((0.8, "reproduces"), (0.97, "does not reproduce")):
-    results = tmp_path / f"r{t}"
-    results.mkdir()
-    (results / "a3po_time.json").write_text(json.dumps(doc(t)))
-    out = tmp_path / "RESULTS.md"
-    report.main(["--results", str(results), "--out", str(out)])
-    assert _verdict(out.read_text(), "A-3PO cuts training time") == want
+    assert _verdict(_render(tmp_path, "a3po_time", doc(t)), "A-3PO cuts training time") == want
 
 
 def test_two_step_a3po_time_run_writes_results(tmp_path):
@@ -854,31 +824,29 @@ def test_method_claims_section_applies_each_claims_rule(tmp_path):
          "cells": {"a": {"loss.name": "x"}, "b": {"loss.name": "y"}},
          "claims": [["A beats B", "src", "a", "b", "exceeds"], ["B is as good as A", "src", "b", "a", "within"]],
          "runs": runs}
-  results = tmp_path / "results"
-  results.mkdir()
-  (results / "method_claims.json").write_text(json.dumps(doc))
-  out = tmp_path / "RESULTS.md"
-  report.main(["--results", str(results), "--out", str(out)])
-  text = out.read_text()
+  text = _render(tmp_path, "method_claims", doc)
   assert _verdict(text, "A beats B") == "reproduces" and _verdict(text, "B is as good as A") == "does not reproduce"
   assert "| a | `loss.name=x` | 0.500 ± 0.012 (n=3) |" in text
 
 
-def test_two_step_method_claims_run_writes_results(tmp_path):
-  from experiments import method_claims
-  path = method_claims.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--cells", "alp_bf16,sat_lag8",
-                             "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])
-  doc = json.load(open(path))
+def test_two_step_runs_of_the_seeded_scripts(tmp_path):
+  """Two steps of each arm of routing_replay, mu_grpo, method_claims and respec_drafter over one workdir (mu_grpo and
+  method_claims warm-start alike, so they share one SFT); respec's rows hold the acceptance the report reads, and
+  its section's verdict follows the numbers."""
+  from experiments import method_claims, mu_grpo, respec_drafter, routing_replay
+  common = ["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
+            "--workdir", str(tmp_path / "wd")]
+  doc = json.load(open(routing_replay.main(common + ["--arms", "R2", "--sft-steps", "5"])))
+  assert [(r["arm"], r["lag"]) for r in doc["runs"]] == [("R2", 0), ("R2", 8)]
+  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+  doc = json.load(open(mu_grpo.main(common)))
+  assert [r["arm"] for r in doc["runs"]] == ["grpo", "mu_grpo"] and doc["arms"]["mu_grpo"]["rollout.lag"] == 1
+  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+  doc = json.load(open(method_claims.main(common + ["--cells", "alp_bf16,sat_lag8"])))
   assert [r["cell"] for r in doc["runs"]] == ["alp_bf16", "sat_lag8"]
   assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
-
-
-def test_two_step_respec_drafter_run_and_its_verdict(tmp_path):
-  """Two steps of each arm record the acceptance the report reads; the section's verdict follows the numbers."""
-  from experiments import respec_drafter
-  path = respec_drafter.main(["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
-                              "--workdir", str(tmp_path / "wd")])
-  doc = json.load(open(path))
+  assert len(list((tmp_path / "wd" / "warm").iterdir())) == 1  # one SFT for both
+  doc = json.load(open(respec_drafter.main(common)))
   assert [r["arm"] for r in doc["runs"]] == ["layers", "distilled"]
   assert all(0.0 <= r["summary"]["accept_last"] <= 1.0 for r in doc["runs"]), doc["runs"]
   for s in range(3):  # synthetic seeds: the distilled drafter accepts 0.2 more
@@ -886,9 +854,4 @@ def test_two_step_respec_drafter_run_and_its_verdict(tmp_path):
                                                           "eval_accuracy_late": 0.5}}
                     for a, v in (("layers", 0.3), ("distilled", 0.5))]
   doc["runs"] = doc["runs"][2:]
-  results = tmp_path / "results"
-  results.mkdir()
-  (results / "respec_drafter.json").write_text(json.dumps(doc))
-  out = tmp_path / "RESULTS.md"
-  report.main(["--results", str(results), "--out", str(out)])
-  assert _verdict(out.read_text(), "Distilling the drafter on rollouts raises") == "reproduces"
+  assert _verdict(_render(tmp_path, "respec_drafter", doc), "Distilling the drafter on rollouts raises") == "reproduces"

@@ -176,7 +176,8 @@ class _SwitchScores:
 
   def __call__(self, version: int, out: dict) -> None:
     snap = self.snapshot(version)
-    assert snap is not None, f"version {version} stopped sampling but is not held"
+    if snap is None:  # the poller releases a superseded snapshot only at the call after the switch
+      raise RuntimeError(f"partial rollout: version {version} stopped sampling but its snapshot is not held")
     mask = np.asarray(out["mask_BN"])
     routes = out.get("routes_BTLk")
     logp = np.asarray(self.score_fn(old_logp.learner_copy(snap), out["sequence_BT"], out["positions_BT"],
