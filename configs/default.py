@@ -43,9 +43,11 @@ def get_config():
   c.model.capacity_factor = 0.0  # MoE expert capacity; 0 = dropless
   c.model.router_aux_coef = 0.01  # MoE load-balancing loss weight
   # MoE only: True / "R3" the learner replays the sampler's expert ids; "R2" those of its own forward at the step
-  # start, in every update of the step (optim.minibatches / epochs > 1); False: each forward routes afresh. Any type,
-  # as remat below, so --config.model.routing_replay=R2 is taken.
+  # start, in every update of the step (optim.minibatches / epochs > 1); "PR2" the sampler routes with each router
+  # predicted pr2_horizon updates ahead and the learner replays those ids; False: each forward routes afresh. Any
+  # type, as remat below, so --config.model.routing_replay=R2 is taken.
   c.model.routing_replay = ml_collections.FieldReference(True, field_type=object)  # MoE expert ids replayed
+  c.model.pr2_horizon = 1  # PR2: updates ahead the sampler's routers are predicted (jaxrl_llm/route_predictor.py)
   # Recompute in the backward pass: False/"none", True/"full" (each layer), "dots" (matmul outputs kept), "auto"
   # ("none" when the step's estimated memory fits memory_budget_gb, else "full"; jaxrl_llm/memory.py). Any type:
   # ml_collections would otherwise pin the field to bool and refuse --config.model.remat=auto.

@@ -62,6 +62,8 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qlora": ("QLoRA (model.lora.base_quantize='int8')",
               {"model.lora.rank": 4, "model.lora.alpha": 8.0, "model.lora.base_quantize": "int8"}),
     "moe": ("an MoE model (model.num_experts 4, routing replay on)", {"model.num_experts": 4}),
+    "pr2": ("an MoE model with predictive routing replay (model.routing_replay='PR2')",
+            {"model.num_experts": 4, "model.routing_replay": "PR2"}),
     "packing": ("the packed learner (optim.pack_width; wide enough for a harness row)", {"optim.pack_width": 640}),
     "grad_accum": ("micro-batches (optim.grad_accum 2)", {"optim.grad_accum": 2}),
     "kl_ref": ("a KL term to the reference policy (loss.kl_coef)", {"loss.kl_coef": 0.05}),

@@ -38,7 +38,7 @@ SPEC_LAYOUTS = ("min", "rows")
 ABSENT_DEFAULTS = {
     "task.held_out": 0.0, "task.chat_template": "auto", "task.system_prompt": "",
     "model.num_experts": 0, "model.routing_replay": True, "model.layer_unroll": 0, "model.decode_unroll": True,
-    "model.memory_budget_gb": 0.0,
+    "model.memory_budget_gb": 0.0, "model.pr2_horizon": 1,
     "model.lora.rank": 0, "model.lora.dropout": 0.0, "model.lora.base_quantize": "none",
     "sampler.behavior_topk": 0, "sampler.mc_samples": 0,
     "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
@@ -313,22 +313,32 @@ def _validate_model(c: ml_collections.ConfigDict) -> None:
   rr = read(c, "model.routing_replay")
   _need(isinstance(rr, bool) or rr in ROUTING_REPLAY, "model.routing_replay", rr,
         f"must be a bool (True = 'R3') or one of {ROUTING_REPLAY}")
+  h = read(c, "model.pr2_horizon")
+  _need(isinstance(h, int) and not isinstance(h, bool) and h >= 1, "model.pr2_horizon", h,
+        "must be an int >= 1 (updates the PR2 router prediction looks ahead)")
   budget = read(c, "model.memory_budget_gb")
   _need(isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget >= 0,
         "model.memory_budget_gb", budget, "must be a number >= 0 (decimal GB per device; 0 = from the machine)")
 
 
-ROUTING_REPLAY = ("R3", "R2")  # `model.routing_replay` besides a bool
+ROUTING_REPLAY = ("R3", "R2", "PR2")  # `model.routing_replay` besides a bool
 
 
 def routing_replay_mode(c: ml_collections.ConfigDict) -> str:
   """Which expert ids an MoE learner replays (`model.routing_replay`): "R3" (True) the sampler's, recorded at
   rollout; "R2" those of the learner's own forward at the step start (π_old in the training engine), replayed by
-  the step's later updates (`optim.minibatches` / `optim.epochs` > 1); "off" (False) none. Dense models: "off"."""
+  the step's later updates (`optim.minibatches` / `optim.epochs` > 1); "PR2" the sampler's, which it routed with
+  each router predicted `model.pr2_horizon` updates ahead (`jaxrl_llm.route_predictor`); "off" (False) none.
+  Dense models: "off"."""
   rr = read(c, "model.routing_replay")
   if not read(c, "model.num_experts") or rr is False:
     return "off"
   return "R3" if rr is True else rr
+
+
+def replays_sampler_routes(c: ml_collections.ConfigDict) -> bool:
+  """Whether the sampler records its expert ids for the learner to replay: R3, and PR2 (predicted routes)."""
+  return routing_replay_mode(c) in ("R3", "PR2")
 
 
 def uses_reference(c: ml_collections.ConfigDict) -> bool:

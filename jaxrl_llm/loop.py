@@ -199,7 +199,12 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   if ro.stat("time_generate_s"):
     info["time_sampler_tokens_per_s"] = ro.stat("generated_tokens", n_tok) / ro.stat("time_generate_s")
   if not m["update_skipped"]:
-    store.publish(state.params)
+    if r.route_predictor is None:
+      store.publish(state.params)
+    else:  # PR2: the sampler routes with the routers predicted a few updates ahead
+      sampler_params, info["pr2_router_shift"] = r.route_predictor(state)
+      store.publish(state.params, sampler_params=sampler_params)
+      info["pr2_router_shift"] = float(info["pr2_router_shift"])
     if extra["ewma"] is not None:
       extra["ewma"] = ewma_update(extra["ewma"], state.params, r.c.rollout.ewma_beta)
   if r.drafter is not None:  # distil the speculative drafter on this batch towards the new policy (ReSpec)

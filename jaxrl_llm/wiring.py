@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import learner, losses, multiprocess, packing, sft
+from jaxrl_llm import learner, losses, multiprocess, packing, route_predictor, sft
 from jaxrl_llm.distill import opd  # also registers the loss needs OPD provides with config.validate
 from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.distill.drafter import DrafterDistill
@@ -65,7 +65,7 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
                          partial_chunk=ro.partial_chunk,
                          prox_in_worker=ro.prox_in_worker, replay=replay,
                          score_at_switch=config_lib.read(c, "rollout.score_at_switch"),
-                         routing_replay=config_lib.routing_replay_mode(c) == "R3",
+                         routing_replay=config_lib.replays_sampler_routes(c),
                          env=env_settings(c), serve=serve_settings(c))
 
 
@@ -288,6 +288,7 @@ class Run(NamedTuple):
   remat_auto: dict | None = None  # model.remat="auto": the decision and its estimate (`memory.RematChoice.record`)
   drafter: Any = None  # None, or the distilled speculative drafter's distillation (`DrafterDistill`); its
   # state lives in the loop's `extra["drafter"]`, its parameters in `ctx.gen.drafter` for the sampler
+  route_predictor: Any = None  # PR2: state -> (the params the sampler routes with, router shift); else None
 
 
 def drafter_distill(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> DrafterDistill | None:
@@ -386,11 +387,13 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   drafter = drafter_distill(c, model_cfg)
   gen = Generation(task=task, train_examples=train_examples, width=P, model_cfg=sampler_model_cfg, sampler_cfg=samp_cfg,
                    key_root=k_sample, seed=c.seed, encoder=encoder, reward=reward_policy(c),
-                   keep_routes=config_lib.routing_replay_mode(c) == "R3", mesh=mesh_kw.get("sampler_mesh"),
+                   keep_routes=config_lib.replays_sampler_routes(c), mesh=mesh_kw.get("sampler_mesh"),
                    slots=config_lib.read(c, "rollout.slots"), slot_chunk=config_lib.read(c, "rollout.slot_chunk"),
                    drafter=None if drafter is None else DrafterSlot(), gamma_tuner=_gamma_tuner(samp_cfg),
                    budget=TokenBudget() if getattr(batch_extras, "adwin_cfg", None) is not None else None)
-  return Run(drafter=drafter, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
+  predictor = route_predictor.make_predictor(tx, c.model.pr2_horizon) \
+      if config_lib.routing_replay_mode(c) == "PR2" else None
+  return Run(drafter=drafter, route_predictor=predictor, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,
              ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped,
@@ -508,7 +511,9 @@ def new_store(run: Run) -> ParamStore:
   # π_old is recomputed from a learner copy when the sampler's differs in dtype, or lives on one replica
   # per process (async over several processes), whose programs are not the learner's SPMD ones.
   replicas = sampler_replicas(c)  # each process's own replica
-  differs = sampler_dtype is not None or transform is not None or replicas
+  # PR2: the sampler's routers are predicted ones, so π_old is scored by the learner's own copy.
+  differs = sampler_dtype is not None or transform is not None or replicas or \
+      config_lib.routing_replay_mode(c) == "PR2"
   return ParamStore(keep_last=sources.retention(run.ctx.settings), sampler_dtype=sampler_dtype,
                     keep_learner_copy=differs and c.rollout.old_logp == "recompute", sampler_transform=transform,
                     sampler_shardings=run.sampler_shardings, weight_sync=c.rollout.weight_sync,

@@ -127,15 +127,18 @@ class ParamStore:
     with self._lock:
       return sorted(self._snaps)
 
-  def publish(self, params, version: int | None = None) -> int:
-    """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it."""
+  def publish(self, params, version: int | None = None, sampler_params=None) -> int:
+    """Stores a copy of `params` as the next version (or `version`, e.g. on resume) and returns it.
+    `sampler_params`: what the sampler runs instead, when it differs from the learner's (PR2's predicted routers;
+    the learner copy, for π_old, is still `params`)."""
     with self._publish_lock:  # the copies are made outside `_lock`: workers keep acquiring meanwhile
       adapters = None
       if lora.has_adapters(params):
         sampler, learner, adapters = self._lora_copies(params)
       else:
-        sampler = self.sampler_copy(params) if self._link is None else \
-            self._transform(self._link.sync(params, self._sampler_shardings))
+        sent = params if sampler_params is None else sampler_params
+        sampler = self.sampler_copy(sent) if self._link is None else \
+            self._transform(self._link.sync(sent, self._sampler_shardings))
         learner = copy_tree(params) if self._keep_learner else None
       worker = self._worker_copy(sampler)
       with self._lock:
