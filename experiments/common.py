@@ -266,28 +266,36 @@ def run_cells(name: str, script: str, runs: list[dict], key_fields: tuple[str, .
 
 
 def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict, warm: dict | None = None,
-               after=None) -> str:
+               after=None, group=None) -> str:
   """The small grid most tiny-policy scripts run: each run `r` of `runs` (a dict with a "seed") trains with
   `overrides(r)`, from the SFT warm start of its seed made once with `warm` (None: each run does its own SFT),
   and its summary gets `after(workdir)`; writes `<args.out>/<name>.json` ({**payload, "runs": ...}).
-  Warm starts are keyed by their overrides, so scripts that warm-start alike share one in a workdir.
+  `group(r)` = (base config, warm) replaces (`args.base`, `warm`) for runs of several base configs.
+  Warm starts are keyed by their base and overrides, so scripts that warm-start alike share one in a workdir.
   `--dry-run` prints the runs."""
   if args.dry_run:
     for r in runs:
       print(r)
     return ""
   enable_compile_cache(os.path.join(args.workdir, "xla_cache"))
-  tag = hashlib.sha1(json.dumps(warm, sort_keys=True).encode()).hexdigest()[:10]
-  starts = {} if warm is None else {
-      s: warm_start(args.base, {**warm, "seed": s}, os.path.join(args.workdir, "warm", f"seeded_{tag}_s{s}"))
-      for s in sorted({r["seed"] for r in runs})}
+  group = group or (lambda r: (args.base, warm))
+  starts: dict[str, str] = {}
+
+  def start(base: str, w: dict, seed: int) -> str:
+    tag = hashlib.sha1(json.dumps(w, sort_keys=True).encode()).hexdigest()[:10]
+    key = f"seeded_{tag}_s{seed}"
+    if key + base not in starts:
+      starts[key + base] = warm_start(base, {**w, "seed": seed}, os.path.join(args.workdir, "warm", key))
+    return starts[key + base]
+
   results = []
   for i, r in enumerate(runs):
+    base, w = group(r)
     over = overrides(r)
-    if warm is not None:
-      over = {**over, "model.init_from": starts[r["seed"]], "sft.steps": 0}
+    if w is not None:
+      over = {**over, "model.init_from": start(base, w, r["seed"]), "sft.steps": 0}
     wd = os.path.join(args.workdir, name, "_".join(str(v) for v in r.values()))
-    out = run_one(args.base, over, wd)
+    out = run_one(base, over, wd)
     if after is not None and "summary" in out:
       out["summary"].update(after(wd))
     results.append({**r, **out})

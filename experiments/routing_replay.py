@@ -8,8 +8,9 @@ the training reward of the last fifth of the steps, and the mean |log π_old −
 what replay is meant to shrink).
 
 Claims decided (`experiments/report.py`, `routing_replay_section`): routing replay is needed off-policy (R3 vs
-none at lag 8; R3 paper, arXiv 2510.11370) and Qwen's finding that R2 does better at low off-policiness and R3
-at high (lag 0 vs lag 8).
+none at lag 8; R3 paper, arXiv 2510.11370), Qwen's finding that R2 does better at low off-policiness and R3
+at high (lag 0 vs lag 8), and PR2's (arXiv 2606.00395): routing with routers predicted `lag` updates ahead
+(`jaxrl_llm/route_predictor.py`) beats R3 at lag 8 and brings μ closer to the policy it trains (KL(μ ‖ π_θ)).
 
     python -m experiments.routing_replay           # CI-sized
     python -m experiments.routing_replay --full
@@ -18,6 +19,9 @@ Writes experiments/results/routing_replay.json; `python -m experiments.report` r
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 from experiments import common
 
@@ -29,7 +33,9 @@ ARCH = {"model.num_experts": 4, "model.experts_per_token": 2}  # the warm start 
 # move it, so no replay claim is testable.
 SFT_STEPS = 500
 ARMS = {"none": {"model.routing_replay": False}, "R3": {"model.routing_replay": "R3"},
-        "R2": {"model.routing_replay": "R2"}}
+        "R2": {"model.routing_replay": "R2"}, "PR2": {"model.routing_replay": "PR2"}}
+# PR2 predicts each router as many updates ahead as a sample waits at this lag (one update per step here).
+ARM_AT_LAG = {"PR2": lambda lag: {"model.pr2_horizon": max(1, lag)}}
 SETTINGS = {
     "ci": {"steps": 100, "eval_every": 25, "seeds": 3, "lags": [0, 8]},
     "full": {"steps": 400, "eval_every": 25, "seeds": 5, "lags": [0, 4, 16]},
@@ -38,7 +44,9 @@ SETTINGS = {
 
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
-  p.add_argument("--arms", default="", help="comma-separated subset of none,R3,R2")
+  p.add_argument("--arms", default="", help="comma-separated subset of none,R3,R2,PR2")
+  p.add_argument("--merge", action="store_true",
+                 help="keep the results file's runs of the arms not run now (adding an arm to a finished grid)")
   p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="each run's SFT warm start")
   args = p.parse_args(argv)
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
@@ -46,11 +54,25 @@ def main(argv=None) -> str:
   runs = [{"arm": a, "lag": lag, "seed": s} for s in range(seeds) for lag in setting["lags"] for a in arms]
   # Each run does its own SFT warm start (the same for every arm of a seed): an MoE policy has no Hugging Face
   # family to export a shared warm start to (`models.hf`).
-  over = lambda r: {**BASE, **ARCH, **ARMS[r["arm"]], "rollout.lag": r["lag"], "seed": r["seed"],
-                    "num_steps": steps, "eval.every": eval_every, "sft.steps": args.sft_steps}
-  return common.run_seeded("routing_replay", args, argv, runs, over, {
+  over = lambda r: {**BASE, **ARCH, **ARMS[r["arm"]], **ARM_AT_LAG.get(r["arm"], lambda _: {})(r["lag"]),
+                    "rollout.lag": r["lag"], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
+                    "sft.steps": args.sft_steps}
+  path = os.path.join(args.out, "routing_replay.json")
+  kept, earlier = [], None
+  if args.merge and os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    kept = [r for r in old["runs"] if r["arm"] not in arms]
+    earlier = {"command": old.get("command"), "commit": old.get("commit"), "arms": sorted({r["arm"] for r in kept})}
+  out = common.run_seeded("routing_replay", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
       "base_overrides": {**BASE, **ARCH, "sft.steps": args.sft_steps}, "arms": ARMS, "lags": setting["lags"]})
+  if kept and out:
+    with open(out) as f:
+      doc = json.load(f)
+    doc["runs"], doc["earlier_runs"] = kept + doc["runs"], earlier  # where the kept arms' runs came from
+    out = common.write_results("routing_replay", doc, args.out, argv)
+  return out
 
 
 if __name__ == "__main__":

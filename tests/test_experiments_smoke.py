@@ -54,6 +54,8 @@ def test_drops_rule_golden_values():
   assert report.drops(report.stats([0.5]), report.stats([0.46]))  # one seed: the margin alone
   assert not report.drops(report.stats([0.5]), report.stats([0.48]))
   assert report.trust_frac({"clip_frac_mean": 0.1, "mask_frac_mean": 0.3, "ratio_max": 9.0}) == 0.3
+  # the learner's padding is no trust region (it made GRPO look as masked as M2PO in the agent rows)
+  assert report.trust_frac({"clip_frac_mean": 0.1, "learner_pad_frac_mean": 0.35}) == 0.1
 
 
 def test_report_verdicts_follow_the_numbers(tmp_path):
@@ -653,6 +655,31 @@ def test_a_fall_within_the_noise_is_undecided_not_a_no(tmp_path):
   assert "did not degrade past 2 se" in text
 
 
+def test_tiny_staleness_claims_pair_by_seed_and_the_real_grid_does_not(tmp_path):
+  """Seeds whose warm starts spread over 0.2..0.8, each falling by 0.05 at lag 32: the cell means' noise covers
+  the fall (undecided), the per-seed differences decide it. The real grid (one checkpoint for every seed) keeps
+  comparing means. A correction that falls far is unstable even where GRPO did not degrade."""
+  runs = []
+  for seed, start in enumerate((0.2, 0.5, 0.8)):
+    runs += [_run("arithmetic", "grpo", 0, seed, start), _run("arithmetic", "grpo", 32, seed, start - 0.05 - 0.001 * seed),
+             _run("arithmetic", "m2po", 0, seed, start), _run("arithmetic", "m2po", 32, seed, start - 0.30)]
+  doc = {**_staleness_doc(0.4), "seeds": 3, "runs": runs}
+  text = _render(tmp_path, "staleness_ablation", doc)
+  assert _verdict(text, "GRPO degrades as staleness grows (arithmetic") == "reproduces"
+  assert "per-seed difference 0.051 ± 0.001 (n=3)" in text
+  for r in runs:
+    r["task"] = "arithmetic_chat"
+  real = _render(tmp_path, "staleness_smollm2", {**doc, "experiment": "staleness_smollm2"})
+  assert _verdict(real, "GRPO degrades as staleness grows (arithmetic_chat") == "undecided at this noise"
+  for r in runs:  # GRPO holds; m2po still falls by 0.30 in every seed
+    if r["method"] == "grpo" and r["lag"] == 32:
+      r["summary"]["eval_accuracy_late"] += 0.05
+    r["task"] = "arithmetic"
+  text = _render(tmp_path, "staleness_ablation", doc)
+  assert _verdict(text, "GRPO degrades as staleness grows (arithmetic") == "does not reproduce"
+  assert _verdict(text, "m2po stays stable where GRPO degrades (arithmetic") == "does not reproduce"
+
+
 def test_agent_staleness_dry_run_plans_valid_configs(capsys):
   agent_staleness.main(["--dry-run", "--methods", "grpo,decoupled_ppo", "--lags", "0,4", "--seeds", "3"])
   planned = [l for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
@@ -671,6 +698,11 @@ def test_two_step_agent_staleness_run_writes_results(tmp_path):
   assert r["summary"]["num_steps"] == 2 and r["summary"]["lag_max"] == 1
   assert r["summary"]["eval_accuracy_initial"] == r["episodes"]["eval_episode_success_initial"]
   assert doc["reference"]["optimal"] == 1.0 and 0.6 < doc["reference"]["consistent"] < 0.95
+  from experiments import agent_claims  # the same base config and workdir: EPO's two steps reuse the compile cache
+  doc = json.load(open(agent_claims.main(["--steps", "2", "--seeds", "1", "--cells", "epo", "--sft-steps", "5",
+                                          "--out", str(tmp_path / "res"), "--workdir", str(tmp_path / "wd")])))
+  (r,) = doc["runs"]
+  assert r["cell"] == "epo" and r["summary"]["num_steps"] == 2, r
 
 
 def _kv_doc(smd_rewards, tis_rewards):
@@ -776,6 +808,19 @@ def test_routing_replay_section_verdicts_follow_the_numbers(tmp_path):
   assert all(_verdict(text, c) == "not testable here" for c in ("Routing replay (R3) is needed", "R2 beats R3"))
 
 
+def test_routing_replay_section_pr2_claims(tmp_path):
+  """PR2 as good as R3 does not beat it; its KL(μ ‖ π_θ) 30 % below R3's in every seed is "closer"; 5 % is not."""
+  lo = (0.20, 0.21, 0.19)
+  doc = _routing_doc({("none", 0): lo, ("R3", 8): lo, ("PR2", 8): lo})
+  doc["arms"]["PR2"] = {}
+  for pr2_kl, want in ((0.007, "reproduces"), (0.0095, "does not reproduce")):
+    for r in doc["runs"]:
+      r["summary"]["kl_mu_k3_mean"] = (pr2_kl if r["arm"] == "PR2" else 0.010) + 0.0001 * r["seed"]
+    text = _render(tmp_path, "routing_replay", doc)
+    assert _verdict(text, "Predictive routing replay (PR2) beats R3") == "does not reproduce"
+    assert _verdict(text, "PR2 brings the sampler's μ closer") == want
+
+
 def test_mu_grpo_section_verdicts_follow_the_numbers(tmp_path):
   """μ-GRPO within the margin of GRPO's accuracy matches it; 2× the steps/s is faster; far below does not match."""
   def doc(mu_acc, mu_step):
@@ -829,11 +874,89 @@ def test_method_claims_section_applies_each_claims_rule(tmp_path):
   assert "| a | `loss.name=x` | 0.500 ± 0.012 (n=3) |" in text
 
 
+def _cells_doc(name, acc: dict, claims, metric="eval_accuracy_late", **extra):
+  runs = [{"cell": c, "seed": s, "summary": {metric: v[s], "eval_accuracy_initial": 0.1, "reward_mean_last": 0.2}}
+          for c, v in acc.items() for s in range(len(v))]
+  return {"experiment": name, "command": f"python -m experiments.{name}", "commit": "abc",
+          "machine": {"cpu": "TestCPU", "cores": 2}, "setting": "ci", "steps": 100, "seeds": 3,
+          "cells": {c: {"loss.name": c} for c in acc}, "claims": claims, "runs": runs, **extra}
+
+
+def test_headline_staleness_stability_needs_the_baseline_to_degrade_unless_the_method_falls(tmp_path):
+  """A stability claim (`requires`) reproduces only where GRPO degrades at that lag; where GRPO holds it is not
+  testable, but a method that falls far below lag 0 fails it either way."""
+  from experiments import headline_staleness as hs
+  lag0, degraded, held = (0.50, 0.52, 0.48), (0.40, 0.41, 0.39), (0.50, 0.51, 0.48)
+  cases = [({"grpo_lag64": degraded, "vespo_lag64": (0.49, 0.52, 0.47)}, "reproduces"),
+           ({"grpo_lag64": held, "vespo_lag64": (0.49, 0.52, 0.47)}, "not testable here"),
+           ({"grpo_lag64": held, "vespo_lag64": (0.10, 0.12, 0.08)}, "does not reproduce")]
+  for acc, want in cases:
+    text = _render(tmp_path, "headline_staleness", _cells_doc("headline_staleness", {"grpo_lag0": lag0, **acc},
+                                                              hs.CLAIMS[:3]))
+    assert _verdict(text, "VESPO at lag 64 stays as good as GRPO on-policy") == want, acc
+
+
+def test_opd_claims_section_rules_below_and_mc_variance(tmp_path):
+  """"below" on a named metric (SDCC's drift), and the MC rows from the direct measurement: variance ratio under
+  0.5 in every seed reproduces; a bias far above var/draws does not."""
+  from experiments import opd_claims
+  claims = [c for c in opd_claims.CLAIMS if c[2] == "sdcc"]
+  mc = lambda bias: {"draws": 100, "J": [1, 4], "runs": [
+      {"seed": s, "var_J1": 1.0, "var_J4": 0.26, "bias_J1": 0.01, "bias_J4": bias} for s in range(3)]}
+  doc = _cells_doc("opd_claims", {"sdcc": (0.02, 0.03, 0.02), "sdcc_naive": (0.20, 0.25, 0.22)}, claims,
+                   metric="sdcc_kl_late", mc_variance=mc(0.0026), agent_steps=60)
+  text = _render(tmp_path, "opd_claims", doc)
+  assert _verdict(text, "SDCC lowers the logit drift") == "reproduces"
+  assert _verdict(text, "Multi-sample MC (J = 4) reduces") == "reproduces"
+  assert _verdict(text, "The multi-sample MC estimator stays unbiased") == "reproduces"
+  doc["mc_variance"] = mc(0.26)  # bias · draws / var = 100
+  assert _verdict(_render(tmp_path, "opd_claims", doc), "The multi-sample MC estimator stays unbiased") == \
+      "does not reproduce"
+  doc["runs"] = [{**r, "summary": {**r["summary"], "sdcc_kl_late": 0.2}} for r in doc["runs"]]
+  assert _verdict(_render(tmp_path, "opd_claims", doc), "SDCC lowers the logit drift") == "does not reproduce"
+
+
+def test_opd_claims_need_distillation_to_raise_accuracy(tmp_path):
+  """S²D far above Direct-OPD reproduces where reverse-KL OPD learns (initial 0.1 → 0.5); where it does not
+  (initial 0.5) the precondition fails and the comparison is not testable."""
+  from experiments import opd_claims
+  claims = [c for c in opd_claims.CLAIMS if c[2] in ("reverse_kl_lag0", "s2d_opd")][:2]
+  acc = {"reverse_kl_lag0": (0.50, 0.52, 0.48), "s2d_opd": (0.50, 0.52, 0.48), "direct_opd": (0.20, 0.21, 0.19)}
+  doc = _cells_doc("opd_claims", acc, claims, agent_steps=60)
+  text = _render(tmp_path, "opd_claims", doc)
+  assert _verdict(text, "On-policy distillation raises") == "reproduces"
+  assert _verdict(text, "S²D-OPD (top 10 %") == "reproduces"
+  for r in doc["runs"]:
+    r["summary"]["eval_accuracy_initial"] = 0.5
+  text = _render(tmp_path, "opd_claims", doc)
+  assert _verdict(text, "On-policy distillation raises") == "does not reproduce"
+  assert _verdict(text, "S²D-OPD (top 10 %") == "not testable here"
+
+
+def test_two_step_opd_claims_run_writes_cells_and_the_mc_measurement(tmp_path, monkeypatch):
+  """Two steps of one OPD cell and one SDCC cell at tiny sizes, then the MC variance measurement: J = 4's gradient
+  variance is below J = 1's."""
+  from experiments import opd_claims
+  tiny = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1, "model.head_dim": 16,
+          "model.d_ff": 64, "sft.steps": 3, "distill.teacher_d_model": 32, "distill.teacher_n_layers": 1,
+          "distill.teacher_sft_steps": 3, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+          "eval.num_prompts": 8}
+  monkeypatch.setattr(opd_claims, "OPD", tiny)
+  path = opd_claims.main(["--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"), "--workdir",
+                          str(tmp_path / "wd"), "--mc-draws", "16", "--cells", "reverse_kl_lag0,sdcc",
+                          "--agent-sft-steps", "5"])
+  doc = json.load(open(path))
+  assert [(r["cell"], r["summary"]["num_steps"]) for r in doc["runs"]] == [("reverse_kl_lag0", 2), ("sdcc", 2)]
+  assert doc["runs"][1]["summary"]["sdcc_kl_late"] is not None
+  (m,) = doc["mc_variance"]["runs"]
+  assert 0 < m["var_J4"] < m["var_J1"], m
+
+
 def test_two_step_runs_of_the_seeded_scripts(tmp_path):
-  """Two steps of each arm of routing_replay, mu_grpo, method_claims and respec_drafter over one workdir (mu_grpo and
-  method_claims warm-start alike, so they share one SFT); respec's rows hold the acceptance the report reads, and
+  """Two steps of each arm of routing_replay, mu_grpo, method_claims, headline_staleness and respec_drafter over one
+  workdir (mu_grpo, method_claims and headline_staleness warm-start alike, so they share one SFT); respec's rows hold the acceptance the report reads, and
   its section's verdict follows the numbers."""
-  from experiments import method_claims, mu_grpo, respec_drafter, routing_replay
+  from experiments import headline_staleness, method_claims, mu_grpo, respec_drafter, routing_replay
   common = ["--base", "tiny", "--steps", "2", "--seeds", "1", "--out", str(tmp_path / "res"),
             "--workdir", str(tmp_path / "wd")]
   doc = json.load(open(routing_replay.main(common + ["--arms", "R2", "--sft-steps", "5"])))
@@ -845,7 +968,9 @@ def test_two_step_runs_of_the_seeded_scripts(tmp_path):
   doc = json.load(open(method_claims.main(common + ["--cells", "alp_bf16,sat_lag8"])))
   assert [r["cell"] for r in doc["runs"]] == ["alp_bf16", "sat_lag8"]
   assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
-  assert len(list((tmp_path / "wd" / "warm").iterdir())) == 1  # one SFT for both
+  doc = json.load(open(headline_staleness.main(common + ["--cells", "m2po_lag256"])))
+  assert [(r["cell"], r["summary"]["num_steps"]) for r in doc["runs"]] == [("m2po_lag256", 2)]
+  assert len(list((tmp_path / "wd" / "warm").iterdir())) == 1  # one SFT for the three
   doc = json.load(open(respec_drafter.main(common)))
   assert [r["arm"] for r in doc["runs"]] == ["layers", "distilled"]
   assert all(0.0 <= r["summary"]["accept_last"] <= 1.0 for r in doc["runs"]), doc["runs"]
