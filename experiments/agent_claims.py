@@ -32,20 +32,9 @@ SETTINGS = {
 
 
 def main(argv=None) -> str:
-  p = common.base_parser(__doc__.splitlines()[0])
-  p.set_defaults(base=BASE_CONFIG)
-  p.add_argument("--cells", default="", help="comma-separated subset of the cells")
-  p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start steps (default: the config's; tests)")
-  args = p.parse_args(argv)
-  name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
-  cells = args.cells.split(",") if args.cells else list(CELLS)
-  runs = [{"cell": c, "seed": s} for s in range(seeds) for c in cells]
-  sft = {} if args.sft_steps is None else {"sft.steps": args.sft_steps}
-  over = lambda r: {**CELLS[r["cell"]], **sft, "seed": r["seed"], "num_steps": steps, "eval.every": eval_every}
   # No shared warm start: each run does its seed's SFT (deterministic: the same parameters for every cell).
-  return common.run_seeded("agent_claims", args, argv, runs, over, {
-      "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "cells": {c: CELLS[c] for c in cells}, "claims": CLAIMS})
+  return common.cell_grid("agent_claims", __doc__.splitlines()[0], argv, CELLS, CLAIMS, SETTINGS, {},
+                          base=BASE_CONFIG, sft_flag=True)
 
 
 if __name__ == "__main__":

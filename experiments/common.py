@@ -305,6 +305,29 @@ def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict
   return write_results(name, {**payload, "runs": results}, args.out, argv)
 
 
+def cell_grid(name: str, description: str, argv, cells: dict, claims: list, settings: dict, fixed: dict,
+              warm: dict | None = None, base: str | None = None, sft_flag: bool = False) -> str:
+  """A script whose runs are named cells (`cells`: name -> overrides over `fixed`) × seeds and whose claims
+  (`report.cell_claims`) compare cells: parses `--cells` (and `--sft-steps` with `sft_flag`: each run's own SFT,
+  for tests) beside `base_parser`'s flags, runs `run_seeded` and records cells and claims in the results."""
+  p = base_parser(description)
+  if base is not None:
+    p.set_defaults(base=base)
+  p.add_argument("--cells", default="", help="comma-separated subset of the cells")
+  if sft_flag:
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT warm-start steps (default: the config's; tests)")
+  args = p.parse_args(argv)
+  setting, _, seeds, steps, eval_every = resolve_setting(args, settings)
+  names = args.cells.split(",") if args.cells else list(cells)
+  runs = [{"cell": c, "seed": s} for s in range(seeds) for c in names]
+  sft = {"sft.steps": args.sft_steps} if getattr(args, "sft_steps", None) is not None else {}
+  over = lambda r: {**fixed, **cells[r["cell"]], **sft, "seed": r["seed"], "num_steps": steps,
+                    "eval.every": eval_every}
+  return run_seeded(name, args, argv, runs, over, {
+      "setting": setting, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
+      "base_overrides": fixed, "cells": {c: cells[c] for c in names}, "claims": claims}, warm=warm)
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
   """Flags every script shares: --full, --seeds, --steps, --out, --workdir, --dry-run."""
   p = argparse.ArgumentParser(description=description)

@@ -55,16 +55,8 @@ SETTINGS = {
 
 
 def main(argv=None) -> str:
-  p = common.base_parser(__doc__.splitlines()[0])
-  p.add_argument("--cells", default="", help="comma-separated subset of the cells")
-  args = p.parse_args(argv)
-  name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
-  cells = args.cells.split(",") if args.cells else list(CELLS)
-  runs = [{"cell": c, "seed": s} for s in range(seeds) for c in cells]
-  over = lambda r: {**BASE, **CELLS[r["cell"]], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every}
-  return common.run_seeded("headline_staleness", args, argv, runs, over, {
-      "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": BASE, "cells": {c: CELLS[c] for c in cells}, "claims": CLAIMS}, warm=BASE)
+  return common.cell_grid("headline_staleness", __doc__.splitlines()[0], argv, CELLS, CLAIMS, SETTINGS, BASE,
+                          warm=BASE)
 
 
 if __name__ == "__main__":
