@@ -36,7 +36,8 @@ def opd_reverse_kl_mc(inputs, hp: Hparams):
   also the advantage baseline, under stop-gradient), `mc_behavior_logp_BNJ` (log μ), `mc_teacher_logp_BNJ`.
   N_t counts valid candidates (finite log-probs, id ≥ 0). Unbiasedness (derivation, [GUESS]):
   E_{v~μ}[ρ(v)(log π_θ(v) − log p(v))∇log π_θ(v)] = ∇KL(π_θ‖p) at the *current* student despite a
-  stale μ, when the advantage is online. Log-ratios are clamped to ±20 (monitor `ratio_ess`).
+  stale μ, when the advantage is online. Importance log-ratios are clamped to ±20 (monitor `ratio_ess`); the
+  advantage is not (a clamp biased the estimator: experiments/opd_claims.py).
   `logp_BN` is not read (its column-0 twin lives in `mc_logp_BNJ`). If `tokens_BN` is present, the
   metric `mc_col0_match` checks that column 0 is the generated token.
   On-policy (μ = π_θ): ρ = 1 and the estimator is (1/N)Σ_i −(log p(v_i) − log π_θ(v_i))∇log π_θ(v_i),
@@ -48,7 +49,7 @@ def opd_reverse_kl_mc(inputs, hp: Hparams):
   lq, lmu, lp = zero(inputs.mc_logp_BNJ), zero(inputs.mc_behavior_logp_BNJ), zero(inputs.mc_teacher_logp_BNJ)
   bound = core.LOG_RATIO_BOUND
   base = core.sg(lq) if hp.online_advantage else lmu
-  adv = core.sg(jnp.where(ok, jnp.clip(lp - base, -bound, bound), 0.0))
+  adv = core.sg(jnp.where(ok, lp - base, 0.0))  # not clamped, as async-opd's (see `opd_reverse_kl`)
   lr = jnp.where(ok, jnp.clip(lq - lmu, -bound, bound), 0.0)
   surr, clipped = core.clipped_surrogate(jnp.exp(lr), adv, hp.eps_low, hp.eps_high)
   n = jnp.maximum(ok.sum(-1), 1).astype(jnp.float32)

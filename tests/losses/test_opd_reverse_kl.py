@@ -140,3 +140,13 @@ def test_empty_mask_and_bad_form():
   np.testing.assert_array_equal(_grad(inputs, mod.Hparams()), 0.0)
   with pytest.raises(ValueError, match="form"):
     SPEC.fn(inputs, mod.Hparams(form="nope"))
+
+
+def test_advantage_is_not_clamped():
+  """A teacher 34 nats below μ on the sampled token gives advantage −34, not the ±20 log-ratio clamp's −20 (async-opd
+  clamps no advantage; a clamp biased the gradient, experiments/opd_claims.py): on-policy the gradient is −A = 34."""
+  logp = np.full((1, 1), -1.0, np.float32)
+  teacher = np.full((1, 1), -35.0, np.float32)
+  inputs = _inputs(logp, logp, logp, teacher, np.ones((1, 1), np.float32))
+  np.testing.assert_allclose(_grad(inputs, mod.Hparams()), [[34.0]], rtol=1e-6)
+  np.testing.assert_allclose(_grad(inputs, mod.Hparams(online_advantage=True)), [[34.0]], rtol=1e-6)

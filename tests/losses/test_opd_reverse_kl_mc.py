@@ -117,3 +117,13 @@ def test_col0_metric_and_empty_mask():
   _, aux = SPEC.fn(_inputs(ids, lq, lmu, lp, mask, jnp.asarray(tokens)), mod.Hparams())
   assert float(aux["mc_col0_match"][0]) == 4.0 and float(aux["mc_col0_match"][1]) == 5.0
   np.testing.assert_array_equal(_grad(_inputs(ids, lq, lmu, lp, np.zeros_like(mask)), mod.Hparams()), 0.0)
+
+
+def test_advantage_is_not_clamped():
+  """A candidate the teacher puts 34 nats below the student gets advantage −34, not the ±20 clamp's −20 (as async-opd;
+  the clamp biased the estimator, experiments/opd_claims.py): on-policy the gradient at it is −A / J = 34 / 2."""
+  ids = np.array([[[3, 5]]], np.int32)
+  lq = np.full((1, 1, 2), -1.0, np.float32)
+  lp = np.array([[[-35.0, -1.0]]], np.float32)
+  inputs = _inputs(ids, lq, lq, lp, np.ones((1, 1), np.float32))
+  np.testing.assert_allclose(_grad(inputs, mod.Hparams()), [[[17.0, 0.0]]], rtol=1e-6, atol=1e-6)
