@@ -107,7 +107,9 @@ def mc_variance(start: str, overrides: dict, seed: int, draws: int) -> dict:
   """Trace of the covariance over `draws` candidate draws of the MC reverse-KL gradient w.r.t. the student's
   logits, per J in MC_J, at the response states of the held-out batch the student `start` samples; and the squared
   norm of the mean's bias against the exact gradient of KL(π ‖ p) at those states (noise of the mean included:
-  about var / draws). Returns {"var_J1", "bias_J1", "var_J4", "bias_J4", "exact_norm2"}."""
+  about var / draws), and the π-mass of tokens whose |log p − log π| reaches ±`core.LOG_RATIO_BOUND` (where a clamped
+  advantage, as the loss had before, biases the estimator). Returns {"var_J1", "bias_J1", "var_J4", "bias_J4",
+  "exact_norm2", "clamped_mass"}."""
   import dataclasses
 
   import jax
@@ -115,6 +117,7 @@ def mc_variance(start: str, overrides: dict, seed: int, draws: int) -> dict:
   import numpy as np
   from jaxrl_llm import loop, policy_init
   from jaxrl_llm.distill import teacher as teacher_lib
+  from jaxrl_llm.losses import core
   from jaxrl_llm.losses import opd_reverse_kl_mc as mc
   from jaxrl_llm.sampling import behavior, generate
   from jaxrl_llm.sft import full_sequence
@@ -139,6 +142,8 @@ def mc_variance(start: str, overrides: dict, seed: int, draws: int) -> dict:
     return ((jnp.exp(lq) * (lq - lp)).sum(-1) * mask).sum() / mask.sum()
 
   g_exact = jax.grad(exact)(z)
+  lq_full = jax.nn.log_softmax(z / temp, -1)
+  clamped = (jnp.exp(lq_full) * (jnp.abs(lp - lq_full) >= core.LOG_RATIO_BOUND)).sum(-1)
 
   def mc_grad(key, J):
     cfg = dataclasses.replace(r.samp_cfg, mc_samples=J, behavior_topk=0)
@@ -170,6 +175,7 @@ def mc_variance(start: str, overrides: dict, seed: int, draws: int) -> dict:
     out[f"var_J{J}"] = sq / draws - float((mean * mean).sum())
     out[f"bias_J{J}"] = float(((mean - g_exact) ** 2).sum())
   out["exact_norm2"] = float((g_exact * g_exact).sum())
+  out["clamped_mass"] = float((clamped * mask).sum() / mask.sum())
   return out
 
 
@@ -177,6 +183,7 @@ def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--cells", default="", help="comma-separated subset of the cells")
   p.add_argument("--mc-draws", type=int, default=None, help="candidate draws per J of the variance measurement")
+  p.add_argument("--mc-only", action="store_true", help="redo only the MC measurement in the existing results file")
   p.add_argument("--agent-sft-steps", type=int, default=None, help="the agent cells' SFT steps (default: the config's; tests)")
   args = p.parse_args(argv)
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
@@ -196,16 +203,20 @@ def main(argv=None) -> str:
     grp = CELLS[r["cell"]][0]
     return GROUPS[grp], {**OPD, "distill.teacher_cache_dir": teachers} if grp == "opd" else None
 
-  path = common.run_seeded("opd_claims", args, argv, runs, over, {
-      "setting": name, "steps": steps, "agent_steps": agent_steps, "seeds": seeds, "eval_every": eval_every,
-      "groups": {"opd": {"base": GROUPS["opd"], "warm": OPD}, "agent": {"base": GROUPS["agent"]}},
-      "cells": {c: CELLS[c][1] for c in cells}, "cell_groups": {c: CELLS[c][0] for c in cells},
-      "claims": CLAIMS}, after=late_metrics, group=group)
+  if args.mc_only:
+    path = os.path.join(args.out, "opd_claims.json")
+  else:
+    path = common.run_seeded("opd_claims", args, argv, runs, over, {
+        "setting": name, "steps": steps, "agent_steps": agent_steps, "seeds": seeds, "eval_every": eval_every,
+        "groups": {"opd": {"base": GROUPS["opd"], "warm": OPD}, "agent": {"base": GROUPS["agent"]}},
+        "cells": {c: CELLS[c][1] for c in cells}, "cell_groups": {c: CELLS[c][0] for c in cells},
+        "claims": CLAIMS}, after=late_metrics, group=group)
   if not path:
     return path
   draws = args.mc_draws or setting["mc_draws"]
   doc = json.load(open(path))
-  doc["mc_variance"] = {"draws": draws, "J": list(MC_J), "runs": [
+  doc["mc_variance"] = {"draws": draws, "J": list(MC_J), "command": common.command_line("opd_claims", argv),
+                        "commit": common.git_commit(), "runs": [
       {"seed": s, **mc_variance(common.warm_start("opd_default", {**OPD, "distill.teacher_cache_dir": teachers,
                                                                   "seed": s}, _warm_dir(args, s)),
                                 {**OPD, "distill.teacher_cache_dir": teachers}, s, draws)}

@@ -819,6 +819,10 @@ def test_routing_replay_section_pr2_claims(tmp_path):
     text = _render(tmp_path, "routing_replay", doc)
     assert _verdict(text, "Predictive routing replay (PR2) beats R3") == "does not reproduce"
     assert _verdict(text, "PR2 brings the sampler's μ closer") == want
+  for r in doc["runs"]:  # PR2 run elsewhere, from other warm starts: a seed pairs only runs with one start
+    if r["arm"] == "PR2":
+      r["summary"]["eval_accuracy_initial"] = 0.15
+  assert _verdict(_render(tmp_path, "routing_replay", doc), "PR2 brings the sampler's μ closer") == "not testable here"
 
 
 def test_mu_grpo_section_verdicts_follow_the_numbers(tmp_path):
@@ -902,16 +906,16 @@ def test_opd_claims_section_rules_below_and_mc_variance(tmp_path):
   from experiments import opd_claims
   claims = [c for c in opd_claims.CLAIMS if c[2] == "sdcc"]
   mc = lambda bias: {"draws": 100, "J": [1, 4], "runs": [
-      {"seed": s, "var_J1": 1.0, "var_J4": 0.26, "bias_J1": 0.01, "bias_J4": bias} for s in range(3)]}
+      {"seed": s, "var_J1": 1.0, "var_J4": 0.26, "bias_J1": 0.01, "bias_J4": bias, "clamped_mass": 0.05}
+      for s in range(3)]}
   doc = _cells_doc("opd_claims", {"sdcc": (0.02, 0.03, 0.02), "sdcc_naive": (0.20, 0.25, 0.22)}, claims,
                    metric="sdcc_kl_late", mc_variance=mc(0.0026), agent_steps=60)
   text = _render(tmp_path, "opd_claims", doc)
   assert _verdict(text, "SDCC lowers the logit drift") == "reproduces"
   assert _verdict(text, "Multi-sample MC (J = 4) reduces") == "reproduces"
-  assert _verdict(text, "The multi-sample MC estimator stays unbiased") == "reproduces"
+  assert _verdict(text, "The multi-sample MC estimator") == "reproduces"
   doc["mc_variance"] = mc(0.26)  # bias · draws / var = 100
-  assert _verdict(_render(tmp_path, "opd_claims", doc), "The multi-sample MC estimator stays unbiased") == \
-      "does not reproduce"
+  assert _verdict(_render(tmp_path, "opd_claims", doc), "The multi-sample MC estimator") == "does not reproduce"
   doc["runs"] = [{**r, "summary": {**r["summary"], "sdcc_kl_late": 0.2}} for r in doc["runs"]]
   assert _verdict(_render(tmp_path, "opd_claims", doc), "SDCC lowers the logit drift") == "does not reproduce"
 
@@ -949,7 +953,7 @@ def test_two_step_opd_claims_run_writes_cells_and_the_mc_measurement(tmp_path, m
   assert [(r["cell"], r["summary"]["num_steps"]) for r in doc["runs"]] == [("reverse_kl_lag0", 2), ("sdcc", 2)]
   assert doc["runs"][1]["summary"]["sdcc_kl_late"] is not None
   (m,) = doc["mc_variance"]["runs"]
-  assert 0 < m["var_J4"] < m["var_J1"], m
+  assert 0 < m["var_J4"] < m["var_J1"] and 0 <= m["clamped_mass"] <= 1, m
 
 
 def test_two_step_runs_of_the_seeded_scripts(tmp_path):
