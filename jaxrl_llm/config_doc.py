@@ -35,7 +35,8 @@ OPAQUE = ("task.kwargs", "env.kwargs", "loss.hparams", "distill.teachers")
 FEATURES = {
     "": "run", "task": "task and prompts", "model": "policy model", "model.num_experts": "MoE",
     "model.experts_per_token": "MoE", "model.capacity_factor": "MoE", "model.router_aux_coef": "MoE",
-    "model.routing_replay": "MoE (R2 / R3)", "model.pr2_horizon": "MoE (R2 / R3)", "model.remat": "memory", "model.memory_budget_gb": "memory",
+    "model.routing_replay": "MoE (R2 / R3)", "model.pr2_horizon": "MoE (R2 / R3)", "model.remat": "memory",
+    "model.memory_budget_gb": "memory",
     "model.layer_unroll": "compile time", "model.decode_unroll": "decode speed", "model.init_from": "pretrained init",
     "model.lora": "LoRA",
     "sampler": "sampling", "sampler.quantize": "train/inference mismatch", "sampler.dtype": "train/inference mismatch",
