@@ -1165,7 +1165,8 @@ def cell_claims(doc, runs=None) -> list[dict]:
   than b: `exceeds_paired` of b − a), or "learns" (a's held-out accuracy rises over its initial one; b unused), UNDECIDED
   kept. options["margin"] replaces MARGIN; options["requires"] = (c, d) makes a claim that holds testable only where c
   beats d (a stability claim needs the baseline to degrade); options["learns"] = c makes any verdict testable only
-  where cell c learns (comparing methods that move nothing says nothing)."""
+  where cell c learns (comparing methods that move nothing says nothing), unless a falls below b past the margin and
+  2 se (a method that hurts is answered)."""
   ok = [r for r in (doc.get("runs", []) if runs is None else runs) if "summary" in r]
   gain = lambda c: stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in ok if r["cell"] == c
                           and r["summary"].get(ACC) is not None and r["summary"].get("eval_accuracy_initial") is not None])
@@ -1196,7 +1197,9 @@ def cell_claims(doc, runs=None) -> list[dict]:
       c, e = opt["requires"]
       if exceeds_paired(paired(ok, "cell", c, e)) is not True:
         v, evidence = None, evidence + f"; not testable here: {c} does not beat {e} (the claim's premise)"
-    if "learns" in opt and exceeds_paired(gain(opt["learns"])) is not True:
+    # A falls below b past the margin and 2 se: a hurts, whatever the baseline learnt; anything else needs it to.
+    falls = d is not None and exceeds_paired({**d, "mean": -d["mean"]}, margin) is True
+    if "learns" in opt and not falls and exceeds_paired(gain(opt["learns"])) is not True:
       v, evidence = None, evidence + f"; not testable here: {opt['learns']} does not raise held-out accuracy"
     out.append(claim(text, source, v, evidence))
   return out

@@ -935,6 +935,10 @@ def test_opd_claims_need_distillation_to_raise_accuracy(tmp_path):
   text = _render(tmp_path, "opd_claims", doc)
   assert _verdict(text, "On-policy distillation raises") == "does not reproduce"
   assert _verdict(text, "S²D-OPD (top 10 %") == "not testable here"
+  for r in doc["runs"]:  # S²D far below Direct-OPD: it hurts, which answers the claim whether or not anything learns
+    if r["cell"] == "s2d_opd":
+      r["summary"]["eval_accuracy_late"] -= 0.45
+  assert _verdict(_render(tmp_path, "opd_claims", doc), "S²D-OPD (top 10 %") == "does not reproduce"
 
 
 def test_two_step_opd_claims_run_writes_cells_and_the_mc_measurement(tmp_path, monkeypatch):
