@@ -282,11 +282,10 @@ def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict
   starts: dict[str, str] = {}
 
   def start(base: str, w: dict, seed: int) -> str:
-    tag = hashlib.sha1(json.dumps(w, sort_keys=True).encode()).hexdigest()[:10]
-    key = f"seeded_{tag}_s{seed}"
-    if key + base not in starts:
-      starts[key + base] = warm_start(base, {**w, "seed": seed}, os.path.join(args.workdir, "warm", key))
-    return starts[key + base]
+    key = (base, seeded_warm_dir(args.workdir, w, seed))
+    if key not in starts:
+      starts[key] = warm_start(base, {**w, "seed": seed}, key[1])
+    return starts[key]
 
   results = []
   for i, r in enumerate(runs):
@@ -303,6 +302,12 @@ def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict
     log(f"{i + 1}/{len(runs)} {r} acc {s.get('eval_accuracy_initial')} -> {s.get('eval_accuracy_late')} "
         f"({out.get('wall_s', 0):.0f}s) {out.get('error', '')}")
   return write_results(name, {**payload, "runs": results}, args.out, argv)
+
+
+def seeded_warm_dir(workdir: str, warm: dict, seed: int) -> str:
+  """The folder `run_seeded` keeps a seed's warm start made with overrides `warm` in (keyed by them)."""
+  tag = hashlib.sha1(json.dumps(warm, sort_keys=True).encode()).hexdigest()[:10]
+  return os.path.join(workdir, "warm", f"seeded_{tag}_s{seed}")
 
 
 def cell_grid(name: str, description: str, argv, cells: dict, claims: list, settings: dict, fixed: dict,

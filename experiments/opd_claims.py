@@ -143,12 +143,12 @@ def mc_variance(start: str, overrides: dict, seed: int, draws: int) -> dict:
     return ((jnp.exp(lq) * (lq - lp)).sum(-1) * mask).sum() / mask.sum()
 
   g_exact = jax.grad(exact)(z)
-  lq_full = jax.nn.log_softmax(z / temp, -1)
-  clamped = (jnp.exp(lq_full) * (jnp.abs(lp - lq_full) >= core.LOG_RATIO_BOUND)).sum(-1)
+  lq_z = jax.nn.log_softmax(z / temp, -1)  # the student at z, also μ (on-policy)
+  clamped = (jnp.exp(lq_z) * (jnp.abs(lp - lq_z) >= core.LOG_RATIO_BOUND)).sum(-1)
 
   def mc_grad(key, J):
     cfg = dataclasses.replace(r.samp_cfg, mc_samples=J, behavior_topk=0)
-    lmu = jax.nn.log_softmax(z / temp, -1).reshape(B * N, V)
+    lmu = lq_z.reshape(B * N, V)
     k1, k2 = jax.random.split(key)
     tok = jax.random.categorical(k1, lmu)  # the sampled token: column 0 of the record
     rec = behavior.record(z.reshape(B * N, V), tok, jnp.take_along_axis(lmu, tok[:, None], 1)[:, 0], k2, cfg)
@@ -218,21 +218,12 @@ def main(argv=None) -> str:
   draws = args.mc_draws or setting["mc_draws"]
   doc = json.load(open(path))
   doc["claims"] = CLAIMS  # (the same unless --mc-only took an older file's runs)
+  warm = {**OPD, "distill.teacher_cache_dir": teachers}  # the opd group's warm start, as `run_seeded` made it
+  start = lambda s: common.warm_start("opd_default", {**warm, "seed": s}, common.seeded_warm_dir(args.workdir, warm, s))
   doc["mc_variance"] = {"draws": draws, "J": list(MC_J), "command": common.command_line("opd_claims", argv),
-                        "commit": common.git_commit(), "runs": [
-      {"seed": s, **mc_variance(common.warm_start("opd_default", {**OPD, "distill.teacher_cache_dir": teachers,
-                                                                  "seed": s}, _warm_dir(args, s)),
-                                {**OPD, "distill.teacher_cache_dir": teachers}, s, draws)}
-      for s in range(seeds)]}
+                        "commit": common.git_commit(),
+                        "runs": [{"seed": s, **mc_variance(start(s), warm, s, draws)} for s in range(seeds)]}
   return common.write_results("opd_claims", doc, args.out, argv)
-
-
-def _warm_dir(args, seed: int) -> str:
-  """The warm-start folder `common.run_seeded` used for the opd group's seed (same key)."""
-  import hashlib
-  w = {**OPD, "distill.teacher_cache_dir": os.path.join(args.workdir, "teachers")}
-  tag = hashlib.sha1(json.dumps(w, sort_keys=True).encode()).hexdigest()[:10]
-  return os.path.join(args.workdir, "warm", f"seeded_{tag}_s{seed}")
 
 
 if __name__ == "__main__":

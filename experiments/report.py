@@ -151,8 +151,19 @@ def within_paired(d: dict | None, margin: float = MARGIN) -> bool | str | None:
   """`stays_within` on paired differences `d` = a − b: b does not exceed a by more than the margin."""
   if d is None:
     return None
-  moved = exceeds_paired({**d, "mean": -d["mean"]}, margin)
+  moved = exceeds_paired(flip(d), margin)
   return moved if moved in (None, UNDECIDED) else not moved
+
+
+def flip(d: dict | None) -> dict | None:
+  """Differences a − b (`paired`) as b − a."""
+  return None if d is None else {**d, "mean": -d["mean"]}
+
+
+def gain(runs) -> dict | None:
+  """Stats of held-out accuracy late − initial over the runs (one per seed): what RL moved the policy by."""
+  return stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in runs if "summary" in r
+                and r["summary"].get(ACC) is not None and r["summary"].get("eval_accuracy_initial") is not None])
 
 
 def _unpaired(a: dict | None, b: dict | None) -> dict | None:
@@ -390,13 +401,12 @@ def missing_cells(doc, group: tuple[str, ...], label, **match) -> list[str]:
 def learns_claim(tr, task, base, k0) -> dict:
   """The precondition: the lag-0 baseline gains held-out accuracy from RL (late − initial, per seed)."""
   rs = [r for r in tr if r["method"] == base and r["lag"] == k0 and "summary" in r]
-  gain = stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in rs
-                if r["summary"].get(ACC) is not None and r["summary"].get("eval_accuracy_initial") is not None])
+  g = gain(rs)
   ok = None
-  if gain is not None:
-    ok = gain["mean"] > MARGIN and (gain["n"] < 2 or gain["mean"] > 2 * gain["se"])
+  if g is not None:
+    ok = g["mean"] > MARGIN and (g["n"] < 2 or g["mean"] > 2 * g["se"])
   return claim(f"RL improves the real model at lag 0 ({task}; precondition of the staleness claims)",
-               "this library", ok, f"{base} gain late − initial: {fmt(gain)}" + seeds_note(gain))
+               "this library", ok, f"{base} gain late − initial: {fmt(g)}" + seeds_note(g))
 
 
 def _is_note(doc) -> str:
@@ -487,7 +497,7 @@ def _staleness_claims_at(tr, task, base, k0: int, kmax: int, real: bool) -> list
   d0, dk = cell(tr, method="decoupled_ppo", lag=kmax), cell(tr, method="a3po", lag=kmax)
   if d0 and dk:
     d = pair("a3po", kmax, "decoupled_ppo", kmax)
-    both = (within_paired(d), within_paired(None if d is None else {**d, "mean": -d["mean"]}))  # neither above
+    both = (within_paired(d), within_paired(flip(d)))  # neither above the other
     v = False if False in both else UNDECIDED if UNDECIDED in both else both[0]
     out.append(claim(f"A-3PO matches decoupled PPO's accuracy ({task}, lag {kmax})", "A-3PO; methods-rl §4.2", v,
                      f"a3po {fmt(dk)} vs decoupled_ppo {fmt(d0)}; {per} {fmt(d)} (rule: neither "
@@ -968,13 +978,12 @@ def agent_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   f1 = "agent_guess_number_acc_vs_lag.png"
   plot_acc_vs_lag(ok, task, ms, lags, os.path.join(fig_dir, f1))
   lines += ["", f"![episode success vs lag]({rel}/{f1})", ""]
-  gain = stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in b
-                if r["summary"].get(ACC) is not None and r["summary"].get("eval_accuracy_initial") is not None])
-  raised = None if gain is None else gain["mean"] > MARGIN and (gain["n"] < 2 or gain["mean"] > 2 * gain["se"])
+  g = gain(b)
+  raised = None if g is None else g["mean"] > MARGIN and (g["n"] < 2 or g["mean"] > 2 * g["se"])
   claims = [claim(f"RL raises held-out multi-turn episode success after an SFT warm start on demonstrations "
                   f"({task}, {base}, lag {k0})", "issue 33", raised,
-                  f"SFT only {fmt(sft_only)} → SFT + RL {fmt(rl)}; per-seed gain {fmt(gain)} "
-                  f"(rule: > {MARGIN} and 2 se)" + seeds_note(gain))]
+                  f"SFT only {fmt(sft_only)} → SFT + RL {fmt(rl)}; per-seed gain {fmt(g)} "
+                  f"(rule: > {MARGIN} and 2 se)" + seeds_note(g))]
   return lines, claims + staleness_claims(ok, task, base, lags)
 
 
@@ -1061,9 +1070,7 @@ def routing_replay_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
             f"top-{doc.get('base_overrides', {}).get('model.experts_per_token')}), sampled in bfloat16 and trained "
             f"in float32 with `ppo_clip` at fixed lag, 2 minibatches per step, {doc.get('steps')} steps, seeds "
             f"{planned_seeds(doc)}. R3 replays the sampler's expert ids, R2 the learner's own at the step start, PR2 the "
-            "sampler's, which routed with each router predicted `lag` updates ahead (`jaxrl_llm/route_predictor.py`)."
-            + (f" Arms {', '.join(doc['earlier_runs']['arms'])} ran earlier: `{doc['earlier_runs']['command']}` at "
-               f"commit `{doc['earlier_runs']['commit']}`." if doc.get("earlier_runs") else ""), "",
+            "sampler's, which routed with each router predicted `lag` updates ahead (`jaxrl_llm/route_predictor.py`).", "",
             "| arm | lag | held-out accuracy (late) | initial accuracy | reward (end) | mean abs(log π_old − log μ) |",
             "|---|---|---|---|---|---|"]
   acc = {}
@@ -1082,9 +1089,7 @@ def routing_replay_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   base = next((a for a in ("none", "R3", "R2") if (a, lo) in acc), None)
   b0 = [r for r in ok if r["arm"] == base and r["lag"] == lo]
   start = cell(b0, "eval_accuracy_initial")
-  learns = exceeds_paired(stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in b0
-                                 if r["summary"].get(ACC) is not None
-                                 and r["summary"].get("eval_accuracy_initial") is not None]))
+  learns = exceeds_paired(gain(b0))
   if learns is not True:  # the comparisons mean nothing when RL does not move the policy at all
     lines += [f"RL did not raise held-out accuracy at lag {lo} ({base}: {fmt(start)} → {fmt(acc.get((base, lo)))}), "
               "so the replay comparisons are not testable at this scale: a larger MoE or longer runs would decide "
@@ -1168,13 +1173,12 @@ def cell_claims(doc, runs=None) -> list[dict]:
   where cell c learns (comparing methods that move nothing says nothing), unless a falls below b past the margin and
   2 se (a method that hurts is answered)."""
   ok = [r for r in (doc.get("runs", []) if runs is None else runs) if "summary" in r]
-  gain = lambda c: stats([r["summary"][ACC] - r["summary"]["eval_accuracy_initial"] for r in ok if r["cell"] == c
-                          and r["summary"].get(ACC) is not None and r["summary"].get("eval_accuracy_initial") is not None])
+  gain_of = lambda c: gain([r for r in ok if r["cell"] == c])
   out = []
   for text, source, a, b, rule, *opt in doc.get("claims", []):
     opt = opt[0] if opt else {}
     if rule == "learns":
-      g = gain(a)
+      g = gain_of(a)
       if g is not None:
         out.append(claim(text, source, exceeds_paired(g), f"{a}: held-out accuracy late − initial per seed {fmt(g)} "
                          f"(rule: > {MARGIN} and 2 se)"))
@@ -1185,7 +1189,7 @@ def cell_claims(doc, runs=None) -> list[dict]:
       continue
     d = paired(ok, "cell", a, b, metric)
     if rule == "below":
-      v = exceeds_paired(None if d is None else {**d, "mean": -d["mean"]}, margin)
+      v = exceeds_paired(flip(d), margin)
     else:
       v = exceeds_paired(d, margin) if rule == "exceeds" else within_paired(d, margin)
     how = {"exceeds": "higher by > {m} and 2 se", "below": "lower by > {m} and 2 se",
@@ -1198,8 +1202,8 @@ def cell_claims(doc, runs=None) -> list[dict]:
       if exceeds_paired(paired(ok, "cell", c, e)) is not True:
         v, evidence = None, evidence + f"; not testable here: {c} does not beat {e} (the claim's premise)"
     # A falls below b past the margin and 2 se: a hurts, whatever the baseline learnt; anything else needs it to.
-    falls = d is not None and exceeds_paired({**d, "mean": -d["mean"]}, margin) is True
-    if "learns" in opt and not falls and exceeds_paired(gain(opt["learns"])) is not True:
+    falls = exceeds_paired(flip(d), margin) is True
+    if "learns" in opt and not falls and exceeds_paired(gain_of(opt["learns"])) is not True:
       v, evidence = None, evidence + f"; not testable here: {opt['learns']} does not raise held-out accuracy"
     out.append(claim(text, source, v, evidence))
   return out

@@ -20,9 +20,6 @@ Writes experiments/results/routing_replay.json; `python -m experiments.report` r
 
 from __future__ import annotations
 
-import json
-import os
-
 from experiments import common
 
 BASE = {"optim.lr": 2e-4, "optim.warmup_steps": 5, "rollout.prompts_per_step": 8, "rollout.group_size": 8,
@@ -45,8 +42,6 @@ SETTINGS = {
 def main(argv=None) -> str:
   p = common.base_parser(__doc__.splitlines()[0])
   p.add_argument("--arms", default="", help="comma-separated subset of none,R3,R2,PR2")
-  p.add_argument("--merge", action="store_true",
-                 help="keep the results file's runs of the arms not run now (adding an arm to a finished grid)")
   p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="each run's SFT warm start")
   args = p.parse_args(argv)
   name, setting, seeds, steps, eval_every = common.resolve_setting(args, SETTINGS)
@@ -57,22 +52,10 @@ def main(argv=None) -> str:
   over = lambda r: {**BASE, **ARCH, **ARMS[r["arm"]], **ARM_AT_LAG.get(r["arm"], lambda _: {})(r["lag"]),
                     "rollout.lag": r["lag"], "seed": r["seed"], "num_steps": steps, "eval.every": eval_every,
                     "sft.steps": args.sft_steps}
-  path = os.path.join(args.out, "routing_replay.json")
-  kept, earlier = [], None
-  if args.merge and os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)
-    kept = [r for r in old["runs"] if r["arm"] not in arms]
-    earlier = {"command": old.get("command"), "commit": old.get("commit"), "arms": sorted({r["arm"] for r in kept})}
-  out = common.run_seeded("routing_replay", args, argv, runs, over, {
+  # Every arm of a seed runs here: arms run elsewhere (another machine, commit) start from other warm starts.
+  return common.run_seeded("routing_replay", args, argv, runs, over, {
       "setting": name, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
       "base_overrides": {**BASE, **ARCH, "sft.steps": args.sft_steps}, "arms": ARMS, "lags": setting["lags"]})
-  if kept and out:
-    with open(out) as f:
-      doc = json.load(f)
-    doc["runs"], doc["earlier_runs"] = kept + doc["runs"], earlier  # where the kept arms' runs came from
-    out = common.write_results("routing_replay", doc, args.out, argv)
-  return out
 
 
 if __name__ == "__main__":
