@@ -108,6 +108,20 @@ def get_config():
   c.rollout.prox_in_worker = False  # async + recompute: workers score π_old at generation (else the learner does)
   c.rollout.score_at_switch = False  # prox_in_worker + partial rollouts: score each version's tokens at its switch
   c.rollout.weight_sync = "full"  # publish: "full" dense copy | "sparse" SparseRL-Sync delta (bit-identical copy)
+  # ECHO (jaxrl_llm/rollout/cascade.py): per task an attempt, G critic diagnoses of it and G refinements, trained as
+  # two GRPO groups (the critic is the policy's own weights in the critic role); prompts_per_step counts groups.
+  c.rollout.echo = ml_collections.ConfigDict()
+  c.rollout.echo.on = False  # ECHO's cascaded rollout with a co-evolving critic (sync, fixed_lag, staged)
+  c.rollout.echo.prompt_width = 0  # prompt tokens of diagnosis / refinement rows; 0 = task width + 2 * N + 16
+  c.rollout.echo.gain_tau = 0.1  # saturation-aware gain (r - r0) / (1 - r0 + tau) of an improvement [GUESS]
+  # Pats (jaxrl_llm/rollout/scaffold.py): evidence cards made from rollout groups, shown in front of part of a
+  # recurring prompt's later rollouts, retired once bare rows do as well; evaluation never shows a card.
+  c.rollout.pats = ml_collections.ConfigDict()
+  c.rollout.pats.on = False  # Pats' evidence-card scaffold (sync, fixed_lag, staged)
+  c.rollout.pats.prompt_width = 0  # prompt tokens of scaffolded rows; 0 = task width + 2 * N + 16
+  c.rollout.pats.card_frac = 0.5  # share of a carded prompt's group that sees the card (the rest: bare) [GUESS]
+  c.rollout.pats.add_below = 1.0  # a group with mean reward below this (and differing rewards) becomes a card [GUESS]
+  c.rollout.pats.retire_margin = 0.0  # a card is retired when bare rows score >= carded rows - this [GUESS]
   c.rollout.replay = ml_collections.ConfigDict()  # experience replay of groups (sync / fixed_lag modes)
   c.rollout.replay.capacity = 0  # groups held in the FIFO; 0 = off (every rollout consumed once)
   c.rollout.replay.fresh_per_step = 0  # prompts per sampler call, one call per learner step (0 = prompts_per_step)

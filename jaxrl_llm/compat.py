@@ -84,6 +84,8 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "eviction": ("episodes with context eviction (env.evict='drop_oldest')",
                  {**_EPISODES, "env.evict": "drop_oldest", "env.context_budget": 8}),
     "teacher": ("on-policy distillation from a teacher (distill.teacher; configs/opd_tiny.py's)", _TEACHER),
+    "echo": ("ECHO's cascaded rollout with a co-evolving critic (rollout.echo.on)", {"rollout.echo.on": True}),
+    "pats": ("Pats' evidence-card scaffold (rollout.pats.on)", {"rollout.pats.on": True}),
 }
 
 
@@ -107,6 +109,18 @@ REFUSED: dict[frozenset, str] = {
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "
             "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
+    **_each("not built: the async workers generate one prompt's group per request; ECHO's three dependent sampler "
+            "calls per task (attempt, diagnoses, refinements) would need a cascade inside the worker", "echo",
+            ("async", "partial")),
+    **_each("not built: a critique turn inside a multi-turn episode (ECHO runs on single completions)", "echo",
+            _EPS),
+    pair("echo", "harness"): "inherent: in harness mode the harness decides every call; ECHO's cascade is a "
+                             "sampling schedule of its own",
+    **_each("not built: the async workers sample a request's prompt as drawn; the scaffold's cards would have to "
+            "be applied and learnt from inside the worker, in request order", "pats", ("async", "partial")),
+    **_each("not built: cards in an episode's first message (Pats runs on single completions)", "pats", _EPS),
+    pair("pats", "harness"): "inherent: in harness mode the harness writes every prompt",
+    pair("pats", "echo"): "not built: cards in ECHO's attempt prompts (each runs on its own)",
 }
 
 

@@ -47,6 +47,9 @@ ABSENT_DEFAULTS = {
     "sampler.spec_distill_reward_weight": 0.0,
     "rollout.dynamic_sampling": False, "rollout.sampler_devices": 0, "rollout.partial_chunk": 0, "rollout.slots": 0,
     "rollout.score_at_switch": False,
+    "rollout.echo.on": False, "rollout.echo.prompt_width": 0, "rollout.echo.gain_tau": 0.1,
+    "rollout.pats.on": False, "rollout.pats.prompt_width": 0, "rollout.pats.card_frac": 0.5,
+    "rollout.pats.add_below": 1.0, "rollout.pats.retire_margin": 0.0,
     "rollout.slot_chunk": 8,
     "rollout.replay.capacity": 0,
     "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
@@ -176,6 +179,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_slots(c, n_mesh, n_sampler)
   _validate_replay(c)
   _validate_serve(c)
+  _validate_echo(c)
+  _validate_pats(c)
   _need(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, "must be >= 0 (0 = only at the end / on SIGTERM)")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
   _need(isinstance(c.checkpoint.final, bool), "checkpoint.final", c.checkpoint.final, "must be a bool")
@@ -716,6 +721,93 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
           "must be a number > 0")
   _need(not env_on(c), "env.name", c.get("env", {}).get("name"), 'must be "" with rollout.mode="harness" (the harness '
         "is the environment)")
+
+
+# the sources whose sampler calls are `sources.common.sync_rollout` (ECHO's cascade, Pats' scaffold)
+ECHO_MODES = ("sync", "fixed_lag", "staged")
+
+
+def echo_on(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run uses ECHO's cascaded rollout with a co-evolving critic (`rollout.echo.on`)."""
+  return read(c, "rollout.echo.on") is True
+
+
+def echo_width(c: ml_collections.ConfigDict, width: int) -> int:
+  """The prompt width of ECHO's diagnosis and refinement rows: `rollout.echo.prompt_width`, or 0 = the task's P,
+  the attempt and the diagnosis (N each) and 16 tokens for the markers, rounded up to a multiple of 16."""
+  w = read(c, "rollout.echo.prompt_width")
+  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + 16) // 16) * 16
+
+
+def echo_length(c: ml_collections.ConfigDict, width: int) -> int:
+  """Longest row of ECHO's cascaded rollout (0 when off): its prompt width + `sampler.max_new_tokens`."""
+  return echo_width(c, width) + c.sampler.max_new_tokens if echo_on(c) else 0
+
+
+def _validate_echo(c: ml_collections.ConfigDict) -> None:
+  """`rollout.echo`: types; when on, an even `prompts_per_step` (a critic group and a policy group per task) and a
+  source that samples through `sync_rollout` with single completions (docs/compat.md lists the refusals)."""
+  on, w, tau = read(c, "rollout.echo.on"), read(c, "rollout.echo.prompt_width"), read(c, "rollout.echo.gain_tau")
+  _need(isinstance(on, bool), "rollout.echo.on", on, "must be a bool")
+  _need(isinstance(w, int) and not isinstance(w, bool) and w >= 0, "rollout.echo.prompt_width", w,
+        "must be an int >= 0 (0 = the task's width + 2 * sampler.max_new_tokens + 16)")
+  _need(isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0,
+        "rollout.echo.gain_tau", tau, "must be a finite number > 0")
+  if not on:
+    return
+  _need(c.rollout.prompts_per_step % 2 == 0, "rollout.prompts_per_step", c.rollout.prompts_per_step,
+        "must be even with rollout.echo.on (each task gives a critic group and a policy group)")
+  _need(c.rollout.mode in ECHO_MODES, "rollout.mode", c.rollout.mode,
+        f"must be one of {ECHO_MODES} with rollout.echo.on (the async workers generate one prompt's group per "
+        "request; ECHO's three dependent sampler calls per task are not built there)")
+  _need(not env_on(c), "env.name", read(c, "env.name"),
+        'must be "" with rollout.echo.on (a critique turn inside a multi-turn episode is not built)')
+  if read(c, "rollout.replay.capacity"):
+    fresh = c.rollout.replay.fresh_per_step or c.rollout.prompts_per_step
+    _need(fresh % 2 == 0, "rollout.replay.fresh_per_step", fresh, "must be even with rollout.echo.on")
+
+
+def pats_on(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run scaffolds its rollouts with Pats' evidence cards (`rollout.pats.on`)."""
+  return read(c, "rollout.pats.on") is True
+
+
+def pats_width(c: ml_collections.ConfigDict, width: int) -> int:
+  """The prompt width of scaffolded rows: `rollout.pats.prompt_width`, or 0 = the task's P, a card's best and worst
+  completions (N each) and 16 tokens for their rewards, rounded up to a multiple of 16."""
+  w = read(c, "rollout.pats.prompt_width")
+  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + 16) // 16) * 16
+
+
+def pats_length(c: ml_collections.ConfigDict, width: int) -> int:
+  """Longest row of a Pats run (0 when off): its scaffolded prompt width + `sampler.max_new_tokens`."""
+  return pats_width(c, width) + c.sampler.max_new_tokens if pats_on(c) else 0
+
+
+def _validate_pats(c: ml_collections.ConfigDict) -> None:
+  """`rollout.pats`: types and ranges; when on, groups of >= 2 (carded and bare rows) and a source that samples
+  through `sync_rollout` with single completions (docs/compat.md lists the refusals)."""
+  on, w = read(c, "rollout.pats.on"), read(c, "rollout.pats.prompt_width")
+  _need(isinstance(on, bool), "rollout.pats.on", on, "must be a bool")
+  _need(isinstance(w, int) and not isinstance(w, bool) and w >= 0, "rollout.pats.prompt_width", w,
+        "must be an int >= 0 (0 = the task's width + 2 * sampler.max_new_tokens + 16)")
+  frac = read(c, "rollout.pats.card_frac")
+  _need(isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0 < frac < 1, "rollout.pats.card_frac",
+        frac, "must be in (0, 1): a group holds carded and bare rows")
+  for f in ("add_below", "retire_margin"):
+    v = read(c, f"rollout.pats.{f}")
+    _need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f"rollout.pats.{f}", v,
+          "must be a finite number")
+  if not on:
+    return
+  _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
+        "must be >= 2 with rollout.pats.on (a group compares carded and bare rows)")
+  _need(c.rollout.mode in ECHO_MODES, "rollout.mode", c.rollout.mode,
+        f"must be one of {ECHO_MODES} with rollout.pats.on (the async workers sample without the scaffold)")
+  _need(not env_on(c), "env.name", read(c, "env.name"),
+        'must be "" with rollout.pats.on (cards in an episode\'s first message are not built)')
+  _need(not echo_on(c), "rollout.echo.on", read(c, "rollout.echo.on"),
+        "must be False with rollout.pats.on (cards in ECHO's attempt prompts are not built)")
 
 
 def serve_length(c: ml_collections.ConfigDict) -> int:

@@ -48,6 +48,7 @@ FEATURES = {
     "rollout.num_workers": "async rollouts",
     "rollout.sampler_devices": "sampler devices", "rollout.partial_chunk": "partial rollouts",
     "rollout.slot": "continuous batching", "rollout.weight_sync": "weight sync", "rollout.replay": "experience replay",
+    "rollout.echo": "ECHO co-evolving critic", "rollout.pats": "Pats evidence cards",
     "serve": "agent harness (rollout.mode=harness)", "loss": "policy loss", "loss.kl_": "KL to the reference",
     "advantage": "advantages", "optim": "optimiser", "optim.grad_accum": "micro-batching",
     "optim.minibatches": "update schedule", "optim.epochs": "update schedule", "optim.max_skips": "fault tolerance",

@@ -90,6 +90,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   extras_state = getattr(r.batch_extras, "state", None)  # distillation options with state (ADWIN, Open-MOPD)
   if extras_state is not None and host.get("distill") is not None:
     r.batch_extras.restore(host["distill"])
+  if r.ctx.scaffold is not None:  # Pats' evidence cards: a resumed run shows the cards the uninterrupted one would
+    r.ctx.scaffold.restore(host.get("scaffold"))
   meta = {**{k_: v for k_, v in meta.items() if k_ not in ("host", "host_sizes", "stage_version")}, "config": config_json}
 
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=c.log.tensorboard) if writes else multiprocess.NullWriter()
@@ -126,7 +128,9 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
         # the source's state (buffered groups, ids, counters): a resumed run samples what this one would
         run_state.save(ckpt, t + 1, state, store, extra, slots, meta,
                        {"source": {"name": name, "state": source.state()},
-                        **({"distill": extras_state()} if extras_state is not None else {})}, force=stop, metrics=best)
+                        **({"distill": extras_state()} if extras_state is not None else {}),
+                        **({"scaffold": r.ctx.scaffold.state()} if r.ctx.scaffold is not None else {})},
+                       force=stop, metrics=best)
         if preempted:
           print(f"preempted (signal {flag.signum}): checkpoint saved at step {t + 1}; exiting", flush=True)
         if stop:
@@ -236,7 +240,7 @@ def _skip_failure(c, m: dict, t: int) -> str | None:
 
 
 # A batch's stats that become metrics: timings, and the counters of async, replay, episodes and the served endpoint.
-STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_", "spec_", "slot_", "gen_")
+STAT_PREFIXES = ("time_", "async_", "replay_", "env_", "serve_", "spec_", "slot_", "gen_", "echo_", "pats_")
 
 
 def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: dict) -> dict:

@@ -67,7 +67,8 @@ def model_config(c: ml_collections.ConfigDict, width: int, vocab_size: int = tok
                      # an episode (`env`) re-prefills its prompt bucket + token budget every turn; a served
                      # call (`serve`) pads its prompt to serve.max_context
                      max_seq_len=max(width + c.sampler.max_new_tokens, config_lib.env_length(c),
-                                     config_lib.serve_length(c)))
+                                     config_lib.serve_length(c), config_lib.echo_length(c, width),
+                                     config_lib.pats_length(c, width)))
 
 
 def step_shape(c: ml_collections.ConfigDict, width: int) -> memory.StepShape:
@@ -78,6 +79,7 @@ def step_shape(c: ml_collections.ConfigDict, width: int) -> memory.StepShape:
   row (`optim.pack_width`), whichever is widest."""
   B = c.rollout.prompts_per_step * c.rollout.group_size
   T = max(width + c.sampler.max_new_tokens, config_lib.env_length(c), config_lib.serve_length(c),
+          config_lib.echo_length(c, width), config_lib.pats_length(c, width),
           config_lib.read(c, "optim.pack_width"))
   micro = math.ceil(B / (c.optim.grad_accum * config_lib.read(c, "optim.minibatches")))
   rank, weights = 0, ()

@@ -25,7 +25,9 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.policy_init import (checkpoint_config, checkpoint_model_config, model_config, resolve_remat,
                                    tokenizer_for_checkpoint)
 from jaxrl_llm.rollout import collect, sources
+from jaxrl_llm.rollout.cascade import EchoSettings
 from jaxrl_llm.rollout.episodes import EnvSettings
+from jaxrl_llm.rollout.scaffold import PatsSettings, Scaffold
 from jaxrl_llm.rollout.ewma import ewma_init
 from jaxrl_llm.rollout.generation import DrafterSlot, Generation, TokenBudget
 from jaxrl_llm.rollout.param_store import ParamStore
@@ -52,7 +54,7 @@ def replay_on(c: ml_collections.ConfigDict) -> bool:
   return r is not None and bool(r.capacity)
 
 
-def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
+def rollout_settings(c: ml_collections.ConfigDict, width: int = 0) -> RolloutSettings:
   """The typed `rollout.*` settings of a (validated) config, as batch sources read them."""
   ro, replay = c.rollout, None
   if replay_on(c):
@@ -66,7 +68,30 @@ def rollout_settings(c: ml_collections.ConfigDict) -> RolloutSettings:
                          prox_in_worker=ro.prox_in_worker, replay=replay,
                          score_at_switch=config_lib.read(c, "rollout.score_at_switch"),
                          routing_replay=config_lib.replays_sampler_routes(c),
-                         env=env_settings(c), serve=serve_settings(c))
+                         env=env_settings(c), serve=serve_settings(c), echo=echo_settings(c, width),
+                         pats=pats_settings(c, width))
+
+
+def echo_settings(c: ml_collections.ConfigDict, width: int) -> EchoSettings | None:
+  """ECHO's cascaded rollout (`rollout.echo`; None when off), its prompt width resolved for prompts of `width`."""
+  if not config_lib.echo_on(c):
+    return None
+  return EchoSettings(prompt_width=config_lib.echo_width(c, width), gain_tau=float(c.rollout.echo.gain_tau))
+
+
+def _source_context(c: ml_collections.ConfigDict, width: int, gen: Generation, score) -> SourceContext:
+  """What the run's batch source is built from; with Pats an empty scaffold (the loop restores a checkpoint's)."""
+  settings = rollout_settings(c, width)
+  return SourceContext(settings, gen, score, scaffold=Scaffold(settings.pats) if settings.pats else None)
+
+
+def pats_settings(c: ml_collections.ConfigDict, width: int) -> PatsSettings | None:
+  """Pats' evidence-card scaffold (`rollout.pats`; None when off), its prompt width resolved for prompts of `width`."""
+  if not config_lib.pats_on(c):
+    return None
+  p = c.rollout.pats
+  return PatsSettings(prompt_width=config_lib.pats_width(c, width), card_frac=float(p.card_frac),
+                      add_below=float(p.add_below), retire_margin=float(p.retire_margin))
 
 
 def _gamma_tuner(samp_cfg):
@@ -396,7 +421,7 @@ def setup(c: ml_collections.ConfigDict) -> Run:
   return Run(drafter=drafter, route_predictor=predictor, batch_extras=batch_extras, c=c, task=task, P=P, model_cfg=model_cfg, sampler_model_cfg=sampler_model_cfg,
              samp_cfg=samp_cfg, k_init=k_init, k_sample=k_sample, k_learn=k_learn, k_eval=k_eval,
              train_examples=train_examples, test=test, tx=tx, train_step=train_step, score=score, hook_params=hook_params,
-             ctx=SourceContext(rollout_settings(c), gen, score), encoder=encoder, prompts_dropped=dropped,
+             ctx=_source_context(c, P, gen, score), encoder=encoder, prompts_dropped=dropped,
              remat_auto=None if remat_auto is None else remat_auto.record(), **mesh_kw)
 
 

@@ -148,7 +148,9 @@ def load_teacher(c: ml_collections.ConfigDict, width: int, train_examples, vocab
   """
   from jaxrl_llm.config import ConfigError
   from jaxrl_llm.models import load_hf, save_hf
-  seq_len = max(width + c.sampler.max_new_tokens, config_lib.env_length(c))  # an episode's context, with env
+  # an episode's context with env; ECHO's diagnosis and refinement rows with rollout.echo
+  seq_len = max(width + c.sampler.max_new_tokens, config_lib.env_length(c), config_lib.echo_length(c, width),
+                config_lib.pats_length(c, width))
   source, field = c.distill[role], f"config.distill.{role}"
   if source == "sft":
     path = os.path.join(cache_dir(c), cache_key(c, width, encoder.tokenizer.vocab_size, encoder, role))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from jaxrl_llm.rollout.cascade import EchoSettings
 from jaxrl_llm.rollout.episodes import EnvSettings
+from jaxrl_llm.rollout.scaffold import PatsSettings, Scaffold
 from jaxrl_llm.rollout.generation import Generation
 
 
@@ -57,12 +59,16 @@ class RolloutSettings:
   replay: Optional[ReplaySettings] = None  # experience replay (None = off)
   env: Optional[EnvSettings] = None  # multi-turn episodes in a text environment (None = single completions)
   serve: Optional[ServeSettings] = None  # rollout.mode="harness": the served endpoint (None otherwise)
+  echo: Optional[EchoSettings] = None  # ECHO's cascaded rollout with a co-evolving critic (None = off)
+  pats: Optional[PatsSettings] = None  # Pats' evidence-card scaffold (None = off)
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceContext:
-  """What a batch source is built from (with the run's ParamStore): settings, the generation home, and
-  the learner's scorer of π_old (`learner.make_score_fn`)."""
+  """What a batch source is built from (with the run's ParamStore): settings, the generation home, the
+  learner's scorer of π_old (`learner.make_score_fn`) and, with Pats, the run's evidence cards (host state the
+  loop checkpoints)."""
   settings: RolloutSettings
   gen: Generation
   score: Callable[..., Any]
+  scaffold: Optional[Scaffold] = None

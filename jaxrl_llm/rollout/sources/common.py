@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from jaxrl_llm.record import Rollout, rows
-from jaxrl_llm.rollout import episodes
+from jaxrl_llm.rollout import cascade, episodes
 from jaxrl_llm.rollout.generation import SAMPLER_STATS, SPEC_STATS  # noqa: F401 (SPEC_STATS re-exported)
 from jaxrl_llm.rollout.param_store import ParamStore
 from jaxrl_llm.rollout.settings import SourceContext
@@ -32,7 +32,12 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
   G, n = s.group_size, n or s.prompts_per_step
   if s.env is not None:
     return _episode_rollout(ctx, store, steps, version, v_b, n, call)
+  if s.echo is not None:
+    return _echo_rollout(ctx, store, steps, version, v_b, n, call)
   p = gen.step_prompts(steps, n, G, call)
+  pats = {}
+  if ctx.scaffold is not None:  # Pats: evidence cards in front of some rows' prompts (`jaxrl_llm.rollout.scaffold`)
+    p, carded_B, pats = ctx.scaffold.apply(gen.encoder, p, G)
   snap = store.acquire(v_b)
   try:
     t0 = time.perf_counter()
@@ -44,7 +49,15 @@ def sync_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versio
     store.release(snap)
   spec = {k: float(out[k]) for k in SAMPLER_STATS if k in out}  # speculative decoding's, slot counters: when on
   whole = gen.finish(out, p.examples, np.full(out["mask_BN"].shape, v_b, np.int32), owners, **spec)
-  return _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *spec)
+  batches = _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *spec)
+  if ctx.scaffold is not None:  # the cards learn from each step's groups in order; each batch gets its own stats
+    B, tokens_BN = n * G, np.asarray(out["tokens_BN"])
+    for i, ro in enumerate(batches):
+      lo, hi = i * B, (i + 1) * B
+      mine = ctx.scaffold.update(p.examples[lo:hi], tokens_BN[lo:hi], whole.reward_B[lo:hi], carded_B[lo:hi], G,
+                                 gen.encoder.tokenizer)
+      batches[i] = ro.replace(stats={**ro.stats, **mine, **(pats if i == 0 else {})})
+  return batches
 
 
 def _per_step(whole: Rollout, n_steps: int, B: int, G: int, lag: int, time_gen: float, *counters: str
@@ -58,6 +71,21 @@ def _per_step(whole: Rollout, n_steps: int, B: int, G: int, lag: int, time_gen: 
               lag_B=np.full((B,), lag, np.int32), group_B=np.arange(B, dtype=np.int32) // G,
               stats=first if i == 0 else {k: 0.0 if k == "time_generate_s" else 0 for k in first})
           for i in range(n_steps)]
+
+
+def _echo_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int,
+                  call: int) -> list[Rollout]:
+  """`sync_rollout` with ECHO's cascaded rollout (`rollout.echo`, `jaxrl_llm.rollout.cascade`): per step n/2 tasks,
+  each a critic group of G diagnoses and a policy group of G refinements; each batch's stats its own echo metrics."""
+  s, G = ctx.settings, ctx.settings.group_size
+  snap = store.acquire(v_b)
+  try:
+    params = snap.params if snap.worker_params is None else snap.worker_params
+    whole, per_step, time_gen = cascade.echo_rollout(ctx.gen, params, steps, n, G, v_b, call, s.echo)
+  finally:
+    store.release(snap)
+  out = _per_step(whole, len(steps), n * G, G, version - v_b, time_gen)
+  return [ro.replace(stats={**ro.stats, **mine}) for ro, mine in zip(out, per_step)]
 
 
 def _episode_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int,

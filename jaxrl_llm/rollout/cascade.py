@@ -1,0 +1,121 @@
+"""ECHO's cascaded rollout: a critic co-evolving with the policy (Evolving Critic for Hindsight-Guided Optimization).
+
+ECHO (abstract in `../shared/seeds/`; no released code was found) trains a policy and a natural-language critic
+together. One step, for each task of the step (`rollout.prompts_per_step / 2` tasks):
+
+  1. the policy answers the task once: the attempt y0, scored r0 by the task's reward;
+  2. the critic writes G = `rollout.group_size` diagnoses c_1..c_G of that attempt, conditioned on
+     `prompt + y0 + CRITIC`;
+  3. the policy refines the attempt once per diagnosis, conditioned on `prompt + y0 + CRITIC + c_k + RETRY`:
+     y_k, scored r_k.
+
+Dual-track GRPO: the batch holds, per task, the G diagnoses (the critic's track, each row's reward the shaped gain
+g_k = `echo_gain(r_k, r0)` its refinement earned) then the G refinements (the policy's track, reward r_k): two
+groups of G adjacent rows, so the run's group advantages give each track its own baseline, and the batch keeps
+`prompts_per_step × group_size` rows (the mesh's batch sharding and the minibatch rule see nothing new).
+
+[GUESS] where the abstract is silent:
+- the critic is the policy's own weights in the critic role (the CRITIC / RETRY markers in the prompt): one
+  parameter set, one optimiser, so "synchronized co-evolution" is exact by construction and every learner
+  feature (mesh, LoRA, checkpoints, lag) applies to the critic unchanged. The paper may use a separate model;
+- the attempt y0 is not trained on (it has no group);
+- saturation-aware gain shaping (`echo_gain`): an improvement is scaled by the headroom the attempt left,
+  g = (r_k − r0) / (r_max − r0 + τ), so the same step up counts more from a high-performing attempt; a regression
+  is the plain difference r_k − r0. With GRPO's std normalisation a group whose gains all share a sign is
+  rescaled back (the scale is per group); the shaping then acts through the asymmetry between gains and
+  regressions, and fully with `advantage.std_normalize=False`.
+
+The three sampler calls of a step draw with `fold_in(step key, 1 / 2 / 3)` and pinned parameters, so a step is a
+pure function of (seed, version, step): resume and lag behave as for single completions. Rewards of every row
+are scored as usual (a diagnosis's own task reward is scored and discarded); the record's stats add
+`echo_reward_initial` (mean r0), `echo_reward_refined` (mean r_k), `echo_gain` (mean r_k − r0) and
+`echo_improved_frac` (share of refinements with r_k > r0), per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxrl_llm.keys import fold_in
+from jaxrl_llm.record import Rollout, concat, rows
+from jaxrl_llm.rollout import collect
+from jaxrl_llm.tasks import tokenizer as tok
+
+CRITIC = ";critic:"  # after the attempt: the critic's turn (characters of the built-in vocabulary)
+RETRY = ";retry:"  # after a diagnosis: the policy's refinement
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoSettings:
+  """`rollout.echo.*` resolved (`wiring.echo_settings`): the prompt width of diagnosis and refinement rows (the task's
+  P + the attempt + the diagnosis + markers by default, `config.echo_width`) and the gain shaping's τ."""
+  prompt_width: int
+  gain_tau: float = 0.1
+  reward_max: float = 1.0
+
+
+def echo_gain(r_B: np.ndarray, r0_B: np.ndarray, tau: float, r_max: float = 1.0) -> np.ndarray:
+  """Saturation-aware gain of refinements r over their attempts r0: (r − r0) / (r_max − r0 + τ) where r ≥ r0,
+  r − r0 where r < r0 (module docstring, [GUESS])."""
+  r, r0 = np.asarray(r_B, np.float64), np.asarray(r0_B, np.float64)
+  d = r - r0
+  return np.where(d >= 0, d / (np.maximum(r_max - r0, 0.0) + tau), d).astype(np.float32)
+
+
+def _texts(tokenizer, tokens_BN: np.ndarray) -> list[str]:
+  return [tok.completion_text(tokenizer, row) for row in np.asarray(tokens_BN)]
+
+
+def _encode(gen, texts: list[str], width: int, examples: list[dict]) -> collect.Prompts:
+  try:
+    tokens, lens = gen.encoder.pad_prompts(texts, width)
+  except ValueError:
+    longest = max(len(gen.encoder.prompt_ids(t)) for t in texts)
+    raise ValueError(f"config.rollout.echo.prompt_width={width}: an ECHO prompt (task + attempt + diagnosis) "
+                     f"needs {longest} tokens; raise it (0 = P + 2N + markers)") from None
+  return collect.Prompts(tokens, lens, examples)
+
+
+def echo_rollout(gen, params, steps: list[int], n: int, G: int, v_b: int, call: int, echo: EchoSettings
+                 ) -> tuple[Rollout, list[dict], float]:
+  """(the record of learner steps `steps`, each step's echo stats, sampler seconds): n/2 tasks per step, each as
+  its G diagnoses then its G refinements (module docstring), with parameters `params` of version v_b."""
+  if n % 2:
+    raise ValueError(f"ECHO needs an even number of prompts per step (a critic group and a policy group per task), "
+                     f"got {n}")
+  m, W, enc = n // 2, echo.prompt_width, gen.encoder
+  key = gen.step_key(v_b, steps[0], call)
+  t0 = time.perf_counter()
+  p0 = gen.step_prompts(steps, m, 1, call)  # one attempt per task: no shared-prompt groups in this call
+  single = dataclasses.replace(gen, sampler_cfg=dataclasses.replace(gen.sampler_cfg, group_size=1))
+  out0, owners0 = single.sample(params, p0, fold_in(key, 1))
+  attempts = gen.finish(out0, p0.examples, np.full(out0["mask_BN"].shape, v_b, np.int32), owners0)
+  base = [ex["prompt"] + a + CRITIC for ex, a in zip(p0.examples, _texts(enc.tokenizer, out0["tokens_BN"]))]
+  ex_G = [ex for ex in p0.examples for _ in range(G)]
+  pc = _encode(gen, [b for b in base for _ in range(G)], W, ex_G)
+  out_c, owners_c = gen.sample(params, pc, fold_in(key, 2))
+  diag = _texts(enc.tokenizer, out_c["tokens_BN"])
+  pr = _encode(gen, [b + d + RETRY for b, d in zip((b for b in base for _ in range(G)), diag)], W, ex_G)
+  out_r, owners_r = gen.sample(params, pr, fold_in(key, 3))
+  time_gen = time.perf_counter() - t0
+  versions = np.full(out_c["mask_BN"].shape, v_b, np.int32)
+  critic = gen.finish(out_c, ex_G, versions, owners_c)
+  refine = gen.finish(out_r, ex_G, versions, owners_r)
+  r0_B = np.repeat(np.asarray(attempts.reward_B, np.float32), G)
+  r_B = np.asarray(refine.reward_B, np.float32)
+  critic = critic.replace(reward_B=echo_gain(r_B, r0_B, echo.gain_tau, echo.reward_max))
+  parts = [x for i in range(m * len(steps))
+           for x in (rows(critic, i * G, (i + 1) * G), rows(refine, i * G, (i + 1) * G))]
+  errors = sum(int(x.stat("reward_errors")) for x in (attempts, critic, refine))
+  whole = concat(parts, stats={"reward_errors": errors})
+  per_step = []
+  for j in range(len(steps)):
+    lo, hi = j * m * G, (j + 1) * m * G
+    r, r0 = r_B[lo:hi], r0_B[lo:hi]
+    per_step.append({"echo_reward_initial": float(np.mean(np.asarray(attempts.reward_B)[j * m:(j + 1) * m])),
+                     "echo_reward_refined": float(np.mean(r)), "echo_gain": float(np.mean(r - r0)),
+                     "echo_improved_frac": float(np.mean(r > r0))})
+  return whole, per_step, time_gen
