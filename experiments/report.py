@@ -1245,6 +1245,11 @@ agent_claims_section = functools.partial(
          "accuracy is greedy episode success on unseen seeds), lag 0.")
 
 
+scaffold_claims_section = functools.partial(
+    cell_claims_section, title="Training-time scaffolds (ECHO's co-evolving critic, Pats' evidence cards)",
+    what="each run from its seed's SFT warm start of `configs/{base}.py` (ECHO and its GRPO on 2-digit addition, Pats "
+         "and its GRPO on one-digit multiplication), lag 0; the held-out accuracy is greedy, without critique or card.")
+
 
 def opd_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   """`experiments/opd_claims.py`: the cell grid's claims (`cell_claims_section`), then AsyncOPD's variance claim
@@ -1378,6 +1383,7 @@ SECTIONS = {"staleness_smollm2": functools.partial(staleness_section, real=True)
             "mu_grpo": mu_grpo_section, "a3po_time": a3po_time_section,
             "method_claims": method_claims_section, "headline_staleness": headline_staleness_section,
             "opd_claims": opd_claims_section, "agent_claims": agent_claims_section,
+            "scaffold_claims": scaffold_claims_section,
             "respec_drafter": respec_drafter_section}
 
 

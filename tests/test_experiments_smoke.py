@@ -705,6 +705,15 @@ def test_two_step_agent_staleness_run_writes_results(tmp_path):
   assert r["cell"] == "epo" and r["summary"]["num_steps"] == 2, r
 
 
+def test_two_step_scaffold_claims_run_writes_results(tmp_path):
+  """ECHO's and Pats' cells of experiments/scaffold_claims.py, 2 steps on the tiny base: both run and record."""
+  from experiments import scaffold_claims
+  doc = json.load(open(scaffold_claims.main(["--steps", "2", "--seeds", "1", "--cells", "echo,pats", "--sft-steps", "5",
+                                             "--base", "tiny", "--out", str(tmp_path / "res"),
+                                             "--workdir", str(tmp_path / "wd")])))
+  assert sorted(r["cell"] for r in doc["runs"]) == ["echo", "pats"]
+  assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+
 def _kv_doc(smd_rewards, tis_rewards):
   """A synthetic kv_compression document: the mismatch table and none / tis / smd over 3 seeds."""
   row = lambda m: {"abs_mean": m, "abs_max": 10 * m, "icepop_out_frac": m, "mis_out_frac": m, "tis_capped_frac": m,

@@ -1,0 +1,49 @@
+"""Claims of the two training-time scaffolds: ECHO's co-evolving critic and Pats' evidence cards, each against GRPO.
+
+ECHO (cascaded rollouts: an attempt, G critic diagnoses, G refinements; dual-track GRPO) claims higher task success
+than critic-free RL; Pats (evidence cards from rollout groups, shown in later rollouts and retired as the policy
+improves) claims to improve over its RLVR baseline. Both are measured on the default model from its seed's SFT warm
+start (`configs/default.py`, 250 steps, each run its own: the same parameters for every cell of a seed), lag 0,
+8 prompts × 8 rows per step, the held-out accuracy greedy and without any scaffold (no critique, no card): what the
+policy learnt. ECHO runs on 2-digit addition; Pats on one-digit multiplication (`configs/pats_tiny.py`'s task),
+whose 80 training prompts recur, so cards are seen again. The batch keeps its rows: an ECHO step holds half the
+tasks of a GRPO step (each a critic group and a policy group). Claims compare per seed (`experiments/report.py`).
+
+    python -m experiments.scaffold_claims           # CI-sized (≈30 min on 2 idle cores)
+    python -m experiments.scaffold_claims --full
+
+Writes experiments/results/scaffold_claims.json; `python -m experiments.report` renders it.
+"""
+
+from __future__ import annotations
+
+from experiments import common
+
+BASE_CONFIG = "default"
+FIXED = {"rollout.prompts_per_step": 8, "eval.num_prompts": 100}
+_MUL = {"task.kwargs.num_digits": 1, "task.kwargs.ops": "*", "task.held_out": 20}  # configs/pats_tiny.py's task
+CELLS = {
+    "grpo": {},
+    "echo": {"rollout.echo.on": True},
+    "grpo_mul": dict(_MUL),
+    "pats": {**_MUL, "rollout.pats.on": True},
+}
+# (claim, source, cell a, cell b, rule, options): rules and options in `report.cell_claims`.
+CLAIMS = [
+    ("ECHO's co-evolving critic raises task success over GRPO", "ECHO (seed abstract)", "echo", "grpo", "exceeds", {}),
+    ("Pats' evidence-card scaffold improves over its RLVR baseline", "Pats (seed abstract)", "pats", "grpo_mul",
+     "exceeds", {}),
+]
+SETTINGS = {
+    "ci": {"steps": 150, "eval_every": 25, "seeds": 5},
+    "full": {"steps": 300, "eval_every": 50, "seeds": 10},
+}
+
+
+def main(argv=None) -> str:
+  return common.cell_grid("scaffold_claims", __doc__.splitlines()[0], argv, CELLS, CLAIMS, SETTINGS, FIXED,
+                          base=BASE_CONFIG, sft_flag=True)
+
+
+if __name__ == "__main__":
+  print(main())
