@@ -5,9 +5,9 @@ Two parts, on the tiny policy after its SFT warm start (`configs/default.py`, 2-
    cache (`sampler.kv_cache`: full / int8 / window) and every sampled token is rescored by the dense
    learner at the same parameters: Δ = log π_old − log μ per token (`experiments.mismatch_real.token_stats`:
    |Δ| mean/max, fractions outside the TIS / MIS / IcePop bands at their defaults). Memory per sequence: the
-   bytes of the cache arrays `generate` allocates (P + N slots); the window cache is a mask over that
-   full-size cache, so its row also gives the bytes a ring buffer of sinks + window slots would hold,
-   computed from shapes (labelled so). `kept` is the mean fraction of causal keys a response token sees.
+   bytes of the cache arrays `generate` allocates: P + N slots, or for the window cache a ring buffer of
+   P + sinks + window slots when sinks + window < N (`models.cache.ring_layout`; otherwise the full cache is
+   no larger); its row also gives the bytes of sinks + window slots (at most P + N), computed from shapes. `kept` is the mean fraction of causal keys a response token sees.
 2. Training with the window cache: uncorrected (`ppo_clip` on the dense learner, π_old recomputed: blind to μ),
    TIS (π_old/μ truncated weights) and SMD (`smd`: PPO on the shadow forward + λ·KL(dense ‖ sg shadow)), over
    seeds; the training reward at the end (the compressed sampler's) and greedy held-out accuracy (also decoded
@@ -77,12 +77,13 @@ def measure(base: str, warm: str, prompts: int, group: int, seed: int) -> dict:
     mask = np.asarray(out["mask_BN"])
     old = np.asarray(run.score(params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], out["mask_BN"]))
     delta = np.where(mask > 0, old - np.asarray(out["behavior_logp_BN"]), 0.0)
-    slots = tokens_BP.shape[1] + sc.max_new_tokens
+    P_, N_ = tokens_BP.shape[1], sc.max_new_tokens
+    slots = cache_lib.cache_slots(P_, N_, cache_lib.ring_layout(P_, N_, sc.kv_window_arg))  # what generate allocates
     shapes = jax.eval_shape(lambda: cache_lib.init_cache(model_cfg, 1, slots, sc.kv_dtype))
     row = {**token_stats(delta, mask, band_defaults()), "slots": slots, "bytes_per_seq": cache_lib.cache_bytes(shapes),
            "completion_len_mean": float(mask.sum(1).mean())}
     if sc.kv_window_arg is not None:
-      row["ring_buffer_bytes_per_seq"] = cache_lib.ring_buffer_bytes(model_cfg, sc.kv_sinks, sc.kv_window, slots)
+      row["ring_buffer_bytes_per_seq"] = cache_lib.ring_buffer_bytes(model_cfg, sc.kv_sinks, sc.kv_window, P_ + N_)
       row["kept_frac"] = kept_fraction(out["positions_BT"], out["segment_ids_BT"], mask, sc.kv_sinks, sc.kv_window)
     rows[name] = row
     common.log(f"mismatch {name}: {row}")

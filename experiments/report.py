@@ -1000,9 +1000,10 @@ def kv_compression_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   lines += [f"Start policy: the SFT warm start of `configs/{doc.get('base_config', 'default')}.py` on 2-digit "
             f"addition; {doc.get('prompts')} held-out prompts × {doc.get('group')} samples per cache, every sampled "
             "token rescored by the dense fp32 learner (Δ = log π_old − log μ). Window cache: "
-            f"{win.get('sampler.kv_sinks')} sinks + a window of {win.get('sampler.kv_window')} positions, implemented "
-            "as a mask over the full-size cache: its real bytes equal the full cache's; the ring-buffer column is what "
-            "a buffer of sinks + window slots would hold, computed from shapes (not allocated). Bands at the losses' "
+            f"{win.get('sampler.kv_sinks')} sinks + a window of {win.get('sampler.kv_window')} positions. The static "
+            "sampler allocates a ring buffer of P + sinks + window slots when sinks + window < N (else the full "
+            "cache, which is then no larger); the bytes column is what it allocates, the ring column the bytes of "
+            "sinks + window slots (at most P + N), from shapes. Bands at the losses' "
             f"defaults: IcePop {bands.get('icepop')}, MIS {bands.get('mis')}, TIS cap {bands.get('tis_cap')}.", "",
             "| cache | bytes / sequence (cache arrays) | ring buffer bytes / sequence (computed) | keys kept | "
             "mean abs Δ | max abs Δ | outside IcePop | outside MIS | above TIS cap |",

@@ -72,8 +72,9 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16_sampler": ("a bfloat16 sampler (sampler.dtype)", {"sampler.dtype": "bfloat16"}),
     "int8_sampler": ("an int8 weight-only sampler (sampler.quantize)", {"sampler.quantize": "int8"}),
     "kv_int8": ("an int8 sampler KV cache (sampler.kv_cache='int8')", {"sampler.kv_cache": "int8"}),
+    # 1 + 2 < N = 4: static batches decode from the ring buffer (models/cache.py's ring_layout)
     "kv_window": ("a sinks + window sampler KV cache (sampler.kv_cache='window')",
-                  {"sampler.kv_cache": "window", "sampler.kv_sinks": 2, "sampler.kv_window": 6}),
+                  {"sampler.kv_cache": "window", "sampler.kv_sinks": 1, "sampler.kv_window": 2}),
     "mu_topk": ("μ's top-k candidates recorded (sampler.behavior_topk)", {"sampler.behavior_topk": 4}),
     "mc_samples": ("μ's Monte-Carlo candidates recorded (sampler.mc_samples)", {"sampler.mc_samples": 2}),
     "slots": ("continuous batching (rollout.slots)", {"rollout.slots": 8}),

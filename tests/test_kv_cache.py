@@ -141,6 +141,34 @@ def test_int8_sampler_behaviour_close_to_learner():
   assert 0 < d.max() < 0.5
 
 
+def test_write_slot_golden():
+  """start 6, sinks 2, window 3: the prompt and the first two generated tokens in order, then slots 8, 9, 10 in turn."""
+  got = [int(cache_lib.write_slot(jnp.int32(i), (6, 2, 3))) for i in range(15)]
+  assert got == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 8, 9, 10, 8]
+  assert cache_lib.ring_layout(6, 7, (2, 3)) == (6, 2, 3) and cache_lib.ring_layout(6, 5, (2, 3)) is None
+  assert cache_lib.cache_slots(6, 7, (6, 2, 3)) == 11 and cache_lib.cache_slots(6, 7, None) == 13
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_ring_buffer_saves_slots_and_decodes_as_the_window_mask(unroll):
+  """A long generation (N = 20 through a ring of 1 sink + 3 window slots: it wraps 5 times) allocates P + 4 slots,
+  not P + N, and its μ equals the full-context forward under the window mask built by explicit loops, through the
+  in-place layer view and the layer scan alike."""
+  from jaxrl_llm.sampling.sampler import prefill_prompts
+  import dataclasses
+  cfg, n = dataclasses.replace(CFG, decode_unroll=unroll), 20
+  sc = SamplerConfig(max_new_tokens=n, kv_cache="window", kv_sinks=1, kv_window=3, stop_ids=())
+  ring = cache_lib.ring_layout(P, n, sc.kv_window_arg)
+  cache = jax.eval_shape(lambda: prefill_prompts(PARAMS, PROMPTS, PROMPT_LEN, cfg, sc, ring)[3])
+  assert cache["k"].shape[2] == P + 4 and cache_lib.cache_bytes(cache) * (P + n) == \
+      cache_lib.cache_bytes(jax.eval_shape(lambda: prefill_prompts(PARAMS, PROMPTS, PROMPT_LEN, cfg, sc)[3])) * (P + 4)
+  out = generate(PARAMS, PROMPTS, PROMPT_LEN, jax.random.key(5), cfg, sc)
+  mask = np.asarray(out["mask_BN"])
+  assert mask.all()  # no stop ids: every row decodes all 20 columns
+  m = loop_mask(out["positions_BT"][:, :-1], out["segment_ids_BT"][:, :-1], 1, 3)
+  np.testing.assert_allclose(scored(out, m), np.asarray(out["behavior_logp_BN"]), atol=2e-4)
+
+
 def test_ring_buffer_bytes():
   assert cache_lib.ring_buffer_bytes(CFG, 2, 3, 100) == 2 * 2 * 5 * 2 * 8 * 4
   assert cache_lib.ring_buffer_bytes(CFG, 2, 300, 10) == 2 * 2 * 10 * 2 * 8 * 4  # never more than the slots

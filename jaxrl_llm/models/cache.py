@@ -16,8 +16,11 @@ Compressed caches (the sampler's `kv_cache`, a deliberate mismatch with the lear
           a slot stores round(x / s) with s = max|x| / 127 over head_dim, and is read back as q·s.
   window: attention sinks + a sliding window (StreamingLLM-style) over positions: a query at position p
           sees a key at position p' of its segment when p' < sinks or p − p' < window
-          (`window_visible`). It is a mask over the full-size cache (nothing is evicted); a ring buffer of
-          sinks + window slots holds exactly the keys the mask lets through (`ring_buffer_bytes`).
+          (`window_visible`). The static decode loop (`sampling.generate`) allocates a ring buffer
+          (`ring_layout`): the P prompt slots, then `sinks` slots for the first generated tokens and `window`
+          slots reused in turn by the later ones (`write_slot`), P + sinks + window slots instead of P + N, which
+          hold every key the mask lets through; slot order is then not time order, so causality is by
+          position (`position_mask`). The other decode loops keep the full-size cache under the same mask.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from jaxrl_llm.models.config import ModelConfig
 Array = jax.Array
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str = "compute") -> dict:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str = "compute",
+               route_len: int | None = None) -> dict:
   """An empty cache with `max_len` slots per row: keys/values in the model's compute dtype, or
-  `kv_dtype="int8"` with float32 per-token-per-head scales (see the module docstring)."""
+  `kv_dtype="int8"` with float32 per-token-per-head scales (see the module docstring). MoE routes get
+  `route_len` slots (default `max_len`): a ring buffer keeps every token's routes, in time order."""
   kv_shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
   if kv_dtype not in ("compute", "int8"):
     raise ValueError(f"init_cache: kv_dtype must be 'compute' or 'int8', got {kv_dtype!r}")
@@ -51,7 +56,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str = "comp
     cache["v_scale"] = jnp.ones(kv_shape[:-1], jnp.float32)
   if cfg.num_experts > 0:
     k = cfg.experts_per_token
-    cache["routes_LBSk"] = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (cfg.n_layers, batch, max_len, k))
+    cache["routes_LBSk"] = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32),
+                                            (cfg.n_layers, batch, route_len or max_len, k))
   return cache
 
 
@@ -103,27 +109,61 @@ def cache_bytes(cache: dict, names=("k", "v", "k_scale", "v_scale")) -> int:
   return sum(math.prod(cache[n].shape) * jnp.dtype(cache[n].dtype).itemsize for n in names if n in cache)
 
 
+def ring_layout(P: int, N: int, kv_window: tuple[int, int] | None) -> tuple[int, int, int] | None:
+  """(start P, sinks, window) of the ring buffer a sinks + window cache decodes N tokens after P prompt slots
+  with, or None: no window, or sinks + window >= N (the full cache is no larger)."""
+  if kv_window is None or sum(kv_window) >= N:
+    return None
+  return (P, *kv_window)
+
+
+def cache_slots(P: int, N: int, ring: tuple[int, int, int] | None) -> int:
+  """Slots per row of a cache for P prompt and N new tokens: P + N, or P + sinks + window with a ring."""
+  return P + (N if ring is None else ring[1] + ring[2])
+
+
+def write_slot(index: Array, ring: tuple[int, int, int] | None) -> Array:
+  """The slot a token fed at time `index` (the cache's write index) is stored in: `index` itself before the
+  ring's start (the prompt) and for the first `sinks` generated tokens, then start + sinks + (g − sinks) mod
+  window for generated token g (a token overwrites the one `window` tokens older, which no later query sees).
+  One token per call past the start (decode); a prefill ends at the start."""
+  if ring is None:
+    return index
+  start, sinks, window = ring
+  g = index - start
+  return jnp.where(g < sinks, index, start + sinks + (g - sinks) % window)
+
+
+def position_mask(positions_BT: Array, segment_ids_BT: Array, positions_BS: Array, segment_ids_BS: Array) -> Array:
+  """Boolean [B, T, S]: key slot s at or before the query's position, same segment (a ring buffer's causality:
+  within a segment positions grow with time). Unwritten slots hold segment 0 and meet only padding."""
+  same_BTS = segment_ids_BT[:, :, None] == segment_ids_BS[:, None, :]
+  return same_BTS & (positions_BS[:, None, :] <= positions_BT[:, :, None])
+
+
 def ring_buffer_bytes(cfg: ModelConfig, sinks: int, window: int, slots: int) -> int:
-  """Bytes per sequence a ring buffer of sinks + window slots (at most `slots`) would hold for keys and
-  values in the compute dtype: computed from shapes, not allocated (the window cache is a mask here)."""
+  """Bytes per sequence of keys and values (compute dtype) in sinks + window slots, at most `slots`: with N
+  generated tokens, what `sampling.generate`'s ring buffer holds beyond the prompt (`ring_layout`)."""
   kept = min(sinks + window, slots)
   return 2 * cfg.n_layers * kept * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
-def write_metadata(cache: dict, positions_BT: Array, segment_ids_BT: Array) -> dict:
-  """Records positions and segment ids of T new tokens at the write index and advances it.
+def write_metadata(cache: dict, positions_BT: Array, segment_ids_BT: Array, slot: Array | None = None) -> dict:
+  """Records positions and segment ids of T new tokens at slot `slot` (default: the write index; a ring buffer's
+  `write_slot`) and advances the write index by T.
 
   Keys/values are written per layer by the forward pass; this handles the per-row bookkeeping.
   Writing past the last slot is not checked (dynamic_update_slice would clamp): size caches to
   prompt + new tokens.
   """
   index = cache["index"]
+  slot = index if slot is None else slot
   return {
       **cache,
       "positions_BS": jax.lax.dynamic_update_slice_in_dim(
-          cache["positions_BS"], positions_BT.astype(jnp.int32), index, axis=1),
+          cache["positions_BS"], positions_BT.astype(jnp.int32), slot, axis=1),
       "segment_ids_BS": jax.lax.dynamic_update_slice_in_dim(
-          cache["segment_ids_BS"], segment_ids_BT.astype(jnp.int32), index, axis=1),
+          cache["segment_ids_BS"], segment_ids_BT.astype(jnp.int32), slot, axis=1),
       "index": index + positions_BT.shape[1],
   }
 

@@ -405,7 +405,8 @@ def decode_view(params: dict, cache: dict, cfg: ModelConfig) -> tuple[dict, dict
 
 def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
                       positions_BT: Array, segment_ids_BT: Array | None = None,
-                      kv_window: tuple[int, int] | None = None) -> tuple[Array, dict]:
+                      kv_window: tuple[int, int] | None = None,
+                      kv_ring: tuple[int, int, int] | None = None) -> tuple[Array, dict]:
   """Appends T tokens at the cache's write index; returns their final-normed hidden states.
 
   The new tokens attend to every earlier slot of their segment and causally within the chunk
@@ -416,13 +417,19 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
   only) stores the new keys/values quantised and attends to the dequantised slots; `kv_window=(sinks,
   window)` (static) further restricts every query to the sinks and its sliding window
   (`cache.window_visible`), prefill included, so the learner's shadow forward with
-  `cache.window_attention_mask` sees exactly the same keys.
+  `cache.window_attention_mask` sees exactly the same keys. `kv_ring=(start, sinks, window)` (static, with that
+  window): the cache is a ring buffer (`cache.ring_layout`): keys, values, positions and segments go to
+  `cache.write_slot` (MoE routes stay in time order) and causality is by position (`cache.position_mask`).
   """
   _, segment_ids_BT = _defaults(tokens_BT, positions_BT, segment_ids_BT)
   p = _cast(params, cfg)
   index = cache["index"]
-  cache = cache_lib.write_metadata(cache, positions_BT, segment_ids_BT)
-  mask_BTS = cache_lib.attention_mask(segment_ids_BT, cache["segment_ids_BS"], q_offset=index)
+  slot = cache_lib.write_slot(index, kv_ring)
+  cache = cache_lib.write_metadata(cache, positions_BT, segment_ids_BT, slot)
+  if kv_ring is None:
+    mask_BTS = cache_lib.attention_mask(segment_ids_BT, cache["segment_ids_BS"], q_offset=index)
+  else:
+    mask_BTS = cache_lib.position_mask(positions_BT, segment_ids_BT, cache["positions_BS"], cache["segment_ids_BS"])
   if kv_window is not None:
     sinks, window = kv_window
     mask_BTS = mask_BTS & cache_lib.window_visible(positions_BT[:, :, None], cache["positions_BS"][:, None, :],
@@ -433,7 +440,7 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
   if unstacked and quantized:
     raise ValueError("hidden_with_cache: an int8 cache runs stacked (decode_view keeps it so)")
   kv_layout = "decode" if unstacked else "BSKd"
-  write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), index, axis=axis)
+  write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), slot, axis=axis)
 
   def layer(h_BTD, xs):
     p_l, k, v, scales = xs
@@ -478,8 +485,9 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
 def forward_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,
                        positions_BT: Array, segment_ids_BT: Array | None = None,
-                       kv_window: tuple[int, int] | None = None) -> tuple[Array, dict]:
+                       kv_window: tuple[int, int] | None = None,
+                       kv_ring: tuple[int, int, int] | None = None) -> tuple[Array, dict]:
   """Like `hidden_with_cache` but returns float32 logits [B, T, V] and the updated cache."""
   h_BTD, cache = hidden_with_cache(params, tokens_BT, cache, cfg, positions_BT=positions_BT,
-                                   segment_ids_BT=segment_ids_BT, kv_window=kv_window)
+                                   segment_ids_BT=segment_ids_BT, kv_window=kv_window, kv_ring=kv_ring)
   return logits_from_hidden(params, h_BTD, cfg), cache

@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import cache as cache_lib
 from jaxrl_llm.models.cache import groups_equal, init_cache, repeat_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
@@ -44,10 +45,11 @@ def prompt_layout(prompt_len_B: Array, width: int) -> tuple[Array, Array]:
 
 def prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
                   model_cfg: ModelConfig, slots: int, kv_dtype: str = "compute",
-                  kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
+                  kv_window: tuple[int, int] | None = None, route_len: int | None = None) -> tuple[dict, Array]:
   """(cache of `slots` slots holding the left-padded prompts, logits_BV after the last column); `kv_dtype` and
-  `kv_window`: a compressed cache (`SamplerConfig.kv_dtype`, `SamplerConfig.kv_window_arg`)."""
-  cache = init_cache(model_cfg, prompt_BP.shape[0], slots, kv_dtype)
+  `kv_window`: a compressed cache (`SamplerConfig.kv_dtype`, `SamplerConfig.kv_window_arg`); `route_len`: MoE
+  route slots when they differ from `slots` (a ring buffer, `cache.ring_layout`)."""
+  cache = init_cache(model_cfg, prompt_BP.shape[0], slots, kv_dtype, route_len)
   h_BPD, cache = hidden_with_cache(params, prompt_BP, cache, model_cfg, positions_BT=positions_BP,
                                    segment_ids_BT=segment_ids_BP, kv_window=kv_window)
   # Left padding puts every row's last real prompt token in the last column.
@@ -56,7 +58,7 @@ def prefill_rows(params: dict, prompt_BP: Array, positions_BP: Array, segment_id
 
 def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
                     model_cfg: ModelConfig, slots: int, group_size: int = 1, kv_dtype: str = "compute",
-                    kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
+                    kv_window: tuple[int, int] | None = None, route_len: int | None = None) -> tuple[dict, Array]:
   """`prefill_rows` computed once per prompt group: (cache, logits_BV of the first completion token).
 
   With G = group_size > 1 and rows g·G .. g·G+G-1 holding one prompt (tokens, positions and segments
@@ -64,7 +66,8 @@ def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment
   copied to the G rows of their group (`cache.repeat_rows`). The check runs on device (`lax.cond`):
   a batch whose groups differ is prefilled row by row, so the result never depends on the layout.
   """
-  full = lambda: prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, kv_dtype, kv_window)
+  full = lambda: prefill_rows(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, kv_dtype, kv_window,
+                              route_len)
   G, B = group_size, prompt_BP.shape[0]
   if G == 1:
     return full()
@@ -72,26 +75,27 @@ def prefill_grouped(params: dict, prompt_BP: Array, positions_BP: Array, segment
     raise ValueError(f"sampler.group_size={G} must divide the batch of {B} prompt rows")
 
   shared = lambda: prefill_per_group(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg, slots, G, kv_dtype,
-                                     kv_window)
+                                     kv_window, route_len)
   grouped = groups_equal(prompt_BP, G) & groups_equal(positions_BP, G) & groups_equal(segment_ids_BP, G)
   return jax.lax.cond(grouped, shared, full)
 
 
 def prefill_per_group(params: dict, prompt_BP: Array, positions_BP: Array, segment_ids_BP: Array,
                       model_cfg: ModelConfig, slots: int, group_size: int, kv_dtype: str = "compute",
-                      kv_window: tuple[int, int] | None = None) -> tuple[dict, Array]:
+                      kv_window: tuple[int, int] | None = None, route_len: int | None = None) -> tuple[dict, Array]:
   """The shared branch of `prefill_grouped`, unchecked: runs rows 0, G, 2G, ... and copies each one's
   cache and logits to the G rows of its group (what the other rows hold is never read)."""
   G = group_size
   cache, logits_bV = prefill_rows(params, prompt_BP[::G], positions_BP[::G], segment_ids_BP[::G], model_cfg, slots,
-                                   kv_dtype, kv_window)
+                                   kv_dtype, kv_window, route_len)
   return repeat_rows(cache, G), jnp.repeat(logits_bV, G, axis=0)
 
 
 def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, model_cfg: ModelConfig,
-                    sampler_cfg: SamplerConfig):
-  """Runs the left-padded prompts through a fresh KV cache sized P + N (once per prompt group when
-  `sampler_cfg.group_size` > 1, see `prefill_grouped`).
+                    sampler_cfg: SamplerConfig, ring: tuple[int, int, int] | None = None):
+  """Runs the left-padded prompts through a fresh KV cache sized P + N, or P + sinks + window for a ring buffer
+  `ring` (`cache.ring_layout`; `generate` only), once per prompt group when `sampler_cfg.group_size` > 1
+  (see `prefill_grouped`).
 
   Returns (prompt_BP with pads set to pad_id, positions_BP, segment_ids_BP, cache, logits_BV of the
   first completion token). Shared by `generate` and the partial-rollout sampler.
@@ -99,9 +103,10 @@ def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, 
   B, P = prompt_tokens_BP.shape
   positions_BP, segment_ids_BP = prompt_layout(prompt_len_B, P)
   prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
+  N = sampler_cfg.max_new_tokens
   cache, first_logits_BV = prefill_grouped(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg,
-                                           P + sampler_cfg.max_new_tokens, sampler_cfg.group_size,
-                                           sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
+                                           cache_lib.cache_slots(P, N, ring), sampler_cfg.group_size,
+                                           sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg, P + N)
   return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
 
 
@@ -153,16 +158,18 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
 
 
 def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cfg: ModelConfig,
-                         kv_window: tuple[int, int] | None = None) -> tuple[Array, Array, dict]:
+                         kv_window: tuple[int, int] | None = None,
+                         kv_ring: tuple[int, int, int] | None = None) -> tuple[Array, Array, dict]:
   """Feeds completion column `carry["step"] - 1` through the carry's cache at positions `start_pos_B + column`
   (rows already finished there as padding, segment 0). Returns (logits_BV after it, live_B: whether the column
-  is real, the cache). `kv_window`: the sinks + window cache's (sinks, window), None for a full one."""
+  is real, the cache). `kv_window`: the sinks + window cache's (sinks, window), None for a full one; `kv_ring`: its
+  ring buffer's layout when the cache is one (`cache.ring_layout`)."""
   prev = carry["step"] - 1
   token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
   live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
   logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
                                          positions_BT=(start_pos_B + prev)[:, None].astype(jnp.int32),
-                                         segment_ids_BT=live_B1, kv_window=kv_window)
+                                         segment_ids_BT=live_B1, kv_window=kv_window, kv_ring=kv_ring)
   return logits_B1V[:, 0], live_B1[:, 0] > 0, cache
 
 
@@ -227,8 +234,9 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   """
   B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
+  ring = cache_lib.ring_layout(P, N, sampler_cfg.kv_window_arg)  # a "window" cache: P + sinks + window slots
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
-      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg, ring)
 
   shape = noise_shape(B, first_logits_BV.shape[-1], sampler_cfg)
   predraw = shape is not None and N * math.prod(shape) <= PREDRAW_MAX_ELEMENTS
@@ -241,7 +249,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
 
   def decode(carry: dict) -> dict:
     """Feeds the previous column's token through the cache, then samples the next column."""
-    logits_BV, _, cache = feed_previous_column(decode_params, carry, prompt_len_B, model_cfg, sampler_cfg.kv_window_arg)
+    logits_BV, _, cache = feed_previous_column(decode_params, carry, prompt_len_B, model_cfg, sampler_cfg.kv_window_arg,
+                                               ring)
     return emit({**carry, "cache": cache}, logits_BV)
 
   def keep_going(carry: dict) -> Array:
