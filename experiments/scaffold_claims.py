@@ -5,9 +5,11 @@ than critic-free RL; Pats (evidence cards from rollout groups, shown in later ro
 improves) claims to improve over its RLVR baseline. Both are measured on the default model from its seed's SFT warm
 start (`configs/default.py`, 250 steps, each run its own: the same parameters for every cell of a seed), lag 0,
 8 prompts × 8 rows per step, the held-out accuracy greedy and without any scaffold (no critique, no card): what the
-policy learnt. ECHO runs on 2-digit addition; Pats on one-digit multiplication (`configs/pats_tiny.py`'s task),
-whose 80 training prompts recur, so cards are seen again. The batch keeps its rows: an ECHO step holds half the
-tasks of a GRPO step (each a critic group and a policy group). Claims compare per seed (`experiments/report.py`).
+policy learnt. ECHO runs on 2-digit addition with partial credit (a wrong answer earns up to 0.5 for digits in
+place, so a refinement can improve on its attempt by degrees); Pats on one-digit multiplication
+(`configs/pats_tiny.py`'s task), whose 80 training prompts recur, so cards are seen again. The batch keeps its
+rows: an ECHO step holds half the tasks of a GRPO step (each a critic group and a policy group). Claims compare per
+seed (`experiments/report.py`).
 
     python -m experiments.scaffold_claims           # CI-sized (≈30 min on 2 idle cores)
     python -m experiments.scaffold_claims --full
@@ -22,9 +24,10 @@ from experiments import common
 BASE_CONFIG = "default"
 FIXED = {"rollout.prompts_per_step": 8, "eval.num_prompts": 100}
 _MUL = {"task.kwargs.num_digits": 1, "task.kwargs.ops": "*", "task.held_out": 20}  # configs/pats_tiny.py's task
+_ADD = {"task.kwargs.partial_credit": True}  # graded rewards: a refinement can improve on its attempt by a digit
 CELLS = {
-    "grpo": {},
-    "echo": {"rollout.echo.on": True},
+    "grpo": dict(_ADD),
+    "echo": {**_ADD, "rollout.echo.on": True},
     "grpo_mul": dict(_MUL),
     "pats": {**_MUL, "rollout.pats.on": True},
 }

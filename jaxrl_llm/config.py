@@ -734,9 +734,10 @@ def echo_on(c: ml_collections.ConfigDict) -> bool:
 
 def echo_width(c: ml_collections.ConfigDict, width: int) -> int:
   """The prompt width of ECHO's diagnosis and refinement rows: `rollout.echo.prompt_width`, or 0 = the task's P,
-  the attempt and the diagnosis (N each) and 16 tokens for the markers, rounded up to a multiple of 16."""
+  the attempt and the diagnosis (N each) and 24 tokens for the markers and the attempt's reward, rounded up to a
+  multiple of 16."""
   w = read(c, "rollout.echo.prompt_width")
-  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + 16) // 16) * 16
+  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + 24) // 16) * 16
 
 
 def echo_length(c: ml_collections.ConfigDict, width: int) -> int:
@@ -750,7 +751,7 @@ def _validate_echo(c: ml_collections.ConfigDict) -> None:
   on, w, tau = read(c, "rollout.echo.on"), read(c, "rollout.echo.prompt_width"), read(c, "rollout.echo.gain_tau")
   _need(isinstance(on, bool), "rollout.echo.on", on, "must be a bool")
   _need(isinstance(w, int) and not isinstance(w, bool) and w >= 0, "rollout.echo.prompt_width", w,
-        "must be an int >= 0 (0 = the task's width + 2 * sampler.max_new_tokens + 16)")
+        "must be an int >= 0 (0 = the task's width + 2 * sampler.max_new_tokens + 24)")
   _need(isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0,
         "rollout.echo.gain_tau", tau, "must be a finite number > 0")
   if not on:

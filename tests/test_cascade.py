@@ -33,9 +33,10 @@ def test_saturation_aware_gain_golden():
 
 def test_record_holds_a_critic_group_then_a_policy_group_per_task():
   """Step 0 of echo_tiny: 2 tasks × (4 diagnoses + 4 refinements). A diagnosis row's prompt is the task's prompt,
-  the attempt and the critic marker; the refinement row at the same index continues it with that row's diagnosis
-  and the retry marker; the diagnosis rows' rewards are the shaped gains of their refinements over the attempt,
-  whose reward is re-scored here from the text in the prompt."""
+  the attempt with its reward (hindsight) and the critic marker; the refinement row at the same index is the attempt
+  with its reward, the marker, that row's diagnosis, the retry marker and the task's prompt; the diagnosis rows'
+  rewards are the shaped gains of their refinements over the attempt, whose reward is re-scored here from the text
+  in the prompt."""
   from jaxrl_llm.rollout.sources.common import sync_rollout
   from tests.test_loop import fresh_run
   c = _echo_config()
@@ -51,10 +52,12 @@ def test_record_holds_a_critic_group_then_a_policy_group_per_task():
     assert base.endswith(cascade.CRITIC) and all(prompt[i] == base for i in crit)
     task_prompt = base[:-len(cascade.CRITIC)]
     example = next(ex for ex in r.train_examples if task_prompt.startswith(ex["prompt"]))
-    attempt = task_prompt[len(example["prompt"]):]
+    attempt, _, shown = task_prompt[len(example["prompt"]):].rpartition(":")
     r0 = r.task.reward(example["prompt"], example["answer"], attempt)
+    assert shown == f"{r0:.1f}"  # hindsight: the critic reads the attempt's outcome
+    attempt += ":" + shown
     for i, j in zip(crit, ref):
-      assert prompt[j] == base + completion[i] + cascade.RETRY
+      assert prompt[j] == attempt + cascade.CRITIC + completion[i] + cascade.RETRY + example["prompt"]
       r_j = r.task.reward(example["prompt"], example["answer"], completion[j])
       assert ro.reward_B[j] == pytest.approx(r_j)
       assert ro.reward_B[i] == pytest.approx(float(cascade.echo_gain(np.array([r_j]), np.array([r0]), 0.1)[0]))

@@ -4,10 +4,11 @@ ECHO (abstract in `../shared/seeds/`; no released code was found) trains a polic
 together. One step, for each task of the step (`rollout.prompts_per_step / 2` tasks):
 
   1. the policy answers the task once: the attempt y0, scored r0 by the task's reward;
-  2. the critic writes G = `rollout.group_size` diagnoses c_1..c_G of that attempt, conditioned on
-     `prompt + y0 + CRITIC`;
-  3. the policy refines the attempt once per diagnosis, conditioned on `prompt + y0 + CRITIC + c_k + RETRY`:
-     y_k, scored r_k.
+  2. the critic writes G = `rollout.group_size` diagnoses c_1..c_G of that attempt in hindsight, conditioned on
+     `prompt + y0 + ":" + r0 + CRITIC` (the attempt's outcome included, `hindsight`);
+  3. the policy refines the attempt once per diagnosis, conditioned on `y0 + ":" + r0 + CRITIC + c_k + RETRY +
+     prompt` (the task's prompt last: the policy answers the task in its own format, with the attempt, its
+     outcome and the diagnosis as context): y_k, scored r_k.
 
 Dual-track GRPO: the batch holds, per task, the G diagnoses (the critic's track, each row's reward the shaped gain
 g_k = `echo_gain(r_k, r0)` its refinement earned) then the G refinements (the policy's track, reward r_k): two
@@ -19,6 +20,11 @@ groups of G adjacent rows, so the run's group advantages give each track its own
   parameter set, one optimiser, so "synchronized co-evolution" is exact by construction and every learner
   feature (mesh, LoRA, checkpoints, lag) applies to the critic unchanged. The paper may use a separate model;
 - the attempt y0 is not trained on (it has no group);
+- the critic reads the attempt's reward (rendered with one decimal): hindsight, as the name says; the
+  abstract does not say what feedback the critic sees;
+- the layout of the two prompts (markers `CRITIC` / `RETRY`, the task's prompt last in a refinement). A first
+  layout that appended the retry marker after the diagnosis left the tiny model, which only knows the task's
+  format, without a single correct refinement in 150 steps (no reward variance, no gradient on either track);
 - saturation-aware gain shaping (`echo_gain`): an improvement is scaled by the headroom the attempt left,
   g = (r_k − r0) / (r_max − r0 + τ), so the same step up counts more from a high-performing attempt; a regression
   is the plain difference r_k − r0. With GRPO's std normalisation a group whose gains all share a sign is
@@ -65,6 +71,11 @@ def echo_gain(r_B: np.ndarray, r0_B: np.ndarray, tau: float, r_max: float = 1.0)
   return np.where(d >= 0, d / (np.maximum(r_max - r0, 0.0) + tau), d).astype(np.float32)
 
 
+def hindsight(reward: float) -> str:
+  """What the critic and the refinement see of the attempt's outcome: `:` and its reward with one decimal."""
+  return f":{float(reward):.1f}"
+
+
 def _texts(tokenizer, tokens_BN: np.ndarray) -> list[str]:
   return [tok.completion_text(tokenizer, row) for row in np.asarray(tokens_BN)]
 
@@ -75,7 +86,7 @@ def _encode(gen, texts: list[str], width: int, examples: list[dict]) -> collect.
   except ValueError:
     longest = max(len(gen.encoder.prompt_ids(t)) for t in texts)
     raise ValueError(f"config.rollout.echo.prompt_width={width}: an ECHO prompt (task + attempt + diagnosis) "
-                     f"needs {longest} tokens; raise it (0 = P + 2N + markers)") from None
+                     f"needs {longest} tokens; raise it (0 = P + 2N + 24)") from None
   return collect.Prompts(tokens, lens, examples)
 
 
@@ -93,12 +104,15 @@ def echo_rollout(gen, params, steps: list[int], n: int, G: int, v_b: int, call: 
   single = dataclasses.replace(gen, sampler_cfg=dataclasses.replace(gen.sampler_cfg, group_size=1))
   out0, owners0 = single.sample(params, p0, fold_in(key, 1))
   attempts = gen.finish(out0, p0.examples, np.full(out0["mask_BN"].shape, v_b, np.int32), owners0)
-  base = [ex["prompt"] + a + CRITIC for ex, a in zip(p0.examples, _texts(enc.tokenizer, out0["tokens_BN"]))]
+  seen = [a + hindsight(r) for a, r in zip(_texts(enc.tokenizer, out0["tokens_BN"]), attempts.reward_B)]
+  base = [ex["prompt"] + a + CRITIC for ex, a in zip(p0.examples, seen)]
   ex_G = [ex for ex in p0.examples for _ in range(G)]
   pc = _encode(gen, [b for b in base for _ in range(G)], W, ex_G)
   out_c, owners_c = gen.sample(params, pc, fold_in(key, 2))
   diag = _texts(enc.tokenizer, out_c["tokens_BN"])
-  pr = _encode(gen, [b + d + RETRY for b, d in zip((b for b in base for _ in range(G)), diag)], W, ex_G)
+  refine_texts = [a + CRITIC + d + RETRY + ex["prompt"] for a, d, ex in zip((a for a in seen for _ in range(G)),
+                                                                          diag, ex_G)]
+  pr = _encode(gen, refine_texts, W, ex_G)
   out_r, owners_r = gen.sample(params, pr, fold_in(key, 3))
   time_gen = time.perf_counter() - t0
   versions = np.full(out_c["mask_BN"].shape, v_b, np.int32)
