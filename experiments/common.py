@@ -304,6 +304,21 @@ def run_seeded(name: str, args, argv, runs: list[dict], overrides, payload: dict
   return write_results(name, {**payload, "runs": results}, args.out, argv)
 
 
+def metric_thirds(prefixes: tuple[str, ...]):
+  """An `after` hook for `run_seeded`: the mean of every metric named with one of `prefixes` over the first and
+  the last third of the run's steps (`<metric>_early`, `<metric>_late`; steps that lack it are left out)."""
+  def after(wd: str) -> dict:
+    with open(os.path.join(wd, "metrics.jsonl")) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+    third = max(1, len(rows) // 3)
+    out = {}
+    for k in sorted({k for r in rows for k in r if k.startswith(prefixes)}):
+      for tag, part in (("early", rows[:third]), ("late", rows[-third:])):
+        out[f"{k}_{tag}"] = _mean([r.get(k) for r in part])
+    return out
+  return after
+
+
 def seeded_warm_dir(workdir: str, warm: dict, seed: int) -> str:
   """The folder `run_seeded` keeps a seed's warm start made with overrides `warm` in (keyed by them)."""
   tag = hashlib.sha1(json.dumps(warm, sort_keys=True).encode()).hexdigest()[:10]
@@ -311,10 +326,11 @@ def seeded_warm_dir(workdir: str, warm: dict, seed: int) -> str:
 
 
 def cell_grid(name: str, description: str, argv, cells: dict, claims: list, settings: dict, fixed: dict,
-              warm: dict | None = None, base: str | None = None, sft_flag: bool = False) -> str:
+              warm: dict | None = None, base: str | None = None, sft_flag: bool = False, after=None) -> str:
   """A script whose runs are named cells (`cells`: name -> overrides over `fixed`) × seeds and whose claims
   (`report.cell_claims`) compare cells: parses `--cells` (and `--sft-steps` with `sft_flag`: each run's own SFT,
-  for tests) beside `base_parser`'s flags, runs `run_seeded` and records cells and claims in the results."""
+  for tests) beside `base_parser`'s flags, runs `run_seeded` (`after`: its per-run summary hook) and records cells
+  and claims in the results."""
   p = base_parser(description)
   if base is not None:
     p.set_defaults(base=base)
@@ -330,7 +346,7 @@ def cell_grid(name: str, description: str, argv, cells: dict, claims: list, sett
                     "eval.every": eval_every}
   return run_seeded(name, args, argv, runs, over, {
       "setting": setting, "steps": steps, "seeds": seeds, "eval_every": eval_every, "base_config": args.base,
-      "base_overrides": fixed, "cells": {c: cells[c] for c in names}, "claims": claims}, warm=warm)
+      "base_overrides": fixed, "cells": {c: cells[c] for c in names}, "claims": claims}, warm=warm, after=after)
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

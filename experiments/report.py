@@ -1246,10 +1246,37 @@ agent_claims_section = functools.partial(
          "accuracy is greedy episode success on unseen seeds), lag 0.")
 
 
-scaffold_claims_section = functools.partial(
-    cell_claims_section, title="Training-time scaffolds (ECHO's co-evolving critic, Pats' evidence cards)",
-    what="each run from its seed's SFT warm start of `configs/{base}.py` (ECHO and its GRPO on 2-digit addition, Pats "
-         "and its GRPO on one-digit multiplication), lag 0; the held-out accuracy is greedy, without critique or card.")
+# The scaffolds' own metrics (`experiments.common.metric_thirds`): (cell, metric, what it is)
+SCAFFOLD_METRICS = [
+    ("echo", "echo_reward_initial", "ECHO: reward of the attempts (bare prompts: the policy itself)"),
+    ("echo", "echo_reward_refined", "ECHO: reward of the refinements"),
+    ("echo", "echo_gain", "ECHO: refinement − attempt reward"),
+    ("echo", "echo_improved_frac", "ECHO: share of refinements above their attempt"),
+    ("pats", "pats_cards", "Pats: cards held"),
+    ("pats", "pats_carded_frac", "Pats: share of rows shown a card"),
+    ("pats", "pats_reward_carded", "Pats: reward of carded rows (groups with a card)"),
+    ("pats", "pats_reward_bare", "Pats: reward of bare rows (same groups)"),
+]
+
+
+def scaffold_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
+  """`experiments/scaffold_claims.py`: the cell grid's claims (`cell_claims_section`), then each mechanism's own
+  metrics over the first and the last third of its runs (seeds' means ± se): whether ECHO's refinements come to
+  beat their attempts while the policy itself moves, and whether Pats' cards help the rows that see them."""
+  lines, claims = cell_claims_section(
+      doc, fig_dir, rel, title="Training-time scaffolds (ECHO's co-evolving critic, Pats' evidence cards)",
+      what=f"each run from its seed's SFT warm start of `configs/{doc.get('base_config', 'default')}.py` (ECHO and "
+           "its GRPO on 2-digit addition with partial credit, Pats and its GRPO on one-digit multiplication), lag 0; "
+           "the held-out accuracy is greedy, without critique or card.")
+  ok = [r for r in doc.get("runs", []) if "summary" in r]
+  rows = [(what, cell([r for r in ok if r["cell"] == c], f"{m}_early"), cell([r for r in ok if r["cell"] == c],
+           f"{m}_late")) for c, m, what in SCAFFOLD_METRICS]
+  rows = [(w, a, b) for w, a, b in rows if a is not None or b is not None]
+  if rows:
+    lines += ["The mechanisms' own metrics (training rows, mean over the first and the last third of the steps):", "",
+              "| metric | first third | last third |", "|---|---|---|"]
+    lines += [f"| {w} | {fmt(a)} | {fmt(b)} |" for w, a, b in rows] + [""]
+  return lines, claims
 
 
 def opd_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:

@@ -44,8 +44,9 @@ SETTINGS = {
 
 
 def main(argv=None) -> str:
+  # the mechanisms' own metrics, early and late in each run: does the refinement gain rise, do cards help
   return common.cell_grid("scaffold_claims", __doc__.splitlines()[0], argv, CELLS, CLAIMS, SETTINGS, FIXED,
-                          base=BASE_CONFIG, sft_flag=True)
+                          base=BASE_CONFIG, sft_flag=True, after=common.metric_thirds(("echo_", "pats_")))
 
 
 if __name__ == "__main__":

@@ -713,6 +713,12 @@ def test_two_step_scaffold_claims_run_writes_results(tmp_path):
                                              "--workdir", str(tmp_path / "wd")])))
   assert sorted(r["cell"] for r in doc["runs"]) == ["echo", "pats"]
   assert all(r["summary"]["num_steps"] == 2 for r in doc["runs"]), doc["runs"]
+  echo, pats = sorted(doc["runs"], key=lambda r: r["cell"])
+  assert {"echo_gain_early", "echo_gain_late"} <= set(echo["summary"]) and "pats_cards_late" in pats["summary"]
+  out = tmp_path / "RESULTS.md"
+  report.main(["--results", str(tmp_path / "res"), "--out", str(out)])
+  text = out.read_text()
+  assert "Training-time scaffolds" in text and "| ECHO: refinement − attempt reward |" in text
 
 def _kv_doc(smd_rewards, tis_rewards):
   """A synthetic kv_compression document: the mismatch table and none / tis / smd over 3 seeds."""
