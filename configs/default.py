@@ -117,7 +117,7 @@ def get_config():
   # Pats (jaxrl_llm/rollout/scaffold.py): evidence cards made from rollout groups, shown in front of part of a
   # recurring prompt's later rollouts, retired once bare rows do as well; evaluation never shows a card.
   c.rollout.pats = ml_collections.ConfigDict()
-  c.rollout.pats.on = False  # Pats' evidence-card scaffold (sync, fixed_lag, staged)
+  c.rollout.pats.on = False  # Pats' evidence-card scaffold (sync, fixed_lag, staged, async)
   c.rollout.pats.prompt_width = 0  # prompt tokens of scaffolded rows; 0 = task width + 2 * N + 16
   c.rollout.pats.card_frac = 0.5  # share of a carded prompt's group that sees the card (the rest: bare) [GUESS]
   c.rollout.pats.add_below = 1.0  # a group with mean reward below this (and differing rewards) becomes a card [GUESS]

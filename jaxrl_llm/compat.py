@@ -117,8 +117,6 @@ REFUSED: dict[frozenset, str] = {
             _EPS),
     pair("echo", "harness"): "inherent: in harness mode the harness decides every call; ECHO's cascade is a "
                              "sampling schedule of its own",
-    **_each("not built: the async workers sample a request's prompt as drawn; the scaffold's cards would have to "
-            "be applied and learnt from inside the worker, in request order", "pats", ("async", "partial")),
     **_each("not built: cards in an episode's first message (Pats runs on single completions)", "pats", _EPS),
     pair("pats", "harness"): "inherent: in harness mode the harness writes every prompt",
     pair("pats", "echo"): "not built: cards in ECHO's attempt prompts (each runs on its own)",

@@ -803,8 +803,13 @@ def _validate_pats(c: ml_collections.ConfigDict) -> None:
     return
   _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
         "must be >= 2 with rollout.pats.on (a group compares carded and bare rows)")
-  _need(c.rollout.mode in ECHO_MODES, "rollout.mode", c.rollout.mode,
-        f"must be one of {ECHO_MODES} with rollout.pats.on (the async workers sample without the scaffold)")
+  modes = ECHO_MODES + ("async",)
+  _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode,
+        f"must be one of {modes} with rollout.pats.on (in harness mode the harness writes every prompt)")
+  if c.rollout.mode == "async":
+    import jax  # local: no device is touched unless `jax.distributed` is initialised
+    _need(not (jax.distributed.is_initialized() and jax.process_count() > 1), "rollout.pats.on", on,
+          "async over several processes is not built with Pats (each process's workers would learn their own cards)")
   _need(not env_on(c), "env.name", read(c, "env.name"),
         'must be "" with rollout.pats.on (cards in an episode\'s first message are not built)')
   _need(not echo_on(c), "rollout.echo.on", read(c, "rollout.echo.on"),

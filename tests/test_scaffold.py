@@ -90,7 +90,7 @@ def _pats_config(**over):
 
 
 @pytest.mark.parametrize("field,value", [("rollout.pats.card_frac", 1.0), ("rollout.pats.prompt_width", -1),
-                                         ("rollout.mode", "async"), ("rollout.group_size", 1),
+                                         ("rollout.mode", "harness"), ("rollout.group_size", 1),
                                          ("rollout.echo.on", True)])
 def test_validation_names_the_field(field, value):
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -111,3 +111,16 @@ def test_shipped_config_resumes_with_its_cards(tmp_path):
   assert strip(resumed) == strip(whole[3:])
   assert whole[2]["pats_cards"] > 0 and any(r["pats_carded_frac"] > 0 for r in whole), whole
   assert all(r["mismatch_abs_max"] < 1e-4 for r in whole)
+
+
+@pytest.mark.parametrize("slots", [0, 4])
+def test_async_workers_scaffold_their_groups(tmp_path, slots):
+  """pats_tiny in async mode (η = 1), by the group workers and by the slot worker: cards are made and shown as
+  groups are scored, a batch's stats merge its groups', and μ still equals the learner's recomputation on the
+  scaffold-wide rows."""
+  from jaxrl_llm import loop
+  c = _pats_config(**{"num_steps": 8, "rollout.mode": "async", "rollout.lag": 1, "rollout.slots": slots})
+  rows = loop.run(c, str(tmp_path))
+  assert rows[-1]["pats_cards"] > 0 and sum(r["pats_added"] for r in rows) >= rows[-1]["pats_cards"], rows
+  assert any(r["pats_carded_frac"] > 0 for r in rows), rows
+  assert all(r["mismatch_abs_max"] < 1e-4 for r in rows), rows

@@ -83,7 +83,7 @@ def rollout_key(root: jax.Array, version: int, request_id: int) -> jax.Array:
 
 def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | None = None,
                        chunk_steps: int | None = None, reprefill: bool = False,
-                       score_fn: Callable | None = None, score_at_switch: bool = False) -> RolloutFn:
+                       score_fn: Callable | None = None, score_at_switch: bool = False, scaffold=None) -> RolloutFn:
   """The standard `rollout_fn(snapshot, request_id) -> Rollout`: one prompt, G completions, as a buffer
   group (`buffer.group_record`), generated and scored by the run's `Generation` (`gen.finish`).
 
@@ -99,7 +99,9 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
   by the time the group finishes (the snapshot route, `prox_at_versions`, then leaves the group to the learner).
   A snapshot generates from its `worker_params`, made when it was published (several processes: each
   process's own replica, `ParamStore(view=multiprocess.local_view)`); a worker builds no arrays from it.
-  Workers run on their own process's devices: `gen.mesh` is not used here.
+  Workers run on their own process's devices: `gen.mesh` is not used here. `scaffold` (Pats,
+  `rollout.scaffold.Scaffold`): the group's prompt gets its card, if any, and the scored group updates the cards
+  (its stats travel with the group).
   """
   if chunk_steps is not None and store is None:
     raise ValueError("partial rollouts (chunk_steps) need the ParamStore to poll for new versions")
@@ -107,6 +109,9 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
   def rollout(snap: Snapshot, request_id: int) -> Rollout:
     example = prompt_for_request(gen.train_examples, request_id, gen.seed)
     p = collect.encode_prompts([example] * group_size, gen.width, gen.encoder)
+    pats = {}
+    if scaffold is not None:
+      p, carded_G, pats = scaffold.apply(gen.encoder, p, group_size)
     key = rollout_key(gen.key_root, snap.version, request_id)
     args = (jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key)
     at_switch = None
@@ -123,6 +128,10 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
                                          draft_params=gen.draft_params(), on_version_end=at_switch)
       versions_GN = np.asarray(out["versions_BN"])
     group = gen.finish(jax.tree.map(np.asarray, out), p.examples, versions_GN)  # scored here: no other process
+    if scaffold is not None:
+      pats.update(scaffold.update(p.examples, np.asarray(out["tokens_BN"]), group.reward_B, carded_G, group_size,
+                                  gen.encoder.tokenizer))
+      group = group.with_stats(**pats)
     if at_switch is not None:
       group = group.replace(prox_logp_BN=at_switch.prox_BN)
     elif score_fn is not None:

@@ -51,17 +51,21 @@ class _Group:
   admitted: Snapshot
   pins: dict  # version -> Snapshot this group acquired (the admitted one included)
   rows: dict = dataclasses.field(default_factory=dict)  # row -> the columns `SlotEngine.step` returned for it
+  pats: tuple | None = None  # Pats: (which rows saw a card, the card's stats) when the run has a scaffold
 
 
 class SlotWorker:
   """The async engine's one worker under continuous batching (see the module docstring)."""
 
-  def __init__(self, engine: AsyncRollout, gen: Generation, *, group_size: int, score_fn: Callable | None = None):
+  def __init__(self, engine: AsyncRollout, gen: Generation, *, group_size: int, score_fn: Callable | None = None,
+               scaffold=None):
     if gen.slots < 1:
       raise ValueError(f"SlotWorker needs Generation.slots >= 1, got {gen.slots}")
     self.engine, self.store, self.gen, self.G, self.score_fn = engine, engine.store, gen, group_size, score_fn
+    self.scaffold = scaffold  # Pats: cards on the admitted groups' prompts, updated from the recorded groups
+    width = gen.width if scaffold is None else scaffold.s.prompt_width
     self.slots = continuous.SlotEngine(gen.model_cfg, gen.sampler_cfg, slots=gen.slots, chunk=gen.slot_chunk,
-                                       width=gen.width)
+                                       width=width)
     self.groups: dict[int, _Group] = {}  # request id -> group in the engine
     self.decode: Snapshot | None = None  # the snapshot the next chunk decodes with (pinned)
     self._counters = {"slot_steps": 0, "live_steps": 0}
@@ -119,12 +123,16 @@ class SlotWorker:
       try:
         example = prompt_for_request(self.gen.train_examples, rid, self.gen.seed)
         prompts = collect.encode_prompts([example] * self.G, self.gen.width, self.gen.encoder)
+        pats = None
+        if self.scaffold is not None:
+          prompts, carded_G, shown = self.scaffold.apply(self.gen.encoder, prompts, self.G)
+          pats = (carded_G, shown)
         keys = request_keys(rollout_key(self.gen.key_root, snap.version, rid), self.G)
       except BaseException:
         self.engine.abandon(snap.version)
         raise
       held = self.store.acquire(snap.version)
-      self.groups[rid] = _Group(rid, example, prompts, held, {snap.version: held})  # `close` abandons it now
+      self.groups[rid] = _Group(rid, example, prompts, held, {snap.version: held}, pats=pats)  # `close` abandons it
       for row in range(self.G):
         self.slots.submit((rid, row), prompts.tokens_BP[row], int(prompts.len_B[row]), keys[row])
       admitted = True
@@ -137,6 +145,11 @@ class SlotWorker:
                                        self.gen.sampler_cfg)
     out.update(self.slots.spec_stats())  # speculation: the engine's rates so far (its calls serve many groups)
     group = self.gen.finish(out, p.examples, out["versions_BN"])
+    if g.pats is not None:
+      carded_G, stats = g.pats
+      group = group.with_stats(**stats, **self.scaffold.update(p.examples, np.asarray(out["tokens_BN"]),
+                                                               group.reward_B, carded_G, self.G,
+                                                               self.gen.encoder.tokenizer))
     if self.score_fn is not None:
       group = group.replace(prox_logp_BN=prox_at_versions(self.score_fn, self.store, g.admitted, group))
     return group_record(group, request_id=g.request_id, example_id=int(g.example["example_id"]),
@@ -156,7 +169,7 @@ class SlotWorker:
     g.pins.clear()
 
 
-def slot_worker(gen: Generation, *, group_size: int, score_fn: Callable | None = None) -> Callable[[AsyncRollout],
-                                                                                                 SlotWorker]:
+def slot_worker(gen: Generation, *, group_size: int, score_fn: Callable | None = None,
+                scaffold=None) -> Callable[[AsyncRollout], SlotWorker]:
   """`AsyncRollout(make_worker=...)` for continuous batching (`Generation.slots` slots; run one such worker)."""
-  return lambda engine: SlotWorker(engine, gen, group_size=group_size, score_fn=score_fn)
+  return lambda engine: SlotWorker(engine, gen, group_size=group_size, score_fn=score_fn, scaffold=scaffold)

@@ -17,7 +17,10 @@ group measures what the card is worth (and keeps rollout variation). After scori
 
 [GUESS] where the abstract is silent: the card's content (best and worst attempt with their rewards), the
 carded/bare split as the evaluation, and its three thresholds. `Scaffold` is host state (plain data in the
-checkpoint), updated in generation order, so a resumed run shows the cards the uninterrupted one would. Stats
+checkpoint), updated in generation order, so a resumed run shows the cards the uninterrupted one would. The
+synchronous sources apply and update it per sampler call (`sources.common.sync_rollout`); async workers per
+group, as each group is admitted and scored (under a lock; which groups see which cards then depends on timing,
+as everything in that mode), and a batch's stats merge its groups' (`merge_stats`). Stats
 per step: `pats_cards` (held after the step), `pats_carded_frac` (rows that saw a card), `pats_added`,
 `pats_revised`, `pats_retired`, `pats_too_long` (cards left out: the scaffolded prompt would not fit), and
 `pats_reward_carded` / `pats_reward_bare` (mean reward of carded / bare rows of groups that had a card).
@@ -26,6 +29,7 @@ per step: `pats_cards` (held after the step), `pats_carded_frac` (rows that saw 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -64,6 +68,7 @@ class Scaffold:
   def __init__(self, settings: PatsSettings):
     self.s = settings
     self.cards: dict[str, Card] = {}
+    self._lock = threading.Lock()  # async workers apply and update from their threads
 
   def apply(self, encoder, p: collect.Prompts, G: int) -> tuple[collect.Prompts, np.ndarray, dict]:
     """(the prompts with cards in front of the first h rows of each carded group, padded to the scaffold's width;
@@ -72,7 +77,8 @@ class Scaffold:
     texts, carded, too_long = [], np.zeros(len(p.examples), bool), 0
     for g in range(len(p.examples) // G):
       prompt = p.examples[g * G]["prompt"]
-      card = self.cards.get(prompt)
+      with self._lock:
+        card = self.cards.get(prompt)
       fits = card is not None and len(encoder.prompt_ids(card.text() + prompt)) <= W
       too_long += int(card is not None and not fits)
       for i in range(G):
@@ -87,6 +93,10 @@ class Scaffold:
   def update(self, examples: list[dict], tokens_BN: np.ndarray, reward_B: np.ndarray, carded_B: np.ndarray, G: int,
              tokenizer) -> dict:
     """Adds, revises and retires cards from the scored groups (in row order); the step's stats."""
+    with self._lock:
+      return self._update(examples, tokens_BN, reward_B, carded_B, G, tokenizer)
+
+  def _update(self, examples, tokens_BN, reward_B, carded_B, G: int, tokenizer) -> dict:
     added = revised = retired = 0
     r_card, r_bare = [], []
     for g in range(len(examples) // G):
@@ -117,8 +127,24 @@ class Scaffold:
                if r_card else {})}
 
   def state(self) -> dict:
-    return {"cards": [[k, c.best, c.best_reward, c.worst, c.worst_reward] for k, c in self.cards.items()]}
+    with self._lock:
+      return {"cards": [[k, c.best, c.best_reward, c.worst, c.worst_reward] for k, c in self.cards.items()]}
 
   def restore(self, state: dict | None) -> None:
     self.cards = {} if not state else {str(k): Card(str(b), float(rb), str(w), float(rw))
                                        for k, b, rb, w, rw in state["cards"]}
+
+
+COUNTS = ("pats_added", "pats_revised", "pats_retired", "pats_too_long")
+
+
+def merge_stats(stats: list[dict]) -> dict:
+  """The Pats stats of a batch of async groups (each group's `update` + `apply` stats): counts summed, the carded
+  share and the carded / bare rewards averaged over the groups that have them, the cards held the latest count."""
+  out = {k: sum(int(s.get(k, 0)) for s in stats) for k in COUNTS}
+  for k in ("pats_carded_frac", "pats_reward_carded", "pats_reward_bare"):
+    vals = [float(s[k]) for s in stats if k in s]
+    if vals:
+      out[k] = float(np.mean(vals))
+  out["pats_cards"] = max((int(s.get("pats_cards", 0)) for s in stats), default=0)
+  return out

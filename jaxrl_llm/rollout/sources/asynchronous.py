@@ -50,7 +50,7 @@ import numpy as np
 from jaxrl_llm import multiprocess
 from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
-from jaxrl_llm.rollout import async_slots, episodes
+from jaxrl_llm.rollout import async_slots, episodes, scaffold
 from jaxrl_llm.rollout.buffer import collate, lag
 from jaxrl_llm.rollout.generation import RATE_STATS
 from jaxrl_llm.rollout.settings import RolloutSettings
@@ -69,12 +69,13 @@ def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
   kw = dict(batch_groups=s.prompts_per_step // n_proc, eta=s.lag, num_workers=s.num_workers, id_stride=n_proc)
   if ctx.gen.slots:  # continuous batching: one worker holds many groups (config: single completions, one worker)
     fn = None
-    kw.update(num_workers=1, make_worker=async_slots.slot_worker(ctx.gen, group_size=s.group_size, score_fn=score_fn))
+    kw.update(num_workers=1, make_worker=async_slots.slot_worker(ctx.gen, group_size=s.group_size, score_fn=score_fn,
+                                                                 scaffold=ctx.scaffold))
   elif s.env is not None:
     fn = ae.make_episode_rollout(ctx.gen, s.env, group_size=s.group_size, store=store, score_fn=score_fn)
   else:
     fn = ae.make_group_rollout(ctx.gen, group_size=s.group_size, store=store, chunk_steps=s.partial_chunk or None,
-                               score_fn=score_fn, score_at_switch=s.score_at_switch)
+                               score_fn=score_fn, score_at_switch=s.score_at_switch, scaffold=ctx.scaffold)
   if state_dict is not None:
     return ae.AsyncRollout.from_state(state_dict, store, fn, **kw)
   return ae.AsyncRollout(store, fn, next_request_id=jax.process_index(), **kw)
@@ -158,6 +159,7 @@ class Async:
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.eta + 1).tolist(),
         time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
         **{name: st[k] for k, name in SLOT_COUNTERS.items() if k in st}, **spec_means(groups),
+        **(scaffold.merge_stats([g.stats for g in groups]) if self.ctx.scaffold is not None else {}),
         request_ids=sorted({int(g.stat("request_id")) for g in groups}))
     if not multiprocess.multi():
       return ro
