@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from experiments.common import apply_overrides
 from jaxrl_llm.config import ConfigError, load_file, validate
 from jaxrl_llm.rollout import cascade
 from jaxrl_llm.tasks import tokenizer as tok
@@ -11,13 +12,7 @@ from jaxrl_llm.tasks import tokenizer as tok
 def _echo_config(**over):
   c = load_file("configs/echo_tiny.py")
   c.log.tensorboard, c.log.progress, c.sft.steps, c.eval.every = False, False, 40, 0
-  for k, v in over.items():
-    node = c
-    *path, key = k.split(".")
-    for p in path:
-      node = node[p]
-    node[key] = v
-  return c
+  return apply_overrides(c, over)
 
 
 def test_saturation_aware_gain_golden():

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from experiments.common import apply_overrides
 from jaxrl_llm.config import ConfigError, load_file, validate
 from jaxrl_llm.rollout import collect
 from jaxrl_llm.rollout.scaffold import Card, PatsSettings, Scaffold, carded_rows
@@ -80,17 +81,11 @@ def test_state_round_trips_as_plain_data():
 def _pats_config(**over):
   c = load_file("configs/pats_tiny.py")
   c.log.tensorboard, c.log.progress, c.eval.every = False, False, 0
-  for k, v in over.items():
-    node = c
-    *path, key = k.split(".")
-    for p in path:
-      node = node[p]
-    node[key] = v
-  return c
+  return apply_overrides(c, over)
 
 
 @pytest.mark.parametrize("field,value", [("rollout.pats.card_frac", 1.0), ("rollout.pats.prompt_width", -1),
-                                         ("rollout.mode", "harness"), ("rollout.group_size", 1),
+                                         ("rollout.group_size", 1),
                                          ("rollout.echo.on", True)])
 def test_validation_names_the_field(field, value):
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
