@@ -111,7 +111,7 @@ def get_config():
   # ECHO (jaxrl_llm/rollout/cascade.py): per task an attempt, G critic diagnoses of it and G refinements, trained as
   # two GRPO groups (the critic is the policy's own weights in the critic role); prompts_per_step counts groups.
   c.rollout.echo = ml_collections.ConfigDict()
-  c.rollout.echo.on = False  # ECHO's cascaded rollout with a co-evolving critic (sync, fixed_lag, staged)
+  c.rollout.echo.on = False  # ECHO's cascaded rollout with a co-evolving critic (sync, fixed_lag, staged, async)
   c.rollout.echo.prompt_width = 0  # prompt tokens of diagnosis / refinement rows; 0 = task width + 2 * N + 24
   c.rollout.echo.gain_tau = 0.1  # saturation-aware gain (r - r0) / (1 - r0 + tau) of an improvement [GUESS]
   # Pats (jaxrl_llm/rollout/scaffold.py): evidence cards made from rollout groups, shown in front of part of a

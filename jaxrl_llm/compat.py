@@ -110,9 +110,8 @@ REFUSED: dict[frozenset, str] = {
     **_each("inherent: async episodes switch versions between turns (env.newest_each_turn); a switch inside a turn "
             "would need the environment's tokens re-scored mid-turn", "partial", _EPS),
     **_each("inherent: in harness mode the harness is the environment", "harness", _EPS),
-    **_each("not built: the async workers generate one prompt's group per request; ECHO's three dependent sampler "
-            "calls per task (attempt, diagnoses, refinements) would need a cascade inside the worker", "echo",
-            ("async", "partial")),
+    pair("echo", "partial"): "not built: a version switch inside ECHO's cascade of three dependent sampler calls "
+                             "(attempt, diagnoses, refinements); async ECHO runs each request with one version",
     **_each("not built: a critique turn inside a multi-turn episode (ECHO runs on single completions)", "echo",
             _EPS),
     pair("echo", "harness"): "inherent: in harness mode the harness decides every call; ECHO's cascade is a "

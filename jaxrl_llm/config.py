@@ -758,9 +758,20 @@ def _validate_echo(c: ml_collections.ConfigDict) -> None:
     return
   _need(c.rollout.prompts_per_step % 2 == 0, "rollout.prompts_per_step", c.rollout.prompts_per_step,
         "must be even with rollout.echo.on (each task gives a critic group and a policy group)")
-  _need(c.rollout.mode in ECHO_MODES, "rollout.mode", c.rollout.mode,
-        f"must be one of {ECHO_MODES} with rollout.echo.on (the async workers generate one prompt's group per "
-        "request; ECHO's three dependent sampler calls per task are not built there)")
+  modes = ECHO_MODES + ("async",)
+  _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode,
+        f"must be one of {modes} with rollout.echo.on (in harness mode the harness decides every call)")
+  if c.rollout.mode == "async":  # a request is one task: its three calls, then a record of 2G rows
+    _need(not read(c, "rollout.partial_chunk"), "rollout.partial_chunk", read(c, "rollout.partial_chunk"),
+          "must be 0 with rollout.echo.on (a version switch inside ECHO's cascade of three sampler calls is not built)")
+    _need(not read(c, "rollout.slots"), "rollout.slots", read(c, "rollout.slots"),
+          "must be 0 with rollout.echo.on in async mode (the slot worker decodes single groups; ECHO's async "
+          "requests run their three calls as static batches)")
+    import jax  # local: no device is touched unless `jax.distributed` is initialised
+    n_proc = jax.process_count() if jax.distributed.is_initialized() else 1
+    _need(c.rollout.prompts_per_step % (2 * n_proc) == 0, "rollout.prompts_per_step", c.rollout.prompts_per_step,
+          f"must be a multiple of 2 x {n_proc} process(es) with rollout.echo.on in async mode (each process's "
+          "share is whole tasks of two groups)")
   _need(not env_on(c), "env.name", read(c, "env.name"),
         'must be "" with rollout.echo.on (a critique turn inside a multi-turn episode is not built)')
   if read(c, "rollout.replay.capacity"):

@@ -62,7 +62,6 @@ def test_record_holds_a_critic_group_then_a_policy_group_per_task():
 
 @pytest.mark.parametrize("field,value,words", [
     ("rollout.prompts_per_step", 3, "even"),
-    ("rollout.mode", "async", "sync"),
     ("rollout.echo.gain_tau", 0.0, "> 0"),
     ("rollout.echo.prompt_width", -1, ">= 0"),
 ])
@@ -92,3 +91,19 @@ def test_shipped_config_runs_two_steps_with_mu_equal_to_the_learner(tmp_path):
   for r in rows:
     assert {"echo_reward_initial", "echo_reward_refined", "echo_gain", "echo_improved_frac"} <= set(r)
     assert r["echo_gain"] == pytest.approx(r["echo_reward_refined"] - r["echo_reward_initial"])
+
+
+def test_async_echo_requests_are_whole_tasks(tmp_path):
+  """echo_tiny in async mode (η = 1, two workers): each request is one task, a record of its 4 diagnoses then its
+  4 refinements from one version, so a batch of 4 prompts is 2 records; every lag stays within η, μ equals the
+  learner's π_old recomputed at the generating version, and the echo metrics reach the rows."""
+  from jaxrl_llm import loop
+  c = _echo_config(**{"num_steps": 4, "rollout.mode": "async", "rollout.lag": 1, "rollout.num_workers": 2})
+  rows = loop.run(c, str(tmp_path))
+  assert all(len(r["request_ids"]) == 2 and r["lag_max"] <= 1 for r in rows), rows
+  assert all(r["mismatch_abs_max"] < 1e-4 for r in rows), rows
+  assert all(r["echo_gain"] == pytest.approx(r["echo_reward_refined"] - r["echo_reward_initial"]) for r in rows)
+  with pytest.raises(ConfigError, match=r"rollout\.partial_chunk"):
+    validate(_echo_config(**{"rollout.mode": "async", "rollout.lag": 1, "rollout.partial_chunk": 2}))
+  with pytest.raises(ConfigError, match=r"rollout\.slots"):
+    validate(_echo_config(**{"rollout.mode": "async", "rollout.lag": 1, "rollout.slots": 4}))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 import warnings
@@ -31,7 +32,7 @@ import numpy as np
 
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
-from jaxrl_llm.rollout import collect, episodes, old_logp
+from jaxrl_llm.rollout import cascade, collect, episodes, old_logp
 from jaxrl_llm.rollout.admission import Admission
 from jaxrl_llm.rollout.buffer import Buffer, group_record, lag
 from jaxrl_llm.rollout.episodes import EnvSettings
@@ -137,6 +138,32 @@ def make_group_rollout(gen: Generation, *, group_size: int, store: ParamStore | 
     elif score_fn is not None:
       group = group.replace(prox_logp_BN=prox_at_versions(score_fn, store, snap, group))
     return group_record(group, request_id=request_id, example_id=int(example["example_id"]),
+                        start_version=snap.version)
+
+  return rollout
+
+
+def make_echo_rollout(gen: Generation, echo, *, group_size: int, store: ParamStore | None = None,
+                      score_fn: Callable | None = None) -> RolloutFn:
+  """`rollout_fn(snapshot, request_id) -> Rollout` for ECHO (`rollout.cascade`): the request's task as one record
+  of 2G rows, its G diagnoses then its G refinements, all three sampler calls with the admitted snapshot (key
+  `rollout_key(root, version, request_id)`); its echo metrics travel in its stats (`cascade.merge_stats`).
+  `score_fn`: π_old of every row at the snapshot's version, as in `make_group_rollout`."""
+  def rollout(snap: Snapshot, request_id: int) -> Rollout:
+    example = prompt_for_request(gen.train_examples, request_id, gen.seed)
+    params = worker_params(snap)
+
+    def sample(p, key, g):  # on this worker's devices, from the pinned snapshot (no mesh, no other process)
+      cfg = dataclasses.replace(gen.sampler_cfg, group_size=g)
+      out = gen.generate_fn()(params, jnp.asarray(p.tokens_BP), jnp.asarray(p.len_B), key, gen.model_cfg, cfg)
+      return jax.tree.map(np.asarray, out), None
+
+    key = rollout_key(gen.key_root, snap.version, request_id)
+    record, r0 = cascade.cascade(gen, params, [example], group_size, key, snap.version, echo, sample)
+    record = record.with_stats(**cascade.task_stats(record, r0, group_size))
+    if score_fn is not None:
+      record = record.replace(prox_logp_BN=prox_at_versions(score_fn, store, snap, record))
+    return group_record(record, request_id=request_id, example_id=int(example["example_id"]),
                         start_version=snap.version)
 
   return rollout

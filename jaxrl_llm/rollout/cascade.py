@@ -32,7 +32,9 @@ groups of G adjacent rows, so the run's group advantages give each track its own
   regressions, and fully with `advantage.std_normalize=False`.
 
 The three sampler calls of a step draw with `fold_in(step key, 1 / 2 / 3)` and pinned parameters, so a step is a
-pure function of (seed, version, step): resume and lag behave as for single completions. Rewards of every row
+pure function of (seed, version, step): resume and lag behave as for single completions. In `async` a request is
+one task (`async_engine.make_echo_rollout`): its three calls with the admitted snapshot, one record of 2G rows, so
+a batch of `prompts_per_step` groups holds half as many requests. Rewards of every row
 are scored as usual (a diagnosis's own task reward is scored and discarded); the record's stats add
 `echo_reward_initial` (mean r0), `echo_reward_refined` (mean r_k), `echo_gain` (mean r_k − r0) and
 `echo_improved_frac` (share of refinements with r_k > r0), per step.
@@ -90,46 +92,65 @@ def _encode(gen, texts: list[str], width: int, examples: list[dict]) -> collect.
   return collect.Prompts(tokens, lens, examples)
 
 
-def echo_rollout(gen, params, steps: list[int], n: int, G: int, v_b: int, call: int, echo: EchoSettings
-                 ) -> tuple[Rollout, list[dict], float]:
-  """(the record of learner steps `steps`, each step's echo stats, sampler seconds): n/2 tasks per step, each as
-  its G diagnoses then its G refinements (module docstring), with parameters `params` of version v_b."""
-  if n % 2:
-    raise ValueError(f"ECHO needs an even number of prompts per step (a critic group and a policy group per task), "
-                     f"got {n}")
-  m, W, enc = n // 2, echo.prompt_width, gen.encoder
-  key = gen.step_key(v_b, steps[0], call)
-  t0 = time.perf_counter()
-  p0 = gen.step_prompts(steps, m, 1, call)  # one attempt per task: no shared-prompt groups in this call
-  single = dataclasses.replace(gen, sampler_cfg=dataclasses.replace(gen.sampler_cfg, group_size=1))
-  out0, owners0 = single.sample(params, p0, fold_in(key, 1))
+def cascade(gen, params, examples: list[dict], G: int, key, v_b: int, echo: EchoSettings, sample=None
+            ) -> tuple[Rollout, np.ndarray]:
+  """(the record of `examples`' tasks, each as its G diagnoses then its G refinements; the attempts' rewards r0 per
+  task): the three sampler calls of the module docstring with parameters `params` of version v_b, drawing with
+  `fold_in(key, 1 / 2 / 3)`. `sample(prompts, key, group_size) -> (sampler output, row owners)`: how a call samples
+  (default `gen.sample`, on the run's sampler mesh; an async worker passes its own)."""
+  if sample is None:
+    sample = lambda p, k, g: dataclasses.replace(
+        gen, sampler_cfg=dataclasses.replace(gen.sampler_cfg, group_size=g)).sample(params, p, k)
+  W, enc, m = echo.prompt_width, gen.encoder, len(examples)
+  p0 = collect.encode_prompts(examples, gen.width, enc)  # one attempt per task: no shared-prompt groups
+  out0, owners0 = sample(p0, fold_in(key, 1), 1)
   attempts = gen.finish(out0, p0.examples, np.full(out0["mask_BN"].shape, v_b, np.int32), owners0)
   seen = [a + hindsight(r) for a, r in zip(_texts(enc.tokenizer, out0["tokens_BN"]), attempts.reward_B)]
-  base = [ex["prompt"] + a + CRITIC for ex, a in zip(p0.examples, seen)]
-  ex_G = [ex for ex in p0.examples for _ in range(G)]
+  base = [ex["prompt"] + a + CRITIC for ex, a in zip(examples, seen)]
+  ex_G = [ex for ex in examples for _ in range(G)]
   pc = _encode(gen, [b for b in base for _ in range(G)], W, ex_G)
-  out_c, owners_c = gen.sample(params, pc, fold_in(key, 2))
+  out_c, owners_c = sample(pc, fold_in(key, 2), G)
   diag = _texts(enc.tokenizer, out_c["tokens_BN"])
   refine_texts = [a + CRITIC + d + RETRY + ex["prompt"] for a, d, ex in zip((a for a in seen for _ in range(G)),
                                                                           diag, ex_G)]
   pr = _encode(gen, refine_texts, W, ex_G)
-  out_r, owners_r = gen.sample(params, pr, fold_in(key, 3))
-  time_gen = time.perf_counter() - t0
+  out_r, owners_r = sample(pr, fold_in(key, 3), G)
   versions = np.full(out_c["mask_BN"].shape, v_b, np.int32)
   critic = gen.finish(out_c, ex_G, versions, owners_c)
   refine = gen.finish(out_r, ex_G, versions, owners_r)
   r0_B = np.repeat(np.asarray(attempts.reward_B, np.float32), G)
-  r_B = np.asarray(refine.reward_B, np.float32)
-  critic = critic.replace(reward_B=echo_gain(r_B, r0_B, echo.gain_tau, echo.reward_max))
-  parts = [x for i in range(m * len(steps))
-           for x in (rows(critic, i * G, (i + 1) * G), rows(refine, i * G, (i + 1) * G))]
+  critic = critic.replace(reward_B=echo_gain(refine.reward_B, r0_B, echo.gain_tau, echo.reward_max))
+  parts = [x for i in range(m) for x in (rows(critic, i * G, (i + 1) * G), rows(refine, i * G, (i + 1) * G))]
   errors = sum(int(x.stat("reward_errors")) for x in (attempts, critic, refine))
-  whole = concat(parts, stats={"reward_errors": errors})
-  per_step = []
-  for j in range(len(steps)):
-    lo, hi = j * m * G, (j + 1) * m * G
-    r, r0 = r_B[lo:hi], r0_B[lo:hi]
-    per_step.append({"echo_reward_initial": float(np.mean(np.asarray(attempts.reward_B)[j * m:(j + 1) * m])),
-                     "echo_reward_refined": float(np.mean(r)), "echo_gain": float(np.mean(r - r0)),
-                     "echo_improved_frac": float(np.mean(r > r0))})
+  return concat(parts, stats={"reward_errors": errors}), np.asarray(attempts.reward_B, np.float32)
+
+
+def task_stats(record: Rollout, r0_m: np.ndarray, G: int) -> dict:
+  """The echo metrics of a cascade's record (module docstring) from its refinement rows and the attempts' r0."""
+  r = np.asarray(record.reward_B, np.float64).reshape(-1, 2, G)[:, 1]  # [tasks, G] refinement rewards
+  r0 = np.asarray(r0_m, np.float64)[:, None]
+  return {"echo_reward_initial": float(np.mean(r0)), "echo_reward_refined": float(np.mean(r)),
+          "echo_gain": float(np.mean(r - r0)), "echo_improved_frac": float(np.mean(r > r0))}
+
+
+def merge_stats(stats: list[dict]) -> dict:
+  """The echo metrics of a batch of async records (one task each): their means."""
+  keys = ("echo_reward_initial", "echo_reward_refined", "echo_gain", "echo_improved_frac")
+  return {k: float(np.mean([s[k] for s in stats])) for k in keys if all(k in s for s in stats)}
+
+
+def echo_rollout(gen, params, steps: list[int], n: int, G: int, v_b: int, call: int, echo: EchoSettings
+                 ) -> tuple[Rollout, list[dict], float]:
+  """(the record of learner steps `steps`, each step's echo stats, seconds spent sampling and scoring): n/2 tasks
+  per step (each a critic group and a policy group, `cascade`), drawn as the step's prompts are."""
+  if n % 2:
+    raise ValueError(f"ECHO needs an even number of prompts per step (a critic group and a policy group per task), "
+                     f"got {n}")
+  m = n // 2
+  t0 = time.perf_counter()
+  examples = gen.step_prompts(steps, m, 1, call).examples
+  whole, r0_m = cascade(gen, params, examples, G, gen.step_key(v_b, steps[0], call), v_b, echo)
+  time_gen = time.perf_counter() - t0
+  per_step = [task_stats(rows(whole, j * 2 * m * G, (j + 1) * 2 * m * G), r0_m[j * m:(j + 1) * m], G)
+              for j in range(len(steps))]
   return whole, per_step, time_gen

@@ -50,7 +50,7 @@ import numpy as np
 from jaxrl_llm import multiprocess
 from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
-from jaxrl_llm.rollout import async_slots, episodes, scaffold
+from jaxrl_llm.rollout import async_slots, cascade, episodes, scaffold
 from jaxrl_llm.rollout.buffer import collate, lag
 from jaxrl_llm.rollout.generation import RATE_STATS
 from jaxrl_llm.rollout.settings import RolloutSettings
@@ -67,7 +67,10 @@ def async_engine(ctx, store, state_dict: dict | None) -> ae.AsyncRollout:
   score_fn = ctx.score if s.old_logp == "recompute" and s.prox_in_worker else None
   n_proc = jax.process_count()  # config validation: divides prompts_per_step
   kw = dict(batch_groups=s.prompts_per_step // n_proc, eta=s.lag, num_workers=s.num_workers, id_stride=n_proc)
-  if ctx.gen.slots:  # continuous batching: one worker holds many groups (config: single completions, one worker)
+  if s.echo is not None:  # ECHO: a request is one task, a record of 2G rows (its critic and policy groups)
+    kw["batch_groups"] //= 2
+    fn = ae.make_echo_rollout(ctx.gen, s.echo, group_size=s.group_size, store=store, score_fn=score_fn)
+  elif ctx.gen.slots:  # continuous batching: one worker holds many groups (config: single completions, one worker)
     fn = None
     kw.update(num_workers=1, make_worker=async_slots.slot_worker(ctx.gen, group_size=s.group_size, score_fn=score_fn,
                                                                  scaffold=ctx.scaffold))
@@ -160,6 +163,7 @@ class Async:
         time_learner_idle_frac=self._idle_s / max(self._idle_s + self._busy_s, 1e-9),
         **{name: st[k] for k, name in SLOT_COUNTERS.items() if k in st}, **spec_means(groups),
         **(scaffold.merge_stats([g.stats for g in groups]) if self.ctx.scaffold is not None else {}),
+        **(cascade.merge_stats([g.stats for g in groups]) if self.ctx.settings.echo is not None else {}),
         request_ids=sorted({int(g.stat("request_id")) for g in groups}))
     if not multiprocess.multi():
       return ro
