@@ -1266,7 +1266,8 @@ def scaffold_claims_section(doc, fig_dir, rel) -> tuple[list[str], list[dict]]:
   lines, claims = cell_claims_section(
       doc, fig_dir, rel, title="Training-time scaffolds (ECHO's co-evolving critic, Pats' evidence cards)",
       what=f"each run from its seed's SFT warm start of `configs/{doc.get('base_config', 'default')}.py` (ECHO and "
-           "its GRPO on 2-digit addition with partial credit, Pats and its GRPO on one-digit multiplication), lag 0; "
+           "its GRPO on 2-digit addition with partial credit, Pats and its GRPO on one-digit addition after a 30-step "
+           "warm start), lag 0; "
            "the held-out accuracy is greedy, without critique or card.")
   ok = [r for r in doc.get("runs", []) if "summary" in r]
   rows = [(what, cell([r for r in ok if r["cell"] == c], f"{m}_early"), cell([r for r in ok if r["cell"] == c],
