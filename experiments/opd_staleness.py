@@ -49,7 +49,8 @@ SETTINGS = {
         "overrides": {
             "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 2, "model.n_kv_heads": 1,
             "model.head_dim": 32, "model.d_ff": 192, "sft.steps": 100,
-            "distill.teacher_d_model": 128, "distill.teacher_n_layers": 2, "distill.teacher_sft_steps": 700,
+            # 1500 teacher steps: after 700 the teacher scored 0.08 greedy on an Intel Xeon (0.80 on an AMD EPYC)
+            "distill.teacher_d_model": 128, "distill.teacher_n_layers": 2, "distill.teacher_sft_steps": 1500,
             "optim.lr": 1e-3, "optim.warmup_steps": 0, "rollout.prompts_per_step": 16, "rollout.group_size": 4,
             "eval.num_prompts": 256,
         },
