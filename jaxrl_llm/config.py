@@ -723,8 +723,15 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
         "is the environment)")
 
 
-# the sources whose sampler calls are `sources.common.sync_rollout` (ECHO's cascade, Pats' scaffold)
-ECHO_MODES = ("sync", "fixed_lag", "staged")
+# the run modes ECHO's cascade and Pats' scaffold run in (in harness mode the harness writes every call)
+SCAFFOLD_MODES = ("sync", "fixed_lag", "staged", "async")
+
+
+def _scaffold_width(c: ml_collections.ConfigDict, field: str, width: int, room: int) -> int:
+  """`field` (a scaffold's prompt width), or when 0: the task's P, two completions (N each) and `room` tokens for
+  markers and rewards, rounded up to a multiple of 16."""
+  w = read(c, field)
+  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + room) // 16) * 16
 
 
 def echo_on(c: ml_collections.ConfigDict) -> bool:
@@ -736,8 +743,7 @@ def echo_width(c: ml_collections.ConfigDict, width: int) -> int:
   """The prompt width of ECHO's diagnosis and refinement rows: `rollout.echo.prompt_width`, or 0 = the task's P,
   the attempt and the diagnosis (N each) and 24 tokens for the markers and the attempt's reward, rounded up to a
   multiple of 16."""
-  w = read(c, "rollout.echo.prompt_width")
-  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + 24) // 16) * 16
+  return _scaffold_width(c, "rollout.echo.prompt_width", width, 24)
 
 
 def echo_length(c: ml_collections.ConfigDict, width: int) -> int:
@@ -747,7 +753,7 @@ def echo_length(c: ml_collections.ConfigDict, width: int) -> int:
 
 def _validate_echo(c: ml_collections.ConfigDict) -> None:
   """`rollout.echo`: types; when on, an even `prompts_per_step` (a critic group and a policy group per task) and a
-  source that samples through `sync_rollout` with single completions (docs/compat.md lists the refusals)."""
+  mode of `SCAFFOLD_MODES` with single completions (docs/compat.md lists the refusals)."""
   on, w, tau = read(c, "rollout.echo.on"), read(c, "rollout.echo.prompt_width"), read(c, "rollout.echo.gain_tau")
   _need(isinstance(on, bool), "rollout.echo.on", on, "must be a bool")
   _need(isinstance(w, int) and not isinstance(w, bool) and w >= 0, "rollout.echo.prompt_width", w,
@@ -758,9 +764,8 @@ def _validate_echo(c: ml_collections.ConfigDict) -> None:
     return
   _need(c.rollout.prompts_per_step % 2 == 0, "rollout.prompts_per_step", c.rollout.prompts_per_step,
         "must be even with rollout.echo.on (each task gives a critic group and a policy group)")
-  modes = ECHO_MODES + ("async",)
-  _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode,
-        f"must be one of {modes} with rollout.echo.on (in harness mode the harness decides every call)")
+  _need(c.rollout.mode in SCAFFOLD_MODES, "rollout.mode", c.rollout.mode,
+        f"must be one of {SCAFFOLD_MODES} with rollout.echo.on (in harness mode the harness decides every call)")
   if c.rollout.mode == "async":  # a request is one task: its three calls, then a record of 2G rows
     _need(not read(c, "rollout.partial_chunk"), "rollout.partial_chunk", read(c, "rollout.partial_chunk"),
           "must be 0 with rollout.echo.on (a version switch inside ECHO's cascade of three sampler calls is not built)")
@@ -787,8 +792,7 @@ def pats_on(c: ml_collections.ConfigDict) -> bool:
 def pats_width(c: ml_collections.ConfigDict, width: int) -> int:
   """The prompt width of scaffolded rows: `rollout.pats.prompt_width`, or 0 = the task's P, a card's best and worst
   completions (N each) and 16 tokens for their rewards, rounded up to a multiple of 16."""
-  w = read(c, "rollout.pats.prompt_width")
-  return w if w else -(-(width + 2 * c.sampler.max_new_tokens + 16) // 16) * 16
+  return _scaffold_width(c, "rollout.pats.prompt_width", width, 16)
 
 
 def pats_length(c: ml_collections.ConfigDict, width: int) -> int:
@@ -797,8 +801,8 @@ def pats_length(c: ml_collections.ConfigDict, width: int) -> int:
 
 
 def _validate_pats(c: ml_collections.ConfigDict) -> None:
-  """`rollout.pats`: types and ranges; when on, groups of >= 2 (carded and bare rows) and a source that samples
-  through `sync_rollout` with single completions (docs/compat.md lists the refusals)."""
+  """`rollout.pats`: types and ranges; when on, groups of >= 2 (carded and bare rows) and a mode of
+  `SCAFFOLD_MODES` with single completions (docs/compat.md lists the refusals)."""
   on, w = read(c, "rollout.pats.on"), read(c, "rollout.pats.prompt_width")
   _need(isinstance(on, bool), "rollout.pats.on", on, "must be a bool")
   _need(isinstance(w, int) and not isinstance(w, bool) and w >= 0, "rollout.pats.prompt_width", w,
@@ -814,9 +818,8 @@ def _validate_pats(c: ml_collections.ConfigDict) -> None:
     return
   _need(c.rollout.group_size >= 2, "rollout.group_size", c.rollout.group_size,
         "must be >= 2 with rollout.pats.on (a group compares carded and bare rows)")
-  modes = ECHO_MODES + ("async",)
-  _need(c.rollout.mode in modes, "rollout.mode", c.rollout.mode,
-        f"must be one of {modes} with rollout.pats.on (in harness mode the harness writes every prompt)")
+  _need(c.rollout.mode in SCAFFOLD_MODES, "rollout.mode", c.rollout.mode,
+        f"must be one of {SCAFFOLD_MODES} with rollout.pats.on (in harness mode the harness writes every prompt)")
   if c.rollout.mode == "async":
     import jax  # local: no device is touched unless `jax.distributed` is initialised
     _need(not (jax.distributed.is_initialized() and jax.process_count() > 1), "rollout.pats.on", on,

@@ -150,18 +150,21 @@ def test_write_slot_golden():
 
 
 @pytest.mark.parametrize("unroll", [True, False])
-def test_ring_buffer_saves_slots_and_decodes_as_the_window_mask(unroll):
+def test_ring_buffer_saves_slots_and_decodes_as_the_window_mask(unroll, monkeypatch):
   """A long generation (N = 20 through a ring of 1 sink + 3 window slots: it wraps 5 times) allocates P + 4 slots,
-  not P + N, and its μ equals the full-context forward under the window mask built by explicit loops, through the
-  in-place layer view and the layer scan alike."""
-  from jaxrl_llm.sampling.sampler import prefill_prompts
+  not P + N (the caches `generate` builds, traced), and its μ equals the full-context forward under the window mask
+  built by explicit loops, through the in-place layer view and the layer scan alike."""
   import dataclasses
+  from jaxrl_llm.sampling import sampler
   cfg, n = dataclasses.replace(CFG, decode_unroll=unroll), 20
   sc = SamplerConfig(max_new_tokens=n, kv_cache="window", kv_sinks=1, kv_window=3, stop_ids=())
-  ring = cache_lib.ring_layout(P, n, sc.kv_window_arg)
-  cache = jax.eval_shape(lambda: prefill_prompts(PARAMS, PROMPTS, PROMPT_LEN, cfg, sc, ring)[3])
-  assert cache["k"].shape[2] == P + 4 and cache_lib.cache_bytes(cache) * (P + n) == \
-      cache_lib.cache_bytes(jax.eval_shape(lambda: prefill_prompts(PARAMS, PROMPTS, PROMPT_LEN, cfg, sc)[3])) * (P + 4)
+  built = []
+  spy = lambda *a, **kw: built.append(init_cache(*a, **kw)) or built[-1]
+  monkeypatch.setattr(sampler, "init_cache", spy)
+  body = functools.partial(sampler.generate.__wrapped__, model_cfg=cfg, sampler_cfg=sc)  # traced, not cached
+  jax.eval_shape(body, PARAMS, PROMPTS, PROMPT_LEN, jax.random.key(5))
+  assert built and all(c["k"].shape[2] == P + 4 for c in built)
+  monkeypatch.undo()
   out = generate(PARAMS, PROMPTS, PROMPT_LEN, jax.random.key(5), cfg, sc)
   mask = np.asarray(out["mask_BN"])
   assert mask.all()  # no stop ids: every row decodes all 20 columns

@@ -62,7 +62,6 @@ class EchoSettings:
   P + the attempt + the diagnosis + markers by default, `config.echo_width`) and the gain shaping's τ."""
   prompt_width: int
   gain_tau: float = 0.1
-  reward_max: float = 1.0
 
 
 def echo_gain(r_B: np.ndarray, r0_B: np.ndarray, tau: float, r_max: float = 1.0) -> np.ndarray:
@@ -119,7 +118,7 @@ def cascade(gen, params, examples: list[dict], G: int, key, v_b: int, echo: Echo
   critic = gen.finish(out_c, ex_G, versions, owners_c)
   refine = gen.finish(out_r, ex_G, versions, owners_r)
   r0_B = np.repeat(np.asarray(attempts.reward_B, np.float32), G)
-  critic = critic.replace(reward_B=echo_gain(refine.reward_B, r0_B, echo.gain_tau, echo.reward_max))
+  critic = critic.replace(reward_B=echo_gain(refine.reward_B, r0_B, echo.gain_tau))
   parts = [x for i in range(m) for x in (rows(critic, i * G, (i + 1) * G), rows(refine, i * G, (i + 1) * G))]
   errors = sum(int(x.stat("reward_errors")) for x in (attempts, critic, refine))
   return concat(parts, stats={"reward_errors": errors}), np.asarray(attempts.reward_B, np.float32)
