@@ -109,3 +109,27 @@ def test_records_of_kept_cache_turns_equal_reprefilled_ones():
     np.testing.assert_array_equal(np.asarray(a[k])[m], np.asarray(b[k])[m], err_msg=k)
   np.testing.assert_allclose(np.asarray(a["behavior_topk_logp_BNk"])[m], np.asarray(b["behavior_topk_logp_BNk"])[m],
                              atol=2e-5)
+
+
+SPEC = dict(spec_gamma=2, spec_draft_layers=1)
+
+
+@pytest.mark.parametrize("kv", [dict(), dict(spec_layout="rows"), dict(kv_cache="int8"),
+                                dict(kv_cache="window", kv_sinks=1, kv_window=6)])
+def test_speculative_cached_turns_equal_speculative_reprefilled_turns(kv):
+  """Speculative decoding from kept caches (the policy's and the drafter's): every turn draws what a speculative
+  re-prefill of the whole episode draws, so the kept caches hold exactly the episode (a token the loop fed past
+  a row's end would change every later turn's logits), and the turns report their acceptance."""
+  cached = CachedTurns(make_gen(0.8), W)
+  cached.slots = 4 * W  # "rows" writes N·(γ + 1) + 1 slots a turn: room for all four turns
+  got = play(cached, turns=4, leave_after=1, **SPEC, **kv)
+  assert_same(got, play(Reprefill(make_gen(0.8), W), turns=4, leave_after=1, **SPEC, **kv))
+  assert cached.prefills == 1 and len(cached.spec) == 4
+  assert 0 < np.mean([s["spec_accept_rate"] for s in cached.spec]) < 1  # the drafter both hit and missed
+
+
+def test_speculative_cached_turns_reprefill_when_slots_run_out():
+  cached = CachedTurns(make_gen(0.8), W)
+  cached.slots = W + 2 * (3 + 2 + 2) + 4  # room for two turns of N + γ + 2 slots and one observation, not three
+  assert_same(play(cached, **SPEC), play(Reprefill(make_gen(0.8), W), **SPEC))
+  assert cached.prefills == 2

@@ -228,14 +228,11 @@ def _bucket(n: int, cap: int) -> int:
 
 
 def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
-  """The turn sampler of a batch (`rollout.turn_sampler`): continuous batching with `gen.slots` > 0 (speculating
-  when asked: the engine's draft-and-verify step), else re-prefilled turns under speculative decoding (`generate`
-  drafts and verifies), else the kept KV cache with `env.kv_cache` in one process (over its sampler mesh, if any),
-  else a re-prefill per turn."""
+  """The turn sampler of a batch (`rollout.turn_sampler`): continuous batching with `gen.slots` > 0, else the kept KV
+  cache with `env.kv_cache` in one process (over its sampler mesh, if any), else a re-prefill per turn. Each
+  speculates when `sampler.spec_gamma` asks (a draft-and-verify step of its decode loop)."""
   if getattr(gen, "slots", 0):
     return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
-  if gen.sampler_cfg.spec_gamma:  # speculative decoding drafts and verifies inside `generate`: re-prefilled turns
-    return turn_sampler.Reprefill(gen, width, mesh)
   if s.kv_cache and not multiprocess.multi():  # several processes: each holds only its shards of the cache
     return turn_sampler.CachedTurns(gen, width, mesh)
   return turn_sampler.Reprefill(gen, width, mesh)

@@ -8,8 +8,8 @@ whole episode so far of row i (prompt ids + response ids, compact), `cfg` the tu
 position p < len(context) is context token p, then the turn's tokens), from wherever the sampler fed each token.
 
 - `Reprefill`: every turn re-prefills each context, left-padded to one width W = P + N (one compiled shape
-  per batch bucket), over the run's mesh when it has one (`multiprocess.generate_on_mesh`); the turn sampler of
-  speculative decoding (`sampling.generate` drafts and verifies; `spec` keeps each turn's acceptance).
+  per batch bucket), over the run's mesh when it has one (`multiprocess.generate_on_mesh`); with speculative
+  decoding `sampling.generate` drafts and verifies (`spec` keeps each turn's acceptance).
 - `CachedTurns` (`env.kv_cache`; on one device or a one-process sampler mesh, its rows along the mesh's batch
   axes): each episode's KV cache lives across turns; a turn appends only
   the ids added since the last one (the observation) with `sampling.continuation.extend`, then decodes with
@@ -19,6 +19,11 @@ position p < len(context) is context token p, then the turn's tokens), from wher
   the cache's slots run out (the shared write index leaves unused slots behind rows that append less).
   The log-probs equal a re-prefill's up to float rounding (tested), so tokens agree but for near-ties.
   `forget(row)`: that episode's context was rewritten (an eviction, `rollout.evict`); the next turn re-prefills.
+  With speculative decoding (`sampler.spec_gamma`) the drafter keeps a cache of its own beside the policy's
+  (prefilled, extended and cut to rows with it) and a turn is `speculative.decode_turn`'s draft-and-verify loop:
+  it draws what `Reprefill`'s speculative `generate` draws (tokens equal, μ up to rounding, tested) and leaves
+  the caches holding exactly the turn. A distilled drafter's cache keeps the weights it was computed with until
+  the next re-prefill: that changes acceptance only, never the distribution.
 - `SlotTurns` (`rollout.slots` > 0, one device; it takes precedence over `env.kv_cache`): continuous batching
   (`sampling.continuous.SlotEngine`, S = `rollout.slots` slots, `rollout.slot_chunk` decode steps per chunk).
   A turn submits each live row's context, left-padded to W as `Reprefill` does, as one request and runs the
@@ -45,7 +50,7 @@ import numpy as np
 from jaxrl_llm import multiprocess
 from jaxrl_llm.models.cache import take_rows
 from jaxrl_llm.rollout.generation import SPEC_STATS
-from jaxrl_llm.sampling import behavior, continuous, prompt_layout
+from jaxrl_llm.sampling import behavior, continuous, prompt_layout, speculative
 from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
 from jaxrl_llm.tasks.tokenizer import pad_left, pad_right
@@ -105,6 +110,8 @@ class CachedTurns:
     self.gen, self.width, self.mesh = gen, width, mesh
     self.slots = 2 * width  # a re-prefilled context fills `width`; the rest is room for turns and their gaps
     self.cache: dict | None = None
+    self.dcache: dict | None = None  # the drafter's kept cache (speculative decoding), same rows and tokens
+    self.spec: list[dict] = []  # speculative decoding's metrics of each turn
     self.last_logits_bV = None
     self.row_of: dict[int, int] = {}
     self.cached_len: dict[int, int] = {}
@@ -113,25 +120,39 @@ class CachedTurns:
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     cfg_decode = dataclasses.replace(cfg, group_size=1)  # the decode loop reads one cache per row
+    gamma, N = speculative.gamma_of(cfg, len(rows_b)), cfg.max_new_tokens
+    # slots a turn writes: N (each token fed once), or the draft-and-verify loop's (`speculative.decode_turn`)
+    writes = N if not gamma else N + gamma + 2 if cfg.spec_layout == "min" else N * (gamma + 1) + 1
     suffixes = [list(c[self.cached_len[b]:]) if b in self.cached_len else None for b, c in zip(rows_b, contexts)]
     E = _bucket(max((len(s) for s in suffixes if s is not None), default=1))
     reuse = (self.cache is not None and version == self.version and all(s is not None for s in suffixes)
-             and int(self.cache["index"]) + E + cfg.max_new_tokens <= self.slots)
+             and (self.dcache is not None or not gamma) and int(self.cache["index"]) + E + writes <= self.slots)
+    drafter = self.gen.draft_params() if gamma else None
     if reuse:
       take = [self.row_of[b] for b in rows_b]
-      cache, last = self.cache, self.last_logits_bV
+      cache, dcache, last = self.cache, self.dcache, self.last_logits_bV
       if take != list(range(len(take))) or len(take) != last.shape[0]:
         idx = jnp.asarray(take, jnp.int32)
         cache, last = take_rows(cache, idx), jnp.take(last, idx, axis=0)
+        dcache = take_rows(dcache, idx) if gamma else None
       tokens_bE, len_b = pad_right(suffixes, E, self.gen.sampler_cfg.pad_id)
       start_b = np.asarray([self.cached_len[b] for b in rows_b], np.int32)
       logits_bV, cache = extend(params, cache, tokens_bE, len_b, start_b, last, self.gen.model_cfg,
                                 cfg.kv_window_arg)
+      if gamma:
+        dcache = speculative.extend_drafter(params, drafter, dcache, tokens_bE, len_b, start_b,
+                                            model_cfg=self.gen.model_cfg, n_layers=cfg.spec_draft_layers)
     else:
-      cache, logits_bV = self._prefill(params, contexts, cfg)
+      cache, dcache, logits_bV = self._prefill(params, contexts, cfg, gamma, drafter)
     start_b = np.asarray([len(c) for c in contexts], np.int32)
-    out, self.cache, self.last_logits_bV = decode_turn(params, cache, logits_bV, start_b, key, self.gen.model_cfg,
-                                                       cfg_decode)
+    if gamma:
+      out, self.cache, self.dcache, self.last_logits_bV = speculative.decode_turn(
+          params, drafter, cache, dcache, logits_bV, start_b, key, self.gen.model_cfg, cfg_decode, gamma)
+      self.spec.append({k: float(out[k]) for k in SPEC_STATS})
+    else:
+      out, self.cache, self.last_logits_bV = decode_turn(params, cache, logits_bV, start_b, key, self.gen.model_cfg,
+                                                         cfg_decode)
+      self.dcache = None
     out = jax.tree.map(np.asarray, out)
     if "routes_LBSk" in self.cache:  # MoE: every token the kept cache holds was fed once, at its slot
       c = self.cache
@@ -150,7 +171,8 @@ class CachedTurns:
     turn re-prefills (every row: the cache is one batch)."""
     self.cached_len.pop(row, None)
 
-  def _prefill(self, params, contexts, cfg) -> tuple[dict, Any]:
+  def _prefill(self, params, contexts, cfg, gamma: int = 0, drafter=None) -> tuple[dict, dict | None, Any]:
+    """(cache, the drafter's cache when `gamma` > 0 else None, logits after each context): every row re-prefilled."""
     ctx_bW, len_b = pad_left(contexts, self.width, self.gen.sampler_cfg.pad_id)
     if self.mesh is not None:  # rows along the sampler mesh's batch axes: the cache, and every turn, follow them
       from jaxrl_llm import sharding
@@ -159,8 +181,13 @@ class CachedTurns:
     positions_bW, segment_ids_bW = prompt_layout(jnp.asarray(len_b), self.width)
     self.prefills += 1
     # the turn's cache format (full, int8, window), as `generate` keeps it
-    return _prefill(params, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW, model_cfg=self.gen.model_cfg,
-                    slots=self.slots, group_size=cfg.group_size, kv_dtype=cfg.kv_dtype, kv_window=cfg.kv_window_arg)
+    cache, logits_bV = _prefill(params, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW,
+                                model_cfg=self.gen.model_cfg, slots=self.slots, group_size=cfg.group_size,
+                                kv_dtype=cfg.kv_dtype, kv_window=cfg.kv_window_arg)
+    dcache = None if not gamma else speculative.prefill_drafter(
+        params, drafter, jnp.asarray(ctx_bW), positions_bW, segment_ids_bW, model_cfg=self.gen.model_cfg,
+        n_layers=cfg.spec_draft_layers, slots=self.slots)
+    return cache, dcache, logits_bV
 
 
 class SlotTurns:

@@ -28,18 +28,23 @@ from jaxrl_llm.sampling.sampler import decode_carry, emit_token, feed_previous_c
 Array = jax.Array
 
 
+def appended_layout(len_B: Array, start_pos_B: Array, E: int) -> tuple[Array, Array]:
+  """(positions_BE, segment_ids_BE) of E columns appended per row: row b's first `len_B[b]` at positions
+  `start_pos_B[b]`, ... (segment 1), the rest padding (position 0, segment 0)."""
+  col_E = jnp.arange(E, dtype=jnp.int32)
+  real_BE = col_E[None, :] < len_B[:, None]
+  return jnp.where(real_BE, start_pos_B[:, None] + col_E[None, :], 0).astype(jnp.int32), real_BE.astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("model_cfg", "kv_window"))
 def extend(params: dict, cache: dict, tokens_BE: Array, len_B: Array, start_pos_B: Array, last_logits_BV: Array,
            model_cfg: ModelConfig, kv_window: tuple[int, int] | None = None) -> tuple[Array, dict]:
   """Appends row b's first `len_B[b]` tokens of `tokens_BE` (right-padded) at positions `start_pos_B[b]`, ...;
   returns (logits_BV of the token after each row's last appended one, the cache). A row that appends nothing
   keeps `last_logits_BV` (the logits after its last cached token, from `decode_turn`)."""
-  E = tokens_BE.shape[1]
-  col_E = jnp.arange(E, dtype=jnp.int32)
-  real_BE = col_E[None, :] < len_B[:, None]
-  positions_BE = jnp.where(real_BE, start_pos_B[:, None] + col_E[None, :], 0).astype(jnp.int32)
+  positions_BE, segment_ids_BE = appended_layout(len_B, start_pos_B, tokens_BE.shape[1])
   h_BED, cache = hidden_with_cache(params, tokens_BE.astype(jnp.int32), cache, model_cfg, positions_BT=positions_BE,
-                                   segment_ids_BT=real_BE.astype(jnp.int32), kv_window=kv_window)
+                                   segment_ids_BT=segment_ids_BE, kv_window=kv_window)
   last_B11 = jnp.maximum(len_B - 1, 0)[:, None, None]
   h_B1D = jnp.take_along_axis(h_BED, jnp.broadcast_to(last_B11, (h_BED.shape[0], 1, h_BED.shape[2])), axis=1)
   logits_BV = logits_from_hidden(params, h_B1D, model_cfg)[:, 0]

@@ -56,6 +56,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, stack_cache
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
+from jaxrl_llm.sampling.continuation import appended_layout
 from jaxrl_llm.sampling.sample import first_argmax, is_row_keys, truncate
 from jaxrl_llm.sampling.sampler import decode_carry, emit_token, is_stop, prefill_prompts
 
@@ -305,11 +306,8 @@ def _start(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len
                                 segment_ids_BT=segment_ids_BP)
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
                      sampler_cfg)
-  zero = jnp.zeros((), jnp.float32)
-  carry = {**carry, "col_B": jnp.ones((B,), jnp.int32), "dcache": dcache, "calls": jnp.zeros((), jnp.int32),
-           "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero, "prompt_BP": prompt_BP,
-           "positions_BP": positions_BP, "segment_ids_BP": segment_ids_BP,
-           "prompt_len_B": prompt_len_B.astype(jnp.int32)}
+  carry = {**_loop_carry(carry, dcache, prompt_len_B), "prompt_BP": prompt_BP, "positions_BP": positions_BP,
+           "segment_ids_BP": segment_ids_BP}
   if model_cfg.is_moe:  # the slot where each completion column was fed (-1: never fed), for its routes
     carry["slot_BN"] = jnp.full((B, N + G), -1, jnp.int32)
   if version is not None:
@@ -324,7 +322,7 @@ def _with_step(carry: dict, N: int) -> dict:
   return {**carry, "step": jnp.min(jnp.where(going_B, carry["col_B"], N)).astype(jnp.int32)}
 
 
-def _decode(params: dict, draft_params: dict, carry: dict, key: Array, stop: Array, version: Array | None,
+def decode_calls(params: dict, draft_params: dict, carry: dict, key: Array, stop: Array, version: Array | None,
             model_cfg: ModelConfig, draft_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int,
             layout: str) -> dict:
   """Draft-and-verify calls while a row is still decoding below column `stop` (a row may pass it by up to γ
@@ -404,10 +402,24 @@ def _finish(carry: dict, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> 
       "positions_BT": jnp.concatenate([positions_BP, positions_BN], axis=1),
       "segment_ids_BT": jnp.concatenate([segment_ids_BP, mask_BN.astype(jnp.int32)], axis=1),
       "completion_mask_BT": jnp.concatenate([jnp.zeros((B, P), jnp.float32), mask_BN], axis=1),
-      "spec_calls": carry["calls"],
-      "spec_accept_rate": carry["accepted"] / jnp.maximum(carry["proposed"], 1.0),
-      "spec_tokens_per_call": carry["emitted"] / jnp.maximum(carry["row_calls"], 1.0),
+      **_spec_stats(carry),
   }
+
+
+def _spec_stats(carry: dict) -> dict:
+  """spec_calls, spec_accept_rate and spec_tokens_per_call of a finished carry (`generate_speculative`)."""
+  return {"spec_calls": carry["calls"],
+          "spec_accept_rate": carry["accepted"] / jnp.maximum(carry["proposed"], 1.0),
+          "spec_tokens_per_call": carry["emitted"] / jnp.maximum(carry["row_calls"], 1.0)}
+
+
+def _loop_carry(carry: dict, dcache: dict, start_pos_B: Array) -> dict:
+  """A carry whose column 0 is drawn, plus the loop's own state: both caches, counters, each row's position of
+  column 0 (`prompt_len_B`)."""
+  zero = jnp.zeros((), jnp.float32)
+  return {**carry, "col_B": jnp.ones_like(start_pos_B, jnp.int32), "dcache": dcache,
+          "calls": jnp.zeros((), jnp.int32), "accepted": zero, "proposed": zero, "emitted": zero, "row_calls": zero,
+          "prompt_len_B": start_pos_B.astype(jnp.int32)}
 
 
 _STATIC = ("model_cfg", "draft_cfg", "sampler_cfg", "gamma", "layout")
@@ -435,7 +447,7 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
   """
   carry = _start(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, draft_cfg, sampler_cfg, gamma,
                  layout)
-  carry = _decode(params, draft_params, carry, key, jnp.asarray(sampler_cfg.max_new_tokens, jnp.int32), None,
+  carry = decode_calls(params, draft_params, carry, key, jnp.asarray(sampler_cfg.max_new_tokens, jnp.int32), None,
                   model_cfg, draft_cfg, sampler_cfg, gamma, layout)
   return _finish(carry, model_cfg, sampler_cfg)
 
@@ -443,8 +455,79 @@ def generate_speculative(params: dict, draft_params: dict, prompt_tokens_BP: Arr
 # Partial rollouts' pieces (`sampling.partial.generate_partial` with `spec_gamma`): the same start, loop and finish,
 # jitted apart so that the driver can switch versions (and re-prefill the policy's cache) between chunks.
 start_partial = jax.jit(_start, static_argnames=_STATIC)
-decode_until = jax.jit(_decode, static_argnames=_STATIC, donate_argnames=("carry",))
+decode_until = jax.jit(decode_calls, static_argnames=_STATIC, donate_argnames=("carry",))
 finish_partial = jax.jit(_finish, static_argnames=("model_cfg", "sampler_cfg"))
+
+
+# Episode turns from kept caches (`rollout.turn_sampler.CachedTurns` with speculation): the drafter keeps a cache of
+# its own beside the policy's, prefilled and extended with the same tokens; a turn is the same draft-and-verify loop.
+@functools.partial(jax.jit, static_argnames=("model_cfg", "n_layers", "slots"))
+def prefill_drafter(params: dict, draft_params: dict | None, tokens_BW: Array, positions_BW: Array,
+                    segment_ids_BW: Array, model_cfg: ModelConfig, n_layers: int, slots: int) -> dict:
+  """The drafter's cache (`slots` slots, full format: the drafter only proposes) holding the given contexts (the
+  drafter `resolve_drafter` picks: `draft_params`, or the policy's first `n_layers` layers)."""
+  d_params, d_cfg = resolve_drafter(params, draft_params, model_cfg, n_layers)
+  dcache = init_cache(d_cfg, tokens_BW.shape[0], slots)
+  return hidden_with_cache(d_params, tokens_BW, dcache, d_cfg, positions_BT=positions_BW,
+                           segment_ids_BT=segment_ids_BW)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "n_layers"))
+def extend_drafter(params: dict, draft_params: dict | None, dcache: dict, tokens_BE: Array, len_B: Array,
+                   start_pos_B: Array, model_cfg: ModelConfig, n_layers: int) -> dict:
+  """`continuation.extend` for the drafter's cache: row b's first `len_B[b]` tokens at positions `start_pos_B[b]`,
+  ... (no logits: the drafter's are computed by its next proposal)."""
+  d_params, d_cfg = resolve_drafter(params, draft_params, model_cfg, n_layers)
+  positions_BE, segment_ids_BE = appended_layout(len_B, start_pos_B, tokens_BE.shape[1])
+  return hidden_with_cache(d_params, tokens_BE.astype(jnp.int32), dcache, d_cfg, positions_BT=positions_BE,
+                           segment_ids_BT=segment_ids_BE)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "gamma"))
+def decode_turn(params: dict, draft_params: dict | None, cache: dict, dcache: dict, first_logits_BV: Array,
+                start_pos_B: Array, key: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
+                gamma: int) -> tuple[dict, dict, dict, Array]:
+  """`continuation.decode_turn` by draft-and-verify calls: one more turn of up to N = `max_new_tokens` tokens per
+  row from the kept caches (the policy's `cache`, the drafter's `dcache`: both hold the episode so far), column 0
+  drawn from `first_logits_BV` at positions `start_pos_B`. The drafter: `draft_params`, or None for the policy's
+  first `sampler_cfg.spec_draft_layers` layers; the layout `sampler_cfg.spec_layout`. Keys as `generate_speculative`
+  uses them, so the turn draws what a speculative re-prefill of the whole context draws (tokens equal, μ up to
+  rounding): not `continuation.decode_turn`'s bits.
+
+  A kept cache must hold exactly the turn: the slots of tokens the loop fed past a row's end (drafts a common
+  minimum kept after its stop id, columns past N) become holes (segment 0), and each row's last token is fed once
+  more at the caches' write index for the logits after it (its earlier slot, if any, a hole too). Needs
+  N + γ + 2 free slots under "min", N·(γ + 1) + 1 under "rows". Returns (outputs: `continuation.decode_turn`'s
+  and the spec_* metrics, cache, dcache, last_logits_BV)."""
+  B, N, G = first_logits_BV.shape[0], sampler_cfg.max_new_tokens, gamma + 1
+  carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
+                     sampler_cfg)
+  carry = {**_loop_carry(carry, dcache, start_pos_B), "slot_BN": jnp.full((B, N + G), -1, jnp.int32)}
+  draft_cfg = dataclasses.replace(model_cfg, n_layers=sampler_cfg.spec_draft_layers)
+  carry = decode_calls(params, draft_params, _with_step(carry, N), key, jnp.asarray(N, jnp.int32), None, model_cfg,
+                       draft_cfg, sampler_cfg, gamma, sampler_cfg.spec_layout)
+  mask_BN = carry["mask_BN"][:, :N]
+  last_B = jnp.maximum(jnp.sum(mask_BN, axis=1).astype(jnp.int32) - 1, 0)
+  slot_BN = carry["slot_BN"]
+  drop_BN = (slot_BN >= 0) & (jnp.arange(N + G)[None, :] >= last_B[:, None])
+  holes = lambda c: {**c, "segment_ids_BS": c["segment_ids_BS"].at[
+      jnp.arange(B)[:, None], jnp.where(drop_BN, slot_BN, c["segment_ids_BS"].shape[1])].set(0, mode="drop")}
+  token_B1 = jnp.take_along_axis(carry["tokens_BN"], last_B[:, None], axis=1)
+  at = dict(positions_BT=(start_pos_B + last_B)[:, None].astype(jnp.int32), segment_ids_BT=jnp.ones_like(token_B1))
+  logits_B1V, cache = forward_with_cache(params, token_B1, holes(carry["cache"]), model_cfg,
+                                         kv_window=sampler_cfg.kv_window_arg, **at)
+  d_params, _ = resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
+  _, dcache = hidden_with_cache(d_params, token_B1, holes(carry["dcache"]), draft_cfg, **at)
+  out = {"tokens_BN": carry["tokens_BN"][:, :N], "mask_BN": mask_BN, "behavior_logp_BN": carry["logp_BN"][:, :N],
+         "lengths_B": jnp.sum(mask_BN, axis=1).astype(jnp.int32), **_spec_stats(carry),
+         **{k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}}
+  return out, cache, dcache, logits_B1V[:, 0]
+
+
+def gamma_of(sampler_cfg: SamplerConfig, batch: int) -> int:
+  """γ of a sampler call of `batch` rows: `spec_gamma`, or `auto_gamma(batch)` for "auto" (0: no speculation)."""
+  g = sampler_cfg.spec_gamma
+  return auto_gamma(batch) if g == "auto" else int(g)
 
 
 def _routes(routes_LBSk: Array, slot_BN: Array, P: int) -> Array:
