@@ -66,8 +66,7 @@ SPEC_STREAM = 0x5350  # folded into a request's key for its draft-and-verify dra
 def engine_gamma(sampler_cfg: SamplerConfig, slots: int) -> int:
   """γ of the engine's draft-and-verify step (0: plain decoding); "auto" picks it for S slots
   (`speculative.auto_gamma`: the engine's batch is its slot count)."""
-  g = sampler_cfg.spec_gamma
-  return speculative.auto_gamma(slots) if g == "auto" else int(g)
+  return speculative.gamma_of(sampler_cfg, slots)
 
 
 def check_supported(sampler_cfg: SamplerConfig) -> None:

@@ -25,8 +25,7 @@ def generate(params: dict, prompt_tokens_BP: jax.Array, prompt_len_B: jax.Array,
   drafter of `spec_draft_layers` layers, `distill.drafter`), or None for the policy's first `spec_draft_layers`
   layers (`speculative.layers_drafter`). Without speculation `draft_params` is ignored."""
   if sampler_cfg.spec_gamma:
-    B = prompt_tokens_BP.shape[0]
-    gamma = speculative.auto_gamma(B) if sampler_cfg.spec_gamma == "auto" else sampler_cfg.spec_gamma
+    gamma = speculative.gamma_of(sampler_cfg, prompt_tokens_BP.shape[0])
     if gamma:
       draft_params, _ = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
       return speculative.generate(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, sampler_cfg,

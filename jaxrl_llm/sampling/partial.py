@@ -180,8 +180,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
     raise ValueError(f"partial rollouts with reprefill support sampler.kv_cache='full' only, got "
                      f"{sampler_cfg.kv_cache!r}")
   N = sampler_cfg.max_new_tokens
-  gamma = sampler_cfg.spec_gamma
-  gamma = speculative.auto_gamma(prompt_tokens_BP.shape[0]) if gamma == "auto" else gamma
+  gamma = speculative.gamma_of(sampler_cfg, prompt_tokens_BP.shape[0])
   spec = _Speculating(sampler_cfg, model_cfg, gamma, draft_params) if gamma else None
   if spec is not None and reprefill and sampler_cfg.spec_layout != "min":  # the re-prefill puts column n at P + n
     raise ValueError("partial rollouts with reprefill speculate with sampler.spec_layout='min' only")
