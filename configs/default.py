@@ -134,7 +134,8 @@ def get_config():
   # rollout.mode="harness" (jaxrl_llm.serve): an OpenAI-compatible endpoint on 127.0.0.1 serves the policy to an
   # agent harness; every call is recorded per episode and finished episodes become the training batch.
   c.serve = ml_collections.ConfigDict()
-  c.serve.harness = ""  # "module:function" called as fn(base_url, episode_id, seed); "" = off
+  c.serve.harness = ""  # "module:function" called as fn(base_url, episode_id, seed, **harness_kwargs); "" = off
+  c.serve.harness_kwargs = ml_collections.ConfigDict()  # keyword arguments of every harness call (JSON-able)
   c.serve.concurrency = 8  # harness threads running episodes at once
   c.serve.max_batch = 8  # requests sampled together in one sampler call at most
   c.serve.batch_window_s = 0.01  # the sampler thread waits this long for more requests before a batch

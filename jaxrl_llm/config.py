@@ -7,6 +7,7 @@ Configs are `ml_collections.ConfigDict`s (see configs/default.py). Unknown field
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import pathlib
 import warnings
@@ -54,7 +55,7 @@ ABSENT_DEFAULTS = {
     "rollout.replay.capacity": 0,
     "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
     "sft.demos": 64, "sft.demo_player": "consistent",
-    "checkpoint.config_change": "error", "serve.harness": "", "advantage.turn_level": False,
+    "checkpoint.config_change": "error", "serve.harness": "", "serve.harness_kwargs": {}, "advantage.turn_level": False,
     "serve.sandbox": False, "serve.sandbox_cpu_s": 60.0, "serve.sandbox_memory_mb": 1024,
     "dist.coordinator_address": None, "dist.num_processes": None, "dist.process_id": None,
     "dist.initialization_timeout": 300, "dist.heartbeat_timeout_seconds": 100,
@@ -679,7 +680,7 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
           "agent is trained on their demonstration episodes; '' = sft.demo_player)")
 
 
-SERVE_FIELDS = ("harness", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context", "prompt_width",
+SERVE_FIELDS = ("harness", "harness_kwargs", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context", "prompt_width",
                 "max_tokens", "model_name", "sandbox", "sandbox_cpu_s", "sandbox_memory_mb")
 
 
@@ -699,7 +700,14 @@ def _validate_serve(c: ml_collections.ConfigDict) -> None:
     _need(k in SERVE_FIELDS, f"serve.{k}", s[k], f"unknown field; the serve section takes {SERVE_FIELDS}")
   h = read(c, "serve.harness")
   _need(isinstance(h, str) and h.count(":") == 1 and all(h.split(":")), "serve.harness", h,
-        'must be "module:function" (called as fn(base_url, episode_id, seed))')
+        'must be "module:function" (called as fn(base_url, episode_id, seed, **serve.harness_kwargs))')
+  kw = read(c, "serve.harness_kwargs")
+  _need(isinstance(kw, (dict, ml_collections.ConfigDict)), "serve.harness_kwargs", kw,
+        "must be a dict of the harness's keyword arguments")
+  try:
+    json.dumps(kw.to_dict() if isinstance(kw, ml_collections.ConfigDict) else kw)
+  except (TypeError, ValueError) as e:
+    _need(False, "serve.harness_kwargs", kw, f"must be JSON-able (a sandboxed harness gets them as JSON): {e}")
   for f in ("concurrency", "max_batch", "max_context", "prompt_width", "max_tokens"):
     v = s.get(f)
     _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"serve.{f}", v, "must be an int >= 1")

@@ -30,7 +30,7 @@ HOME = {"env": "agent_tiny.py", "distill": "opd_default.py", "distill.adwin": "o
         "distill.mopd": "opd_mopd_tiny.py", "distill.teachers": "opd_mopd_tiny.py",
         "distill.topk_cache": "opd_topk_cache_tiny.py"}
 # Free-form mappings documented as one field each (their keys belong to a task, an environment or a loss).
-OPAQUE = ("task.kwargs", "env.kwargs", "loss.hparams", "distill.teachers")
+OPAQUE = ("task.kwargs", "env.kwargs", "loss.hparams", "distill.teachers", "serve.harness_kwargs")
 # The feature a field belongs to, by dotted prefix (the longest matching prefix wins; "" = every field).
 FEATURES = {
     "": "run", "task": "task and prompts", "model": "policy model", "model.num_experts": "MoE",

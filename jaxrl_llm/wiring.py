@@ -109,7 +109,9 @@ def serve_settings(c: ml_collections.ConfigDict) -> ServeSettings | None:
   if not config_lib.serve_on(c):
     return None
   s = c.serve
-  return ServeSettings(harness=s.harness, concurrency=s.concurrency, max_batch=s.max_batch,
+  kwargs = config_lib.read(c, "serve.harness_kwargs")
+  kwargs = kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else dict(kwargs)
+  return ServeSettings(harness=s.harness, harness_kwargs=kwargs, concurrency=s.concurrency, max_batch=s.max_batch,
                        batch_window_s=float(s.batch_window_s), timeout_s=float(s.timeout_s), max_context=s.max_context,
                        prompt_width=s.prompt_width, max_tokens=s.max_tokens, model_name=s.model_name,
                        sandbox=_harness_sandbox(c))

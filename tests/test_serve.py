@@ -569,7 +569,8 @@ def test_harness_source_state_is_the_request_cursor():
 
 
 @pytest.mark.parametrize("field,value", [("harness", "no_colon"), ("max_batch", 0), ("timeout_s", 0.0),
-                                         ("max_tokens", 48), ("prompt_width", 48)])
+                                         ("max_tokens", 48), ("prompt_width", 48), ("harness_kwargs", None),
+                                         ("harness_kwargs", {"fn": object()})])
 def test_serve_validation_names_the_field(field, value):
   c = harness_config()
   c.serve[field] = value

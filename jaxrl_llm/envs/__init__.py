@@ -20,6 +20,9 @@ shown to the policy: passed to a chat template that renders tools, else describe
 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and answers with tool messages;
 `gsm8k_calculator` is one (GSM8K with a calculator). `envs.mcp_tools` serves an MCP server's tools to one.
 
+`verifiers_sums` is no environment of this registry: a verifiers taskset, played through the endpoint
+(`serve.verifiers_env`, configs/verifiers_tiny.py).
+
 Environments from outside the package need no registration here: `env.name` also takes
 `package.module:factory` (a class or function in any importable module), or the name an installed package
 gives its factory under the entry-point group `jaxrl_llm.envs` (docs/agents.md shows both).

@@ -30,7 +30,8 @@ class ReplaySettings:
 @dataclasses.dataclass(frozen=True)
 class ServeSettings:
   """`serve.*`: the OpenAI-compatible endpoint of `rollout.mode="harness"` (`jaxrl_llm.serve`)."""
-  harness: str  # "module:function", called as fn(base_url, episode_id, seed)
+  harness: str  # "module:function", called as fn(base_url, episode_id, seed, **harness_kwargs)
+  harness_kwargs: dict = dataclasses.field(default_factory=dict)  # `serve.harness_kwargs` (JSON-able)
   concurrency: int = 8
   max_batch: int = 8
   batch_window_s: float = 0.01

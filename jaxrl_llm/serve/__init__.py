@@ -7,6 +7,7 @@
                       OpenAI-style errors, and the in-process uvicorn server
   service.py          the three started / stopped together by a run
   example_harness.py  a scripted harness written with the official `openai` client (configs/harness_tiny.py)
+  verifiers_env.py    verifiers (0.4, v1) environments as a harness: their tasksets, rewards and MCP tools
 
 The batch source is `rollout/sources/harness.py` (`rollout.mode="harness"`). FastAPI, uvicorn and openai come with
 the `serve` extra; importing this package's text-only modules (chat, recorder) needs none of them.

@@ -3,8 +3,8 @@
 The source starts the endpoint (uvicorn on 127.0.0.1, a free port; the batcher samples at the newest published
 version) and the async engine (`async_engine.AsyncRollout`: admission keeps every consumed lag ≤ η = `rollout.lag`,
 as in `async`). A request is one GRPO group: G episodes of one seed (`async_engine.episode_seed`), each the
-harness `serve.harness = "module:function"` called as `fn(base_url, episode_id, seed)` in its own thread; the
-`max(1, serve.concurrency // G)` worker threads run that many groups at once. An episode ends when the harness
+harness `serve.harness = "module:function"` called as `fn(base_url, episode_id, seed, **serve.harness_kwargs)` in
+its own thread; the `max(1, serve.concurrency // G)` worker threads run that many groups at once. An episode ends when the harness
 reports its reward (`POST /v1/episodes/{id}/reward`) and becomes one row (`serve.recorder.episode_row`: the
 prompt's first `serve.prompt_width` ids in the P columns, the rest of the `serve.max_context` after them; μ's
 log-probs and each token's version as served). π_old at each token's version as async episodes do
@@ -107,8 +107,8 @@ def load_harness(spec: str):
 
 
 def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float,
-         sandbox=None) -> list[str | None]:
-  """Runs `harness(base_url, episode_id, seed)` for each id in its own thread; per episode None (it returned) or
+         sandbox=None, kwargs: dict | None = None) -> list[str | None]:
+  """Runs `harness(base_url, episode_id, seed, **kwargs)` for each id in its own thread; per episode None (it returned) or
   "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread, its
   later calls and reward get a 408 once the episode is closed). Returns within `timeout_s` (one deadline for all the
   threads). `sandbox` (`envs.sandbox.Limits`): each thread runs its harness in a sandboxed process instead, killed at
@@ -123,10 +123,10 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
   def one(i: int) -> None:
     try:
       if sandbox is None:
-        harness(base_url, episode_ids[i], seed)
+        harness(base_url, episode_ids[i], seed, **(kwargs or {}))
         status[i] = None
         return
-      _, ok, violation = sandbox_lib.call(harness, {}, sandbox, args=(base_url, episode_ids[i], seed),
+      _, ok, violation = sandbox_lib.call(harness, kwargs or {}, sandbox, args=(base_url, episode_ids[i], seed),
                                           allow=endpoint)
       status[i] = (None if ok else "errors" if violation is None else "timeouts" if violation == "wall"
                    else "killed")
@@ -199,7 +199,7 @@ def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=Non
     ids = [f"r{request_id}-g{g}-{uuid.uuid4().hex[:8]}" for g in range(group_size)]
     for e in ids:
       service.recorder.open(e)
-    status = play(harness, service.base_url, ids, seed, s.timeout_s, s.sandbox)
+    status = play(harness, service.base_url, ids, seed, s.timeout_s, s.sandbox, s.harness_kwargs)
     episodes = [service.recorder.pop(e, expired=st in ("timeouts", "killed")) for e, st in zip(ids, status)]
     group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad, snap.version)
     if score_fn is not None:
