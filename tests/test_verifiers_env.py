@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -93,6 +94,18 @@ def test_a_tool_call_runs_the_tasks_mcp_tool(chat_tok):  # noqa: F811
   second = tok.decode(ep.calls[1].prompt_ids)
   assert ep.calls[1].prompt_ids[:len(ep.calls[0].prompt_ids) + len(script[0])] == ep.calls[0].prompt_ids + script[0]
   assert re.search(r"tool\n7", second), second  # the MCP tool's result, 3 + 4
+
+
+def test_sandboxing_it_is_a_config_error():
+  """serve.sandbox would kill every episode (verifiers' own servers): refused before the run, naming the field."""
+  from jaxrl_llm import wiring
+  from jaxrl_llm.config import ConfigError, load_file
+  from jaxrl_llm.rollout.sources import harness as harness_source
+  c = load_file(os.path.join(ROOT, "configs", "verifiers_tiny.py"))
+  c.serve.sandbox = True
+  ctx = types.SimpleNamespace(settings=types.SimpleNamespace(serve=wiring.serve_settings(c)))
+  with pytest.raises(ConfigError, match=r"config.serve.sandbox=True: .*interception server"):
+    harness_source.Harness(ctx, store=None)
 
 
 def test_dotted_module_ids_are_plugins():

@@ -206,4 +206,9 @@ def run(base_url: str, episode_id: str, seed: int, *, taskset: str, taskset_args
   return reward
 
 
+# `serve.sandbox` allows one socket (the endpoint) and no new process: verifiers' interception server and tool servers
+run.unsandboxable = ("verifiers relays each call through an interception server of its own and runs a task's tools "
+                     "in processes of their own, which the sandbox forbids")
+
+
 __all__ = ["ChatHarness", "run", "runner", "plugin_id", "CHAT_HARNESS"]

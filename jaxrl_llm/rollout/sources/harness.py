@@ -16,7 +16,7 @@ costs its episode only: the row keeps no tokens (mask 0) and the group's mean re
 `serve.sandbox_memory_mb`, wall clock `serve.timeout_s`, sockets only to the endpoint, no new processes, a scratch
 working directory): an overrun is killed, not left behind as a thread, and a stopped one counts `serve_killed`
 (a wall overrun `serve_timeouts`). The harness must then be a module-level function (its module is imported again
-in each episode's process).
+in each episode's process); one with an attribute `unsandboxable` (a reason) is refused with it.
 
 Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`, `serve_no_reward`,
 `serve_too_long`, `serve_killed`, `serve_invalid`), `serve_split` (episodes whose calls did not extend each other,
@@ -229,6 +229,9 @@ class Harness:
     if self.s.sandbox is not None:
       from jaxrl_llm.config import ConfigError  # noqa: PLC0415
       from jaxrl_llm.envs.sandbox import importable  # noqa: PLC0415
+      why = getattr(self.harness, "unsandboxable", "")  # a harness that cannot run sandboxed says why
+      if why:
+        raise ConfigError(f"config.serve.sandbox=True: the harness {self.s.harness!r} cannot run sandboxed ({why})")
       try:
         importable(self.harness)
       except ValueError as e:
