@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, logits_from_hidden, stack_cache
+from jaxrl_llm.models.transformer import hidden_with_cache, logits_from_hidden
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import decode_carry, emit_token, feed_previous_column
+from jaxrl_llm.sampling.sampler import decode_carry, decode_columns, emit_token
 
 Array = jax.Array
 
@@ -63,24 +63,9 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
   """
   B, N = first_logits_BV.shape[0], sampler_cfg.max_new_tokens
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
-
-  def feed(carry: dict) -> dict:
-    """Feeds the previous column's token; keeps the logits after it for the rows where it is real."""
-    logits_BV, live_B, cache = feed_previous_column(decode_params, carry, start_pos_B, model_cfg,
-                                                    sampler_cfg.kv_window_arg)
-    return {**carry, "cache": cache, "last_logits_BV": jnp.where(live_B[:, None], logits_BV, carry["last_logits_BV"])}
-
-  def decode(carry: dict) -> dict:
-    carry = feed(carry)
-    return emit(carry, carry["last_logits_BV"])
-
-  def keep_going(carry: dict) -> Array:
-    return (carry["step"] < N) & ~jnp.all(carry["done_B"])
-
-  decode_params, cache = decode_view(params, cache, model_cfg)
-  carry = {**decode_carry(cache, B, N, sampler_cfg), "last_logits_BV": first_logits_BV}
-  carry = feed(jax.lax.while_loop(keep_going, decode, emit(carry, first_logits_BV)))
+  carry = emit({**decode_carry(cache, B, N, sampler_cfg), "last_logits_BV": first_logits_BV}, first_logits_BV)
+  carry = decode_columns(params, carry, start_pos_B, emit, N, model_cfg, sampler_cfg.kv_window_arg, continuing=True)
   out = {"tokens_BN": carry["tokens_BN"], "mask_BN": carry["mask_BN"], "behavior_logp_BN": carry["logp_BN"],
          "lengths_B": jnp.sum(carry["mask_BN"], axis=1).astype(jnp.int32),
          **{k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}}  # μ's records, if asked
-  return out, stack_cache(carry["cache"]), carry["last_logits_BV"]
+  return out, carry["cache"], carry["last_logits_BV"]

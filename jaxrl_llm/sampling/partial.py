@@ -37,10 +37,10 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, stack_cache
+from jaxrl_llm.models.transformer import hidden_with_cache
 from jaxrl_llm.sampling import behavior, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import emit_token, feed_previous_column, prefill_grouped, prefill_prompts
+from jaxrl_llm.sampling.sampler import decode_columns, emit_token, prefill_grouped, prefill_prompts
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
@@ -83,18 +83,9 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
                  model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
   """Decodes with `params` until column `stop` (exclusive) is sampled or every row hit a stop id."""
   version = jnp.asarray(version, jnp.int32)
-  params, cache = decode_view(params, carry["cache"], model_cfg)  # the same decode math as `generate`
-
-  def decode(carry: dict) -> dict:
-    logits_BV, _, cache = feed_previous_column(params, carry, carry["prompt_len_B"], model_cfg,
-                                               sampler_cfg.kv_window_arg)
-    return _emit({**carry, "cache": cache}, logits_BV, key, version, sampler_cfg)
-
-  def keep_going(carry: dict) -> Array:
-    return (carry["step"] < jnp.minimum(stop, sampler_cfg.max_new_tokens)) & ~jnp.all(carry["done_B"])
-
-  carry = jax.lax.while_loop(keep_going, decode, {**carry, "cache": cache})
-  return {**carry, "cache": stack_cache(carry["cache"])}
+  emit = lambda c, logits_BV: _emit(c, logits_BV, key, version, sampler_cfg)
+  return decode_columns(params, carry, carry["prompt_len_B"], emit, jnp.minimum(stop, sampler_cfg.max_new_tokens),
+                        model_cfg, sampler_cfg.kv_window_arg)  # the same decode loop as `generate`
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "group_size"), donate_argnames=("carry",))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,33 @@ def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cf
   return logits_B1V[:, 0], live_B1[:, 0] > 0, cache
 
 
+def decode_columns(params: dict, carry: dict, start_pos_B: Array, emit: Callable[[dict, Array], dict], stop,
+                   model_cfg: ModelConfig, kv_window: tuple[int, int] | None = None,
+                   kv_ring: tuple[int, int, int] | None = None, continuing: bool = False) -> dict:
+  """The plain decode loop (`generate`, partial rollouts' chunks, `continuation.decode_turn`): from a carry whose
+  column `step - 1` is drawn, feeds that column through the cache (`feed_previous_column`, in the decode view) and
+  draws the next (`emit(carry, logits_BV)`) while a row is live and `step < stop`; returns the carry with the cache
+  stacked back. `continuing` (static): the carry keeps `last_logits_BV` (the logits after each row's last real
+  token) and the loop ends by feeding the last column too, so the cache holds every sampled token (a next turn
+  extends it)."""
+  decode_params, cache = decode_view(params, carry["cache"], model_cfg)
+
+  def feed(c: dict) -> tuple[dict, Array]:
+    logits_BV, live_B, cache = feed_previous_column(decode_params, c, start_pos_B, model_cfg, kv_window, kv_ring)
+    c = {**c, "cache": cache}
+    if continuing:
+      c["last_logits_BV"] = jnp.where(live_B[:, None], logits_BV, c["last_logits_BV"])
+    return c, logits_BV
+
+  def keep_going(c: dict) -> Array:
+    return (c["step"] < stop) & ~jnp.all(c["done_B"])
+
+  carry = jax.lax.while_loop(keep_going, lambda c: emit(*feed(c)), {**carry, "cache": cache})
+  if continuing:
+    carry = feed(carry)[0]
+  return {**carry, "cache": stack_cache(carry["cache"])}
+
+
 def decode_carry(cache: dict, B: int, N: int, sampler_cfg: SamplerConfig) -> dict:
   """The decode loop's state before its first column (`emit_token` writes the columns): the cache, no tokens,
   no row done, and the empty records of μ the sampler config asks for."""
@@ -246,19 +274,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   else:
     noise_NBK = predraw_noise(key, N, shape) if predraw else None
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg, noise_NBK)
-
-  def decode(carry: dict) -> dict:
-    """Feeds the previous column's token through the cache, then samples the next column."""
-    logits_BV, _, cache = feed_previous_column(decode_params, carry, prompt_len_B, model_cfg, sampler_cfg.kv_window_arg,
-                                               ring)
-    return emit({**carry, "cache": cache}, logits_BV)
-
-  def keep_going(carry: dict) -> Array:
-    return (carry["step"] < N) & ~jnp.all(carry["done_B"])
-
-  decode_params, cache = decode_view(params, cache, model_cfg)
-  carry = jax.lax.while_loop(keep_going, decode, emit(decode_carry(cache, B, N, sampler_cfg), first_logits_BV))
-  carry["cache"] = stack_cache(carry["cache"])
+  carry = decode_columns(params, emit(decode_carry(cache, B, N, sampler_cfg), first_logits_BV), prompt_len_B, emit,
+                         N, model_cfg, sampler_cfg.kv_window_arg, ring)
 
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
