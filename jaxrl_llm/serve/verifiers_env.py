@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import importlib
 import json
 import sys
@@ -42,8 +43,10 @@ import threading
 from typing import Any
 
 import verifiers.v1 as vf
+from openai import AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.env import RunSlot
+from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 
 CHAT_HARNESS = __name__  # ChatHarness's plugin id
 
@@ -75,25 +78,21 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
 
   async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
     del trace, runtime, tool_interception_url
-    from contextlib import AsyncExitStack  # noqa: PLC0415
-
-    from openai import AsyncOpenAI  # noqa: PLC0415
     system, prompt = self.resolve_prompt(data)
     messages = [{"role": "system", "content": system}] if system else []
     messages += ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                  else [message_to_wire(m) for m in prompt or []])
-    client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
     reply = ""
-    async with AsyncExitStack() as stack:
+    async with contextlib.AsyncExitStack() as stack:
+      client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+      stack.push_async_callback(client.close)
       tools, dispatch, servers = [], {}, {}
       if mcp_urls:
-        from verifiers.v1.harnesses.utils.mcp import connect_mcp  # noqa: PLC0415
         spec = {"mcpServers": {n: {"url": u, "timeout": self.config.tool_timeout} for n, u in mcp_urls.items()}}
         tools, dispatch, servers = await connect_mcp(spec, stack)
-      stack.push_async_callback(client.close)
       for _ in range(self.config.max_turns):
-        out = await client.chat.completions.create(model=ctx.model, messages=messages, **({"tools": tools} if tools
-                                                                                          else {}))
+        tool_arg = {"tools": tools} if tools else {}
+        out = await client.chat.completions.create(model=ctx.model, messages=messages, **tool_arg)
         msg = out.choices[0].message
         reply = msg.content or ""
         messages.append(msg.model_dump(exclude_none=True))
@@ -115,7 +114,6 @@ async def _tool_result(call, dispatch: dict, servers: dict):
     return f"error: tool arguments must be a JSON object, got {type(args).__name__}"
   if call.function.name not in dispatch:
     return f"error: unknown tool {call.function.name!r}"
-  from verifiers.v1.harnesses.utils.mcp import call_mcp  # noqa: PLC0415
   return await call_mcp(servers, dispatch, call.function.name, args)
 
 
