@@ -134,6 +134,28 @@ def test_without_publish_equals_generate_with_compressed_caches_and_records(over
   assert ("mc_ids_BNJ" in out) == bool(sc.mc_samples) and ("kv_window_B2" in out) == (sc.kv_cache == "window")
 
 
+def test_window_cache_is_generates_ring_buffer(monkeypatch):
+  """A window cache of sinks + window < N decodes from `generate`'s ring buffer (P + sinks + window slots, traced;
+  without a switch its tokens are generate's: the test above), and a switch keeps it: the chunks after it decode on
+  through the same ring with the new version recorded."""
+  import dataclasses
+  from jaxrl_llm.sampling import sampler
+  sc = dataclasses.replace(SC, kv_cache="window", kv_sinks=1, kv_window=3, stop_ids=())
+  built = []
+  spy = lambda *a, **kw: built.append(sampler_init_cache(*a, **kw)) or built[-1]
+  sampler_init_cache = sampler.init_cache
+  monkeypatch.setattr(sampler, "init_cache", spy)
+  body = functools.partial(partial.prefill.__wrapped__, model_cfg=CFG, sampler_cfg=sc)  # traced, not cached
+  jax.eval_shape(body, OLD, PROMPTS, PROMPT_LEN, KEY, 0)
+  assert built and all(c["k"].shape[2] == P + 4 for c in built)
+  monkeypatch.undo()
+  new = random_params(1)
+  poll, _ = switch_at_first_poll(1, new)
+  out = jax.device_get(partial.generate_partial(0, OLD, poll, PROMPTS, PROMPT_LEN, KEY, CFG, sc, chunk_steps=3))
+  assert (out["versions_BN"][:, :3] == 0).all() and (out["versions_BN"][:, 3:] == 1).all()
+  assert out["mask_BN"].all() and np.isfinite(out["behavior_logp_BN"]).all()  # 8 columns: the ring wraps
+
+
 SPEC = dict(spec_gamma=2, spec_draft_layers=1)
 
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.cache import init_cache, ring_layout
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import hidden_with_cache
 from jaxrl_llm.sampling import behavior, speculative
@@ -57,10 +57,10 @@ def _emit(carry: dict, logits_BV: Array, key: Array, version: Array, sampler_cfg
 def prefill(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Array, version: Array,
             model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
   """Fills the cache with the prompts and samples completion column 0; returns the decode carry."""
-  B = prompt_tokens_BP.shape[0]
+  B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
-      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg)
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg, _ring(P, sampler_cfg))
   carry = {
       "step": jnp.zeros((), jnp.int32),
       "cache": cache,
@@ -85,7 +85,14 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
   version = jnp.asarray(version, jnp.int32)
   emit = lambda c, logits_BV: _emit(c, logits_BV, key, version, sampler_cfg)
   return decode_columns(params, carry, carry["prompt_len_B"], emit, jnp.minimum(stop, sampler_cfg.max_new_tokens),
-                        model_cfg, sampler_cfg.kv_window_arg)  # the same decode loop as `generate`
+                        model_cfg, sampler_cfg.kv_window_arg,
+                        _ring(carry["prompt_BP"].shape[1], sampler_cfg))  # the same decode loop as `generate`
+
+
+def _ring(P: int, sampler_cfg: SamplerConfig) -> tuple[int, int, int] | None:
+  """`generate`'s ring buffer for a "window" cache (`cache.ring_layout`): the layout is static, as in `generate`,
+  because a compressed cache is never re-prefilled (`generate_partial` refuses `reprefill` with one)."""
+  return ring_layout(P, sampler_cfg.max_new_tokens, sampler_cfg.kv_window_arg)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "group_size"), donate_argnames=("carry",))
@@ -163,7 +170,8 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       interruption route to exact old logits scores the version's tokens there, while its snapshot is held.
   Returns the `generate` dict plus `versions_BN`: the version that sampled each column (MoE:
   `routes_BTLk` as the final KV cache holds them, see the module docstring), μ's records when the sampler config
-  asks for them, and `kv_window_B2` with a window cache. A compressed cache (int8, window) is kept across a switch.
+  asks for them, and `kv_window_B2` with a window cache. A compressed cache (int8, window) is kept across a switch
+  (a window of sinks + window < N as `generate`'s ring buffer, when the chunks do not speculate).
   """
   if chunk_steps < 1:
     raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
