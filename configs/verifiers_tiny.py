@@ -4,8 +4,9 @@ harness (`jaxrl_llm.serve.verifiers_env`). Every model call reaches `/v1/chat/co
 interception server; the recorder keeps the served tokens, so the learner trains them exactly as sampled.
 
 A delta over configs/harness_tiny.py: the harness is `verifiers_env:run` with the taskset's id in
-`serve.harness_kwargs`, and tiny.py's SFT warm start back on (its arithmetic prompts are the taskset's); any verifiers taskset importable by module name runs the same way
-(`serve.harness_kwargs.taskset_args` sets its config fields, `.harness` another in-process harness).
+`serve.harness_kwargs`, and tiny.py's SFT warm start back on (its arithmetic prompts are the taskset's); any verifiers
+taskset importable by module name runs the same way (`serve.harness_kwargs.taskset_args` sets its config fields,
+`.harness` another in-process harness).
 
 Needs verifiers: `pip install --no-deps verifiers==0.4.0` and `pip install -e '.[verifiers]'` (`make .venv/.test`
 does both; jaxrl_llm/serve/verifiers_env.py says why --no-deps).

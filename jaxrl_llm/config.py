@@ -55,7 +55,8 @@ ABSENT_DEFAULTS = {
     "rollout.replay.capacity": 0,
     "optim.minibatches": 1, "optim.epochs": 1, "optim.pack_width": 0,
     "sft.demos": 64, "sft.demo_player": "consistent",
-    "checkpoint.config_change": "error", "serve.harness": "", "serve.harness_kwargs": {}, "advantage.turn_level": False,
+    "checkpoint.config_change": "error", "serve.harness": "", "serve.harness_kwargs": {},
+    "advantage.turn_level": False,
     "serve.sandbox": False, "serve.sandbox_cpu_s": 60.0, "serve.sandbox_memory_mb": 1024,
     "dist.coordinator_address": None, "dist.num_processes": None, "dist.process_id": None,
     "dist.initialization_timeout": 300, "dist.heartbeat_timeout_seconds": 100,
@@ -680,8 +681,8 @@ def _validate_env(c: ml_collections.ConfigDict) -> None:
           "agent is trained on their demonstration episodes; '' = sft.demo_player)")
 
 
-SERVE_FIELDS = ("harness", "harness_kwargs", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context", "prompt_width",
-                "max_tokens", "model_name", "sandbox", "sandbox_cpu_s", "sandbox_memory_mb")
+SERVE_FIELDS = ("harness", "harness_kwargs", "concurrency", "max_batch", "batch_window_s", "timeout_s", "max_context",
+                "prompt_width", "max_tokens", "model_name", "sandbox", "sandbox_cpu_s", "sandbox_memory_mb")
 
 
 def serve_on(c: ml_collections.ConfigDict) -> bool:

@@ -24,12 +24,12 @@ import os, socket, time
 import httpx
 
 
-def good(base_url, episode_id, seed):  # the official client (it asks `platform` for `uname -p`: cached before the hook)
+def good(base_url, episode_id, seed, reward):  # the official client (it asks `platform` for `uname -p`: cached first)
   import openai
   client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120,
                          default_headers={"X-Episode-Id": episode_id})
   client.completions.create(model="jaxrl-policy", prompt=[5, 6, seed], max_tokens=4)
-  httpx.post(f"{base_url}/v1/episodes/{episode_id}/reward", json={"reward": 0.5}, timeout=120).raise_for_status()
+  httpx.post(f"{base_url}/v1/episodes/{episode_id}/reward", json={"reward": reward}, timeout=120).raise_for_status()
 
 
 def dial(base_url, episode_id, seed):
@@ -57,8 +57,9 @@ def boom(base_url, episode_id, seed):
   raise ValueError("boom")
 
 
-def dispatch(base_url, episode_id, seed):
-  globals()[episode_id.split("-")[0]](base_url, episode_id, seed)
+def dispatch(base_url, episode_id, seed, reward):  # `reward`: serve.harness_kwargs reach the sandboxed process
+  name = episode_id.split("-")[0]
+  globals()[name](base_url, episode_id, seed, *([reward] if name == "good" else []))
 '''
 
 
@@ -82,13 +83,14 @@ def test_each_episode_runs_in_its_own_limited_process(chat_tok, harnesses, tmp_p
     for e in ids:
       service.recorder.open(e)
     limits = Limits(cpu_s=2, memory_mb=64, wall_s=20)
-    status = harness_source.play(harnesses.dispatch, service.base_url, ids, seed=3, timeout_s=20, sandbox=limits)
+    status = harness_source.play(harnesses.dispatch, service.base_url, ids, seed=3, timeout_s=20, sandbox=limits,
+                                 kwargs={"reward": 0.75})
     episodes = [service.recorder.pop(e) for e in ids]
   finally:
     service.close()
   assert status == [None, "killed", "killed", "killed", "timeouts", "errors"]
   good = episodes[0]
-  assert good.reward == 0.5 and [c.prompt_ids for c in good.calls] == [[5, 6, 3]] and sampler.calls == 1
+  assert good.reward == 0.75 and [c.prompt_ids for c in good.calls] == [[5, 6, 3]] and sampler.calls == 1
   assert all(not ep.calls for ep in episodes[1:])
   pids = [int(p) for p in os.listdir(tmp_path)]
   assert len(pids) == 1

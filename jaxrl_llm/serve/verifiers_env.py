@@ -5,15 +5,15 @@ verifiers taskset against the run's endpoint, scored by the taskset's own reward
     serve.harness_kwargs = {"taskset": "<verifiers taskset id>", "taskset_args": {...}}   # configs/verifiers_tiny.py
 
 A verifiers environment is a taskset (tasks, each with its `@vf.reward` functions) played by a harness (the agent
-program); both are plugins found by module name (a dotted one too: `plugin_id`). `run(base_url, episode_id, seed, ...)` loads the environment once
-per process (`vf.load_environment`, runtime "subprocess": nothing leaves the machine), keeps its `serving()` open on
-a background event loop, and plays task `seed % len(tasks)` (a GRPO group's G episodes share the seed, so the task)
-with verifiers' relay client pointed at the endpoint: `ModelContext(model=<the endpoint's model>,
-client=EvalClientConfig(base_url=<endpoint>/v1), sampling={"user": episode_id})`. Every model call goes harness ->
-verifiers' interception server -> our `/v1/chat/completions`, carrying the episode id in `user` and nothing else
-verifiers adds (no sampling field: the run's sampler settings hold), so the recorder keeps the served tokens: the
-learner row holds the policy's tokens exactly as sampled and μ as served, whatever verifiers rebuilds from them.
-The trace's `reward` (the weighted sum of the task's rewards) is reported to `/v1/episodes/{id}/reward`; an
+program); both are plugins found by module name (a dotted one too: `plugin_id`). `run(base_url, episode_id, seed,
+...)` loads the environment once per process (`vf.load_environment`, runtime "subprocess": nothing leaves the
+machine), keeps its `serving()` open on a background event loop, and plays task `seed % len(tasks)` (a GRPO group's G
+episodes share the seed, so the task) with verifiers' relay client pointed at the endpoint: `ModelContext(model=<the
+endpoint's model>, client=EvalClientConfig(base_url=<endpoint>/v1), sampling={"user": episode_id})`. Every model call
+goes harness -> verifiers' interception server -> our `/v1/chat/completions`, carrying the episode id in `user` and
+nothing else verifiers adds (no sampling field: the run's sampler settings hold), so the recorder keeps the served
+tokens: the learner row holds the policy's tokens exactly as sampled and μ as served, whatever verifiers rebuilds from
+them. The trace's `reward` (the weighted sum of the task's rewards) is reported to `/v1/episodes/{id}/reward`; an
 episode verifiers marks failed (a harness, scoring or model error) raises, costing that episode only.
 
 The harness: `harness=""` plays with the taskset's default one (its module's exported Harness subclass, else

@@ -4,8 +4,8 @@ The source starts the endpoint (uvicorn on 127.0.0.1, a free port; the batcher s
 version) and the async engine (`async_engine.AsyncRollout`: admission keeps every consumed lag ≤ η = `rollout.lag`,
 as in `async`). A request is one GRPO group: G episodes of one seed (`async_engine.episode_seed`), each the
 harness `serve.harness = "module:function"` called as `fn(base_url, episode_id, seed, **serve.harness_kwargs)` in
-its own thread; the `max(1, serve.concurrency // G)` worker threads run that many groups at once. An episode ends when the harness
-reports its reward (`POST /v1/episodes/{id}/reward`) and becomes one row (`serve.recorder.episode_row`: the
+its own thread; the `max(1, serve.concurrency // G)` worker threads run that many groups at once. An episode ends
+when the harness reports its reward (`POST /v1/episodes/{id}/reward`) and becomes one row (`serve.recorder.episode_row`: the
 prompt's first `serve.prompt_width` ids in the P columns, the rest of the `serve.max_context` after them; μ's
 log-probs and each token's version as served). π_old at each token's version as async episodes do
 (`async_engine.prox_at_versions` with `rollout.prox_in_worker`, else the learner's recompute).
@@ -108,8 +108,8 @@ def load_harness(spec: str):
 
 def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: float,
          sandbox=None, kwargs: dict | None = None) -> list[str | None]:
-  """Runs `harness(base_url, episode_id, seed, **kwargs)` for each id in its own thread; per episode None (it returned) or
-  "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread, its
+  """Runs `harness(base_url, episode_id, seed, **kwargs)` for each id in its own thread; per episode None (it
+  returned) or "errors" (it raised) / "timeouts" (still running `timeout_s` after the start: left behind as a daemon thread, its
   later calls and reward get a 408 once the episode is closed). Returns within `timeout_s` (one deadline for all the
   threads). `sandbox` (`envs.sandbox.Limits`): each thread runs its harness in a sandboxed process instead, killed at
   `sandbox.wall_s`; "killed" when a limit other than the wall clock stopped it."""
