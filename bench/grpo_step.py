@@ -117,6 +117,13 @@ def learner_batch(ctx: dict, out: dict, adv_BN) -> tuple[learner.Batch, float]:
   return batch.replace(pack=jax.tree.map(jnp.asarray, pk)), packing.pad_frac(pk.segment_ids_RW)
 
 
+def rewards(ctx: dict, examples: list[dict], tokens_BN: np.ndarray) -> np.ndarray:
+  """The task's rewards of completions decoded with the context's tokenizer (the real model's on workload R: the
+  peers score the same text; decoding its ids as characters scored every completion 0)."""
+  tokenizer = ctx.get("encoder", CHAR_ENCODER).tokenizer
+  return collect.score_completions(ctx["task"], examples, tokens_BN, tokenizer=tokenizer)[0]
+
+
 def step(ctx: dict, t: int) -> dict:
   """Runs GRPO step `t` in place on `ctx["state"]`; returns the wall seconds of each piece."""
   run, G = ctx["run"], ctx["run"]["group_size"]
@@ -128,7 +135,7 @@ def step(ctx: dict, t: int) -> dict:
   t_gen = time.perf_counter()
   out, stats = sample(ctx, ctx["state"].params, p, key)
   gen_s = time.perf_counter() - t_gen
-  reward_B, _, _ = collect.score_completions(ctx["task"], p.examples, np.asarray(out["tokens_BN"]))
+  reward_B = rewards(ctx, p.examples, np.asarray(out["tokens_BN"]))
   mask_BN = out["mask_BN"]
   adv_BN = collect.group_advantages(reward_B, G, "grpo", True, mask_BN)
   batch, pad_frac = learner_batch(ctx, out, adv_BN)

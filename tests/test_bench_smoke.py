@@ -389,3 +389,21 @@ def test_torch_peer_runs_on_the_available_device(tiny_ckpt):
   assert out["status"] == "ok", proc.stderr[-2000:]
   assert out["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
   assert math.isfinite(out["total_s"]) and out["rollouts_per_step"] == 16
+
+
+def test_workload_r_rewards_decode_with_the_models_tokenizer(tmp_path):
+  """Workload R scores its completions as the peers do: the real tokenizer's text. Decoding a subword model's ids as
+  characters (what `step` did) scored every completion 0."""
+  import tiny_hf
+  from jaxrl_llm.models.tokenizer import load_checkpoint_tokenizer
+  from jaxrl_llm.tasks import get_task
+  from jaxrl_llm.tasks.encoder import Encoder
+  tok = load_checkpoint_tokenizer(tiny_hf.make_tokenizer(tmp_path))
+  task = get_task("arithmetic_chat", num_digits=2)
+  ex = task.make_example(np.random.default_rng(0))
+  right = tok.encode(f"The answer is {ex['answer']}.") + [tok.end_of_turn_id]
+  wrong = tok.encode("I do not know.") + [tok.end_of_turn_id]
+  width = max(len(right), len(wrong))
+  tokens = np.asarray([r + [tok.pad_id] * (width - len(r)) for r in (right, wrong)])
+  ctx = {"task": task, "encoder": Encoder(tok, chat_template="chat")}
+  np.testing.assert_array_equal(grpo_step.rewards(ctx, [ex, ex], tokens), [1.0, 0.0])

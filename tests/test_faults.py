@@ -526,7 +526,8 @@ def test_correct_math_answers_all_score_one_through_the_run_path(tmp_path, execu
   tokens_BN = np.stack([np.pad(tok.CHAR_TOKENIZER.encode(t), (0, width - len(t)), constant_values=tok.CHAR_TOKENIZER.eos_id)
                         for t in texts])
   policy = reward_lib.RewardPolicy(timeout_s=5.0, executor=executor, workers=workers)
-  reward_B, counts, decoded = collect.score_completions(task, examples, tokens_BN, policy)
+  reward_B, counts, decoded = collect.score_completions(task, examples, tokens_BN, policy,
+                                                       tokenizer=tok.CHAR_TOKENIZER)
   assert decoded == texts
   assert counts == {"ok": 64, "error": 0, "timeout": 0} and reward_B.tolist() == [1.0] * 64
 

@@ -67,9 +67,10 @@ def prompts_for_step(train_examples, step: int, n: int, seed: int, width: int, c
 
 
 def score_completions(task: Task, examples: list[dict], tokens_BN: np.ndarray,
-                      policy: RewardPolicy = RewardPolicy(),
-                      tokenizer: tok.Tokenizer = tok.CHAR_TOKENIZER) -> tuple[np.ndarray, dict, list[str]]:
-  """Rewards of completions decoded up to their first stop id, and the counts of `ok` / `error` /
+                      policy: RewardPolicy = RewardPolicy(), *,
+                      tokenizer: tok.Tokenizer) -> tuple[np.ndarray, dict, list[str]]:
+  """Rewards of completions decoded with `tokenizer` (the sampler's: no default, since ids decoded by another
+  tokenizer score as garbage without an error) up to their first stop id, and the counts of `ok` / `error` /
   `timeout` calls: a reward fn that raises, hangs or returns a non-finite or out-of-bound value costs
   that sample (reward 0). `policy`: the run's `reward.*` settings (`loop.reward_policy`); its "auto"
   executor is the task's `reward_executor`, and the task's own `reward_timeout_s` may shorten its limit."""
