@@ -121,8 +121,7 @@ class CachedTurns:
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     cfg_decode = dataclasses.replace(cfg, group_size=1)  # the decode loop reads one cache per row
     gamma, N = speculative.gamma_of(cfg, len(rows_b)), cfg.max_new_tokens
-    # slots a turn writes: N (each token fed once), or the draft-and-verify loop's (`speculative.decode_turn`)
-    writes = N if not gamma else N + gamma + 2 if cfg.spec_layout == "min" else N * (gamma + 1) + 1
+    writes = speculative.turn_writes(cfg, gamma) if gamma else N  # plain decoding feeds each token once
     suffixes = [list(c[self.cached_len[b]:]) if b in self.cached_len else None for b, c in zip(rows_b, contexts)]
     E = _bucket(max((len(s) for s in suffixes if s is not None), default=1))
     reuse = (self.cache is not None and version == self.version and all(s is not None for s in suffixes)

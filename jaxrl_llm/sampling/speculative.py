@@ -497,14 +497,14 @@ def decode_turn(params: dict, draft_params: dict | None, cache: dict, dcache: di
   A kept cache must hold exactly the turn: the slots of tokens the loop fed past a row's end (drafts a common
   minimum kept after its stop id, columns past N) become holes (segment 0), and each row's last token is fed once
   more at the caches' write index for the logits after it (its earlier slot, if any, a hole too). Needs
-  N + γ + 2 free slots under "min", N·(γ + 1) + 1 under "rows". Returns (outputs: `continuation.decode_turn`'s
+  `turn_writes` free slots. Returns (outputs: `continuation.decode_turn`'s
   and the spec_* metrics, cache, dcache, last_logits_BV)."""
   B, N, G = first_logits_BV.shape[0], sampler_cfg.max_new_tokens, gamma + 1
+  d_params, draft_cfg = resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
                      sampler_cfg)
   carry = {**_loop_carry(carry, dcache, start_pos_B), "slot_BN": jnp.full((B, N + G), -1, jnp.int32)}
-  draft_cfg = dataclasses.replace(model_cfg, n_layers=sampler_cfg.spec_draft_layers)
-  carry = decode_calls(params, draft_params, _with_step(carry, N), key, jnp.asarray(N, jnp.int32), None, model_cfg,
+  carry = decode_calls(params, d_params, _with_step(carry, N), key, jnp.asarray(N, jnp.int32), None, model_cfg,
                        draft_cfg, sampler_cfg, gamma, sampler_cfg.spec_layout)
   mask_BN = carry["mask_BN"][:, :N]
   last_B = jnp.maximum(jnp.sum(mask_BN, axis=1).astype(jnp.int32) - 1, 0)
@@ -516,12 +516,19 @@ def decode_turn(params: dict, draft_params: dict | None, cache: dict, dcache: di
   at = dict(positions_BT=(start_pos_B + last_B)[:, None].astype(jnp.int32), segment_ids_BT=jnp.ones_like(token_B1))
   logits_B1V, cache = forward_with_cache(params, token_B1, holes(carry["cache"]), model_cfg,
                                          kv_window=sampler_cfg.kv_window_arg, **at)
-  d_params, _ = resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   _, dcache = hidden_with_cache(d_params, token_B1, holes(carry["dcache"]), draft_cfg, **at)
   out = {"tokens_BN": carry["tokens_BN"][:, :N], "mask_BN": mask_BN, "behavior_logp_BN": carry["logp_BN"][:, :N],
          "lengths_B": jnp.sum(mask_BN, axis=1).astype(jnp.int32), **_spec_stats(carry),
          **{k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}}
   return out, cache, dcache, logits_B1V[:, 0]
+
+
+def turn_writes(sampler_cfg: SamplerConfig, gamma: int) -> int:
+  """Slots a `decode_turn` of `gamma` > 0 writes at most: the loop's (N + γ + 1 under "min": the last call starts
+  before column N - 1 and writes γ + 1; N·(γ + 1) under "rows": at most N calls of γ + 1 each) and the last token's
+  second feed."""
+  N, G = sampler_cfg.max_new_tokens, gamma + 1
+  return (N + G if sampler_cfg.spec_layout == "min" else N * G) + 1
 
 
 def gamma_of(sampler_cfg: SamplerConfig, batch: int) -> int:

@@ -36,6 +36,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import importlib
 import json
 import sys
@@ -184,6 +185,13 @@ def runner(taskset: str, taskset_args: dict | None = None, harness: str = CHAT_H
     return _RUNNERS[key]
 
 
+@functools.lru_cache(maxsize=16)
+def _model_name(base_url: str) -> str:
+  """The model the endpoint at `base_url` serves (asked once per endpoint)."""
+  import httpx  # noqa: PLC0415
+  return httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
+
+
 def run(base_url: str, episode_id: str, seed: int, *, taskset: str, taskset_args: dict | None = None,
         harness: str = CHAT_HARNESS, timeout_s: float = 600.0) -> float:
   """Plays task `seed % len(tasks)` of verifiers taskset `taskset` (its config fields: `taskset_args`) with
@@ -191,8 +199,7 @@ def run(base_url: str, episode_id: str, seed: int, *, taskset: str, taskset_args
   import httpx  # noqa: PLC0415
 
   r = runner(taskset, taskset_args, harness)
-  model = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
-  ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=f"{base_url}/v1",
+  ctx = vf.ModelContext(model=_model_name(base_url), client=vf.EvalClientConfig(base_url=f"{base_url}/v1",
                                                                 api_key_var="JAXRL_LLM_UNUSED_KEY"),
                         sampling=vf.SamplingConfig(user=episode_id))
   episode = r.play(r.tasks[seed % len(r.tasks)], ctx, timeout_s)
