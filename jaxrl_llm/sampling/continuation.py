@@ -23,7 +23,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import hidden_with_cache, logits_from_hidden
 from jaxrl_llm.sampling import behavior
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import decode_carry, decode_columns, emit_token
+from jaxrl_llm.sampling.sampler import decode_carry, decode_columns, emit_token, live_before
 
 Array = jax.Array
 
@@ -64,7 +64,8 @@ def decode_turn(params: dict, cache: dict, first_logits_BV: Array, start_pos_B: 
   B, N = first_logits_BV.shape[0], sampler_cfg.max_new_tokens
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg)
   carry = emit({**decode_carry(cache, B, N, sampler_cfg), "last_logits_BV": first_logits_BV}, first_logits_BV)
-  carry = decode_columns(params, carry, start_pos_B, emit, N, model_cfg, sampler_cfg.kv_window_arg, continuing=True)
+  carry = decode_columns(params, carry, start_pos_B, emit, live_before(N), model_cfg, sampler_cfg.kv_window_arg,
+                         continuing=True)
   out = {"tokens_BN": carry["tokens_BN"], "mask_BN": carry["mask_BN"], "behavior_logp_BN": carry["logp_BN"],
          "lengths_B": jnp.sum(carry["mask_BN"], axis=1).astype(jnp.int32),
          **{k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}}  # μ's records, if asked

@@ -49,8 +49,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_cache
 from jaxrl_llm.sampling import behavior, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sample import noise_shape, row_noise, sample_token
-from jaxrl_llm.sampling.sampler import prefill_rows, is_stop, prompt_layout
+from jaxrl_llm.sampling.sampler import decode_columns, draw_column, is_stop, prefill_rows, prompt_layout
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None
@@ -75,13 +74,6 @@ def check_supported(sampler_cfg: SamplerConfig) -> None:
   if sampler_cfg.spec_gamma and sampler_cfg.spec_layout != "min":
     raise ValueError(f"continuous batching speculates with sampler.spec_layout='min' (the slots share one write "
                      f"index), got {sampler_cfg.spec_layout!r}")
-
-
-def _draw(logits_SV: Array, keys_S: Array, step_S: Array, sampler_cfg: SamplerConfig) -> tuple[Array, Array]:
-  """(token_S, logp_S): each row's column `step_S` drawn with `fold_in(keys_S[row], step_S[row])`."""
-  shape = noise_shape(*logits_SV.shape, sampler_cfg)
-  gumbel_SK = None if shape is None else row_noise(keys_S, step_S, shape[1])
-  return sample_token(logits_SV, None, sampler_cfg, gumbel_SK)
 
 
 def _write_column(buf_SN: Array, value_S: Array, col_S: Array, live_S: Array) -> Array:
@@ -135,11 +127,9 @@ def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig, feed_stops: b
   """Samples every live slot's next column from `logits_SV`, writes it, and retires rows that emitted a stop id
   or filled their N columns."""
   live_S, step_S = state["live_S"], state["step_S"]
-  token_S, logp_S = _draw(state["logits_SV"], state["keys_S"], step_S, sampler_cfg)
-  recs = {}
-  if sampler_cfg.records:  # each row's from its own step key, as `generate` with per-row keys records them
-    got = behavior.record_rows(state["logits_SV"], token_S, logp_S, state["keys_S"], step_S, sampler_cfg)
-    recs = {name: _write_column(state[name], x, step_S, live_S) for name, x in got.items()}
+  # each row its own column with its own key: `generate`'s draw with per-row keys (records too)
+  token_S, logp_S, got = draw_column(state["logits_SV"], state["keys_S"], step_S, sampler_cfg)
+  recs = {name: _write_column(state[name], x, step_S, live_S) for name, x in got.items()}
   token_S = jnp.where(live_S, token_S, sampler_cfg.pad_id).astype(jnp.int32)
   stop_S = live_S & is_stop(token_S, sampler_cfg.stop_ids)
   return {
@@ -161,27 +151,25 @@ def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig, feed_stops: b
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk"), donate_argnames=("state",))
 def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
                  chunk: int) -> tuple[dict, Array]:
-  """Up to `chunk` decode steps over all slots (fewer once no slot is live): each feeds every live slot's last
-  sampled token at its position, then samples its next column. Returns (state, steps run)."""
+  """Up to `chunk` decode steps over all slots (fewer once no slot has a column to feed): `generate`'s decode loop
+  (`sampler.decode_columns`), each step feeding every unfed slot's last column at its own position and sampling
+  every live slot's next. Returns (state, steps run)."""
   version = jnp.asarray(version, jnp.int32)
-  decode_params, cache = decode_view(params, state["cache"], model_cfg)
 
-  def step(carry: tuple[dict, Array]) -> tuple[dict, Array]:
-    st, i = carry
-    live_S, prev_S = st["live_S"], jnp.maximum(st["step_S"] - 1, 0)
-    token_S1 = jnp.take_along_axis(st["tokens_SN"], prev_S[:, None], axis=1)
-    logits_S1V, cache = forward_with_cache(decode_params, token_S1, st["cache"], model_cfg,
-                                           positions_BT=(st["start_S"] + prev_S)[:, None],
-                                           segment_ids_BT=st["unfed_S"][:, None].astype(jnp.int32),
-                                           kv_window=sampler_cfg.kv_window_arg)
-    st = {**st, "cache": cache, "logits_SV": jnp.where(live_S[:, None], logits_S1V[:, 0], st["logits_SV"])}
-    return _emit(st, version, sampler_cfg, model_cfg.is_moe), i + 1
+  def emit(st: dict, logits_SV: Array) -> dict:
+    st = {**st, "steps": st["steps"] + 1, "logits_SV": jnp.where(st["live_S"][:, None], logits_SV, st["logits_SV"])}
+    return _emit(st, version, sampler_cfg, model_cfg.is_moe)
 
-  def keep_going(carry: tuple[dict, Array]) -> Array:
-    return (carry[1] < chunk) & jnp.any(carry[0]["unfed_S"])
+  more = lambda st: (st["steps"] < chunk) & jnp.any(st["unfed_S"])
 
-  state, steps = jax.lax.while_loop(keep_going, step, ({**state, "cache": cache}, jnp.zeros((), jnp.int32)))
-  return {**state, "cache": stack_cache(state["cache"])}, steps
+  def columns(st: dict) -> tuple[Array, Array, Array]:  # each slot's last drawn column, fed where unfed
+    prev_S = jnp.maximum(st["step_S"] - 1, 0)
+    return jnp.take_along_axis(st["tokens_SN"], prev_S[:, None], axis=1)[:, 0], prev_S, st["unfed_S"]
+
+  state = decode_columns(params, {**state, "steps": jnp.zeros((), jnp.int32)}, state["start_S"], emit, more,
+                         model_cfg, sampler_cfg.kv_window_arg, columns=columns)
+  steps = state.pop("steps")
+  return state, steps
 
 
 def _place(cache: dict, small: dict, rows_k: Array, P: int) -> dict:

@@ -40,7 +40,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import hidden_with_cache
 from jaxrl_llm.sampling import behavior, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.sampler import decode_columns, emit_token, prefill_grouped, prefill_prompts
+from jaxrl_llm.sampling.sampler import decode_columns, emit_token, live_before, prefill_grouped, prefill_prompts
 
 Array = jax.Array
 # poll(current_version) -> (newer_version, params) or None; poll(None) once generation has finished.
@@ -84,9 +84,10 @@ def decode_until(params: dict, carry: dict, key: Array, stop: Array, version: Ar
   """Decodes with `params` until column `stop` (exclusive) is sampled or every row hit a stop id."""
   version = jnp.asarray(version, jnp.int32)
   emit = lambda c, logits_BV: _emit(c, logits_BV, key, version, sampler_cfg)
-  return decode_columns(params, carry, carry["prompt_len_B"], emit, jnp.minimum(stop, sampler_cfg.max_new_tokens),
-                        model_cfg, sampler_cfg.kv_window_arg,
-                        _ring(carry["prompt_BP"].shape[1], sampler_cfg))  # the same decode loop as `generate`
+  # the same decode loop as `generate`
+  return decode_columns(params, carry, carry["prompt_len_B"], emit,
+                        live_before(jnp.minimum(stop, sampler_cfg.max_new_tokens)), model_cfg,
+                        sampler_cfg.kv_window_arg, _ring(carry["prompt_BP"].shape[1], sampler_cfg))
 
 
 def _ring(P: int, sampler_cfg: SamplerConfig) -> tuple[int, int, int] | None:

@@ -119,32 +119,46 @@ def is_stop(token_B: Array, stop_ids: tuple[int, ...]) -> Array:
   return hit_B
 
 
-def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig,
-               noise_NBK: Array | None = None) -> dict:
-  """Samples completion column `carry["step"]` with key `fold_in(key, step)`, masks rows that already
-  finished (pad, mask 0, logp 0), marks rows that emitted a stop id, and advances the step. With
-  `sampler_cfg.records` it also writes the column's μ top-k / Monte-Carlo records (`behavior.record`)
-  into the carry's arrays of those names (`behavior.init_records`).
+def draw_column(logits_BV: Array, key: Array, step: Array, sampler_cfg: SamplerConfig,
+                noise_NBK: Array | None = None) -> tuple[Array, Array, dict]:
+  """(token_B, logp_B, records) of one completion column per row, drawn from `logits_BV`.
 
-  `noise_NBK`: that key's Gumbel noise for every column, drawn before the loop (`predraw_noise`);
-  None draws it here. The tokens are the same either way. `key` may hold one key per row (`sample.is_row_keys`):
-  row b's column n then draws with `fold_in(key[b], n)` (`sample.row_noise`), and records with that step key.
+  `step`: the column, one for every row (a scalar: row b draws with `fold_in(key, step)`, or with
+  `fold_in(key[b], step)` when `key` holds one key per row, `sample.is_row_keys`) or one per row ([B], per-row
+  keys only: the slot engine's rows stand at different columns). `noise_NBK`: the key's Gumbel noise of every
+  column, drawn before the loop (`predraw_noise`; a scalar `step` only), None draws it here: the same bits.
+  `records`: μ's top-k / Monte-Carlo candidates of the column (`behavior.record`) when `sampler_cfg.records`
+  asks for them, each row's from its own step key; {} otherwise.
   """
-  step = carry["step"]
+  B = logits_BV.shape[0]
+  per_row = jnp.ndim(step) == 1
+  if per_row and not is_row_keys(key):
+    raise ValueError("draw_column: one column per row needs one key per row")
+  steps_B = step if per_row else jnp.full((B,), step, jnp.int32)
   gumbel_BK = None if noise_NBK is None else jax.lax.dynamic_index_in_dim(noise_NBK, step, keepdims=False)
   if gumbel_BK is None and is_row_keys(key):  # one key per row: row b's column n draws with fold_in(key_b, n)
-    shape = noise_shape(key.shape[0], logits_BV.shape[-1], sampler_cfg)
-    gumbel_BK = None if shape is None else row_noise(key, jnp.full((key.shape[0],), step, jnp.int32), shape[1])
+    shape = noise_shape(B, logits_BV.shape[-1], sampler_cfg)
+    gumbel_BK = None if shape is None else row_noise(key, steps_B, shape[1])
   step_key = None if is_row_keys(key) else jax.random.fold_in(key, step)  # per-row keys: the noise is drawn above
   token_B, logp_B = sample_token(logits_BV, step_key, sampler_cfg, gumbel_BK)
-  live_B = ~carry["done_B"]
   recs = {}
   if sampler_cfg.records:  # μ's top-k / Monte-Carlo candidates (`behavior`), only when asked
-    if step_key is None:  # one key per row: each row's records from its own step key
-      recs = behavior.record_rows(logits_BV, token_B, logp_B, key, jnp.full((key.shape[0],), step, jnp.int32),
-                                  sampler_cfg)
-    else:
-      recs = behavior.record(logits_BV, token_B, logp_B, step_key, sampler_cfg)
+    recs = (behavior.record_rows(logits_BV, token_B, logp_B, key, steps_B, sampler_cfg) if step_key is None else
+            behavior.record(logits_BV, token_B, logp_B, step_key, sampler_cfg))
+  return token_B, logp_B, recs
+
+
+def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerConfig,
+               noise_NBK: Array | None = None) -> dict:
+  """Samples completion column `carry["step"]` (`draw_column`: key `fold_in(key, step)`, or each row's own key),
+  masks rows that already finished (pad, mask 0, logp 0), marks rows that emitted a stop id, and advances the
+  step. With `sampler_cfg.records` it also writes the column's μ top-k / Monte-Carlo records into the carry's
+  arrays of those names (`behavior.init_records`). The tokens are the same with or without `noise_NBK`.
+  """
+  step = carry["step"]
+  token_B, logp_B, recs = draw_column(logits_BV, key, step, sampler_cfg, noise_NBK)
+  live_B = ~carry["done_B"]
+  if recs:
     recs = behavior.write_column(carry, recs, step, live_B, sampler_cfg.pad_id)
   token_B = jnp.where(live_B, token_B, sampler_cfg.pad_id).astype(jnp.int32)
   return {
@@ -158,44 +172,59 @@ def emit_token(carry: dict, logits_BV: Array, key: Array, sampler_cfg: SamplerCo
   }
 
 
-def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cfg: ModelConfig,
-                         kv_window: tuple[int, int] | None = None,
-                         kv_ring: tuple[int, int, int] | None = None) -> tuple[Array, Array, dict]:
-  """Feeds completion column `carry["step"] - 1` through the carry's cache at positions `start_pos_B + column`
-  (rows already finished there as padding, segment 0). Returns (logits_BV after it, live_B: whether the column
-  is real, the cache). `kv_window`: the sinks + window cache's (sinks, window), None for a full one; `kv_ring`: its
-  ring buffer's layout when the cache is one (`cache.ring_layout`)."""
+def previous_columns(carry: dict) -> tuple[Array, Array, Array]:
+  """`decode_columns`' default (token_B, col_B, fed_B) of a static batch: every row's column `carry["step"] - 1`,
+  fed as a real token where it is a completion token (mask 1: a stop id included), as padding after the row
+  finished."""
   prev = carry["step"] - 1
-  token_B1 = jax.lax.dynamic_slice_in_dim(carry["tokens_BN"], prev, 1, axis=1)
-  live_B1 = jax.lax.dynamic_slice_in_dim(carry["mask_BN"], prev, 1, axis=1).astype(jnp.int32)
-  logits_B1V, cache = forward_with_cache(params, token_B1, carry["cache"], model_cfg,
-                                         positions_BT=(start_pos_B + prev)[:, None].astype(jnp.int32),
-                                         segment_ids_BT=live_B1, kv_window=kv_window, kv_ring=kv_ring)
-  return logits_B1V[:, 0], live_B1[:, 0] > 0, cache
+  at = lambda x_BN: jax.lax.dynamic_index_in_dim(x_BN, prev, axis=1, keepdims=False)
+  fed_B = at(carry["mask_BN"]) > 0
+  return at(carry["tokens_BN"]), jnp.full(fed_B.shape, prev, jnp.int32), fed_B
 
 
-def decode_columns(params: dict, carry: dict, start_pos_B: Array, emit: Callable[[dict, Array], dict], stop,
-                   model_cfg: ModelConfig, kv_window: tuple[int, int] | None = None,
-                   kv_ring: tuple[int, int, int] | None = None, continuing: bool = False) -> dict:
-  """The plain decode loop (`generate`, partial rollouts' chunks, `continuation.decode_turn`): from a carry whose
-  column `step - 1` is drawn, feeds that column through the cache (`feed_previous_column`, in the decode view) and
-  draws the next (`emit(carry, logits_BV)`) while a row is live and `step < stop`; returns the carry with the cache
-  stacked back. `continuing` (static): the carry keeps `last_logits_BV` (the logits after each row's last real
-  token) and the loop ends by feeding the last column too, so the cache holds every sampled token (a next turn
-  extends it)."""
+def live_before(stop) -> Callable[[dict], Array]:
+  """`decode_columns`' `more` of a static batch: go on while a row is live and the next column is before `stop`."""
+  return lambda carry: (carry["step"] < stop) & ~jnp.all(carry["done_B"])
+
+
+def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cfg: ModelConfig,
+                         kv_window: tuple[int, int] | None = None, kv_ring: tuple[int, int, int] | None = None,
+                         columns: Callable[[dict], tuple[Array, Array, Array]] = previous_columns
+                         ) -> tuple[Array, Array, dict]:
+  """Feeds each row's completion column (`columns(carry)` -> (token_B, col_B, fed_B)) through the carry's cache at
+  position `start_pos_B + col_B` (rows with fed_B False as padding, segment 0). Returns (logits_BV after it, fed_B,
+  the cache). `kv_window`: the sinks + window cache's (sinks, window), None for a full one; `kv_ring`: its ring
+  buffer's layout when the cache is one (`cache.ring_layout`)."""
+  token_B, col_B, fed_B = columns(carry)
+  logits_B1V, cache = forward_with_cache(params, token_B[:, None].astype(jnp.int32), carry["cache"], model_cfg,
+                                         positions_BT=(start_pos_B + col_B)[:, None].astype(jnp.int32),
+                                         segment_ids_BT=fed_B[:, None].astype(jnp.int32), kv_window=kv_window,
+                                         kv_ring=kv_ring)
+  return logits_B1V[:, 0], fed_B, cache
+
+
+def decode_columns(params: dict, carry: dict, start_pos_B: Array, emit: Callable[[dict, Array], dict],
+                   more: Callable[[dict], Array], model_cfg: ModelConfig, kv_window: tuple[int, int] | None = None,
+                   kv_ring: tuple[int, int, int] | None = None, continuing: bool = False,
+                   columns: Callable[[dict], tuple[Array, Array, Array]] = previous_columns) -> dict:
+  """The plain decode loop of every sampling path (`generate`, partial rollouts' chunks, `continuation.decode_turn`,
+  the slot engine's `continuous.decode_chunk`): while `more(carry)`, feeds each row's last drawn column through the
+  cache (`feed_previous_column`, in the decode view; `columns(carry)` gives each row's token and column and which
+  rows are real: a static batch's rows share one, `previous_columns`, a slot engine's stand apart) and draws the next
+  (`emit(carry, logits_BV)`); returns the carry with the cache stacked back. `continuing` (static): the carry
+  keeps `last_logits_BV` (the logits after each row's last real token) and the loop ends by feeding the last
+  column too, so the cache holds every sampled token (a next turn extends it)."""
   decode_params, cache = decode_view(params, carry["cache"], model_cfg)
 
   def feed(c: dict) -> tuple[dict, Array]:
-    logits_BV, live_B, cache = feed_previous_column(decode_params, c, start_pos_B, model_cfg, kv_window, kv_ring)
+    logits_BV, fed_B, cache = feed_previous_column(decode_params, c, start_pos_B, model_cfg, kv_window, kv_ring,
+                                                   columns)
     c = {**c, "cache": cache}
     if continuing:
-      c["last_logits_BV"] = jnp.where(live_B[:, None], logits_BV, c["last_logits_BV"])
+      c["last_logits_BV"] = jnp.where(fed_B[:, None], logits_BV, c["last_logits_BV"])
     return c, logits_BV
 
-  def keep_going(c: dict) -> Array:
-    return (c["step"] < stop) & ~jnp.all(c["done_B"])
-
-  carry = jax.lax.while_loop(keep_going, lambda c: emit(*feed(c)), {**carry, "cache": cache})
+  carry = jax.lax.while_loop(more, lambda c: emit(*feed(c)), {**carry, "cache": cache})
   if continuing:
     carry = feed(carry)[0]
   return {**carry, "cache": stack_cache(carry["cache"])}
@@ -275,7 +304,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     noise_NBK = predraw_noise(key, N, shape) if predraw else None
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg, noise_NBK)
   carry = decode_columns(params, emit(decode_carry(cache, B, N, sampler_cfg), first_logits_BV), prompt_len_B, emit,
-                         N, model_cfg, sampler_cfg.kv_window_arg, ring)
+                         live_before(N), model_cfg, sampler_cfg.kv_window_arg, ring)
 
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
