@@ -262,9 +262,10 @@ def _pool(parts: list[dict]) -> dict:
              compiles_after_warmup=sum(p["compiles_after_warmup"] for p in parts),
              completion_len_mean=statistics.mean(p["completion_len_mean"] for p in parts),
              loadavg_blocks=[x for p in parts for x in p.get("loadavg_blocks", [])])
-  for k in ("learner_pad_frac", "slot_wasted", "spec_accept_rate"):
+  # every part's steps count (a table row of reward_mean from the first part's steps alone read 0.00 for ours)
+  for k in ("learner_pad_frac", "slot_wasted", "spec_accept_rate", "reward_mean", "prompt_len_mean"):
     if all(k in p for p in parts):
-      out[k] = statistics.mean(p[k] for p in parts)
+      out[k] = sum(p[k] * p["steps"] for p in parts) / max(sum(p["steps"] for p in parts), 1)
   for k in ("generate_s", "ref_train_s", "host_s"):  # medians of the parts' medians
     out[k] = statistics.median(p[k] for p in parts)
   return out

@@ -407,3 +407,15 @@ def test_workload_r_rewards_decode_with_the_models_tokenizer(tmp_path):
   tokens = np.asarray([r + [tok.pad_id] * (width - len(r)) for r in (right, wrong)])
   ctx = {"task": task, "encoder": Encoder(tok, chat_template="chat")}
   np.testing.assert_array_equal(grpo_step.rewards(ctx, [ex, ex], tokens), [1.0, 0.0])
+
+
+def test_pooled_blocks_keep_every_blocks_reward():
+  """Ours' summary pools the blocks that took turns with each peer: its reward and prompt length are over all of
+  their steps (the table once showed the first peer's block alone: reward 0.00 where the run averaged 0.06)."""
+  part = lambda r, steps: {"step_s_each": [1.0] * steps, "steps": steps, "rounds": 1, "compiles_after_warmup": 0,
+                           "completion_len_mean": 30.0, "generate_s": 0.5, "ref_train_s": 0.4, "host_s": 0.1,
+                           "reward_mean": r, "prompt_len_mean": 40.0 + r}
+  pooled = run._pool([part(0.0, 2), part(0.25, 2), part(0.125, 4)])
+  assert pooled["reward_mean"] == pytest.approx((0.0 * 2 + 0.25 * 2 + 0.125 * 4) / 8)
+  assert pooled["prompt_len_mean"] == pytest.approx(40.0 + 0.125)
+  assert pooled["steps"] == 8
