@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, forward_with_cache, stack_cache
+from jaxrl_llm.models.transformer import decode_view, stack_cache
 from jaxrl_llm.sampling import behavior, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sampler import decode_columns, draw_column, is_stop, prefill_rows, prompt_layout
@@ -218,17 +218,10 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
     pos0_S = st["start_S"] + prev_S
     keys_S = jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, SPEC_STREAM), c))(st["keys_S"], step_S)
     start = st["cache"]["index"]
-    drafts_Sg, q_SgV, dcache = speculative.draft(vd_params, st["dcache"], last_S, pos0_S,
-                                                 live_S[:, None].astype(jnp.int32), speculative.fold(keys_S, 0),
-                                                 d_cfg, sampler_cfg, gamma)
     # the last column of every unfed slot is real; the drafts only of live ones (MoE: a stop token is fed alone)
-    seg_SG = jnp.where(i_G[None, :] == 0, unfed_S[:, None], live_S[:, None]).astype(jnp.int32)
-    logits_SGV, cache = forward_with_cache(v_params, jnp.concatenate([last_S[:, None], drafts_Sg], axis=1),
-                                           st["cache"], model_cfg, positions_BT=pos0_S[:, None] + i_G[None, :],
-                                           segment_ids_BT=seg_SG, kv_window=sampler_cfg.kv_window_arg)
-    p_SGV = speculative.sampling_logp(logits_SGV, sampler_cfg)
-    n_S, block_SG = speculative.verify(p_SGV, q_SgV, drafts_Sg, speculative.fold(keys_S, 1))
-    mu_SG = speculative.behavior_logp(logits_SGV, p_SGV, block_SG, sampler_cfg)
+    n_S, block_SG, mu_SG, got, cache, dcache = speculative.draft_and_verify(
+        v_params, vd_params, st["cache"], st["dcache"], last_S, pos0_S, unfed_S, live_S, keys_S, model_cfg, d_cfg,
+        sampler_cfg, gamma)
     m = jnp.where(jnp.any(live_S), jnp.min(jnp.where(live_S, n_S + 1, G)), 1)  # the common minimum
     cache, dcache = {**cache, "index": start + m}, {**dcache, "index": start + m}
     # each live slot writes its first m tokens, through its first stop id and up to column N - 1
@@ -241,10 +234,7 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
     step_new_S = step_S + new_S
     live_new_S = live_S & ~stopped_S & (step_new_S < N)
     put = lambda name, x_SG: _put_block(st[name], x_SG, col_SG, write_SG)
-    recs = {}
-    if sampler_cfg.records:
-      got = speculative.record_block(logits_SGV, block_SG, mu_SG, speculative.fold(keys_S, 2), sampler_cfg)
-      recs = {name: put(name, x) for name, x in got.items()}
+    recs = {name: put(name, x) for name, x in got.items()}  # μ's records, when asked
     st = {
         **st,
         **recs,

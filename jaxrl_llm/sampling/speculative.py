@@ -230,6 +230,30 @@ def draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: Ar
   return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1), cache
 
 
+def draft_and_verify(v_params: dict, vd_params: dict, cache: dict, dcache: dict, last_B: Array, pos0_B: Array,
+                     fed_B: Array, live_B: Array, key: Array, model_cfg: ModelConfig, d_cfg: ModelConfig,
+                     sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array, Array, dict, dict, dict]:
+  """The draft-and-verify step of every speculative path (static batches, partial chunks and kept turns through
+  `decode_calls`, the slot engine's `continuous.speculate_chunk`): the drafter proposes γ tokens after each row's
+  `last_B` (at position `pos0_B`), the policy scores `last_B` and the drafts in one call, and exact rejection
+  sampling picks each row's block. `fed_B`: rows whose `last_B` is a real token (the rest feed padding); `live_B`:
+  rows whose drafts are (a subset of fed_B). `key`: one key, or one key per row; its folds 0, 1, 2 draw the drafts,
+  the verification and μ's records. The caller rolls the caches back to what it keeps. Returns (n_B accepted
+  drafts, block_BG, mu_BG: μ of each block token, records (`record_block`, {} unless asked), cache, dcache)."""
+  i_G = jnp.arange(gamma + 1, dtype=jnp.int32)
+  drafts_Bg, q_logp_BgV, dcache = draft(vd_params, dcache, last_B, pos0_B, live_B[:, None].astype(jnp.int32),
+                                        fold(key, 0), d_cfg, sampler_cfg, gamma)
+  seg_BG = jnp.where(i_G[None, :] == 0, fed_B[:, None], live_B[:, None]).astype(jnp.int32)
+  logits_BGV, cache = forward_with_cache(v_params, jnp.concatenate([last_B[:, None], drafts_Bg], axis=1), cache,
+                                         model_cfg, positions_BT=pos0_B[:, None] + i_G[None, :],
+                                         segment_ids_BT=seg_BG, kv_window=sampler_cfg.kv_window_arg)
+  p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
+  n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, fold(key, 1))
+  mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
+  recs = record_block(logits_BGV, block_BG, mu_BG, fold(key, 2), sampler_cfg) if sampler_cfg.records else {}
+  return n_B, block_BG, mu_BG, recs, cache, dcache
+
+
 def record_block(logits_BGV: Array, block_BG: Array, mu_BG: Array, key: Array, sampler_cfg: SamplerConfig) -> dict:
   """μ's records (`behavior.record`) at each of the G verified positions, [B, G, k|J] each: the block's token
   there and its μ, one key for the call (the candidates of different rows and positions are independent draws),
@@ -339,21 +363,11 @@ def decode_calls(params: dict, draft_params: dict, carry: dict, key: Array, stop
     col_B, active_B = carry["col_B"], active(carry)
     k_call = jax.random.fold_in(jax.random.fold_in(key, 1), carry["calls"])
     last_B = jnp.take_along_axis(carry["tokens_BN"], (col_B - 1)[:, None], axis=1)[:, 0]
-    live_B1 = active_B[:, None].astype(jnp.int32)
     pos0_B = (prompt_len_B + col_B - 1).astype(jnp.int32)
     start = carry["cache"]["index"]
-    drafts_Bg, q_logp_BgV, dcache = draft(vd_params, carry["dcache"], last_B, pos0_B, live_B1,
-                                          jax.random.fold_in(k_call, 0), draft_cfg, sampler_cfg, gamma)
-    fed_BG = jnp.concatenate([last_B[:, None], drafts_Bg], axis=1)
-    logits_BGV, cache = forward_with_cache(v_params, fed_BG, carry["cache"], model_cfg,
-                                           positions_BT=pos0_B[:, None] + jnp.arange(G, dtype=jnp.int32)[None, :],
-                                           segment_ids_BT=jnp.broadcast_to(live_B1, (B, G)),
-                                           kv_window=sampler_cfg.kv_window_arg)
-    p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
-    n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, jax.random.fold_in(k_call, 1))
-    mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
-    recs = (record_block(logits_BGV, block_BG, mu_BG, jax.random.fold_in(k_call, 2), sampler_cfg)
-            if sampler_cfg.records else {})
+    n_B, block_BG, mu_BG, recs, cache, dcache = draft_and_verify(
+        v_params, vd_params, carry["cache"], carry["dcache"], last_B, pos0_B, active_B, active_B, k_call, model_cfg,
+        draft_cfg, sampler_cfg, gamma)
     if layout == "min":
       m = jnp.min(jnp.where(active_B, n_B + 1, G))
       emit_B = jnp.full((B,), m, jnp.int32)
