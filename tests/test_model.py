@@ -11,6 +11,7 @@ from jax.flatten_util import ravel_pytree
 
 from jaxrl_llm.models import (ModelConfig, forward, forward_with_cache, hidden, init_cache, init_params,
                               param_axes, param_shapes)
+from jaxrl_llm.models import layers
 from jaxrl_llm.models.layers import rms_norm, rope
 
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
@@ -332,3 +333,31 @@ def test_perturb_gradient_flows_to_log_sigma():
   # Zero noise (sigma -> 0) reproduces the unperturbed forward.
   quiet = fwd(params, tokens, CFG, perturb=(jnp.full((2,), -jnp.inf), jax.random.key(14)))
   np.testing.assert_allclose(quiet, fwd(params, tokens, CFG), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_equals_attention_in_the_model_layout(dtype):
+  """`layers.decode_attention` (the decode-loop cache: keys [B, K, hd, S], values [B, K, S, hd], summed products)
+  computes `attention` of the [B, S, K, hd] layout: grouped heads, a masked slot ignored, T = 1 and T = 3 (a
+  speculative verify); against a numpy reference of softmax(q·k / sqrt(hd)) v per query head."""
+  B, S, K, Q, hd = 2, 7, 2, 3, 8
+  keys = jax.random.split(jax.random.key(0), 3)
+  k_BSKd = jax.random.normal(keys[1], (B, S, K, hd)).astype(dtype)
+  v_BSKd = jax.random.normal(keys[2], (B, S, K, hd)).astype(dtype)
+  for T in (1, 3):
+    q_BTHd = jax.random.normal(keys[0], (B, T, K * Q, hd)).astype(dtype)
+    mask_BTS = jnp.ones((B, T, S), bool).at[0, :, 2].set(False).at[1, :, 5:].set(False)
+    got = layers.decode_attention(q_BTHd, jnp.transpose(k_BSKd, (0, 2, 3, 1)), jnp.transpose(v_BSKd, (0, 2, 1, 3)),
+                                  mask_BTS)
+    assert got.dtype == dtype
+    want = layers.attention(q_BTHd, k_BSKd, v_BSKd, mask_BTS)
+    q, k, v, m = (np.asarray(x, np.float64) for x in (q_BTHd, k_BSKd, v_BSKd, mask_BTS))
+    ref = np.zeros((B, T, K * Q, hd))
+    for b, t, h in np.ndindex(B, T, K * Q):
+      s = k[b, :, h // Q] @ q[b, t, h] / np.sqrt(hd)
+      s = np.where(m[b, t] > 0, s, -np.inf)
+      p = np.exp(s - s.max())
+      ref[b, t, h] = (p / p.sum()) @ v[b, :, h // Q]
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=tol, rtol=tol)

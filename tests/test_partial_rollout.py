@@ -54,8 +54,11 @@ def test_without_publish_equals_generate(chunk):
   ref = generate(OLD, PROMPTS, PROMPT_LEN, KEY, CFG, SC)
   calls = []
   out = partial.generate_partial(0, OLD, lambda v: calls.append(v), PROMPTS, PROMPT_LEN, KEY, CFG, SC, chunk_steps=chunk)
-  for name, value in ref.items():
-    np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(value), err_msg=name)
+  for name, value in ref.items():  # the tokens exactly; μ up to float rounding (two compilations of one sum)
+    if np.issubdtype(np.asarray(value).dtype, np.floating):
+      np.testing.assert_allclose(np.asarray(out[name]), np.asarray(value), rtol=0, atol=1e-6, err_msg=name)
+    else:
+      np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(value), err_msg=name)
   assert np.all(np.asarray(out["versions_BN"]) == 0)
   assert calls[-1] is None and all(c == 0 for c in calls[:-1])
   assert float(ref["mask_BN"].sum()) > B  # the test covers decode steps, not just the first token

@@ -246,8 +246,8 @@ def test_decode_view_cache_round_trips():
   cache = {**cache, "k": jax.random.normal(jax.random.key(0), cache["k"].shape),
            "v": jax.random.normal(jax.random.key(1), cache["v"].shape)}
   _, view = decode_view(PARAMS, cache, cfg)
-  assert isinstance(view["k"], tuple) and view["k"][0].shape == (2, 2, 5, 8)  # [B, K, S, hd]
-  np.testing.assert_array_equal(view["v"][1], jnp.transpose(cache["v"][1], (0, 2, 3, 1)))  # [B, K, hd, S]
+  assert isinstance(view["k"], tuple) and view["k"][0].shape == (2, 2, 8, 5)  # [B, K, hd, S]
+  np.testing.assert_array_equal(view["v"][1], jnp.transpose(cache["v"][1], (0, 2, 1, 3)))  # [B, K, S, hd]
   back = stack_cache(view)
   for name in ("k", "v"):
     np.testing.assert_array_equal(back[name], cache[name])

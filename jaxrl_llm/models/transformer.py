@@ -376,21 +376,22 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
 
 def unstack_cache(cache: dict) -> dict:
   """The decode-loop view of a cache: `k`, `v` as tuples of per-layer arrays in the "decode" layout
-  of `layers.attention` (keys [B, K, S, hd], values [B, K, hd, S]).
+  of `layers.attention` (keys [B, K, hd, S], values [B, K, S, hd]).
 
   Why: each layer's keys/values are their own loop-carried buffer, updated in place, and in the
-  layout the attention dots read, so no decode step copies or transposes the cache.
+  layout `layers.decode_attention` streams (each sum over the outer axis), so no decode step copies or
+  transposes the cache.
   """
-  return {**cache, "k": tuple(jnp.transpose(k, (0, 2, 1, 3)) for k in cache["k"]),
-          "v": tuple(jnp.transpose(v, (0, 2, 3, 1)) for v in cache["v"])}
+  return {**cache, "k": tuple(jnp.transpose(k, (0, 2, 3, 1)) for k in cache["k"]),
+          "v": tuple(jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"])}
 
 
 def stack_cache(cache: dict) -> dict:
   """Inverse of `unstack_cache` (a no-op on a stacked cache)."""
   if not isinstance(cache["k"], tuple):
     return cache
-  return {**cache, "k": jnp.stack([jnp.transpose(k, (0, 2, 1, 3)) for k in cache["k"]]),
-          "v": jnp.stack([jnp.transpose(v, (0, 3, 1, 2)) for v in cache["v"]])}
+  return {**cache, "k": jnp.stack([jnp.transpose(k, (0, 3, 1, 2)) for k in cache["k"]]),
+          "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"]])}
 
 
 def decode_view(params: dict, cache: dict, cfg: ModelConfig) -> tuple[dict, dict]:
@@ -446,9 +447,9 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
     p_l, k, v, scales = xs
     p_l = lora_lib.merge_layer(p_l, cfg.compute_dtype)
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    if unstacked:  # keys [B, K, S, hd], values [B, K, hd, S]
-      k = write(k, jnp.transpose(k_BTKd, (0, 2, 1, 3)), 2)
-      v = write(v, jnp.transpose(v_BTKd, (0, 2, 3, 1)), 3)
+    if unstacked:  # keys [B, K, hd, S], values [B, K, S, hd]
+      k = write(k, jnp.transpose(k_BTKd, (0, 2, 3, 1)), 3)
+      v = write(v, jnp.transpose(v_BTKd, (0, 2, 1, 3)), 2)
       k_read, v_read = k, v
     elif quantized:  # int8 slots [B, S, K, hd] with scales [B, S, K], read back dequantised
       (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
