@@ -419,3 +419,10 @@ def test_pooled_blocks_keep_every_blocks_reward():
   assert pooled["reward_mean"] == pytest.approx((0.0 * 2 + 0.25 * 2 + 0.125 * 4) / 8)
   assert pooled["prompt_len_mean"] == pytest.approx(40.0 + 0.125)
   assert pooled["steps"] == 8
+
+
+def test_decode_attention_bench_compares_equal_attentions():
+  """bench/decode_attention.py times two formulations of one attention: they must agree (tiny shapes)."""
+  from bench import decode_attention
+  row = decode_attention.attention_ms(2, 5)
+  assert row["max_abs_diff"] < 1e-5 and row["dots_ms"] > 0 and row["sums_ms"] > 0
