@@ -617,17 +617,22 @@ def _real_targets(r: dict) -> list[list[str]]:
   o, rf, mem = r["ours"], r["roofline"], r["memory"]
   yes = lambda ok: "yes" if ok else "**no**"
   rows = []
-  for peer, want in (("tunix", 2.0), ("trl", 1.5), ("torch", 1.2)):
+  for peer, want in (("tunix", 1.5), ("trl", 2.0), ("torch", 1.5)):  # issue 46's targets
     got = r.get(f"{peer}_over_ours")
     rows.append([f"GRPO step ≥ {want}× {peer}", f"{got:.2f}×" if got else f"– ({r[peer].get('status', '?')[:60]})",
                  yes(got >= want) if got else "not measured"])
-  tr, dec = rf["train"], rf.get("decode_b64", rf["decode"])
+  tr = rf["train"]
   rows.append(["learner step ≥ 75 % of the fp32 peak", _pct(tr["of_peak_flops"]), yes(tr["of_peak_flops"] >= 0.75)])
-  rows.append([f"decode ≥ 60 % of its bound at batch {dec['batch']}",
-               f"{_pct(dec['of_bound'])} ({dec['bound_kind']})", yes(dec["of_bound"] >= 0.6)])
+  dec = rf["decode"]
+  rows.append([f"decode ≥ 50 % of its memory bound at batch {dec['batch']}", _pct(dec["of_bandwidth"]),
+               yes(dec["of_bandwidth"] >= 0.5)])
+  if "decode_b64" in rf:
+    dec = rf["decode_b64"]
+    rows.append([f"decode ≥ 60 % of its compute bound at batch {dec['batch']}", _pct(dec["of_peak_flops"]),
+                 yes(dec["of_peak_flops"] >= 0.6)])
   st = rf["step"]
-  rows.append(["whole step within 1.3× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×",
-               yes(st["measured_s"] <= 1.3 * st["lower_bound_s"])])
+  rows.append(["whole step within 1.5× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×",
+               yes(st["measured_s"] <= 1.5 * st["lower_bound_s"])])
   rows.append(["0 compilations after warm-up", str(o["compiles_after_warmup"]), yes(o["compiles_after_warmup"] == 0)])
   host = o["host_s"] / o["total_s"]
   rows.append(["host time ≤ 2 % of the step", f"{_ms(o['host_s'])} ({_pct(host)})", yes(host <= 0.02)])
@@ -714,7 +719,7 @@ def format_real(name: str, r: dict) -> str:
           "phase's KV cache / scoring logits / gradients + activations; `bench/grpo_real.py` `memory_budget`; the "
           f"runtime before the model was loaded held {_g(mem.get('runtime_rss', 0), 'B')})", "",
           _table(["phase", "peak RSS", "budget", "RSS / budget", "(RSS − runtime) / budget"], rows), ""]
-  out += [f"**{name}: targets** (issue 17; reported, not asserted)", "",
+  out += [f"**{name}: targets** (issue 46; reported, not asserted)", "",
           _table(["target", "measured", "met"], _real_targets(r))]
   return "\n".join(out)
 
