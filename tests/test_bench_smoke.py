@@ -426,3 +426,10 @@ def test_decode_attention_bench_compares_equal_attentions():
   from bench import decode_attention
   row = decode_attention.attention_ms(2, 5)
   assert row["max_abs_diff"] < 1e-5 and row["dots_ms"] > 0 and row["sums_ms"] > 0
+
+
+def test_decode_matmul_bench_compares_equal_products():
+  """bench/decode_matmul.py times two layouts of one product: they must agree (tiny shapes)."""
+  from bench import decode_matmul
+  row = decode_matmul.measure([2], n_layers=2, d=8, f=16)[0]
+  assert row["max_abs_diff"] < 1e-5 and row["rows_major_ms"] >= 0 and row["output_major_ms"] >= 0

@@ -361,3 +361,20 @@ def test_decode_attention_equals_attention_in_the_model_layout(dtype):
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=tol, rtol=tol)
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=tol, rtol=tol)
+
+
+def test_output_major_weights_project_as_the_stored_ones():
+  """`layers.OutIn` (the decode view's output-major copy of a weight) gives `project`'s product: a [D, H, hd]
+  query weight and an [H, hd, D] output weight (two input axes), against numpy; the decode view holds every dense
+  projection so (an MoE layer's experts excepted)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 8)).astype(np.float32)
+  wq = rng.normal(size=(8, 2, 4)).astype(np.float32)
+  got = layers.project(jnp.asarray(x), layers.OutIn.of(jnp.asarray(wq)))
+  np.testing.assert_allclose(np.asarray(got), np.einsum("btd,dhk->bthk", x, wq), rtol=1e-5, atol=1e-5)
+  wo = rng.normal(size=(2, 4, 8)).astype(np.float32)
+  got = layers.project(jnp.asarray(x).reshape(2, 3, 8), layers.OutIn.of(jnp.asarray(wo), in_axes=2))
+  np.testing.assert_allclose(np.asarray(got), x @ wo.reshape(8, 8), rtol=1e-5, atol=1e-5)
+  from jaxrl_llm.models.transformer import unstack_layers
+  view = unstack_layers(init_params(CFG, jax.random.key(0)), CFG)
+  assert all(isinstance(view["layers"][0][k], layers.OutIn) for k in ("wq", "wk", "wv", "wo", "w_gate", "w_down"))

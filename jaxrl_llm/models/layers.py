@@ -6,6 +6,8 @@ RMSNorm multiplies by `w` directly; RoPE is the non-interleaved "rotate_half" fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -84,14 +86,41 @@ def decode_attention(q_BTHd: Array, k_BKdS: Array, v_BKSd: Array, mask_BTS: Arra
   return jnp.transpose(out_BKQTd, (0, 3, 1, 2, 4)).reshape(B, T, H, hd).astype(v_BKSd.dtype)
 
 
-def project(x_BTD: Array, w_D_: Array, preferred_element_type=None) -> Array:
-  """`x @ w` contracting the last axis of x with the first of w, leading axes flattened to one.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutIn:
+  """A projection weight stored output-major, [R, D] (R: its output axes `out_shape` flattened; D: its input):
+  the decode loop's view of a weight (`transformer.unstack_layers`), which `project` multiplies as w_RD @ x_DM.
+
+  Why: with the few rows of a decode step (M = batch), XLA:CPU's x_MD @ w_DR ran at half its speed with M = 16
+  (bench/decode_matmul.py); the same product as a tall w_RD @ x_DM does not. Optimization barriers keep XLA from
+  folding the transposes of x back into the original dot.
+  """
+  w_RD: Array
+  out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+  @classmethod
+  def of(cls, w_I_: Array, in_axes: int = 1) -> "OutIn":
+    """The output-major copy of a weight whose first `in_axes` axes are its input."""
+    D = 1
+    for n in w_I_.shape[:in_axes]:
+      D *= n
+    return cls(w_I_.reshape(D, -1).T, tuple(w_I_.shape[in_axes:]))
+
+
+def project(x_BTD: Array, w_D_: Array | OutIn, preferred_element_type=None) -> Array:
+  """`x @ w` contracting the last axis of x with the first of w, leading axes flattened to one; `w` may be an
+  `OutIn` (the decode loop's output-major weights: the same product, computed as w_RD @ x_DM).
 
   Why flatten: the weight gradient then contracts a single token axis. With separate (b, t) axes
   XLA:CPU lays the [B·T, F] cotangent out transposed before the dot, a strided copy that cost about
   as much as the matmuls themselves in the tiny-model learner step (bench/README.md).
   """
   lead, D = x_BTD.shape[:-1], x_BTD.shape[-1]
+  if isinstance(w_D_, OutIn):
+    barrier = jax.lax.optimization_barrier
+    y_RM = jnp.matmul(w_D_.w_RD, barrier(x_BTD.reshape(-1, D).T), preferred_element_type=preferred_element_type)
+    return barrier(y_RM).T.reshape(*lead, *w_D_.out_shape)
   y = jnp.tensordot(x_BTD.reshape(-1, D), w_D_, axes=1, preferred_element_type=preferred_element_type)
   return y.reshape(*lead, *w_D_.shape[1:])
 

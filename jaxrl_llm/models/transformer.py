@@ -38,7 +38,7 @@ from jaxrl_llm.models import cache as cache_lib
 from jaxrl_llm.models import lora as lora_lib
 from jaxrl_llm.models import moe as moe_lib
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import attention, project, rms_norm, rope, swiglu
+from jaxrl_llm.models.layers import OutIn, attention, project, rms_norm, rope, swiglu
 
 Array = jax.Array
 
@@ -182,7 +182,8 @@ def _finish_layer(h_BTD: Array, attn_BTHd: Array, p: dict, cfg: ModelConfig, for
                   real_BT: Array | None = None) -> tuple[Array, dict]:
   """Attention output projection + residual, then the MLP block + residual; returns (h, routing)."""
   B, T, H, hd = attn_BTHd.shape
-  h_BTD = h_BTD + project(attn_BTHd.reshape(B, T, H * hd), p["wo"].reshape(H * hd, -1))
+  wo = p["wo"] if isinstance(p["wo"], OutIn) else p["wo"].reshape(H * hd, -1)  # the decode view's is output-major
+  h_BTD = h_BTD + project(attn_BTHd.reshape(B, T, H * hd), wo)
   x_BTD = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_eps)
   y_BTD, routing = _mlp(x_BTD, p, cfg, forced_ids_BTk, real_BT)
   return h_BTD + y_BTD, routing
@@ -370,8 +371,20 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
   reads the weights in place. `hidden_with_cache` accepts either layout; the math is the same.
   """
   p = _cast(lora_lib.effective(params), cfg)  # LoRA: merged once, before the loop
-  layers = tuple(jax.tree.map(lambda x, l=l: x[l], p["layers"]) for l in range(cfg.n_layers))
+  layers = tuple(_output_major(jax.tree.map(lambda x, l=l: x[l], p["layers"]), cfg) for l in range(cfg.n_layers))
   return {**p, "layers": layers}
+
+
+# The dense projections of a layer and how many leading axes of each are its input.
+_DENSE_IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2}
+_MLP_IN_AXES = {"w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def _output_major(p_l: dict, cfg: ModelConfig) -> dict:
+  """One layer of the decode view with its dense projections output-major (`layers.OutIn`: a decode step's
+  few-row matmuls run faster so); an MoE layer's experts stay as they are."""
+  axes = _DENSE_IN_AXES if cfg.is_moe else {**_DENSE_IN_AXES, **_MLP_IN_AXES}
+  return {k: OutIn.of(w, axes[k]) if k in axes else w for k, w in p_l.items()}
 
 
 def unstack_cache(cache: dict) -> dict:
