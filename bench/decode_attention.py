@@ -55,17 +55,17 @@ def _best(fn, *args, reps: int = 5) -> float:
   return min(times)
 
 
-def attention_ms(B: int, S: int) -> dict:
-  keys = jax.random.split(jax.random.key(0), 2 * L + 1)
+def attention_ms(B: int, S: int, n_layers: int = L) -> dict:
+  keys = jax.random.split(jax.random.key(0), 2 * n_layers + 1)
   q = jax.random.normal(keys[0], (B, 1, K * Q, HD))
-  k_BKSd = [jax.random.normal(keys[1 + i], (B, K, S, HD)) for i in range(L)]
-  v_BKdS = [jax.random.normal(keys[1 + L + i], (B, K, HD, S)) for i in range(L)]
+  k_BKSd = [jax.random.normal(keys[1 + i], (B, K, S, HD)) for i in range(n_layers)]
+  v_BKdS = [jax.random.normal(keys[1 + n_layers + i], (B, K, HD, S)) for i in range(n_layers)]
   k_BKdS, v_BKSd = [jnp.swapaxes(x, 2, 3) for x in k_BKSd], [jnp.swapaxes(x, 2, 3) for x in v_BKdS]
   mask = jnp.ones((B, 1, S), bool)
   dots, sums = _chain(_dots), _chain(layers.decode_attention)
   diff = float(jnp.max(jnp.abs(dots(q, k_BKSd, v_BKdS, mask) - sums(q, k_BKdS, v_BKSd, mask))))
   t_dots, t_sums = _best(dots, q, k_BKSd, v_BKdS, mask), _best(sums, q, k_BKdS, v_BKSd, mask)
-  cache_bytes = 2 * L * B * K * S * HD * 4
+  cache_bytes = 2 * n_layers * B * K * S * HD * 4
   return {"batch": B, "slots": S, "dots_ms": round(1e3 * t_dots, 2), "sums_ms": round(1e3 * t_sums, 2),
           "speedup": round(t_dots / t_sums, 2), "sums_cache_GB_per_s": round(cache_bytes / t_sums / 1e9, 1),
           "max_abs_diff": diff}

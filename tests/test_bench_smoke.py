@@ -424,8 +424,8 @@ def test_pooled_blocks_keep_every_blocks_reward():
 def test_decode_attention_bench_compares_equal_attentions():
   """bench/decode_attention.py times two formulations of one attention: they must agree (tiny shapes)."""
   from bench import decode_attention
-  row = decode_attention.attention_ms(2, 5)
-  assert row["max_abs_diff"] < 1e-5 and row["dots_ms"] > 0 and row["sums_ms"] > 0
+  row = decode_attention.attention_ms(2, 5, n_layers=2)
+  assert row["max_abs_diff"] < 1e-5 and row["dots_ms"] >= 0 and row["sums_ms"] >= 0
 
 
 def test_decode_matmul_bench_compares_equal_products():

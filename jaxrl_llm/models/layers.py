@@ -7,6 +7,7 @@ RMSNorm multiplies by `w` directly; RoPE is the non-interleaved "rotate_half" fo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,29 +42,20 @@ def rope(x_BTHd: Array, positions_BT: Array, theta: float) -> Array:
   return x_BTHd * cos + rotated * sin
 
 
-# Einsum letters of the key and value operands per cache layout: "BSKd" is the model's layout
-# (and the stacked cache's); "decode" is the per-layer decode-loop cache (keys [B, K, hd, S], values
-# [B, K, S, hd]), read by `decode_attention` without a dot.
-KV_LAYOUTS = {"BSKd": ("bskd", "bskd"), "decode": ("bkds", "bksd")}
-
-
-def attention(q_BTHd: Array, k: Array, v: Array, mask_BTS: Array, kv_layout: str = "BSKd") -> Array:
+def attention(q_BTHd: Array, k_BSKd: Array, v_BSKd: Array, mask_BTS: Array) -> Array:
   """Grouped-query softmax attention with scale 1/sqrt(head_dim).
 
-  Each of the K key/value heads serves Q = H // K consecutive query heads (HF layout).
-  Keys and values are [B, S, K, hd], or in `kv_layout="decode"` keys [B, K, hd, S] and values
-  [B, K, S, hd] (`decode_attention`). Scores and softmax are float32; every query row must allow at least one key.
+  Each of the K key/value heads serves Q = H // K consecutive query heads (HF layout). Keys and values are
+  [B, S, K, hd] (the decode loop's cache layout has its own, `decode_attention`). Scores and softmax are float32;
+  every query row must allow at least one key.
   """
-  if kv_layout == "decode":
-    return decode_attention(q_BTHd, k, v, mask_BTS)
   B, T, H, hd = q_BTHd.shape
-  k_spec, v_spec = KV_LAYOUTS[kv_layout]
-  K = k.shape[k_spec.index("k")]
+  K = k_BSKd.shape[2]
   q_BTKQd = q_BTHd.reshape(B, T, K, H // K, hd)
-  scores_BKQTS = jnp.einsum(f"btkqd,{k_spec}->bkqts", q_BTKQd, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+  scores_BKQTS = jnp.einsum("btkqd,bskd->bkqts", q_BTKQd, k_BSKd, preferred_element_type=jnp.float32) * (hd ** -0.5)
   scores_BKQTS = jnp.where(mask_BTS[:, None, None], scores_BKQTS, MASK_VALUE)
-  probs_BKQTS = jax.nn.softmax(scores_BKQTS, axis=-1).astype(v.dtype)
-  out_BTKQd = jnp.einsum(f"bkqts,{v_spec}->btkqd", probs_BKQTS, v)
+  probs_BKQTS = jax.nn.softmax(scores_BKQTS, axis=-1).astype(v_BSKd.dtype)
+  out_BTKQd = jnp.einsum("bkqts,bskd->btkqd", probs_BKQTS, v_BSKd)
   return out_BTKQd.reshape(B, T, H, hd)
 
 
@@ -72,8 +64,8 @@ def decode_attention(q_BTHd: Array, k_BKdS: Array, v_BKSd: Array, mask_BTS: Arra
   broadcast products summed in float32 rather than dots.
 
   Why: per (row, kv head) the dots are [Q·T, hd] × [hd, S], and XLA:CPU ran these B·K tiny matmuls at a few
-  GFLOP/s: SmolLM2's attention took 65 ms of a 255 ms decode step at batch 64. As one fused multiply-and-sum
-  it streams the cache (keys summed over hd, their outer axis; values over S, theirs) at 2.4× the speed.
+  GFLOP/s. As one fused multiply-and-sum it streams the cache (keys summed over hd, their outer axis; values over
+  S, theirs), several times faster at batch 64 (bench/decode_attention.py; docs/performance.md).
   """
   B, T, H, hd = q_BTHd.shape
   K = k_BKdS.shape[1]
@@ -102,10 +94,7 @@ class OutIn:
   @classmethod
   def of(cls, w_I_: Array, in_axes: int = 1) -> "OutIn":
     """The output-major copy of a weight whose first `in_axes` axes are its input."""
-    D = 1
-    for n in w_I_.shape[:in_axes]:
-      D *= n
-    return cls(w_I_.reshape(D, -1).T, tuple(w_I_.shape[in_axes:]))
+    return cls(w_I_.reshape(math.prod(w_I_.shape[:in_axes]), -1).T, tuple(w_I_.shape[in_axes:]))
 
 
 def project(x_BTD: Array, w_D_: Array | OutIn, preferred_element_type=None) -> Array:

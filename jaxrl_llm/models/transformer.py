@@ -38,7 +38,7 @@ from jaxrl_llm.models import cache as cache_lib
 from jaxrl_llm.models import lora as lora_lib
 from jaxrl_llm.models import moe as moe_lib
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import OutIn, attention, project, rms_norm, rope, swiglu
+from jaxrl_llm.models.layers import OutIn, attention, decode_attention, project, rms_norm, rope, swiglu
 
 Array = jax.Array
 
@@ -389,7 +389,7 @@ def _output_major(p_l: dict, cfg: ModelConfig) -> dict:
 
 def unstack_cache(cache: dict) -> dict:
   """The decode-loop view of a cache: `k`, `v` as tuples of per-layer arrays in the "decode" layout
-  of `layers.attention` (keys [B, K, hd, S], values [B, K, S, hd]).
+  of `layers.decode_attention` (keys [B, K, hd, S], values [B, K, S, hd]).
 
   Why: each layer's keys/values are their own loop-carried buffer, updated in place, and in the
   layout `layers.decode_attention` streams (each sum over the outer axis), so no decode step copies or
@@ -453,7 +453,7 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
   quantized = "k_scale" in cache
   if unstacked and quantized:
     raise ValueError("hidden_with_cache: an int8 cache runs stacked (decode_view keeps it so)")
-  kv_layout = "decode" if unstacked else "BSKd"
+  attend = decode_attention if unstacked else attention  # the decode loop's cache layout, or the model's
   write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), slot, axis=axis)
 
   def layer(h_BTD, xs):
@@ -473,7 +473,7 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
     else:
       k, v = write(k, k_BTKd, 1), write(v, v_BTKd, 1)
       k_read, v_read = k, v
-    h_BTD, routing = _finish_layer(h_BTD, attention(q_BTHd, k_read, v_read, mask_BTS, kv_layout), p_l, cfg,
+    h_BTD, routing = _finish_layer(h_BTD, attend(q_BTHd, k_read, v_read, mask_BTS), p_l, cfg,
                                    real_BT=segment_ids_BT > 0)
     return h_BTD, (k, v, scales, routing.get("ids_BTk"))
 
