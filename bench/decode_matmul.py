@@ -1,12 +1,14 @@
 """A decode step's weight matmuls as x_MD @ w_DR against the output-major w_RD @ x_DM (`layers.OutIn`).
 
-  PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m bench.decode_matmul [--batch 1 4 16 64] [--layers 30]
+  PYTHONPATH=$PWD JAX_PLATFORMS=cpu python -m bench.decode_matmul [--batch 1 4 16 64] [--layers 30] [--head]
 
 The dense matmuls of SmolLM2-135M's layers (d 576, query and output 576 × 576, gate / up 576 × 1536, down
 1536 × 576; random fp32 weights), chained through every layer with M = batch rows: "rows-major" multiplies the
 weights as stored ([in, out], what the learner uses), "output-major" through `layers.project` with `layers.OutIn`
 weights (what the decode view holds). Best of 5 after a compiling call, the two taking turns in one process.
-Prints one JSON object per batch.
+Prints one JSON object per batch. `--head` times the vocabulary head instead (SmolLM2's tied embedding, 49,152 ×
+576, as `transformer.logits_from_hidden` multiplies it: x @ embedᵀ, or output-major embed @ xᵀ), which sets
+`transformer.HEAD_OUT_MAJOR_MAX_ROWS`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import layers
 
-D, F = 576, 1536  # SmolLM2-135M
+D, F, V = 576, 1536, 49152  # SmolLM2-135M
 
 
 def _chain(weights: list[dict]):
@@ -62,12 +64,33 @@ def measure(batches: list[int], n_layers: int, d: int = D, f: int = F) -> list[d
   return rows
 
 
+def measure_head(batches: list[int], d: int = D, v: int = V) -> list[dict]:
+  """The vocabulary head's product at each batch, rows-major against output-major (`layers.OutIn`)."""
+  key = jax.random.key(0)
+  embed_VD = jax.random.normal(key, (v, d)) * 0.02
+  run = jax.jit(lambda w, x: layers.project(x, w, preferred_element_type=jnp.float32))
+  rows = []
+  for B in batches:
+    x = jax.random.normal(jax.random.fold_in(key, B), (B, d))
+    stored, out_major = embed_VD.T, layers.OutIn(embed_VD, (v,))
+    t_rows, t_out = _best(run, stored, x), _best(run, out_major, x)
+    diff = float(jnp.max(jnp.abs(run(stored, x) - run(out_major, x))))
+    rows.append({"batch": B, "head_rows_major_ms": round(1e3 * t_rows, 2),
+                 "head_output_major_ms": round(1e3 * t_out, 2), "speedup": round(t_rows / t_out, 2), "max_abs_diff": diff})
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
   ap.add_argument("--layers", type=int, default=30)
+  ap.add_argument("--head", action="store_true", help="time the vocabulary head instead of the layers")
   a = ap.parse_args()
-  measure(a.batch, a.layers)
+  if a.head:
+    measure_head(a.batch)
+  else:
+    measure(a.batch, a.layers)
 
 
 if __name__ == "__main__":

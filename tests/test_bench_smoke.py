@@ -433,3 +433,10 @@ def test_decode_matmul_bench_compares_equal_products():
   from bench import decode_matmul
   row = decode_matmul.measure([2], n_layers=2, d=8, f=16)[0]
   assert row["max_abs_diff"] < 1e-5 and row["rows_major_ms"] >= 0 and row["output_major_ms"] >= 0
+
+
+def test_decode_matmul_bench_head_compares_equal_products():
+  """bench/decode_matmul.py --head: the vocabulary head's two layouts agree (tiny shapes)."""
+  from bench import decode_matmul
+  row = decode_matmul.measure_head([3], d=8, v=40)[0]
+  assert row["max_abs_diff"] < 1e-5 and row["head_rows_major_ms"] >= 0 and row["head_output_major_ms"] >= 0

@@ -151,9 +151,19 @@ def lm_head_weights(params: dict, cfg: ModelConfig) -> Array:
   return w_DV.astype(cfg.compute_dtype)
 
 
+# Most rows (B·T) a decode view multiplies its vocabulary head for output-major: at 4-48 rows w_VD @ x_DM ran
+# about 2-2.5x faster than x_MD @ w_DV on XLA:CPU, at 64 rows no faster (`bench/decode_matmul.py --head`).
+HEAD_OUT_MAJOR_MAX_ROWS = 48
+
+
 def logits_from_hidden(params: dict, h_BTD: Array, cfg: ModelConfig) -> Array:
-  """float32 logits [B, T, V] from final-normed hidden states (matmul accumulated in float32)."""
-  return project(h_BTD.astype(cfg.compute_dtype), lm_head_weights(params, cfg), preferred_element_type=jnp.float32)
+  """float32 logits [B, T, V] from final-normed hidden states (matmul accumulated in float32); a decode view's
+  output-major head (`unstack_layers`) for up to `HEAD_OUT_MAJOR_MAX_ROWS` rows."""
+  h_BTD = h_BTD.astype(cfg.compute_dtype)
+  head = params.get("head_out_major")
+  if head is not None and math.prod(h_BTD.shape[:-1]) <= HEAD_OUT_MAJOR_MAX_ROWS:
+    return project(h_BTD, head, preferred_element_type=jnp.float32)
+  return project(h_BTD, lm_head_weights(params, cfg), preferred_element_type=jnp.float32)
 
 
 def _qkv(x_BTD: Array, p: dict, positions_BT: Array, cfg: ModelConfig, q0: int = 0) -> tuple[Array, Array, Array]:
@@ -368,11 +378,15 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
 
   Why: the layer scan slices each layer's weights out of the stacked arrays, and inside a decode
   loop XLA:CPU copied those slices again at every step; built once before the loop, every step
-  reads the weights in place. `hidden_with_cache` accepts either layout; the math is the same.
+  reads the weights in place. `hidden_with_cache` accepts either layout; the math is the same. The
+  dense projections and the vocabulary head ("head_out_major", `logits_from_hidden`) are also held
+  output-major (`layers.OutIn`).
   """
   p = _cast(lora_lib.effective(params), cfg)  # LoRA: merged once, before the loop
   layers = tuple(_output_major(jax.tree.map(lambda x, l=l: x[l], p["layers"]), cfg) for l in range(cfg.n_layers))
-  return {**p, "layers": layers}
+  # the head output-major too: the tied embedding as it is ([V, D]), an untied head transposed once per call
+  head = OutIn(p["embed"], p["embed"].shape[:1]) if cfg.tie_embeddings else OutIn.of(p["lm_head"])
+  return {**p, "layers": layers, "head_out_major": head}
 
 
 # The dense projections of a layer and how many leading axes of each are its input.
