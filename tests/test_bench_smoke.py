@@ -189,6 +189,24 @@ def test_memory_budget_by_hand():
   assert budget["train"] == 5 * params + 4 * B * N * 32 + no_remat
 
 
+def test_real_workload_remat_auto_decides_as_a_run(monkeypatch):
+  """Workload R's remat "auto" is `memory.choose_remat` on its step (every row in one micro-batch, the frozen
+  reference beside the policy, no published sampler copy): "none" at a budget that holds that step, else "full";
+  any other mode is kept."""
+  from bench import grpo_real
+  from jaxrl_llm import memory
+  cfg = ModelConfig(n_layers=2, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=16, vocab_size=32)
+  run = dict(prompts_per_step=2, group_size=3, max_new_tokens=4)
+  shape = memory.StepShape(rows=6, prompt=5, new=4, micro_rows=6, frozen_copies=1, sampler_copy=False)
+  fits = memory.step_bytes(cfg, shape, "none")
+  assert memory.step_bytes(cfg, shape, "full") < fits
+  monkeypatch.setattr(memory, "machine_budget_bytes", lambda: fits)
+  assert grpo_real._remat(cfg, "auto", run, 5) == "none"
+  monkeypatch.setattr(memory, "machine_budget_bytes", lambda: fits - 1)
+  assert grpo_real._remat(cfg, "auto", run, 5) == "full"
+  assert grpo_real._remat(cfg, "dots", run, 5) == "dots"
+
+
 def test_rss_peak_sees_an_allocation():
   from bench import grpo_real
   with grpo_real.RssPeak(every_s=0.001) as r:
