@@ -8,7 +8,7 @@ weights as stored ([in, out], what the learner uses), "output-major" through `la
 weights (what the decode view holds). Best of 5 after a compiling call, the two taking turns in one process.
 Prints one JSON object per batch. `--head` times the vocabulary head instead (SmolLM2's tied embedding, 49,152 ×
 576, as `transformer.logits_from_hidden` multiplies it: x @ embedᵀ, or output-major embed @ xᵀ), which sets
-`transformer.HEAD_OUT_MAJOR_MAX_ROWS`.
+`transformer.HEAD_OUT_MAJOR_ROWS`.
 """
 
 from __future__ import annotations

@@ -383,19 +383,19 @@ def test_output_major_weights_project_as_the_stored_ones():
 @pytest.mark.parametrize("tie", [True, False])
 def test_decode_views_head_gives_the_models_logits(tie):
   """The decode view's output-major vocabulary head (`unstack_layers`' "head_out_major") gives the stored head's
-  logits, against numpy, for a tied and an untied head, both below `HEAD_OUT_MAJOR_MAX_ROWS` (the output-major
-  product) and above it (the stored one)."""
+  logits, against numpy, for a tied and an untied head, both within `HEAD_OUT_MAJOR_ROWS` (the output-major
+  product) and outside them (the stored one)."""
   from jaxrl_llm.models import transformer
   cfg = dataclasses.replace(CFG, tie_embeddings=tie)
   params = init_params(cfg, jax.random.key(1))
   view = transformer.unstack_layers(params, cfg)
   assert isinstance(view["head_out_major"], layers.OutIn)
   w_DV = np.asarray(params["embed"]).T if tie else np.asarray(params["lm_head"])
-  for rows in (3, transformer.HEAD_OUT_MAJOR_MAX_ROWS + 2):
+  for rows in (1, 3, transformer.HEAD_OUT_MAJOR_ROWS[1] + 2):
     h = np.random.default_rng(rows).normal(size=(1, rows, cfg.d_model)).astype(np.float32)
     got = transformer.logits_from_hidden(view, jnp.asarray(h), cfg)
     np.testing.assert_allclose(np.asarray(got), h @ w_DV, rtol=1e-5, atol=1e-5)
-  # and the few-row product reads that head: a zeroed copy zeroes 3 rows' logits, not 50's
+  # and the few-row product reads that head: a zeroed copy zeroes 3 rows' logits, not 1 row's or 50's
   zeroed = {**view, "head_out_major": layers.OutIn(jnp.zeros_like(view["head_out_major"].w_RD), (cfg.vocab_size,))}
-  assert not np.any(np.asarray(transformer.logits_from_hidden(zeroed, jnp.ones((1, 3, cfg.d_model)), cfg)))
-  assert np.any(np.asarray(transformer.logits_from_hidden(zeroed, jnp.ones((1, 50, cfg.d_model)), cfg)))
+  logits = lambda rows: np.asarray(transformer.logits_from_hidden(zeroed, jnp.ones((1, rows, cfg.d_model)), cfg))
+  assert not np.any(logits(3)) and np.any(logits(1)) and np.any(logits(50))

@@ -151,17 +151,17 @@ def lm_head_weights(params: dict, cfg: ModelConfig) -> Array:
   return w_DV.astype(cfg.compute_dtype)
 
 
-# Most rows (B·T) a decode view multiplies its vocabulary head for output-major: at 4-48 rows w_VD @ x_DM ran
-# about 2-2.5x faster than x_MD @ w_DV on XLA:CPU, at 64 rows no faster (`bench/decode_matmul.py --head`).
-HEAD_OUT_MAJOR_MAX_ROWS = 48
+# Rows (B·T) for which a decode view multiplies its vocabulary head output-major: at 4-48 rows w_VD @ x_DM ran
+# about 2-2.5x faster than x_MD @ w_DV on XLA:CPU, at 1 and 64 rows no faster (`bench/decode_matmul.py --head`).
+HEAD_OUT_MAJOR_ROWS = (2, 48)
 
 
 def logits_from_hidden(params: dict, h_BTD: Array, cfg: ModelConfig) -> Array:
   """float32 logits [B, T, V] from final-normed hidden states (matmul accumulated in float32); a decode view's
-  output-major head (`unstack_layers`) for up to `HEAD_OUT_MAJOR_MAX_ROWS` rows."""
+  output-major head (`unstack_layers`) for `HEAD_OUT_MAJOR_ROWS` rows."""
   h_BTD = h_BTD.astype(cfg.compute_dtype)
-  head = params.get("head_out_major")
-  if head is not None and math.prod(h_BTD.shape[:-1]) <= HEAD_OUT_MAJOR_MAX_ROWS:
+  head, (lo, hi) = params.get("head_out_major"), HEAD_OUT_MAJOR_ROWS
+  if head is not None and lo <= math.prod(h_BTD.shape[:-1]) <= hi:
     return project(h_BTD, head, preferred_element_type=jnp.float32)
   return project(h_BTD, lm_head_weights(params, cfg), preferred_element_type=jnp.float32)
 
