@@ -879,6 +879,8 @@ def main(argv: list[str] | None = None) -> dict:
                                              "loadavg_end": new["loadavg_end"]}}
         for k in (f"{n}_over_ours", f"ours_with_{n}_s"):
           entry[k] = new[k]
+        for v in entry.get("variants", {}).values():  # from the first run's rounds: stale against the new row
+          v.pop(f"{n}_over_variant", None)
     elif old:
       old.setdefault("grpo", {})[real] = new
     res = old or res

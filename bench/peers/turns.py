@@ -107,8 +107,15 @@ def group_advantages(rewards: list[float], group_size: int) -> list[float]:
   return out
 
 
+# One thread only when it ran the probe this much faster than all cores: the oversubscribed case it guards against
+# is 10-50x; on an idle machine the two are within noise of each other on the probe's small op (a run picked one
+# thread at 213 vs 231 µs, and TRL then took 1.7x its two-thread time on the real step).
+ONE_THREAD_MARGIN = 1.5
+
+
 def pick_torch_threads() -> dict:
-  """Sets torch's intra-op threads to whichever of 1 and all cores runs small ops faster right now.
+  """Sets torch's intra-op threads to all cores, or to 1 when one thread runs small ops `ONE_THREAD_MARGIN` times
+  faster right now.
 
   On a shared, oversubscribed machine torch's thread pool can make each small op 10-50x slower than
   one thread (a parallel region waits for a descheduled worker); on a quiet one all cores win.
@@ -126,6 +133,6 @@ def pick_torch_threads() -> dict:
     for _ in range(300):
       torch.tanh(x @ w)
     probe[n] = 1e6 * (time.perf_counter() - t0) / 300
-  best = min(probe, key=probe.get)
+  best = 1 if probe[1] * ONE_THREAD_MARGIN < probe[n_all] else n_all
   torch.set_num_threads(best)
   return {"threads": best, "thread_probe_us": {str(k): round(v, 1) for k, v in probe.items()}}
