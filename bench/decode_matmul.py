@@ -76,7 +76,8 @@ def measure_head(batches: list[int], d: int = D, v: int = V) -> list[dict]:
     t_rows, t_out = _best(run, stored, x), _best(run, out_major, x)
     diff = float(jnp.max(jnp.abs(run(stored, x) - run(out_major, x))))
     rows.append({"batch": B, "head_rows_major_ms": round(1e3 * t_rows, 2),
-                 "head_output_major_ms": round(1e3 * t_out, 2), "speedup": round(t_rows / t_out, 2), "max_abs_diff": diff})
+                 "head_output_major_ms": round(1e3 * t_out, 2), "speedup": round(t_rows / t_out, 2),
+                 "max_abs_diff": diff})
     print(json.dumps(rows[-1]), flush=True)
   return rows
 

@@ -16,11 +16,11 @@ held-out accuracy on 64 prompts is measured before RL (run_info.json: eval_accur
 every `eval.every` steps and the end (metrics.jsonl: eval_accuracy).
 
 Memory: the 30-layer learner fits a few GB only with rematerialisation (`model.remat=True`, i.e.
-"full"; without it 32 x 288 tokens take over 20 GB). Where the step fits without it, `model.remat="auto"` drops
-it, but on this CPU that was no faster (`make bench`'s R_small variants table compares the two). `layer_unroll=1` compiles one layer body for
-the 30-layer scan (short compiles). Checkpoints hold weights and AdamW moments (about 1.6 GB), so
-only the final one is written (`checkpoint.every=0`). On an accelerator leave JAX_PLATFORMS unset
-and raise `rollout.prompts_per_step`, `rollout.group_size` and `eval.num_prompts`.
+"full"; without it 32 x 288 tokens take over 20 GB). Where the step fits without it, `model.remat="auto"`
+drops it, but on this CPU that was no faster (`make bench`'s R_small variants table compares the two).
+`layer_unroll=1` compiles one layer body for the 30-layer scan (short compiles). Checkpoints hold weights and
+AdamW moments (about 1.6 GB), so only the final one is written (`checkpoint.every=0`). On an accelerator leave
+JAX_PLATFORMS unset and raise `rollout.prompts_per_step`, `rollout.group_size` and `eval.num_prompts`.
 """
 
 import pathlib
