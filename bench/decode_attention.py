@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import common
 from jaxrl_llm.models import layers
 
 L, K, Q, HD = 30, 3, 3, 64  # SmolLM2-135M
@@ -46,13 +46,7 @@ def _chain(fn):
 
 
 def _best(fn, *args, reps: int = 5) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return min(times)
+  return common.time_calls(lambda: fn(*args), repeats=reps)["best_s"]
 
 
 def attention_ms(B: int, S: int, n_layers: int = L) -> dict:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 
+from bench import common
 from jaxrl_llm.models import layers
 
 D, F, V = 576, 1536, 49152  # SmolLM2-135M
@@ -35,13 +35,7 @@ def _chain(weights: list[dict]):
 
 
 def _best(fn, *args) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return min(times)
+  return common.time_calls(lambda: fn(*args), repeats=5)["best_s"]
 
 
 def measure(batches: list[int], n_layers: int, d: int = D, f: int = F) -> list[dict]:
