@@ -623,13 +623,14 @@ def _real_targets(r: dict) -> list[list[str]]:
                  yes(got >= want) if got else "not measured"])
   tr = rf["train"]
   rows.append(["learner step ≥ 75 % of the fp32 peak", _pct(tr["of_peak_flops"]), yes(tr["of_peak_flops"] >= 0.75)])
-  dec = rf["decode"]
-  rows.append([f"decode ≥ 50 % of its memory bound at batch {dec['batch']}", _pct(dec["of_bandwidth"]),
-               yes(dec["of_bandwidth"] >= 0.5)])
-  if "decode_b64" in rf:
-    dec = rf["decode_b64"]
-    rows.append([f"decode ≥ 60 % of its compute bound at batch {dec['batch']}", _pct(dec["of_peak_flops"]),
-                 yes(dec["of_peak_flops"] >= 0.6)])
+  # issue 46: a memory-bound decode (batch 16) at >= 50 % of that bound, a compute-bound one (batch 64) at >= 60 %
+  for dec in [rf["decode"]] + ([rf["decode_b64"]] if "decode_b64" in rf else []):
+    if dec["bound_kind"] == "memory":
+      rows.append([f"decode ≥ 50 % of its memory bound at batch {dec['batch']}", _pct(dec["of_bandwidth"]),
+                   yes(dec["of_bandwidth"] >= 0.5)])
+    else:
+      rows.append([f"decode ≥ 60 % of its compute bound at batch {dec['batch']}", _pct(dec["of_peak_flops"]),
+                   yes(dec["of_peak_flops"] >= 0.6)])
   st = rf["step"]
   rows.append(["whole step within 1.5× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×",
                yes(st["measured_s"] <= 1.5 * st["lower_bound_s"])])

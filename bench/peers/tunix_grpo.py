@@ -230,12 +230,18 @@ def run_real(workload: str, model_dir: str, warmup: int, steps: int, rounds: int
     reference = llama3_params.create_model_from_safe_tensors(model_dir, cfg, mesh, dtype=jnp.float32)
   clock = turns.StepClock(warmup, steps, rounds)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(r["lr"], b1=0.9, b2=0.98, weight_decay=0.0))
+  micro = {}
+  if r.get("tunix_micro_prompts"):  # one update per batch, trained and scored in micro-batches; one rollout batch
+    micro = dict(mini_batch_size=n_prompts, train_micro_batch_size=r["tunix_micro_prompts"],
+                 compute_logps_micro_batch_size=r["tunix_micro_prompts"], rollout_micro_batch_size=n_prompts)
+    note = "; ".join(x for x in (note, f"trained and scored in micro-batches of {r['tunix_micro_prompts']} "
+                                       f"prompts' groups (train_micro_batch_size)") if x)
   cluster_config = rl_cluster_lib.ClusterConfig(
       role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
                     rl_cluster_lib.Role.ROLLOUT: mesh},
       rollout_engine="vanilla", offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=tx, eval_every_n_steps=10 ** 9,
-                                                      max_steps=clock.total),
+                                                      max_steps=clock.total, **micro),
       rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=N, max_prompt_length=P, kv_cache_size=P + N,
                                                 temperature=r["temperature"], top_p=1.0, top_k=None))
   cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=tok, cluster_config=cluster_config)
