@@ -212,6 +212,7 @@ def test_smollm2_tool_agent_two_steps(smollm2, tmp_path):
       "model.init_from": str(smollm2), "num_steps": 2, "rollout.prompts_per_step": 1, "rollout.group_size": 2,
       "env.max_turns": 2, "env.turn_tokens": 32, "env.max_episode_tokens": 64, "env.prompt_width": 256,
       "model.remat": False,  # 2 rows of 320 tokens: no memory to save, and a quarter of the learner's time
+      "eval.every": 0,  # nothing here reads the held-out evaluation (greedy episodes before and after)
       "log.progress": False, "checkpoint.final": False})
   c.env.name, c.env.kwargs = "test_copy_tool_call", config_lib.ml_collections.ConfigDict()
   rows = loop.run(c, str(tmp_path))
@@ -245,7 +246,8 @@ def test_smollm2_long_horizon_with_eviction_and_sdcc(smollm2, tmp_path):
   c = _config("smollm2_agent.py", **{
       "model.init_from": str(smollm2), "num_steps": 2, "rollout.prompts_per_step": 1, "rollout.group_size": 2,
       "env.max_turns": 3, "env.turn_tokens": 6, "env.max_episode_tokens": 128, "env.prompt_width": 64,
-      "model.remat": False, "log.progress": False, "loss.name": "sdcc", "checkpoint.final": False})
+      "model.remat": False, "log.progress": False, "loss.name": "sdcc", "checkpoint.final": False,
+      "eval.every": 0})
   c.env.name, c.env.kwargs = "test_count_on", config_lib.ml_collections.ConfigDict()
   c.env.evict, c.env.context_budget, c.env.keep_last_turns = "drop_oldest", 1, 1
   rows = loop.run(c, str(tmp_path))

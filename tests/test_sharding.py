@@ -149,6 +149,45 @@ def _sampler_checks(out):
       out[f"sampler/{cfg.num_experts and 'moe' or 'dense'}/{name}"] = res
 
 
+def _slot_engine_checks(out):
+  """The slot engine on data 2 x fsdp 4 (12 requests through 8 slots: refills): the same tokens as on one device,
+  its state's slots split over the batch axes at every step, each device holding one slot's cache."""
+  import jax
+  import jax.numpy as jnp
+  from jaxrl_llm import sharding
+  from jaxrl_llm.models import init_params
+  from jaxrl_llm.sampling import SamplerConfig, continuous
+  cfg = _model_cfgs()[0]
+  R, P, S = 12, 4, 8
+  rng = np.random.default_rng(3)
+  prompts, plen = rng.integers(4, 32, (R, P)).astype(np.int32), rng.integers(1, P + 1, R).astype(np.int32)
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(7), r))(jnp.arange(R))
+  params = jax.tree.map(lambda x: 10.0 * x, init_params(cfg, jax.random.key(0)))  # peaked distributions
+  mesh = sharding.make_mesh(2, 4, 1, 1)
+  sp = sharding.reshard(params, sharding.param_shardings(cfg, mesh, sharding.SAMPLER))
+  for name, extra in (("plain", {}), ("speculative", {"spec_gamma": 2, "spec_draft_layers": 1})):
+    # half the vocabulary stops: requests end after 1 to 6 tokens, so slots free at different chunks
+    sc = SamplerConfig(max_new_tokens=6, stop_ids=tuple(range(3, 19)), temperature=0.8, **extra)
+    ref = continuous.generate_slots(params, prompts, plen, keys, cfg, sc, slots=S, chunk=2)
+    engine = continuous.SlotEngine(cfg, sc, slots=S, chunk=2, width=P, mesh=mesh)
+    for r in range(R):
+      engine.submit(r, prompts[r], plen[r], keys[r])
+    cols, layout_ok, specs, shard_rows = {}, [], set(), set()
+    while not engine.idle:
+      cols.update(engine.step(sp, 0))
+      st = engine.state
+      want = jax.tree.leaves(continuous.slot_shardings(st, mesh))
+      layout_ok.append(all(x.sharding.is_equivalent_to(w, x.ndim) for x, w in zip(jax.tree.leaves(st), want)))
+      specs.add(str(st["cache"]["k"].sharding.spec))
+      shard_rows.add(st["cache"]["k"].addressable_shards[0].data.shape[1])
+    tokens = np.stack([cols[r]["tokens_N"] for r in range(R)])
+    logp = np.stack([cols[r]["behavior_logp_N"] for r in range(R)])
+    out[f"slots/{name}"] = {"tokens_equal": bool(np.array_equal(tokens, ref["tokens_BN"])),
+                            "logp_diff": float(np.max(np.abs(logp - ref["behavior_logp_BN"]))),
+                            "lengths": ref["lengths_B"].tolist(), "layout_ok": layout_ok, "specs": sorted(specs),
+                            "shard_rows": sorted(shard_rows), "slot_steps": engine.slot_steps}
+
+
 def _init_memory_check(out):
   """Per-device bytes of the sharded init program vs the full parameter bytes."""
   import jax
@@ -237,6 +276,7 @@ def worker():
   out = {}
   _learner_checks(out)
   _sampler_checks(out)
+  _slot_engine_checks(out)
   _init_memory_check(out)
   _reshard_checks(out)
   _sparse_sync_checks(out)
@@ -281,6 +321,17 @@ def test_tensor_parallel_sampler_equals_unsharded(eight, name):
   assert "tensor" in r["wq_spec"] or "moe" in name
   if "moe" in name:
     assert r["routes_equal"] and "expert" in r["w_up_spec"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain", "speculative"])
+def test_slot_engine_splits_its_slots_over_the_batch_axes(eight, name):
+  r = eight[f"slots/{name}"]
+  assert r["tokens_equal"] and r["logp_diff"] <= TOL_LOGP, r
+  assert min(r["lengths"]) < 6 == max(r["lengths"]), r  # requests stop at different columns (12 for 8 slots: refills)
+  # the slot layout at every step (every jitted piece keeps it): the 8 slots over data x fsdp, one per device
+  assert len(r["layout_ok"]) > 2 and all(r["layout_ok"]), r
+  assert len(r["specs"]) == 1 and "'data', 'fsdp'" in r["specs"][0] and r["shard_rows"] == [1], r
 
 
 @pytest.mark.slow

@@ -4,10 +4,11 @@
 from one state) for up to `max_turns` turns with pinned parameters:
 
 - every turn samples at most `turn_tokens` tokens (key `fold_in(key, turn)`) after each episode so far
-  (initial prompt + response so far), through `rollout.turn_sampler`: with `rollout.slots` > 0 (`gen.slots`, one
-  device, refused on a mesh; it takes precedence over `kv_cache`) by continuous batching (`SlotTurns`): each
-  episode's turn is one request to a slot engine, a slot freed by a short turn refilled with the next request
-  (episode b's turn t draws with `fold_in(fold_in(fold_in(key, t), b), n)`, so slots change a seed's samples);
+  (initial prompt + response so far), through `rollout.turn_sampler`: with `rollout.slots` > 0 (`gen.slots`; on
+  a mesh its slots split over the batch axes; it takes precedence over `kv_cache`) by continuous batching
+  (`SlotTurns`): each episode's turn is one request to a slot engine, a slot freed by a short turn refilled with
+  the next request (episode b's turn t draws with `fold_in(fold_in(fold_in(key, t), b), n)`, so slots change a
+  seed's samples);
   else by default (`kv_cache`; one process, over its sampler mesh if any) each episode's KV cache is kept across
   turns and a turn prefills only the appended observation; else (or over several processes) every turn re-prefills
   the episode left-padded to one width
@@ -231,8 +232,8 @@ def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
   """The turn sampler of a batch (`rollout.turn_sampler`): continuous batching with `gen.slots` > 0, else the kept KV
   cache with `env.kv_cache` in one process (over its sampler mesh, if any), else a re-prefill per turn. Each
   speculates when `sampler.spec_gamma` asks (a draft-and-verify step of its decode loop)."""
-  if getattr(gen, "slots", 0):
-    return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk)
+  if getattr(gen, "slots", 0):  # several processes: each engine decodes on a replica of its own (`Generation`)
+    return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk, None if multiprocess.multi() else mesh)
   if s.kv_cache and not multiprocess.multi():  # several processes: each holds only its shards of the cache
     return turn_sampler.CachedTurns(gen, width, mesh)
   return turn_sampler.Reprefill(gen, width, mesh)

@@ -180,12 +180,17 @@ class Generation:
     rows = multiprocess.my_rows(B) if multiprocess.multi() else np.arange(B)
     out = continuous.generate_slots(params, prompts.tokens_BP[rows], prompts.len_B[rows], keys[rows], self.model_cfg,
                                     self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk,
-                                    draft_params=self.draft_params())
+                                    draft_params=self.draft_params(), mesh=self.engine_mesh())
     out = {SLOT_STATS.get(k, k): v for k, v in out.items()}
     if not multiprocess.multi():
       return out, None
     n_proc = jax.process_count()
     return join_shares(multiprocess.allgather_host(out)), np.repeat(np.arange(n_proc), B // n_proc)
+
+  def engine_mesh(self):
+    """The mesh a slot engine splits its slots over (`continuous.SlotEngine`): the sampler's with one process;
+    None with several, each decoding its share of the rows on a replica of its own (`_sample_slots`)."""
+    return None if multiprocess.multi() else self.mesh
 
   def draft_params(self):
     """The distilled drafter's newest parameters when the `drafter` slot holds them, else None (the slot engine

@@ -24,8 +24,9 @@ position p < len(context) is context token p, then the turn's tokens), from wher
   it draws what `Reprefill`'s speculative `generate` draws (tokens equal, μ up to rounding, tested) and leaves
   the caches holding exactly the turn. A distilled drafter's cache keeps the weights it was computed with until
   the next re-prefill: that changes acceptance only, never the distribution.
-- `SlotTurns` (`rollout.slots` > 0, one device; it takes precedence over `env.kv_cache`): continuous batching
-  (`sampling.continuous.SlotEngine`, S = `rollout.slots` slots, `rollout.slot_chunk` decode steps per chunk).
+- `SlotTurns` (`rollout.slots` > 0; it takes precedence over `env.kv_cache`): continuous batching
+  (`sampling.continuous.SlotEngine`, S = `rollout.slots` slots, `rollout.slot_chunk` decode steps per chunk; on
+  a one-process sampler mesh its slots along the mesh's batch axes).
   A turn submits each live row's context, left-padded to W as `Reprefill` does, as one request and runs the
   engine until idle; a slot whose row's turn ended is refilled with the next row, so long-tailed turn lengths
   stop costing the longest row's steps for every row. Episode b draws column n of a turn with
@@ -192,10 +193,11 @@ class CachedTurns:
 class SlotTurns:
   """Samples turns with continuous batching (module docstring). Host state: one `SlotEngine`, rebuilt when the
   turn's sampler settings change. `turn` runs one turn to its end; `submit` / `step` / `idle` let a caller queue
-  an episode's next turn while other turns decode (`episodes._play_refill`)."""
+  an episode's next turn while other turns decode (`episodes._play_refill`). `mesh`: the sampler's, where the
+  parameters live (the engine splits its slots over its batch axes); None: one device or a replica of its own."""
 
-  def __init__(self, gen, width: int, slots: int, chunk: int):
-    self.gen, self.width, self.slots, self.chunk = gen, width, slots, chunk
+  def __init__(self, gen, width: int, slots: int, chunk: int, mesh=None):
+    self.gen, self.width, self.slots, self.chunk, self.mesh = gen, width, slots, chunk, mesh
     self.engine: continuous.SlotEngine | None = None
     self.prefills = 0  # admission batches (`prefill_slots` calls) so far
     self._steps0 = (0, 0)  # (slot_steps, live_steps) of engines replaced so far
@@ -296,7 +298,7 @@ class SlotTurns:
           raise ValueError("SlotTurns: a turn with other sampler settings while turns are in flight")
         self._steps0 = (self.slot_steps, self.live_steps)
       self.engine = continuous.SlotEngine(self.gen.model_cfg, cfg, slots=self.slots, chunk=self.chunk,
-                                          width=self.width)
+                                          width=self.width, mesh=self.mesh)
     return self.engine
 
 
