@@ -156,6 +156,7 @@ def _slot_engine_checks(out):
   import jax.numpy as jnp
   from jaxrl_llm import sharding
   from jaxrl_llm.models import init_params
+  from jaxrl_llm.rollout.generation import slot_layout
   from jaxrl_llm.sampling import SamplerConfig, continuous
   cfg = _model_cfgs()[0]
   R, P, S = 12, 4, 8
@@ -169,14 +170,15 @@ def _slot_engine_checks(out):
     # half the vocabulary stops: requests end after 1 to 6 tokens, so slots free at different chunks
     sc = SamplerConfig(max_new_tokens=6, stop_ids=tuple(range(3, 19)), temperature=0.8, **extra)
     ref = continuous.generate_slots(params, prompts, plen, keys, cfg, sc, slots=S, chunk=2)
-    engine = continuous.SlotEngine(cfg, sc, slots=S, chunk=2, width=P, mesh=mesh)
+    layout = slot_layout(mesh, S)
+    engine = continuous.SlotEngine(cfg, sc, slots=S, chunk=2, width=P, layout=layout)
     for r in range(R):
       engine.submit(r, prompts[r], plen[r], keys[r])
     cols, layout_ok, specs, shard_rows = {}, [], set(), set()
     while not engine.idle:
       cols.update(engine.step(sp, 0))
       st = engine.state
-      want = jax.tree.leaves(continuous.slot_shardings(st, mesh))
+      want = jax.tree.leaves(continuous.slot_shardings(st, layout))
       layout_ok.append(all(x.sharding.is_equivalent_to(w, x.ndim) for x, w in zip(jax.tree.leaves(st), want)))
       specs.add(str(st["cache"]["k"].sharding.spec))
       shard_rows.add(st["cache"]["k"].addressable_shards[0].data.shape[1])

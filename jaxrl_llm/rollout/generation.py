@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import multiprocess
+from jaxrl_llm import multiprocess, sharding
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import collect
@@ -50,6 +50,16 @@ def join_shares(shares: list[dict]) -> dict:
     else:
       out[k] = sum(vals)
   return out
+
+
+def slot_layout(mesh, slots: int) -> continuous.SlotLayout | None:
+  """The slot engine's layout on `mesh` (None: one device): its slot axis split over the sampler's batch axes
+  (`sharding.SAMPLER`: data, fsdp, expert), as a static batch's rows are; a slot count they do not divide keeps
+  the longest dividing prefix of them (`sharding.logical_to_spec`)."""
+  if mesh is None:
+    return None
+  entry = sharding.logical_to_spec(("batch",), (slots,), mesh, sharding.SAMPLER)[0]
+  return continuous.SlotLayout(mesh, () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -180,17 +190,17 @@ class Generation:
     rows = multiprocess.my_rows(B) if multiprocess.multi() else np.arange(B)
     out = continuous.generate_slots(params, prompts.tokens_BP[rows], prompts.len_B[rows], keys[rows], self.model_cfg,
                                     self.sampler_cfg, slots=self.slots, chunk=self.slot_chunk,
-                                    draft_params=self.draft_params(), mesh=self.engine_mesh())
+                                    draft_params=self.draft_params(), layout=self.slot_layout())
     out = {SLOT_STATS.get(k, k): v for k, v in out.items()}
     if not multiprocess.multi():
       return out, None
     n_proc = jax.process_count()
     return join_shares(multiprocess.allgather_host(out)), np.repeat(np.arange(n_proc), B // n_proc)
 
-  def engine_mesh(self):
-    """The mesh a slot engine splits its slots over (`continuous.SlotEngine`): the sampler's with one process;
-    None with several, each decoding its share of the rows on a replica of its own (`_sample_slots`)."""
-    return None if multiprocess.multi() else self.mesh
+  def slot_layout(self) -> continuous.SlotLayout | None:
+    """Where a slot engine's slots live (`continuous.SlotEngine`): split over the sampler's mesh with one process
+    (`slot_layout`); None with several, each decoding its share of the rows on a replica of its own."""
+    return None if multiprocess.multi() else slot_layout(self.mesh, self.slots)
 
   def draft_params(self):
     """The distilled drafter's newest parameters when the `drafter` slot holds them, else None (the slot engine

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxrl_llm import multiprocess
 from jaxrl_llm.models.cache import take_rows
-from jaxrl_llm.rollout.generation import SPEC_STATS
+from jaxrl_llm.rollout.generation import SPEC_STATS, slot_layout
 from jaxrl_llm.sampling import behavior, continuous, prompt_layout, speculative
 from jaxrl_llm.sampling.continuation import decode_turn, extend
 from jaxrl_llm.sampling.sampler import prefill_grouped
@@ -194,7 +194,8 @@ class SlotTurns:
   """Samples turns with continuous batching (module docstring). Host state: one `SlotEngine`, rebuilt when the
   turn's sampler settings change. `turn` runs one turn to its end; `submit` / `step` / `idle` let a caller queue
   an episode's next turn while other turns decode (`episodes._play_refill`). `mesh`: the sampler's, where the
-  parameters live (the engine splits its slots over its batch axes); None: one device or a replica of its own."""
+  parameters live (the engine splits its slots over its batch axes: `generation.slot_layout`); None: one device or
+  a replica of its own."""
 
   def __init__(self, gen, width: int, slots: int, chunk: int, mesh=None):
     self.gen, self.width, self.slots, self.chunk, self.mesh = gen, width, slots, chunk, mesh
@@ -298,7 +299,7 @@ class SlotTurns:
           raise ValueError("SlotTurns: a turn with other sampler settings while turns are in flight")
         self._steps0 = (self.slot_steps, self.live_steps)
       self.engine = continuous.SlotEngine(self.gen.model_cfg, cfg, slots=self.slots, chunk=self.chunk,
-                                          width=self.width, mesh=self.mesh)
+                                          width=self.width, layout=slot_layout(self.mesh, self.slots))
     return self.engine
 
 

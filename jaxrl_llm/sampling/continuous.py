@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import sharding
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, stack_cache
@@ -80,23 +79,32 @@ def check_supported(sampler_cfg: SamplerConfig) -> None:
                      f"index), got {sampler_cfg.spec_layout!r}")
 
 
-def slot_shardings(state: dict, mesh) -> dict:
-  """NamedShardings of the engine's `state` on `mesh`: its rows (slots) split over the sampler's batch axes
-  (`sharding.SAMPLER`: data, fsdp, expert; as a static batch's rows are split) and the shared write index
-  replicated; a slot count the axes do not divide keeps the longest dividing prefix (`logical_to_spec`)."""
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+  """Where the engine's slots live on a mesh: `mesh` (the sampler's, where the parameters are) and the mesh `axes`
+  the slot axis is split over (the caller's choice: `rollout.generation.slot_layout`, the sampler's batch axes
+  that divide the slot count). Hashable: the jitted pieces take it as a static argument."""
+  mesh: Any
+  axes: tuple[str, ...]
+
+
+def slot_shardings(state: dict, layout: SlotLayout) -> dict:
+  """NamedShardings of the engine's `state`: every entry's slot axis split over `layout.axes`, the shared write
+  index replicated."""
+  split = layout.axes or None
 
   def one(x, row_axis: int | None) -> jax.sharding.NamedSharding:
-    logical = tuple("batch" if i == row_axis else None for i in range(x.ndim))
-    return jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(logical, x.shape, mesh, sharding.SAMPLER))
+    spec = [split if i == row_axis else None for i in range(x.ndim)]
+    return jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec(*spec))
 
   return {name: ({n: one(v, _ROW_AXIS.get(n)) for n, v in x.items()} if name in _CACHES else one(x, 0))
           for name, x in state.items()}
 
 
-def _constrain(state: dict, mesh) -> dict:
-  """`state` kept in its slot layout on `mesh` (`slot_shardings`; None: one device, nothing to say), so every
-  jitted piece hands the next one the layout it was compiled for."""
-  return state if mesh is None else jax.lax.with_sharding_constraint(state, slot_shardings(state, mesh))
+def _constrain(state: dict, layout: SlotLayout | None) -> dict:
+  """`state` kept in its slot layout (`slot_shardings`; None: one device, nothing to say), so every jitted piece
+  hands the next one the layout it was compiled for."""
+  return state if layout is None else jax.lax.with_sharding_constraint(state, slot_shardings(state, layout))
 
 
 def _write_column(buf_SN: Array, value_S: Array, col_S: Array, live_S: Array) -> Array:
@@ -171,12 +179,13 @@ def _emit(state: dict, version: Array, sampler_cfg: SamplerConfig, feed_stops: b
   }
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk", "layout"),
+                   donate_argnames=("state",))
 def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
-                 chunk: int, mesh=None) -> tuple[dict, Array]:
+                 chunk: int, layout=None) -> tuple[dict, Array]:
   """Up to `chunk` decode steps over all slots (fewer once no slot has a column to feed): `generate`'s decode loop
   (`sampler.decode_columns`), each step feeding every unfed slot's last column at its own position and sampling
-  every live slot's next. Returns (state, steps run); `mesh`: the slots' layout (`slot_shardings`)."""
+  every live slot's next. Returns (state, steps run); `layout`: where the slots live on a mesh (`SlotLayout`)."""
   version = jnp.asarray(version, jnp.int32)
 
   def emit(st: dict, logits_SV: Array) -> dict:
@@ -192,7 +201,7 @@ def decode_chunk(params: dict, state: dict, version: Array, model_cfg: ModelConf
   state = decode_columns(params, {**state, "steps": jnp.zeros((), jnp.int32)}, state["start_S"], emit, more,
                          model_cfg, sampler_cfg.kv_window_arg, columns=columns)
   steps = state.pop("steps")
-  return _constrain(state, mesh), steps
+  return _constrain(state, layout), steps
 
 
 def _place(cache: dict, small: dict, rows_k: Array, P: int) -> dict:
@@ -219,10 +228,10 @@ def _put_block(buf_SN: Array, x_SG: Array, col_SG: Array, write_SG: Array) -> Ar
 SPEC_COUNTS = ("calls", "advance", "live_calls", "accepted", "proposed", "emitted")
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk", "gamma", "mesh"),
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "chunk", "gamma", "layout"),
                    donate_argnames=("state",))
 def speculate_chunk(params: dict, draft_params: dict | None, state: dict, version: Array, model_cfg: ModelConfig,
-                    sampler_cfg: SamplerConfig, chunk: int, gamma: int, mesh=None) -> tuple[dict, dict]:
+                    sampler_cfg: SamplerConfig, chunk: int, gamma: int, layout=None) -> tuple[dict, dict]:
   """`decode_chunk` with speculative decoding: up to `chunk` draft-and-verify calls over all slots (module
   docstring). Returns (state, counts): `SPEC_COUNTS` summed over the calls (calls; advance, the slots the write
   index moved; live_calls, live slot-calls; accepted / proposed drafts of live slots; emitted columns)."""
@@ -288,13 +297,13 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
             "accepted": zero, "proposed": zero, "emitted": zero}
   state, counts = jax.lax.while_loop(keep_going, call, ({**state, "cache": cache, "dcache": dcache}, counts))
   state = {**state, "cache": stack_cache(state["cache"]), "dcache": stack_cache(state["dcache"])}
-  return _constrain(state, mesh), counts
+  return _constrain(state, layout), counts
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "layout"), donate_argnames=("state",))
 def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt_uP: Array, len_u: Array,
                   keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
-                  draft_params: dict | None = None, mesh=None) -> dict:
+                  draft_params: dict | None = None, layout=None) -> dict:
   """Admits k requests into slots `rows_k` (a row index >= S pads the bucket and is dropped): prefills the u
   distinct left-padded prompts once each (request i holds prompt `src_k[i]`: the G rows of a GRPO group admitted
   together share one prefill), writes the keys/values into slots [index - P, index) of those rows (the rest of
@@ -338,11 +347,11 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
   out = {name: keep(emitted[name], admitted[name]) for name in
          ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S", "unfed_S",
           *_record_names(sampler_cfg))}
-  return _constrain({**admitted, **out, "live_S": jnp.where(only_S, emitted["live_S"], admitted["live_S"])}, mesh)
+  return _constrain({**admitted, **out, "live_S": jnp.where(only_S, emitted["live_S"], admitted["live_S"])}, layout)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("cache",))
-def shift_cache(cache: dict, d: Array, mesh=None) -> dict:
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("cache",))
+def shift_cache(cache: dict, d: Array, layout=None) -> dict:
   """The cache with every row's slots moved d to the left (slots [0, d) dropped, cleared slots enter at the
   right) and the write index moved back by d: frees room once no live request reads slots [0, d)."""
   out = {"index": cache["index"] - d}
@@ -354,7 +363,7 @@ def shift_cache(cache: dict, d: Array, mesh=None) -> dict:
     if name == "segment_ids_BS":  # the wrapped-in slots are empty
       rolled = jnp.where(jnp.arange(W)[None, :] < W - d, rolled, 0)
     out[name] = rolled
-  return out if mesh is None else _constrain({"cache": out}, mesh)["cache"]
+  return out if layout is None else _constrain({"cache": out}, layout)["cache"]
 
 
 def _distinct_prompts(prompt_kP: np.ndarray, len_k: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -388,17 +397,17 @@ class SlotEngine:
   update stalls the slots for at most one chunk). The device state lives in `state`; everything else is
   queues and counters (`slot_steps`, `live_steps`; with speculation a step is a draft-and-verify call and
   `spec_counts` sums `SPEC_COUNTS`, `spec_stats` turns them into `generate`'s spec_* metrics).
-  `mesh` (the sampler's, where `params` live; None: one device): the state's slots are split over its batch axes
-  (`slot_shardings`), so each device decodes its share of the slots, as a static batch's rows on a mesh.
+  `layout` (`SlotLayout`; None: one device): the state's slots split over mesh axes (`slot_shardings`), so each
+  device decodes its share of the slots, as a static batch's rows on a mesh.
   """
 
   def __init__(self, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, slots: int, chunk: int, width: int,
-               mesh=None):
+               layout=None):
     check_supported(sampler_cfg)
     if slots < 1 or chunk < 1:
       raise ValueError(f"continuous batching: slots={slots} and chunk={chunk} must be >= 1")
     self.model_cfg, self.sampler_cfg, self.slots, self.chunk, self.width = model_cfg, sampler_cfg, slots, chunk, width
-    self.mesh = mesh
+    self.layout = layout
     self.gamma = engine_gamma(sampler_cfg, slots)
     self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0.0)
     self.state = None  # built at the first admission (the key's shape comes from the first request)
@@ -441,10 +450,10 @@ class SlotEngine:
       if self.state is None:
         self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
                                 jnp.asarray(reqs[0][3])[None])
-        if self.mesh is not None:
-          self.state = jax.device_put(self.state, slot_shardings(self.state, self.mesh))
+        if self.layout is not None:
+          self.state = jax.device_put(self.state, slot_shardings(self.state, self.layout))
       self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg,
-                          draft_params, self.mesh)
+                          draft_params, self.layout)
       for s, r in zip(free[:take], reqs):
         self.tag_S[s] = r[0]
       self.owner_S[free[:take]], self.base_S[free[:take]] = 1, self.index - self.width
@@ -453,7 +462,7 @@ class SlotEngine:
     state = self.state
     if np.asarray(state["unfed_S"]).any() and self.gamma:  # draft-and-verify calls
       state, counts = speculate_chunk(params, draft_params, state, version, self.model_cfg, self.sampler_cfg,
-                                      self.chunk, self.gamma, self.mesh)
+                                      self.chunk, self.gamma, self.layout)
       counts = {k: float(v) for k, v in jax.device_get(counts).items()}
       for k, v in counts.items():
         self.spec_counts[k] += v
@@ -461,7 +470,7 @@ class SlotEngine:
       self.live_steps += int(counts["live_calls"])
     elif np.asarray(state["unfed_S"]).any():  # live slots (and, MoE, stop tokens still to feed)
       step_before = int(np.asarray(state["step_S"]).sum())
-      state, steps = decode_chunk(params, state, version, self.model_cfg, self.sampler_cfg, self.chunk, self.mesh)
+      state, steps = decode_chunk(params, state, version, self.model_cfg, self.sampler_cfg, self.chunk, self.layout)
       self.index, self.slot_steps = self.index + int(steps), self.slot_steps + self.slots * int(steps)
       self.live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
     done = _harvest(state, self.owner_S, self.tag_S, self.base_S, self.width + self.sampler_cfg.max_new_tokens)
@@ -470,7 +479,7 @@ class SlotEngine:
     if d > 0:  # no live request reads slots [0, d) any more
       for name in ("cache", "dcache"):
         if name in state:
-          state[name] = shift_cache(state[name], jnp.asarray(d, jnp.int32), self.mesh)
+          state[name] = shift_cache(state[name], jnp.asarray(d, jnp.int32), self.layout)
       self.index -= d
       self.base_S[held] -= d
     self.state = state
@@ -479,7 +488,7 @@ class SlotEngine:
 
 def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, model_cfg: ModelConfig,
                    sampler_cfg: SamplerConfig, *, slots: int, chunk: int, version: int = 0,
-                   poll: Poll | None = None, draft_params: dict | None = None, mesh=None) -> dict:
+                   poll: Poll | None = None, draft_params: dict | None = None, layout=None) -> dict:
   """Samples up to N = `sampler_cfg.max_new_tokens` tokens after each of R left-padded prompts with S = `slots`
   decode slots (a `SlotEngine`), refilling a slot with the next queued request (in request order) once its
   request finished.
@@ -492,12 +501,12 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   decoded an unfinished request; 1 - live/slot is the share wasted on free or finished slots). With speculation
   (`sampler_cfg.spec_gamma`; `draft_params` a distilled drafter's, None the policy's first layers) a step is a
   draft-and-verify call and the result adds `generate`'s spec_calls, spec_accept_rate and spec_tokens_per_call.
-  `mesh`: the sampler's mesh, where `params` live (the slots split over its batch axes; `SlotEngine`).
+  `layout`: where the slots live on the sampler's mesh, beside `params` (`SlotLayout`; None: one device).
   """
   prompt_RP, len_R = np.asarray(prompt_tokens_RP, np.int32), np.asarray(prompt_len_R, np.int32)
   R, P = prompt_RP.shape
   N = sampler_cfg.max_new_tokens
-  engine = SlotEngine(model_cfg, sampler_cfg, slots=slots, chunk=chunk, width=P, mesh=mesh)
+  engine = SlotEngine(model_cfg, sampler_cfg, slots=slots, chunk=chunk, width=P, layout=layout)
   out = {"tokens_BN": np.full((R, N), sampler_cfg.pad_id, np.int32), "mask_BN": np.zeros((R, N), np.float32),
          "behavior_logp_BN": np.zeros((R, N), np.float32), "versions_BN": np.zeros((R, N), np.int32),
          "finished_B": np.zeros((R,), bool)}
@@ -537,7 +546,7 @@ def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: 
 
 
 def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int, model_cfg: ModelConfig,
-           sampler_cfg: SamplerConfig, draft_params: dict | None = None, mesh=None) -> dict:
+           sampler_cfg: SamplerConfig, draft_params: dict | None = None, layout=None) -> dict:
   """`prefill_slots` of queued requests `reqs` ((tag, prompt_P, length, key) each) into free slots `rows`, padded
   to power-of-two buckets (of requests and of distinct prompts) so that a run compiles it a few times only."""
   S, take = state["live_S"].shape[0], len(reqs)
@@ -552,7 +561,7 @@ def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int
   keys = [r[3] for r in reqs]
   keys_k = jnp.stack(keys + [keys[0]] * (kb - take))
   return prefill_slots(params, state, rows_k, src_k, prompt_kP[u_pick], len_k[u_pick], keys_k, version,
-                       model_cfg, sampler_cfg, draft_params, mesh)
+                       model_cfg, sampler_cfg, draft_params, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("length",))
