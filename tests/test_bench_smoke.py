@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -212,6 +213,11 @@ def test_rss_peak_sees_an_allocation():
   with grpo_real.RssPeak(every_s=0.001) as r:
     x = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
     x[::4096] = 2
+    # held until the watcher thread has sampled (on a loaded machine it may not run for a while): a bound on
+    # the wait, not on how soon it samples
+    deadline = time.monotonic() + 60
+    while r.peak - r.start < 32 << 20 and time.monotonic() < deadline:
+      time.sleep(0.005)
     del x
   assert r.peak - r.start >= 32 << 20
 
