@@ -89,8 +89,8 @@ class SlotLayout:
 
 
 def slot_shardings(state: dict, layout: SlotLayout) -> dict:
-  """NamedShardings of the engine's `state`: every entry's slot axis split over `layout.axes`, the shared write
-  index replicated."""
+  """NamedShardings of the engine's `state`: every entry's row axis (one row per decode slot; `_ROW_AXIS`, not
+  the cache's position axis `_SLOT_AXIS`) split over `layout.axes`, the shared write index replicated."""
   split = layout.axes or None
 
   def one(x, row_axis: int | None) -> jax.sharding.NamedSharding:
