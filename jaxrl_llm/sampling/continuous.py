@@ -57,8 +57,9 @@ Poll = Callable[[Any], Any]
 
 # Slot (sequence) axis of every per-row cache entry; "index" is shared by all rows.
 _SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "segment_ids_BS": 1, "routes_LBSk": 2}
-# Row (request) axis of every per-row cache entry; every other entry of the engine's state has its rows first.
-_ROW_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "positions_BS": 0, "segment_ids_BS": 0, "routes_LBSk": 1}
+# Row (request) axis of every per-row cache entry, just before its slot axis; every other entry of the engine's
+# state has its rows first.
+_ROW_AXIS = {name: ax - 1 for name, ax in _SLOT_AXIS.items()}
 _CACHES = ("cache", "dcache")
 
 
@@ -363,7 +364,7 @@ def shift_cache(cache: dict, d: Array, layout=None) -> dict:
     if name == "segment_ids_BS":  # the wrapped-in slots are empty
       rolled = jnp.where(jnp.arange(W)[None, :] < W - d, rolled, 0)
     out[name] = rolled
-  return out if layout is None else _constrain({"cache": out}, layout)["cache"]
+  return _constrain({"cache": out}, layout)["cache"]
 
 
 def _distinct_prompts(prompt_kP: np.ndarray, len_k: np.ndarray) -> tuple[list[int], np.ndarray]:
