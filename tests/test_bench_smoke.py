@@ -5,6 +5,7 @@ Benchmarks are not tests: nothing here asserts a wall time.
 
 import json
 import math
+import mmap
 import subprocess
 import sys
 import time
@@ -211,14 +212,17 @@ def test_real_workload_remat_auto_decides_as_a_run(monkeypatch):
 def test_rss_peak_sees_an_allocation():
   from bench import grpo_real
   with grpo_real.RssPeak(every_s=0.001) as r:
-    x = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
-    x[::4096] = 2
+    # 64 MiB of fresh anonymous pages, touched: a numpy array can reuse a freed chunk malloc still holds (a worker
+    # late in the suite kept one: its RSS did not move), a new mapping cannot
+    x = mmap.mmap(-1, 64 << 20)
+    for i in range(0, 64 << 20, 4096):
+      x[i] = 1
     # held until the watcher thread has sampled (on a loaded machine it may not run for a while): a bound on
     # the wait, not on how soon it samples
     deadline = time.monotonic() + 60
     while r.peak - r.start < 32 << 20 and time.monotonic() < deadline:
       time.sleep(0.005)
-    del x
+    x.close()
   assert r.peak - r.start >= 32 << 20
 
 
