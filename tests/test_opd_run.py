@@ -76,6 +76,7 @@ def test_tiny_opd_run_end_to_end(cache, tmp_path, loss, metric):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_backend
 def test_student_accuracy_moves_towards_the_teacher(tmp_path):
   """Under-trained student (150 SFT steps), strong teacher (700 SFT steps) on 2-digit addition; forward-KL OPD.
 
