@@ -109,6 +109,25 @@ def test_tokens_depend_on_the_request_key_only():
   assert not np.array_equal(other["tokens_BN"], out["tokens_BN"])
 
 
+def test_host_keys_stack_to_the_device_keys():
+  """`host_key_rows` reads typed keys (threefry and rbg) and raw uint32 keys once; an admission's stack of them
+  is the device keys bit for bit, also mixed with device keys; and generate_slots given raw keys draws the same
+  tokens as given their typed twins (the same threefry bits)."""
+  rbg = jax.random.split(jax.random.key(5, impl="rbg"), 4)
+  bits = lambda k: np.asarray(k if k.dtype == jnp.uint32 else jax.random.key_data(k))
+  for keys in (KEYS[:4], jax.random.key_data(KEYS[:4]), rbg):
+    rows = continuous.host_key_rows(keys)
+    got = continuous._stack_keys([rows[2], rows[0], rows[2]])
+    assert got.dtype == keys.dtype
+    np.testing.assert_array_equal(bits(got), bits(keys)[[2, 0, 2]])
+    mixed = continuous._stack_keys([rows[1], keys[3]])
+    assert mixed.dtype == keys.dtype
+  raw = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, np.asarray(jax.random.key_data(KEYS)), CFG, SC, slots=3,
+                                  chunk=2)
+  typed = continuous.generate_slots(OLD, PROMPTS, PROMPT_LEN, KEYS, CFG, SC, slots=3, chunk=2)
+  np.testing.assert_array_equal(raw["tokens_BN"], typed["tokens_BN"])
+
+
 def test_publish_between_chunks_switches_version_and_scoring():
   """A newer version handed at the first boundary: the first chunk's tokens keep version 0 and μ of OLD, every
   later token carries version 1 and μ of NEW. NEW differs from OLD in the final norm only, which no cached key or

@@ -133,8 +133,8 @@ class SlotWorker:
         raise
       held = self.store.acquire(snap.version)
       self.groups[rid] = _Group(rid, example, prompts, held, {snap.version: held}, pats=pats)  # `close` abandons it
-      for row in range(self.G):
-        self.slots.submit((rid, row), prompts.tokens_BP[row], int(prompts.len_B[row]), keys[row])
+      for row, key in enumerate(continuous.host_key_rows(keys)):
+        self.slots.submit((rid, row), prompts.tokens_BP[row], int(prompts.len_B[row]), key)
       admitted = True
     return admitted
 

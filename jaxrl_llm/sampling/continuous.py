@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,31 @@ def check_supported(sampler_cfg: SamplerConfig) -> None:
   if sampler_cfg.spec_gamma and sampler_cfg.spec_layout != "min":
     raise ValueError(f"continuous batching speculates with sampler.spec_layout='min' (the slots share one write "
                      f"index), got {sampler_cfg.spec_layout!r}")
+
+
+class HostKey(NamedTuple):
+  """One request's key held on the host: its raw data and PRNG implementation (None: the data is a raw uint32
+  key). Why: indexing a device array of keys row by row is an eager device op per request (a fifth of a toy
+  model's `generate_slots` in a profile); `host_key_rows` reads the keys once and the engine stacks a whole
+  admission's keys on the host into one device array."""
+  data: np.ndarray
+  impl: Any
+
+
+def host_key_rows(keys_R) -> list[HostKey]:
+  """`keys_R` (typed keys [R], or raw uint32 keys [R, 2]) as R `HostKey`s, read from the device once."""
+  typed = jnp.issubdtype(keys_R.dtype, jax.dtypes.prng_key)
+  data = np.asarray(jax.random.key_data(keys_R) if typed else keys_R)
+  impl = jax.random.key_impl(keys_R) if typed else None
+  return [HostKey(row, impl) for row in data]
+
+
+def _stack_keys(keys: list) -> Array:
+  """The device array of a list of request keys (device keys, or `HostKey`s: stacked on the host)."""
+  if all(isinstance(k, HostKey) for k in keys):
+    data = np.stack([k.data for k in keys])
+    return jnp.asarray(data) if keys[0].impl is None else jax.random.wrap_key_data(data, impl=keys[0].impl)
+  return jnp.stack([_stack_keys([k])[0] if isinstance(k, HostKey) else k for k in keys])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +415,7 @@ class SlotEngine:
   """The host shell of continuous batching: a queue of requests, the slot each holds, the shared write index.
 
   `submit(tag, prompt_P, length, key)` queues one request (a prompt left-padded to the engine's `width`; its
-  key draws column n with `fold_in(key, n)`); `step(params, version)` admits queued requests into free slots
+  key, a device key or a `HostKey`, draws column n with `fold_in(key, n)`); `step(params, version)` admits queued requests into free slots
   (in submission order), decodes one chunk, and returns `(tag, columns)` for every request that finished in it
   (`columns`: tokens_N, behavior_logp_N, mask_N, versions_N, finished). Callers may submit between steps (the
   async source admits groups as admission allows; an episode queues its next turn when the environment
@@ -450,7 +475,7 @@ class SlotEngine:
       reqs = [self.queue.popleft() for _ in range(take)]
       if self.state is None:
         self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
-                                jnp.asarray(reqs[0][3])[None])
+                                _stack_keys([reqs[0][3]]))
         if self.layout is not None:
           self.state = jax.device_put(self.state, slot_shardings(self.state, self.layout))
       self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg,
@@ -516,8 +541,8 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
     out[name] = np.full((R, N, k), sc.pad_id, np.int32) if "ids" in name else np.zeros((R, N, k), np.float32)
   for name, k in ((n, sc.mc_samples) for n in behavior.MC_FIELDS if sc.mc_samples):
     out[name] = np.full((R, N, k), sc.pad_id, np.int32) if "ids" in name else np.zeros((R, N, k), np.float32)
-  for r in range(R):
-    engine.submit(r, prompt_RP[r], len_R[r], keys_R[r])
+  for r, key in enumerate(host_key_rows(keys_R)):
+    engine.submit(r, prompt_RP[r], len_R[r], key)
   while not engine.idle:
     for r, cols in engine.step(params, version, draft_params):
       out["tokens_BN"][r], out["behavior_logp_BN"][r] = cols["tokens_N"], cols["behavior_logp_N"]
@@ -560,7 +585,7 @@ def _admit(params: dict, state: dict, rows: np.ndarray, reqs: list, version: int
   rows_k = np.concatenate([rows, np.full((kb - take,), S)]).astype(np.int32)  # row S: a dropped pad
   src_k = np.concatenate([src, np.zeros((kb - take,), np.int64)]).astype(np.int32)
   keys = [r[3] for r in reqs]
-  keys_k = jnp.stack(keys + [keys[0]] * (kb - take))
+  keys_k = _stack_keys(keys + [keys[0]] * (kb - take))
   return prefill_slots(params, state, rows_k, src_k, prompt_kP[u_pick], len_k[u_pick], keys_k, version,
                        model_cfg, sampler_cfg, draft_params, layout)
 
