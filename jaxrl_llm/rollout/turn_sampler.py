@@ -253,7 +253,7 @@ class SlotTurns:
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     """One turn of the rows `rows_b` (episode ids): episode b draws with `fold_in(fold_in(key, b), n)`."""
-    keys_b = _episode_keys(key, jnp.asarray(rows_b, jnp.int32))
+    keys_b = continuous.host_key_rows(_episode_keys(key, jnp.asarray(rows_b, jnp.int32)))  # read once, not per row
     ctx_bW, len_b = pad_left(contexts, self.width, cfg.pad_id)
     first: dict[int, int] = {}  # episode -> its first row (a padded batch repeats its first episode)
     for i, b in enumerate(rows_b):
