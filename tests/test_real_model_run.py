@@ -100,7 +100,6 @@ def _check_run(workdir: pathlib.Path, rows: list[dict], steps: int) -> None:
 @pytest.mark.real_model
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.optimized_backend
 def test_smollm2_grpo_two_steps(smollm2, tmp_path):
   c = _config("smollm2_grpo.py", **{
       "model.init_from": str(smollm2), "num_steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 4,
@@ -126,9 +125,6 @@ def test_smollm2_lora_on_a_2_device_mesh_with_packing_and_slots(smollm2, tmp_pat
           "log.progress": False, "checkpoint.final": False, "model.lora.rank": 8, "model.lora.alpha": 16.0,
           "optim.lr": 1e-4, "mesh.fsdp": 2, "optim.pack_width": 256, "rollout.slots": 4, "rollout.slot_chunk": 4}
   env = {**with_devices(2), "PYTHONPATH": str(ROOT)}
-  # the backend optimised, as for the in-process runs here (tests/conftest.py: `optimized_backend`)
-  env["XLA_FLAGS"] = " ".join([f for f in env["XLA_FLAGS"].split() if "backend_optimization_level" not in f]
-                              + ["--xla_backend_optimization_level=1"])
   p = subprocess.run([sys.executable, "-m", "jaxrl_llm", "--config=configs/smollm2_grpo.py", f"--workdir={tmp_path}"]
                      + [f"--config.{k}={v}" for k, v in over.items()], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=900)
@@ -143,7 +139,6 @@ def test_smollm2_lora_on_a_2_device_mesh_with_packing_and_slots(smollm2, tmp_pat
 @pytest.mark.real_model
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.optimized_backend
 def test_smollm2_opd_two_steps(smollm2, tmp_path):
   """The 30-layer model teaches its first 8 layers (configs/smollm2_opd.py), 2 steps at a tiny batch."""
   from jaxrl_llm.models.truncate import truncate_checkpoint
@@ -204,7 +199,6 @@ class CopyToolCall:
 @pytest.mark.real_model
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.optimized_backend
 def test_smollm2_tool_agent_two_steps(smollm2, tmp_path):
   """configs/smollm2_agent.py's loop on the real model with a tool, 2 learner steps: the chat template renders
   the tool schema, SmolLM2 emits `<tool_call>` blocks, tool results come back as `tool` messages, and the
@@ -241,7 +235,6 @@ class CountOn:
 @pytest.mark.real_model
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.optimized_backend
 def test_smollm2_long_horizon_with_eviction_and_sdcc(smollm2, tmp_path):
   """A 3-turn episode on the real model whose context is compressed before its last turn
   (`env.evict="drop_oldest"`, a budget only the first message and one turn fit), trained 2 steps with `sdcc`: the
