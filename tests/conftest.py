@@ -137,9 +137,10 @@ def shared_dir(tmp_path_factory):
 # `@pytest.mark.optimized_backend` and runs in a child pytest whose XLA backend optimises at level 1. The OPD
 # learning test (100 steps): 61.4 -> 49.7 s alone, 93 -> 66 s in the full suite. The compile-bound rest is ~2x
 # slower at level 1 (test_every_loss + test_continuous 104 -> 194 s), so it stays at 0. So do the real-model runs:
-# alone one ran 60.5 -> 44.9 s at level 1, but in the full suite the four 2-step runs took 254 -> 280 s (the
-# 30-layer programs compile for longer, and a child costs ~3.5 s to start). The child shares the session's XLA
-# cache (programs are keyed by their flags too) and has a temp directory of its own.
+# alone one ran 60.5 -> 44.9 s at level 1, but in full suites the four 2-step runs took 280 s at level 1 against
+# 254 s and 280 s in two runs at level 0 (the 30-layer programs compile for longer, a child costs ~3.5 s to start,
+# and the OPD one took 38 s against 24-26 s). The child shares the session's XLA cache (programs are keyed by their
+# flags too) and has a temp directory of its own.
 _OPT_LEVEL = "--xla_backend_optimization_level="
 
 
