@@ -415,8 +415,8 @@ class SlotEngine:
   """The host shell of continuous batching: a queue of requests, the slot each holds, the shared write index.
 
   `submit(tag, prompt_P, length, key)` queues one request (a prompt left-padded to the engine's `width`; its
-  key, a device key or a `HostKey`, draws column n with `fold_in(key, n)`); `step(params, version)` admits queued requests into free slots
-  (in submission order), decodes one chunk, and returns `(tag, columns)` for every request that finished in it
+  key, a device key or a `HostKey`, draws column n with `fold_in(key, n)`); `step(params, version)` admits
+  queued requests into free slots (in submission order), decodes one chunk, and returns `(tag, columns)` for every request that finished in it
   (`columns`: tokens_N, behavior_logp_N, mask_N, versions_N, finished). Callers may submit between steps (the
   async source admits groups as admission allows; an episode queues its next turn when the environment
   answers), and switch `params`/`version` between steps: the next chunk and admissions use them (an in-flight
