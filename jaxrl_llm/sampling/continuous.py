@@ -414,15 +414,15 @@ def _bucket(k: int, slots: int) -> int:
 class SlotEngine:
   """The host shell of continuous batching: a queue of requests, the slot each holds, the shared write index.
 
-  `submit(tag, prompt_P, length, key)` queues one request (a prompt left-padded to the engine's `width`; its
-  key, a device key or a `HostKey`, draws column n with `fold_in(key, n)`); `step(params, version)` admits
-  queued requests into free slots (in submission order), decodes one chunk, and returns `(tag, columns)` for
-  every request that finished in it (`columns`: tokens_N, behavior_logp_N, mask_N, versions_N, finished).
-  Callers may submit between steps (the async source admits groups as admission allows; an episode queues its
-  next turn when the environment answers), and switch `params`/`version` between steps: the next chunk and
-  admissions use them (an in-flight update stalls the slots for at most one chunk). The device state lives in `state`; everything else is
-  queues and counters (`slot_steps`, `live_steps`; with speculation a step is a draft-and-verify call and
-  `spec_counts` sums `SPEC_COUNTS`, `spec_stats` turns them into `generate`'s spec_* metrics).
+  `submit(tag, prompt_P, length, key)` queues one request (a prompt left-padded to the engine's `width`; its key, a
+  device key or a `HostKey`, draws column n with `fold_in(key, n)`); `step(params, version)` admits queued requests
+  into free slots (in submission order), decodes one chunk, and returns `(tag, columns)` for every request that
+  finished in it (`columns`: tokens_N, behavior_logp_N, mask_N, versions_N, finished). Callers may submit between
+  steps (the async source admits groups as admission allows; an episode queues its next turn when the environment
+  answers), and switch `params`/`version` between steps: the next chunk and admissions use them (an in-flight update
+  stalls the slots for at most one chunk). The device state lives in `state`; everything else is queues and counters
+  (`slot_steps`, `live_steps`; with speculation a step is a draft-and-verify call and `spec_counts` sums
+  `SPEC_COUNTS`, `spec_stats` turns them into `generate`'s spec_* metrics).
   `layout` (`SlotLayout`; None: one device): the state's slots split over mesh axes (`slot_shardings`), so each
   device decodes its share of the slots, as a static batch's rows on a mesh.
   """
