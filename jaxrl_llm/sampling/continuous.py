@@ -486,7 +486,8 @@ class SlotEngine:
     if not self.held:
       return []
     state = self.state
-    if np.asarray(state["unfed_S"]).any() and self.gamma:  # draft-and-verify calls
+    unfed = bool(np.asarray(state["unfed_S"]).any())  # live slots (and, MoE, stop tokens still to feed)
+    if unfed and self.gamma:  # draft-and-verify calls
       state, counts = speculate_chunk(params, draft_params, state, version, self.model_cfg, self.sampler_cfg,
                                       self.chunk, self.gamma, self.layout)
       counts = {k: float(v) for k, v in jax.device_get(counts).items()}
@@ -494,7 +495,7 @@ class SlotEngine:
         self.spec_counts[k] += v
       self.index, self.slot_steps = self.index + int(counts["advance"]), self.slot_steps + self.slots * int(counts["calls"])
       self.live_steps += int(counts["live_calls"])
-    elif np.asarray(state["unfed_S"]).any():  # live slots (and, MoE, stop tokens still to feed)
+    elif unfed:
       step_before = int(np.asarray(state["step_S"]).sum())
       state, steps = decode_chunk(params, state, version, self.model_cfg, self.sampler_cfg, self.chunk, self.layout)
       self.index, self.slot_steps = self.index + int(steps), self.slot_steps + self.slots * int(steps)
