@@ -246,8 +246,9 @@ def main(argv=None) -> dict:
   table = render(s, title)
   print(table)
   if a.markdown:
-    from bench.run import machine_info
+    from bench.run import _git, machine_info
     m = machine_info()
+    m["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))  # not this file's untracked siblings
     command = " ".join(["python -m bench.profile_step", *(argv if argv is not None else sys.argv[1:])])
     head, rest = table.split("\n", 1)
     with open(a.markdown, "w") as f:
