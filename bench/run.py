@@ -844,7 +844,7 @@ def main(argv: list[str] | None = None) -> dict:
   only_peers = tuple(p for p in args.peers.split(",") if p)
   if set(only_peers) - set(REAL_PEERS) or (only_peers and not args.only_real):
     ap.error(f"--peers={args.peers!r}: a subset of {','.join(REAL_PEERS)}, with --only-real")
-  from bench import features as features_lib
+  from bench import features as features_lib, workloads
   try:
     features = features_lib.parse(args.features)
     features_lib.complete(features)
@@ -858,7 +858,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.only_tail and args.only_real:
     ap.error("--only-tail and --only-real: one at a time")
   old = {}
-  if (args.only_real or args.only_tail) and os.path.exists(args.out):  # merged into: the other rows stay
+  if os.path.exists(args.out):  # merged into: the other rows stay (a full run keeps the real workloads it skipped)
     with open(args.out) as f:
       old = json.load(f)
   # --peers with an existing entry of this workload: re-measure those peers' rows only (the rest of it stays)
@@ -885,6 +885,10 @@ def main(argv: list[str] | None = None) -> dict:
     elif old:
       old.setdefault("grpo", {})[real] = new
     res = old or res
+  else:  # a real workload measured on its own before (`make bench-r`'s R) and not in this run stays
+    for name, entry in old.get("grpo", {}).items():
+      if name in workloads.REAL:
+        res["grpo"].setdefault(name, entry)
   tables = format_tables(res)
   print(tables)
   with open(args.out, "w") as f:

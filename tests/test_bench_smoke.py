@@ -147,8 +147,13 @@ def test_tunix_script_reports_missing_tunix():
 
 @pytest.mark.slow  # ~30 s of CPU: a dozen small XLA compilations
 def test_quick_run(tmp_path, capsys):
+  """A full (quick) run over an existing results file: its rows replaced, but a real workload measured on its own
+  before (`make bench-r`'s R) and not in this run kept."""
   out_path = tmp_path / "results.json"
   readme = tmp_path / "README.md"
+  committed = json.loads((__import__("pathlib").Path(run.ROOT) / "bench" / "results.json").read_text())
+  before = {"grpo": {"R": committed["grpo"]["R"], "2L-d128": {"stale": True}}, "learner": {"stale": True}}
+  out_path.write_text(json.dumps(before))
   res = run.main(["--quick", "--no-peers", "--out", str(out_path), "--readme", str(readme)])
   stdout = capsys.readouterr().out
   saved = json.loads(out_path.read_text())
@@ -161,7 +166,9 @@ def test_quick_run(tmp_path, capsys):
   assert 0 < learner["mfu"] and math.isfinite(learner["tokens_per_s"])
   (samp,) = saved["sampler"]
   assert samp["decode_bound_kind"] in ("compute", "memory") and samp["decode_tokens_per_s"] > 0
-  (grpo,) = saved["grpo"].values()
+  assert saved["grpo"]["R"] == committed["grpo"]["R"] and "**GRPO step on the real model: workload R**" in stdout
+  (grpo,) = [v for k, v in saved["grpo"].items() if k != "R"]
+  assert "stale" not in grpo and "stale" not in saved["learner"]
   assert grpo["ours"]["compiles_after_warmup"] == 0
   assert all(grpo["ours"][k] > 0 for k in ("generate_s", "ref_train_s", "host_s"))
   assert grpo["tunix"]["status"].startswith("skipped") and grpo["tunix_over_ours"] is None
