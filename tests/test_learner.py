@@ -77,8 +77,10 @@ def test_fuse_reference_equals_scoring_first():
   want = step(learner.init_state(copy(params), tx), batch.replace(ref_logp_BN=ref_logp), jax.random.key(0))
   fused = learner.fuse_reference(step, score)
   got = fused(learner.init_state(copy(params), tx), batch, jax.random.key(0), ref_params)
+  # atol: 1e-4 of the learning rate. AdamW's first step is lr·g/(|g| + eps) per element, so where |g| is near eps
+  # the last bits of g (the reference scored in another program) move the update by more than g's own rounding.
   for a, b in zip(jax.tree.leaves(want[0].params), jax.tree.leaves(got[0].params)):
-    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
   for k in ("loss", "grad_norm", "kl_ref"):
     np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, err_msg=k)
   assert float(got[1]["kl_ref"]) > 1e-4
