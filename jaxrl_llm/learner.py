@@ -443,21 +443,17 @@ def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, ba
   # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
   empty = ~jnp.any(batch.mask_BN > 0)
   apply = finite & ~empty
-  new_loss_state = aux.pop("state", state.loss_state)
-
-  def updated(_):
-    updates, opt_state = tx.update(grads, state.opt_state, trainable)
-    return optax.apply_updates(trainable, updates), opt_state, new_loss_state
-
-  # A branch, not a select of the new and old state: a select reads both whole states and writes a third on every
-  # update; the skipped branch hands the old state back (bitwise).
-  new_trainable, opt_state, loss_state = jax.lax.cond(
-      apply, updated, lambda _: (trainable, state.opt_state, state.loss_state), None)
+  updates, opt_state = tx.update(grads, state.opt_state, trainable)
+  new_trainable = optax.apply_updates(trainable, updates)
   params, hook_params = new_trainable if s.perturbed else (new_trainable, None)
+  params = lora.with_trainable(state.params, params)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+  new_loss_state = aux.pop("state", state.loss_state)
   new_state = state.replace(
-      params=lora.with_trainable(state.params, params), opt_state=opt_state, loss_state=loss_state,
+      params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+      loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
       skipped=jnp.where(finite, jnp.where(empty, state.skipped, 0), state.skipped + 1),
-      hook_params=hook_params if s.perturbed else None)
+      hook_params=keep(hook_params, state.hook_params) if s.perturbed else None)
   return new_state, apply, loss, aux, grads, empty
 
 

@@ -266,7 +266,7 @@ def test_a_lost_process_makes_the_other_exit_with_an_error(tmp_path, sig, expect
     procs[1].kill()
     _finish(procs[1:])
   errors = [line for line in log.splitlines() if line.startswith("error: ")]
-  assert procs[0].returncode == 1, log[-3000:]
+  assert procs[0].returncode == 1, log[:3000] + "\n[...]\n" + log[-3000:]  # the cause first, the stacks last
   assert len(errors) == 1 and any(errors[0].startswith(f"error: process 0 of 2: {e}") for e in expected), \
       errors or log[-3000:]
 
