@@ -3,6 +3,8 @@
   python -m bench.speculative                                   # toy model M and (if present) SmolLM2-135M-Instruct
   python -m bench.speculative --models smollm2 --batches 1,4 --gammas 2,4 --draft-layers 8 --new-tokens 32
   python -m bench.speculative --models smollm2 --drafter distilled --distill-steps 200 --distill-lr 1e-4
+  python -m bench.speculative --models smollm2 --drafter head --distill-steps 80 --distill-inner 4 --distill-lr 1e-3 \
+      --layouts min
 
 Each row times one whole `generate` call (prefill + decode, best of `--repeats` after a warm-up) of `B` prompts and
 N new tokens with stopping disabled (every row decodes all N tokens, so both sides emit the same count):
@@ -16,6 +18,8 @@ Speedup = plain seconds / speculative seconds.
 for K steps before measuring, each step on a fresh batch of the model's own samples (plain decoding, temperature 1,
 `--distill-batch` prompts of the same prompt set, keys the measurement never uses): the acceptance a drafter kept
 fresh by ReSpec's distillation reaches on the workload (the distillation's time is not in the rows).
+`--drafter head`: the same, with an EAGLE-style head on the policy's last hidden states (`sampling.head_drafter`,
+fresh at init) in place of the copied layers; k is then not used.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 
 import jax
@@ -72,21 +77,23 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
 
 
 def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: int, steps: int, lr: float,
-            batch: int) -> tuple[dict, dict]:
-  """(drafter params, info): the first `draft_layers` layers copied and distilled for `steps` steps, each on a fresh
-  batch of the model's own samples (`batch` prompts, temperature 1); info: the KL before and after, seconds."""
-  state = drafter_lib.init_state(params, cfg, draft_layers, lr)
+            batch: int, kind: str = "distilled", inner: int = 1) -> tuple[dict, dict]:
+  """(drafter params, info): the first `draft_layers` layers copied (or, `kind="head"`, a fresh head) and distilled
+  for `steps` steps, each on a fresh batch of the model's own samples (`batch` prompts, temperature 1) and of
+  `inner` Adam steps; info: the KL before and after, seconds."""
+  state = drafter_lib.init_state(params, cfg, draft_layers, lr, kind)
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   prompt_BP, len_B = prompts(batch)
   kls, t0 = [], time.perf_counter()
   for i in range(steps):
     out = generate(params, prompt_BP, len_B, jax.random.fold_in(jax.random.key(3), i), cfg, scfg)
     state, m = drafter_lib.distill_step(state, params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"],
-                                        out["mask_BN"], jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr)
+                                        out["mask_BN"], jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr,
+                                        steps=inner)
     kls.append(float(m["spec_drafter_kl"]))
     if i % max(1, steps // 10) == 0 or i == steps - 1:
       print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4)}), flush=True)
-  return state.params, {"distill_steps": steps, "distill_lr": lr, "distill_kl_first": kls[0] if kls else None,
+  return state.params, {"drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, "distill_kl_first": kls[0] if kls else None,
                         "distill_kl_last": kls[-1] if kls else None, "distill_s": time.perf_counter() - t0}
 
 
@@ -107,7 +114,7 @@ def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gam
       spec_s = common.time_calls(run, repeats=repeats)["best_s"]
       out = run()
       rows.append({"model": name, "batch": B, "gamma": gamma, "layout": layout, "draft_layers": draft_layers,
-                   "drafter": "layers" if drafter_info is None else "distilled", **(drafter_info or {}), "new_tokens": N,
+                   "drafter": "layers", **(drafter_info or {}), "new_tokens": N,
                    "plain_s": plain, "spec_s": spec_s, "plain_tokens_per_s": B * N / plain,
                    "spec_tokens_per_s": B * N / spec_s, "speedup": plain / spec_s,
                    "accept_rate": float(out["spec_accept_rate"]), "tokens_per_call": float(out["spec_tokens_per_call"]),
@@ -121,8 +128,9 @@ def table(rows: list[dict]) -> str:
   head = "| model | drafter | B | γ | layout | k | plain tok/s | spec tok/s | speedup | accept | tokens/call |"
   lines = [head, "|" + "---|" * 11]
   for r in rows:
-    drafter = r["drafter"] if r["drafter"] == "layers" else f"distilled ({r['distill_steps']} steps)"
-    lines.append(f"| {r['model']} | {drafter} | {r['batch']} | {r['gamma']} | {r['layout']} | {r['draft_layers']} | "
+    drafter = r["drafter"] if r["drafter"] == "layers" else f"{r['drafter']} ({r['distill_steps']} steps)"
+    k = "–" if r["drafter"] == "head" else r["draft_layers"]
+    lines.append(f"| {r['model']} | {drafter} | {r['batch']} | {r['gamma']} | {r['layout']} | {k} | "
                  f"{r['plain_tokens_per_s']:.1f} | "
                  f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['accept_rate']:.2f} | "
                  f"{r['tokens_per_call']:.2f} |")
@@ -139,16 +147,19 @@ def main(argv=None) -> int:
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=2)
   p.add_argument("--layer-unroll", type=int, default=None, help="SmolLM2's layer_unroll (default: as loaded)")
-  p.add_argument("--drafter", default="layers", choices=("layers", "distilled"),
-                 help="layers: a view of the first k layers; distilled: a copy of them distilled first")
+  p.add_argument("--drafter", default="layers", choices=("layers", "distilled", "head"),
+                 help="layers: a view of the first k layers; distilled: a copy of them distilled first; head: an "
+                      "EAGLE-style head, distilled first")
   p.add_argument("--distill-steps", type=int, default=100, help="--drafter distilled: distillation steps")
   p.add_argument("--distill-lr", type=float, default=1e-4, help="--drafter distilled: Adam learning rate")
   p.add_argument("--distill-batch", type=int, default=16, help="--drafter distilled: prompts per distillation step")
+  p.add_argument("--distill-inner", type=int, default=1, help="Adam steps per distillation batch")
   p.add_argument("--out", default=None, help="also write the rows as JSON here")
+  p.add_argument("--markdown", default=None, help="also write the table here, the command and the machine above it")
   args = p.parse_args(argv)
   batches = [int(x) for x in args.batches.split(",")]
   gammas = [int(x) for x in args.gammas.split(",")]
-  rows = []
+  rows, load_start = [], os.getloadavg()[0]
   for name in args.models.split(","):
     if name == "toy":
       params, cfg, prompts, pad = toy_model(args.new_tokens)
@@ -164,15 +175,24 @@ def main(argv=None) -> int:
     else:
       raise SystemExit(f"unknown model {name!r}")
     drafter, info = None, None
-    if args.drafter == "distilled":
+    if args.drafter != "layers":
       drafter, info = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
-                              args.distill_batch)
+                              args.distill_batch, args.drafter, args.distill_inner)
     rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
                     tuple(args.layouts.split(",")), drafter, info)
   print(f"load average at the end: {os.getloadavg()}")
   print(table(rows))
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+  if args.markdown:
+    from bench.run import _git, machine_info
+    m = machine_info()
+    dirty = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    command = " ".join(["python -m bench.speculative", *(argv if argv is not None else sys.argv[1:])])
+    pathlib.Path(args.markdown).write_text(
+        f"Measured by `{command}` · commit {m['commit']}{dirty} · {m['date_utc']} · {m['cpu_count']} cores · load "
+        f"average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end · huge pages "
+        f"{'on' if m['huge_pages'] else 'off'}\n\n{table(rows)}\n")
   return 0
 
 

@@ -85,9 +85,11 @@ def get_config():
   c.sampler.spec_draft_layers = 0  # k >= 1: the drafter's depth ("layers": a view of the policy's first k, always fresh)
   c.sampler.spec_layout = "min"  # "min": rows emit the batch's common minimum per call | "rows": each keeps its own
   # The drafter (distill/drafter.py): "layers" = a view of the policy's first k layers | "distilled" = its own copy of
-  # them (+ embedding, norm, head), distilled after every learner step on that step's rollouts (ReSpec; sync and
-  # fixed_lag modes, one device, no LoRA).
-  c.sampler.spec_drafter = "layers"  # "layers": the policy's first k layers | "distilled": a copy
+  # them (+ embedding, norm, head) | "head" = an EAGLE-style head on the policy's last hidden states
+  # (sampling/head_drafter.py; static batches and partial rollouts); the last two distilled after every learner step
+  # on that step's rollouts (ReSpec).
+  c.sampler.spec_drafter = "layers"  # "layers": the policy's first k layers | "distilled": a copy | "head": EAGLE
+  c.sampler.spec_head_reg_weight = 10.0  # "head": weight of the feature regression beside the KL (EAGLE's 1 : 0.1)
   c.sampler.spec_distill_lr = 1e-4  # "distilled": Adam learning rate of the KL(π_policy ‖ drafter) steps
   c.sampler.spec_distill_steps = 1  # "distilled": drafter gradient steps per learner step (on that step's batch)
   c.sampler.spec_distill_reward_weight = 0.0  # "distilled": α of the row weights max(0, 1 + α·z(reward)); 0 = off

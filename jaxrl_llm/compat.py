@@ -81,6 +81,8 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "speculative": ("speculative decoding, the policy's first layer drafting (sampler.spec_gamma)", _SPEC),
     "drafter": ("the distilled drafter (sampler.spec_drafter='distilled')",
                 {**_SPEC, "sampler.spec_drafter": "distilled"}),
+    "head_drafter": ("the EAGLE-style head drafter (sampler.spec_drafter='head')",
+                     {**_SPEC, "sampler.spec_drafter": "head"}),
     "episodes": ("multi-turn episodes (env.name; configs/agent_tiny.py's)", _EPISODES),
     "eviction": ("episodes with context eviction (env.evict='drop_oldest')",
                  {**_EPISODES, "env.evict": "drop_oldest", "env.context_budget": 8}),
@@ -119,6 +121,8 @@ REFUSED: dict[frozenset, str] = {
     **_each("not built: cards in an episode's first message (Pats runs on single completions)", "pats", _EPS),
     pair("pats", "harness"): "inherent: in harness mode the harness writes every prompt",
     pair("pats", "echo"): "not built: cards in ECHO's attempt prompts (each runs on its own)",
+    **_each("not built: the slot engine and kept episode turns carry a layers drafter's KV cache between calls; a "
+            "head's state (one feature per request) is not carried there yet", "head_drafter", ("slots",) + _EPS),
 }
 
 

@@ -44,7 +44,8 @@ ABSENT_DEFAULTS = {
     "sampler.behavior_topk": 0, "sampler.mc_samples": 0,
     "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
     "sampler.spec_gamma": 0, "sampler.spec_draft_layers": 0, "sampler.spec_layout": "min",
-    "sampler.spec_drafter": "layers", "sampler.spec_distill_lr": 1e-4, "sampler.spec_distill_steps": 1,
+    "sampler.spec_drafter": "layers", "sampler.spec_head_reg_weight": 10.0, "sampler.spec_distill_lr": 1e-4,
+    "sampler.spec_distill_steps": 1,
     "sampler.spec_distill_reward_weight": 0.0,
     "rollout.dynamic_sampling": False, "rollout.sampler_devices": 0, "rollout.partial_chunk": 0, "rollout.slots": 0,
     "rollout.score_at_switch": False,
@@ -440,7 +441,7 @@ def _validate_speculative(c: ml_collections.ConfigDict) -> None:
         "the cache's write index")
 
 
-SPEC_DRAFTERS = ("layers", "distilled")
+SPEC_DRAFTERS = ("layers", "distilled", "head")
 DRAFTER_MODES = ("sync", "fixed_lag", "staged", "async", "harness")  # the sources whose sampler reads the drafter
 
 
@@ -459,12 +460,22 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
         "must be an int >= 1")
   _need(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha >= 0,
         "sampler.spec_distill_reward_weight", alpha, "must be a number >= 0 (0 = unweighted)")
+  reg = read(c, "sampler.spec_head_reg_weight")
+  _need(isinstance(reg, (int, float)) and not isinstance(reg, bool) and reg >= 0, "sampler.spec_head_reg_weight",
+        reg, "must be a number >= 0")
   if kind == "layers":
     return
-  where = "the distilled drafter"
+  where = f"the {kind} drafter"
   _need(gamma != 0, "sampler.spec_drafter", kind, "needs speculative decoding (sampler.spec_gamma != 0)")
   _need(c.rollout.mode in DRAFTER_MODES, "sampler.spec_drafter", kind,
         f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
+  if kind == "head":  # the slot engine and kept turns carry a drafter's KV cache between calls; a head keeps none
+    _need(not read(c, "rollout.slots"), "sampler.spec_drafter", kind,
+          f"{where} drafts in static batches and partial rollouts, not in the slot engine "
+          f"(rollout.slots={read(c, 'rollout.slots')})")
+    _need(not (env_on(c) and read(c, "env.kv_cache")), "sampler.spec_drafter", kind,
+          f"{where} drafts in static batches and partial rollouts, not in episode turns kept in the KV cache "
+          "(env.kv_cache=True)")
 
 
 MULTIPROCESS_MODES = ("sync", "fixed_lag", "staged", "async", "harness")

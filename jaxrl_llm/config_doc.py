@@ -43,6 +43,7 @@ FEATURES = {
     "sampler.behavior_topk": "records of μ", "sampler.mc_samples": "records of μ",
     "sampler.kv_": "KV-compressed rollouts", "sampler.spec_": "speculative decoding",
     "sampler.spec_drafter": "speculative decoding (drafter)", "sampler.spec_distill": "speculative decoding (drafter)",
+    "sampler.spec_head": "speculative decoding (drafter)",
     "rollout": "rollout schedule", "rollout.dynamic_sampling": "DAPO", "rollout.old_logp": "π_old",
     "rollout.ewma_beta": "π_old", "rollout.prox_in_worker": "π_old", "rollout.score_at_switch": "π_old",
     "rollout.num_workers": "async rollouts",

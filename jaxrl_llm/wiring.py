@@ -319,14 +319,16 @@ class Run(NamedTuple):
 
 
 def drafter_distill(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> DrafterDistill | None:
-  """The run's drafter distillation (`sampler.spec_drafter="distilled"`), None for the "layers" drafter."""
+  """The run's drafter distillation (`sampler.spec_drafter="distilled"` or "head"), None for the "layers"
+  drafter."""
   get = lambda f: config_lib.read(c, f"sampler.{f}")
-  if get("spec_drafter") != "distilled":
+  if get("spec_drafter") == "layers":
     return None
   return DrafterDistill(model_cfg=model_cfg, layers=get("spec_draft_layers"),
                         temperature=float(c.sampler.temperature),
                         lr=float(get("spec_distill_lr")), steps=get("spec_distill_steps"),
-                        alpha=float(get("spec_distill_reward_weight")))
+                        alpha=float(get("spec_distill_reward_weight")), kind=get("spec_drafter"),
+                        reg_weight=float(get("spec_head_reg_weight")))
 
 
 def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):
@@ -556,7 +558,7 @@ def reference_of(params):
 
 def fresh_state(run: Run, params) -> tuple[learner.TrainState, dict]:
   """Train state plus the frozen copies some strategies need (reference for KL, EWMA proximal) and, with a
-  distilled speculative drafter, its initial state (a copy of the policy's first k layers)."""
+  distilled speculative drafter, its initial state (a copy of the policy's first k layers, or a fresh head)."""
   c = run.c
   loss_state = initial_loss_state(c)
   copy = lambda p: jax.tree.map(lambda x: jnp.array(x, copy=True), p)

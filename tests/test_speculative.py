@@ -15,6 +15,7 @@ from jaxrl_llm.learner import completion_logprobs
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.models.transformer import forward
 from jaxrl_llm.sampling import SamplerConfig, generate
+from jaxrl_llm.sampling import head_drafter
 from jaxrl_llm.sampling import speculative as spec
 from jaxrl_llm.sampling.config import SPEC_LAYOUTS
 
@@ -32,6 +33,7 @@ def scaled_params(cfg, seed, scale):
 PARAMS = scaled_params(CFG, 0, 8.0)
 BAD_PARAMS = scaled_params(dataclasses.replace(CFG, n_layers=1), 7, 8.0)  # a random drafter, unrelated weights
 PROMPT_P = jnp.array([5, 9, 2, 7], jnp.int32)
+HEAD = head_drafter.init_head(CFG, jax.random.key(5))  # an untrained EAGLE-style head (`sampling.head_drafter`)
 
 
 def ref_probs(logits_V: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
@@ -74,25 +76,30 @@ def tv(counts, probs):
 
 
 @pytest.mark.parametrize("drafter,temperature,top_k,layout", [("random", 1.0, 0, "min"), ("layer1", 0.7, 4, "min"),
-                                                              ("random", 0.7, 4, "rows"), ("layer1", 1.0, 0, "rows")])
+                                                              ("random", 0.7, 4, "rows"), ("layer1", 1.0, 0, "rows"),
+                                                              ("head", 1.0, 0, "rows")])
 def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, top_k, layout):
   """Counts of columns 0-2 over 2400 samples match the exact policy marginals (TV < 0.06; sampling noise here is
-  ~0.03), while the drafter alone is far from them (so the check could fail)."""
+  ~0.03), while the drafter alone is far from them (so the check could fail; an untrained head: acceptance well
+  below 1, so its drafts are often rejected)."""
   if drafter == "random":
     d_params, d_cfg = BAD_PARAMS, dataclasses.replace(CFG, n_layers=1)
+  elif drafter == "head":
+    d_params, d_cfg = HEAD, CFG
   else:
     d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
   cfg = SamplerConfig(max_new_tokens=3, temperature=temperature, top_k=top_k)
   toks, accept = sample_many(PARAMS, d_params, d_cfg, cfg, 3, 600, 4, layout)
   toks = np.asarray(toks)
   policy = exact_marginals(PARAMS, CFG, temperature, top_k)
-  draft = exact_marginals(d_params, d_cfg, temperature, top_k)
   for col in range(3):
     counts = np.bincount(toks[:, col], minlength=CFG.vocab_size).astype(float)
     assert tv(counts, policy[col]) < 0.06, (col, tv(counts, policy[col]))
-  for col in (1, 2):  # the drafter's own law is far off: emitting its drafts unchecked would fail the bound above
-    assert 0.5 * np.abs(draft[col] - policy[col]).sum() > 0.2
-  assert 0.0 < float(accept) < 0.9
+  if drafter != "head":
+    draft = exact_marginals(d_params, d_cfg, temperature, top_k)
+    for col in (1, 2):  # the drafter's own law is far off: emitting its drafts unchecked would fail the bound above
+      assert 0.5 * np.abs(draft[col] - policy[col]).sum() > 0.2
+  assert 0.0 < float(accept) < (0.7 if drafter == "head" else 0.9)
 
 
 @pytest.mark.parametrize("layout", spec.LAYOUTS)
@@ -121,12 +128,13 @@ def test_mu_equals_the_learners_scoring(layout):
     assert np.all(np.asarray(out["behavior_logp_BN"])[mask == 0] == 0)
 
 
-@pytest.mark.parametrize("gamma,draft_layers,layout", [(1, 1, "min"), (3, 2, "min"), (4, 3, "min"), (3, 1, "rows")])
+@pytest.mark.parametrize("gamma,draft_layers,layout", [(1, 1, "min"), (3, 2, "min"), (4, 3, "min"), (3, 1, "rows"),
+                                                       (3, "head", "min"), (2, "head", "rows")])
 def test_greedy_equals_plain_generate(gamma, draft_layers, layout):
   prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
   lens = jnp.array([4, 2], jnp.int32)
   cfg = SamplerConfig(max_new_tokens=10, temperature=0.0)
-  drafter = spec.layers_drafter(PARAMS, CFG, draft_layers)
+  drafter = HEAD if draft_layers == "head" else spec.layers_drafter(PARAMS, CFG, draft_layers)
   out = spec.generate(PARAMS, drafter, prompts, lens, jax.random.key(0), CFG, cfg, gamma, layout)
   ref = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, cfg)
   np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))

@@ -17,6 +17,13 @@ so this one is a [GUESS]): row b weighs w_b = max(0, 1 + α·(r_b − mean r) / 
 reward is equal), so high-reward rollouts count more and, at large α, rows far below the mean drop out; α = 0 is
 the unweighted loss. The loss is the w-weighted token mean Σ_bt w_b m_bt KL_bt / Σ_bt w_b m_bt.
 
+`sampler.spec_drafter="head"`: the drafter is a head on the policy's last hidden states (`sampling.head_drafter`,
+EAGLE-style), trained by the same steps on the same batches with EAGLE's objective (`head_loss`): teacher-forced
+on the policy's own features, the forward KL of its next-token distribution (EAGLE's classification loss, there a
+cross-entropy against the policy's soft labels: the same gradient) plus `reg_weight` times the smooth-L1 distance
+of its predicted feature to the policy's (EAGLE's regression loss; EAGLE weighs the two 0.1 : 1, hence the default
+reg_weight = 10 with the KL at weight 1).
+
 Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
 rate, never the tokens' distribution or μ.
 """
@@ -38,14 +45,15 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.logprobs import query_hidden
 from jaxrl_llm.models.transformer import lm_head_weights
-from jaxrl_llm.sampling import speculative
+from jaxrl_llm.sampling import head_drafter, speculative
 from jaxrl_llm.vocab_chunks import VocabHead
 
 Array = jax.Array
 
 
 class DrafterState(struct.PyTreeNode):
-  """The distilled drafter: its parameters (embedding, k stacked layers, final norm, head) and Adam's state."""
+  """The distilled drafter: its parameters (embedding, k stacked layers, final norm, head; or a head drafter's) and
+  Adam's state."""
   params: Any
   opt_state: Any
 
@@ -57,9 +65,14 @@ def init_params(policy_params: dict, model_cfg: ModelConfig, n_layers: int) -> d
   return jax.tree.map(lambda x: jnp.array(x, copy=True), view)
 
 
-def init_state(policy_params: dict, model_cfg: ModelConfig, n_layers: int, lr: float) -> DrafterState:
-  """A fresh drafter (`init_params`) and its Adam state."""
-  params = init_params(policy_params, model_cfg, n_layers)
+def init_state(policy_params: dict, model_cfg: ModelConfig, n_layers: int, lr: float,
+               kind: str = "distilled") -> DrafterState:
+  """A fresh drafter and its Adam state: the policy's first layers (`init_params`), or for `kind="head"` a head
+  (`head_drafter.init_head`, key 0: every run's head starts the same)."""
+  if kind == "head":
+    params = head_drafter.init_head(model_cfg, jax.random.key(0))
+  else:
+    params = init_params(policy_params, model_cfg, n_layers)
   return DrafterState(params=params, opt_state=optax.adam(lr).init(params))
 
 
@@ -108,33 +121,80 @@ def distill_loss(draft_params: dict, policy_params: dict, sequence_BT: Array, po
   return jnp.where(den > 0, jnp.sum(wm_BN * kl_BN) / jnp.where(den > 0, den, 1.0), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "lr", "steps", "alpha"))
+def policy_features(policy_params: dict, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array, n_new: int,
+                    model_cfg: ModelConfig) -> Array:
+  """f_BND: the policy's final-normed hidden state before each of the last `n_new` tokens (column j: at the token
+  before completion token j, the feature whose head gives token j's distribution); no gradient."""
+  head = _completion_head(jax.lax.stop_gradient(lora.effective(policy_params)), sequence_BT, positions_BT,
+                          segment_ids_BT, n_new, model_cfg)
+  return head.hidden_BND
+
+
+def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
+              mask_BN: Array, weight_B: Array, model_cfg: ModelConfig, temperature: float, reg_weight: float = 10.0,
+              f_BND: Array | None = None) -> tuple[Array, Array]:
+  """(loss, KL) of a head drafter (`head_drafter`) teacher-forced on the batch as it drafts at run time: completion
+  column j ≥ 1 is drafted from (feature of column j - 1, completion token j - 1), with no feature (zeros) for
+  column 1, the first one a request drafts. KL: Σ w m KL(π_policy ‖ q) / Σ w m over columns 1.., both at
+  `temperature`; loss = KL + `reg_weight` · the same mean of the smooth-L1 distance (β = 1, mean over D) of the
+  predicted feature to the policy's. `f_BND`: `policy_features` when already computed."""
+  N = mask_BN.shape[1]
+  if f_BND is None:
+    f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
+  f_BND = jax.lax.stop_gradient(f_BND)
+  tokens_BN = sequence_BT[:, -N:]
+  feat_in_BnD = jnp.concatenate([jnp.zeros_like(f_BND[:, :1]), f_BND[:, 1:N - 1]], axis=1)
+  emb_BnD = head_drafter.embed(jax.lax.stop_gradient(policy_params), tokens_BN[:, :N - 1], model_cfg)
+  pred_BnD = head_drafter.predict(head, feat_in_BnD, emb_BnD, model_cfg)
+  mask_Bn = jnp.asarray(mask_BN, jnp.float32)[:, 1:]
+  w_DV = jax.lax.stop_gradient(lm_head_weights(lora.effective(policy_params), model_cfg))
+  heads = _Heads(mask_Bn, VocabHead(hidden_BND=pred_BnD, w_DV=w_DV), VocabHead(hidden_BND=f_BND[:, 1:], w_DV=w_DV))
+  kl_Bn = dense.divergence(heads, lambda lq, lp: dense.kl_dense(lp, lq), temperature)
+  reg_Bn = jnp.mean(optax.huber_loss(pred_BnD.astype(jnp.float32), f_BND[:, 1:].astype(jnp.float32)), axis=-1)
+  wm_Bn = jnp.asarray(weight_B, jnp.float32)[:, None] * mask_Bn
+  den = jnp.where(jnp.sum(wm_Bn) > 0, jnp.sum(wm_Bn), 1.0)
+  kl, reg = jnp.sum(wm_Bn * kl_Bn) / den, jnp.sum(wm_Bn * reg_Bn) / den
+  return kl + reg_weight * reg, kl
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "lr", "steps", "alpha", "reg_weight"))
 def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, positions_BT: Array,
                  segment_ids_BT: Array, mask_BN: Array, reward_B: Array, *, model_cfg: ModelConfig,
-                 temperature: float, lr: float, steps: int = 1, alpha: float = 0.0) -> tuple[DrafterState, dict]:
-  """`steps` Adam steps (learning rate `lr`) of `distill_loss` on one batch, rows weighted by `reward_weights`
-  (α = `alpha`). Returns (state, {"spec_drafter_kl": the loss before the first step, "spec_drafter_kl_last": the
-  loss before the last step}); the policy's parameters are read, never changed."""
+                 temperature: float, lr: float, steps: int = 1, alpha: float = 0.0,
+                 reg_weight: float = 10.0) -> tuple[DrafterState, dict]:
+  """`steps` Adam steps (learning rate `lr`) of `distill_loss` (a head: `head_loss`, the policy's features computed
+  once) on one batch, rows weighted by `reward_weights` (α = `alpha`). Returns (state, {"spec_drafter_kl": the KL
+  before the first step, "spec_drafter_kl_last": the KL before the last step}); the policy's parameters are read,
+  never changed."""
   tx = optax.adam(lr)
   weight_B = reward_weights(reward_B, alpha)
-  loss_fn = lambda dp: distill_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
-                                    model_cfg, temperature)
+  if head_drafter.is_head(state.params):
+    N = mask_BN.shape[1]
+    f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
+    loss_fn = lambda dp: head_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
+                                   model_cfg, temperature, reg_weight, f_BND)
+  else:
+    loss_fn = lambda dp: (lambda kl: (kl, kl))(distill_loss(dp, policy_params, sequence_BT, positions_BT,
+                                                            segment_ids_BT, mask_BN, weight_B, model_cfg, temperature))
 
   def one(st: DrafterState, _):
-    loss, g = jax.value_and_grad(loss_fn)(st.params)
+    (_, kl), g = jax.value_and_grad(loss_fn, has_aux=True)(st.params)
     updates, opt_state = tx.update(g, st.opt_state, st.params)
-    return DrafterState(params=optax.apply_updates(st.params, updates), opt_state=opt_state), loss
+    return DrafterState(params=optax.apply_updates(st.params, updates), opt_state=opt_state), kl
 
-  state, loss_S = jax.lax.scan(one, state, None, length=steps)
-  return state, {"spec_drafter_kl": loss_S[0], "spec_drafter_kl_last": loss_S[-1]}
+  state, kl_S = jax.lax.scan(one, state, None, length=steps)
+  return state, {"spec_drafter_kl": kl_S[0], "spec_drafter_kl_last": kl_S[-1]}
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterDistill:
-  """A run's drafter distillation (`sampler.spec_drafter="distilled"`): its static settings, `init` and `update`.
+  """A run's drafter distillation (`sampler.spec_drafter="distilled"` or "head"): its static settings, `init` and
+  `update`.
 
   model_cfg: the policy's (learner's) model config; layers: k; temperature: the sampler's; lr, steps, alpha:
-  `sampler.spec_distill_lr`, `spec_distill_steps`, `spec_distill_reward_weight`.
+  `sampler.spec_distill_lr`, `spec_distill_steps`, `spec_distill_reward_weight`; kind: "distilled" (the policy's
+  first k layers) or "head" (`sampling.head_drafter`, `sampler.spec_drafter="head"`); reg_weight:
+  `sampler.spec_head_reg_weight` (a head's feature regression, `head_loss`).
   """
   model_cfg: ModelConfig
   layers: int
@@ -142,9 +202,11 @@ class DrafterDistill:
   lr: float = 1e-4
   steps: int = 1
   alpha: float = 0.0
+  kind: str = "distilled"
+  reg_weight: float = 10.0
 
   def init(self, policy_params: dict) -> DrafterState:
-    return init_state(policy_params, self.model_cfg, self.layers, self.lr)
+    return init_state(policy_params, self.model_cfg, self.layers, self.lr, self.kind)
 
   def update(self, state: DrafterState, policy_params: dict, ro) -> tuple[DrafterState, dict]:
     """Distils the drafter on rollout record `ro` (its sequences, completion mask and rewards) against
@@ -158,5 +220,5 @@ class DrafterDistill:
                             put(ro.segment_ids_BT), put(ro.mask_BN, jnp.float32),
                             put(ro.reward_B, jnp.float32), model_cfg=self.model_cfg,
                             temperature=float(self.temperature), lr=float(self.lr), steps=self.steps,
-                            alpha=float(self.alpha))
+                            alpha=float(self.alpha), reg_weight=float(self.reg_weight))
     return state, {k: float(np.asarray(v)) for k, v in m.items()}

@@ -70,8 +70,8 @@ def request_keys(key, n: int):
 
 
 class DrafterSlot:
-  """Where the sampler reads the speculative drafter's current parameters (`sampler.spec_drafter="distilled"`,
-  `distill.drafter`): the loop sets `params` at the start and after every distillation step; None: the policy's
+  """Where the sampler reads the speculative drafter's current parameters (`sampler.spec_drafter="distilled"` or
+  "head", `distill.drafter`): the loop sets `params` at the start and after every distillation step; None: the policy's
   first `spec_draft_layers` layers draft (a view of the snapshot being sampled)."""
 
   def __init__(self, params=None):

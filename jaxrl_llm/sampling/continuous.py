@@ -262,6 +262,7 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
   docstring). Returns (state, counts): `SPEC_COUNTS` summed over the calls (calls; advance, the slots the write
   index moved; live_calls, live slot-calls; accepted / proposed drafts of live slots; emitted columns)."""
   version = jnp.asarray(version, jnp.int32)
+  speculative.layers_only(draft_params, "the slot engine")
   d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   v_params, cache = decode_view(params, state["cache"], model_cfg)
   vd_params, dcache = decode_view(d_params, state["dcache"], d_cfg)

@@ -22,8 +22,8 @@ def generate(params: dict, prompt_tokens_BP: jax.Array, prompt_len_B: jax.Array,
   """`sampler.generate`'s contract. With `sampler_cfg.spec_gamma` (γ > 0, or "auto" giving γ > 0 for the batch
   size B) speculative decoding (`speculative.generate`): the same fields and distribution (not the same bits for
   a key), plus spec_calls, spec_accept_rate and spec_tokens_per_call. The drafter: `draft_params` (a distilled
-  drafter of `spec_draft_layers` layers, `distill.drafter`), or None for the policy's first `spec_draft_layers`
-  layers (`speculative.layers_drafter`). Without speculation `draft_params` is ignored."""
+  drafter of `spec_draft_layers` layers, `distill.drafter`, or a head, `head_drafter`), or None for the policy's
+  first `spec_draft_layers` layers (`speculative.layers_drafter`). Without speculation `draft_params` is ignored."""
   if sampler_cfg.spec_gamma:
     gamma = speculative.gamma_of(sampler_cfg, prompt_tokens_BP.shape[0])
     if gamma:

@@ -24,8 +24,10 @@ Either way the output layout is `sampler.generate`'s (the learner never sees the
 Drafters: `generate` takes the drafter's parameters explicitly, a model of the policy's architecture cut to k
 layers: the "layers" drafter (`layers_drafter`: a view of the policy's first k layers sharing its embedding, final
 norm and head, so always exactly as fresh as the policy) or a drafter with its own weights (`distill.drafter`:
-initialised as that view, then distilled on recent rollouts, ReSpec). `generate_speculative` takes any model of the
-same vocabulary (`draft_params`, `draft_cfg`). Whatever the drafter, the tokens are the policy's samples and μ its
+initialised as that view, then distilled on recent rollouts, ReSpec) or a head made for drafting (`head_drafter`:
+EAGLE-style, on the policy's last hidden states, distilled the same way; static batches and partial rollouts, the
+kept turns and the slot engine refuse it). `generate_speculative` takes any model of the same vocabulary
+(`draft_params`, `draft_cfg`) or a head. Whatever the drafter, the tokens are the policy's samples and μ its
 log-probs: only the acceptance rate depends on it. Fresh is not good: an untrained early exit drafts poorly
 (SmolLM2-135M, 30 layers, temperature 1: acceptance 2-6 % with k = 8, 33 % with k = 28; `bench/speculative.py`),
 hence the distilled drafter.
@@ -53,8 +55,9 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.cache import init_cache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, forward_with_cache, hidden_with_cache, stack_cache
-from jaxrl_llm.sampling import behavior
+from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
+                                          stack_cache)
+from jaxrl_llm.sampling import behavior, head_drafter
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.continuation import appended_layout
 from jaxrl_llm.sampling.sample import first_argmax, is_row_keys, truncate
@@ -230,6 +233,44 @@ def draft(d_params: dict, cache: dict, last_B: Array, pos0_B: Array, live_B1: Ar
   return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1), cache
 
 
+def draft_head(head: dict, v_params: dict, dstate: dict, last_B: Array, key: Array, model_cfg: ModelConfig,
+               sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array]:
+  """A head drafter's (`head_drafter`) γ proposals after `last_B`: (draft_Bg, q_logp_BgV), chaining its predicted
+  features from the state's `feat_BD` (the policy's feature at the token before `last_B`) through the policy's
+  embedding and head (`v_params`). `key`: one key, or one key per row."""
+  feat_BD, tok_B1, drafts, qs = dstate["feat_BD"], last_B[:, None], [], []
+  for i in range(gamma):
+    feat_BD = head_drafter.predict(head, feat_BD, head_drafter.embed(v_params, tok_B1[:, 0], model_cfg), model_cfg)
+    q_B1V = sampling_logp(logits_from_hidden(v_params, feat_BD[:, None], model_cfg), sampler_cfg)
+    tok_B1 = _categorical(fold(key, i), q_B1V)
+    drafts.append(tok_B1)
+    qs.append(q_B1V)
+  return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1)
+
+
+def init_drafter_state(draft_params: dict, draft_cfg: ModelConfig, model_cfg: ModelConfig, batch: int,
+                       slots: int) -> dict:
+  """What the drafter keeps between calls: a head's feature of each row (zero: no feature yet, `head_drafter`) or
+  a layers drafter's KV cache of `slots` slots."""
+  if head_drafter.is_head(draft_params):
+    return {"feat_BD": jnp.zeros((batch, model_cfg.d_model), model_cfg.compute_dtype)}
+  return init_cache(draft_cfg, batch, slots)
+
+
+def roll_back(state: dict, start: Array, emit_B: Array, layout: str, width: int) -> dict:
+  """A cache (the policy's or a layers drafter's) or a head's state after a draft-and-verify call that fed `width`
+  slots `start ...` and of which each row keeps its first `emit_B` tokens: under "min" (every row's `emit_B` equal) the
+  write index moves back to start + emit; under "rows" the slots not kept become holes. A head keeps the policy's
+  feature at its last kept token (the call's `h_BGD`; rows that keep nothing keep their feature)."""
+  if "feat_BD" in state:
+    h_BGD = state["h_BGD"]
+    at_BD = jnp.take_along_axis(h_BGD, jnp.maximum(emit_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    return {"feat_BD": jnp.where(emit_B[:, None] > 0, at_BD, state["feat_BD"]).astype(state["feat_BD"].dtype)}
+  if layout == "min":
+    return {**state, "index": start + emit_B[0]}
+  return _mark_holes(state, start, jnp.arange(width)[None, :] < emit_B[:, None])
+
+
 def draft_and_verify(v_params: dict, vd_params: dict, cache: dict, dcache: dict, last_B: Array, pos0_B: Array,
                      fed_B: Array, live_B: Array, key: Array, model_cfg: ModelConfig, d_cfg: ModelConfig,
                      sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array, Array, dict, dict, dict]:
@@ -238,15 +279,24 @@ def draft_and_verify(v_params: dict, vd_params: dict, cache: dict, dcache: dict,
   `last_B` (at position `pos0_B`), the policy scores `last_B` and the drafts in one call, and exact rejection
   sampling picks each row's block. `fed_B`: rows whose `last_B` is a real token (the rest feed padding); `live_B`:
   rows whose drafts are (a subset of fed_B). `key`: one key, or one key per row; its folds 0, 1, 2 draw the drafts,
-  the verification and μ's records. The caller rolls the caches back to what it keeps. Returns (n_B accepted
-  drafts, block_BG, mu_BG: μ of each block token, records (`record_block`, {} unless asked), cache, dcache)."""
+  the verification and μ's records. The drafter: a layers drafter (`vd_params` a model, `dcache` its cache) or a
+  head (`head_drafter`; `dcache` its state, returned with the call's policy features `h_BGD`). The caller rolls
+  the caches back to what it keeps (`roll_back`). Returns (n_B accepted drafts, block_BG, mu_BG: μ of each block
+  token, records (`record_block`, {} unless asked), cache, dcache)."""
   i_G = jnp.arange(gamma + 1, dtype=jnp.int32)
-  drafts_Bg, q_logp_BgV, dcache = draft(vd_params, dcache, last_B, pos0_B, live_B[:, None].astype(jnp.int32),
-                                        fold(key, 0), d_cfg, sampler_cfg, gamma)
+  if head_drafter.is_head(vd_params):
+    drafts_Bg, q_logp_BgV = draft_head(vd_params, v_params, dcache, last_B, fold(key, 0), model_cfg, sampler_cfg,
+                                       gamma)
+  else:
+    drafts_Bg, q_logp_BgV, dcache = draft(vd_params, dcache, last_B, pos0_B, live_B[:, None].astype(jnp.int32),
+                                          fold(key, 0), d_cfg, sampler_cfg, gamma)
   seg_BG = jnp.where(i_G[None, :] == 0, fed_B[:, None], live_B[:, None]).astype(jnp.int32)
-  logits_BGV, cache = forward_with_cache(v_params, jnp.concatenate([last_B[:, None], drafts_Bg], axis=1), cache,
-                                         model_cfg, positions_BT=pos0_B[:, None] + i_G[None, :],
-                                         segment_ids_BT=seg_BG, kv_window=sampler_cfg.kv_window_arg)
+  h_BGD, cache = hidden_with_cache(v_params, jnp.concatenate([last_B[:, None], drafts_Bg], axis=1), cache,
+                                   model_cfg, positions_BT=pos0_B[:, None] + i_G[None, :],
+                                   segment_ids_BT=seg_BG, kv_window=sampler_cfg.kv_window_arg)
+  logits_BGV = logits_from_hidden(v_params, h_BGD, model_cfg)
+  if head_drafter.is_head(vd_params):
+    dcache = {**dcache, "h_BGD": h_BGD}
   p_logp_BGV = sampling_logp(logits_BGV, sampler_cfg)
   n_B, block_BG = verify(p_logp_BGV, q_logp_BgV, drafts_Bg, fold(key, 1))
   mu_BG = behavior_logp(logits_BGV, p_logp_BGV, block_BG, sampler_cfg)
@@ -325,9 +375,10 @@ def _start(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_len
   new_slots = N + G if layout == "min" else N * G
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
       params, prompt_tokens_BP, prompt_len_B, model_cfg, dataclasses.replace(sampler_cfg, max_new_tokens=new_slots))
-  dcache = init_cache(draft_cfg, B, P + new_slots)
-  _, dcache = hidden_with_cache(draft_params, prompt_BP, dcache, draft_cfg, positions_BT=positions_BP,
-                                segment_ids_BT=segment_ids_BP)
+  dcache = init_drafter_state(draft_params, draft_cfg, model_cfg, B, P + new_slots)
+  if not head_drafter.is_head(draft_params):
+    _, dcache = hidden_with_cache(draft_params, prompt_BP, dcache, draft_cfg, positions_BT=positions_BP,
+                                  segment_ids_BT=segment_ids_BP)
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
                      sampler_cfg)
   carry = {**_loop_carry(carry, dcache, prompt_len_B), "prompt_BP": prompt_BP, "positions_BP": positions_BP,
@@ -355,7 +406,7 @@ def decode_calls(params: dict, draft_params: dict, carry: dict, key: Array, stop
   B, N, G = carry["col_B"].shape[0], sampler_cfg.max_new_tokens, gamma + 1
   prompt_len_B = carry["prompt_len_B"]
   v_params, cache = decode_view(params, carry["cache"], model_cfg)
-  vd_params, dcache = decode_view(draft_params, carry["dcache"], draft_cfg)
+  vd_params, dcache = drafter_view(draft_params, carry["dcache"], draft_cfg)
   active = lambda c: ~c["done_B"] & (c["col_B"] < jnp.minimum(stop, N))
 
   def call(carry: dict) -> dict:
@@ -368,15 +419,11 @@ def decode_calls(params: dict, draft_params: dict, carry: dict, key: Array, stop
     n_B, block_BG, mu_BG, recs, cache, dcache = draft_and_verify(
         v_params, vd_params, carry["cache"], carry["dcache"], last_B, pos0_B, active_B, active_B, k_call, model_cfg,
         draft_cfg, sampler_cfg, gamma)
-    if layout == "min":
-      m = jnp.min(jnp.where(active_B, n_B + 1, G))
-      emit_B = jnp.full((B,), m, jnp.int32)
-      # roll back: the caches keep `last` and the m - 1 drafts every row emitted
-      cache, dcache = {**cache, "index": start + m}, {**dcache, "index": start + m}
-    else:
+    if layout == "min":  # the caches keep `last` and the m - 1 drafts every row emitted
+      emit_B = jnp.full((B,), jnp.min(jnp.where(active_B, n_B + 1, G)), jnp.int32)
+    else:  # each row keeps `last` and its accepted drafts
       emit_B = jnp.where(active_B, n_B + 1, 0).astype(jnp.int32)
-      keep_BG = jnp.arange(G)[None, :] < emit_B[:, None]  # `last` and the accepted drafts
-      cache, dcache = _mark_holes(cache, start, keep_BG), _mark_holes(dcache, start, keep_BG)
+    cache, dcache = roll_back(cache, start, emit_B, layout, G), roll_back(dcache, start, emit_B, layout, G)
     counted_B = jnp.where(active_B, jnp.minimum(emit_B, N - col_B), 0)
     carry = {**carry, "cache": cache, "dcache": dcache, "calls": carry["calls"] + 1,
              "accepted": carry["accepted"] + jnp.sum(jnp.where(active_B, n_B, 0)),
@@ -390,7 +437,19 @@ def decode_calls(params: dict, draft_params: dict, carry: dict, key: Array, stop
     return _write_block(carry, block_BG, mu_BG, emit_B, active_B, sampler_cfg, recs, version)
 
   carry = jax.lax.while_loop(lambda c: jnp.any(active(c)), call, {**carry, "cache": cache, "dcache": dcache})
-  return _with_step({**carry, "cache": stack_cache(carry["cache"]), "dcache": stack_cache(carry["dcache"])}, N)
+  return _with_step({**carry, "cache": stack_cache(carry["cache"]), "dcache": drafter_stack(carry["dcache"])}, N)
+
+
+def drafter_view(draft_params: dict, dcache: dict, draft_cfg: ModelConfig) -> tuple[dict, dict]:
+  """`decode_view` of a layers drafter and its cache; a head and its state as they are."""
+  if head_drafter.is_head(draft_params):
+    return draft_params, dcache
+  return decode_view(draft_params, dcache, draft_cfg)
+
+
+def drafter_stack(dcache: dict) -> dict:
+  """`stack_cache` of a layers drafter's cache; a head's state as it is."""
+  return dcache if "feat_BD" in dcache else stack_cache(dcache)
 
 
 def _finish(carry: dict, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
@@ -480,6 +539,7 @@ def prefill_drafter(params: dict, draft_params: dict | None, tokens_BW: Array, p
                     segment_ids_BW: Array, model_cfg: ModelConfig, n_layers: int, slots: int) -> dict:
   """The drafter's cache (`slots` slots, full format: the drafter only proposes) holding the given contexts (the
   drafter `resolve_drafter` picks: `draft_params`, or the policy's first `n_layers` layers)."""
+  layers_only(draft_params, "a kept episode turn")
   d_params, d_cfg = resolve_drafter(params, draft_params, model_cfg, n_layers)
   dcache = init_cache(d_cfg, tokens_BW.shape[0], slots)
   return hidden_with_cache(d_params, tokens_BW, dcache, d_cfg, positions_BT=positions_BW,
@@ -491,6 +551,7 @@ def extend_drafter(params: dict, draft_params: dict | None, dcache: dict, tokens
                    start_pos_B: Array, model_cfg: ModelConfig, n_layers: int) -> dict:
   """`continuation.extend` for the drafter's cache: row b's first `len_B[b]` tokens at positions `start_pos_B[b]`,
   ... (no logits: the drafter's are computed by its next proposal)."""
+  layers_only(draft_params, "a kept episode turn")
   d_params, d_cfg = resolve_drafter(params, draft_params, model_cfg, n_layers)
   positions_BE, segment_ids_BE = appended_layout(len_B, start_pos_B, tokens_BE.shape[1])
   return hidden_with_cache(d_params, tokens_BE.astype(jnp.int32), dcache, d_cfg, positions_BT=positions_BE,
@@ -513,6 +574,7 @@ def decode_turn(params: dict, draft_params: dict | None, cache: dict, dcache: di
   more at the caches' write index for the logits after it (its earlier slot, if any, a hole too). Needs
   `turn_writes` free slots. Returns (outputs: `continuation.decode_turn`'s
   and the spec_* metrics, cache, dcache, last_logits_BV)."""
+  layers_only(draft_params, "a kept episode turn")
   B, N, G = first_logits_BV.shape[0], sampler_cfg.max_new_tokens, gamma + 1
   d_params, draft_cfg = resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
@@ -573,11 +635,21 @@ def drafter_depth(draft_params: dict) -> int:
   return int(jax.tree.leaves(draft_params["layers"])[0].shape[0])
 
 
+def layers_only(draft_params, where: str) -> None:
+  """ValueError for a head drafter (`head_drafter`) on a path that keeps a layers drafter's cache (`where`)."""
+  if head_drafter.is_head(draft_params):
+    raise ValueError(f"{where} drafts with a layers drafter only (sampler.spec_drafter='layers' or 'distilled'), "
+                     "not a head: it keeps the drafter's KV cache between calls")
+
+
 def resolve_drafter(params: dict, draft_params: dict | None, model_cfg: ModelConfig,
                     n_layers: int) -> tuple[dict, ModelConfig]:
   """(drafter parameters, drafter config) of `sampler.spec_draft_layers` = `n_layers`: `draft_params` (a distilled
   drafter; ValueError when it has another depth), or None for the policy's first layers (`layers_drafter`; inside
-  a jitted function, so no copy of them is made per call)."""
+  a jitted function, so no copy of them is made per call). A head (`head_drafter`) has no depth: it comes back
+  with the policy's config."""
+  if head_drafter.is_head(draft_params):
+    return draft_params, model_cfg
   if draft_params is None:
     draft_params = layers_drafter(params, model_cfg, n_layers)
   elif drafter_depth(draft_params) != n_layers:
@@ -589,7 +661,8 @@ def generate(params: dict, draft_params: dict, prompt_tokens_BP: Array, prompt_l
              model_cfg: ModelConfig, sampler_cfg: SamplerConfig, gamma: int, layout: str = "min") -> dict:
   """`generate_speculative` with a drafter of the policy's architecture cut to k layers: `draft_params` holds the
   embedding, k stacked layers, the final norm and the head (`layers_drafter`: a view of the policy's own; or a
-  distilled drafter's, `distill.drafter`), k read off its shapes."""
-  draft_cfg = dataclasses.replace(model_cfg, n_layers=drafter_depth(draft_params))
+  distilled drafter's, `distill.drafter`), k read off its shapes; or a head (`head_drafter`)."""
+  draft_cfg = model_cfg if head_drafter.is_head(draft_params) else dataclasses.replace(
+      model_cfg, n_layers=drafter_depth(draft_params))
   return generate_speculative(params, draft_params, prompt_tokens_BP, prompt_len_B, key, model_cfg, draft_cfg,
                               sampler_cfg, gamma, layout)
