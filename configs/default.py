@@ -86,8 +86,7 @@ def get_config():
   c.sampler.spec_layout = "min"  # "min": rows emit the batch's common minimum per call | "rows": each keeps its own
   # The drafter (distill/drafter.py): "layers" = a view of the policy's first k layers | "distilled" = its own copy of
   # them (+ embedding, norm, head) | "head" = an EAGLE-style head on the policy's last hidden states
-  # (sampling/head_drafter.py; static batches and partial rollouts); the last two distilled after every learner step
-  # on that step's rollouts (ReSpec).
+  # (sampling/head_drafter.py); the last two distilled after every learner step on that step's rollouts (ReSpec).
   c.sampler.spec_drafter = "layers"  # "layers": the policy's first k layers | "distilled": a copy | "head": EAGLE
   c.sampler.spec_head_reg_weight = 10.0  # "head": weight of the feature regression beside the KL (EAGLE's 1 : 0.1)
   c.sampler.spec_distill_lr = 1e-4  # "distilled": Adam learning rate of the KL(π_policy ‖ drafter) steps

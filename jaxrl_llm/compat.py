@@ -121,8 +121,6 @@ REFUSED: dict[frozenset, str] = {
     **_each("not built: cards in an episode's first message (Pats runs on single completions)", "pats", _EPS),
     pair("pats", "harness"): "inherent: in harness mode the harness writes every prompt",
     pair("pats", "echo"): "not built: cards in ECHO's attempt prompts (each runs on its own)",
-    **_each("not built: the slot engine and kept episode turns carry a layers drafter's KV cache between calls; a "
-            "head's state (one feature per request) is not carried there yet", "head_drafter", ("slots",) + _EPS),
 }
 
 

@@ -469,13 +469,6 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   _need(gamma != 0, "sampler.spec_drafter", kind, "needs speculative decoding (sampler.spec_gamma != 0)")
   _need(c.rollout.mode in DRAFTER_MODES, "sampler.spec_drafter", kind,
         f"{where} is wired for rollout.mode in {DRAFTER_MODES} only, not {c.rollout.mode!r}")
-  if kind == "head":  # the slot engine and kept turns carry a drafter's KV cache between calls; a head keeps none
-    _need(not read(c, "rollout.slots"), "sampler.spec_drafter", kind,
-          f"{where} drafts in static batches and partial rollouts, not in the slot engine "
-          f"(rollout.slots={read(c, 'rollout.slots')})")
-    _need(not (env_on(c) and read(c, "env.kv_cache")), "sampler.spec_drafter", kind,
-          f"{where} drafts in static batches and partial rollouts, not in episode turns kept in the KV cache "
-          "(env.kv_cache=True)")
 
 
 MULTIPROCESS_MODES = ("sync", "fixed_lag", "staged", "async", "harness")

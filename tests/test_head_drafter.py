@@ -1,7 +1,9 @@
 """The EAGLE-style head drafter (`sampling.head_drafter`, `sampler.spec_drafter="head"`): its loss against a numpy
 computation from the policy's hidden states, gradients only into the head, distillation raising the acceptance rate,
-the policy's distribution and greedy tokens kept whatever the head drafts (in tests/test_speculative.py), the paths
-that refuse it, and tiny runs (resume exact, partial rollouts)."""
+the policy's distribution and greedy tokens kept whatever the head drafts (in tests/test_speculative.py), the slot
+engine and kept episode turns drafting with it, and tiny runs (resume exact, partial rollouts)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ from jaxrl_llm.sampling import head_drafter as hd
 from jaxrl_llm.sampling import speculative as spec
 from test_drafter import ACC_LENS, ACC_PROMPTS, drafter_config, rollout_batch
 from test_loop import strip
-from test_speculative import CFG, PARAMS, PROMPT_P, P
+from test_speculative import CFG, PARAMS
 
 
 def random_head(seed: int, scale: float = 1.0) -> dict:
@@ -106,17 +108,45 @@ def test_head_distillation_raises_the_acceptance_rate():
   assert after > before + 0.08, (before, after)
 
 
-def test_paths_that_keep_a_drafter_cache_refuse_a_head():
-  """The kept episode turns and the slot engine carry a layers drafter's KV cache between calls: a head is refused
-  there with a ValueError that says so, not a trace-time failure."""
-  head = hd.init_head(CFG, jax.random.key(0))
-  tokens = jnp.tile(PROMPT_P, (2, 1))
-  with pytest.raises(ValueError, match="layers drafter only"):
-    spec.prefill_drafter(PARAMS, head, tokens, jnp.tile(jnp.arange(P), (2, 1)), jnp.ones_like(tokens), CFG, 1, 16)
+def test_slot_engine_with_a_head_is_greedy_generate_and_mu_is_the_learners():
+  """9 requests through 4 slots drafting with a head (one feature per slot, zeroed at admission): greedy speculation
+  emits `generate`'s tokens; sampled, μ equals the learner's scoring; the head both hit and missed."""
+  from jaxrl_llm.learner import completion_logprobs
   from jaxrl_llm.sampling import continuous
-  cfg = SamplerConfig(max_new_tokens=4, spec_gamma=2, spec_draft_layers=1)
-  with pytest.raises(ValueError, match="layers drafter only"):
-    continuous.speculate_chunk(PARAMS, head, {}, 0, CFG, cfg, 2, 2)
+  from test_speculative import SLOT_LENS, SLOT_PROMPTS
+  head, keys = random_head(4, 0.3), jax.random.split(jax.random.key(0), 9)
+  greedy = SamplerConfig(max_new_tokens=10, temperature=0.0, spec_gamma=3, spec_draft_layers=1)
+  out = continuous.generate_slots(PARAMS, SLOT_PROMPTS, SLOT_LENS, keys, CFG, greedy, slots=4, chunk=3,
+                                  draft_params=head)
+  ref = generate(PARAMS, SLOT_PROMPTS, SLOT_LENS, jax.random.key(1), CFG, SamplerConfig(max_new_tokens=10,
+                                                                                      temperature=0.0))
+  np.testing.assert_array_equal(out["tokens_BN"], np.asarray(ref["tokens_BN"]))
+  cfg = SamplerConfig(max_new_tokens=8, temperature=0.8, stop_ids=(3,), spec_gamma=3, spec_draft_layers=1)
+  out = continuous.generate_slots(PARAMS, SLOT_PROMPTS, SLOT_LENS, keys, CFG, cfg, slots=4, chunk=3,
+                                  draft_params=head)
+  score = jax.jit(completion_logprobs, static_argnums=(4, 5, 6))
+  lp = score(PARAMS, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], 8, CFG, 0.8)["logp_BT"]
+  np.testing.assert_allclose(out["behavior_logp_BN"], np.asarray(lp) * out["mask_BN"], atol=2e-5)
+  assert 0.0 < out["spec_accept_rate"] < 1.0
+
+
+def test_kept_turns_with_a_head_equal_reprefilled_turns():
+  """Episode turns from kept caches with a head drafter draw what speculative re-prefilled turns draw (each turn's
+  first call drafts from no feature either way: `extend_drafter` resets it), over 4 turns with a row leaving."""
+  from jaxrl_llm.rollout.generation import DrafterSlot
+  from jaxrl_llm.rollout.turn_sampler import CachedTurns, Reprefill
+  from test_episodes import make_gen
+  from test_turn_sampler import SPEC, W, assert_same, play
+
+  def with_head(cls):
+    gen = make_gen(0.8)
+    return cls(dataclasses.replace(gen, drafter=DrafterSlot(hd.init_head(gen.model_cfg, jax.random.key(2)))), W)
+  cached = with_head(CachedTurns)
+  cached.slots = 4 * W
+  got = play(cached, turns=4, leave_after=1, **SPEC)
+  assert_same(got, play(with_head(Reprefill), turns=4, leave_after=1, **SPEC))
+  assert cached.prefills == 1 and len(cached.spec) == 4
+  assert 0 < np.mean([s["spec_accept_rate"] for s in cached.spec]) < 1
 
 
 def head_config(n: int):
@@ -154,7 +184,6 @@ def test_async_partial_rollouts_with_a_head_drafter(tmp_path):
 def test_config_validation_names_the_field():
   validate(head_config(1))
   for over, needle in [({"sampler.spec_head_reg_weight": -1.0}, "config.sampler.spec_head_reg_weight=-1.0"),
-                       ({"rollout.slots": 4}, "not in the slot engine"),
                        ({"sampler.spec_gamma": 0}, "config.sampler.spec_drafter='head'")]:
     c = head_config(1)
     for k, v in over.items():

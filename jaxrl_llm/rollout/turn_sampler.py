@@ -134,7 +134,7 @@ class CachedTurns:
       if take != list(range(len(take))) or len(take) != last.shape[0]:
         idx = jnp.asarray(take, jnp.int32)
         cache, last = take_rows(cache, idx), jnp.take(last, idx, axis=0)
-        dcache = take_rows(dcache, idx) if gamma else None
+        dcache = speculative.drafter_rows(dcache, idx) if gamma else None
       tokens_bE, len_b = pad_right(suffixes, E, self.gen.sampler_cfg.pad_id)
       start_b = np.asarray([self.cached_len[b] for b in rows_b], np.int32)
       logits_bV, cache = extend(params, cache, tokens_bE, len_b, start_b, last, self.gen.model_cfg,

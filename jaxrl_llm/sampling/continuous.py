@@ -47,7 +47,7 @@ import numpy as np
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, stack_cache
-from jaxrl_llm.sampling import behavior, speculative
+from jaxrl_llm.sampling import behavior, head_drafter, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
 from jaxrl_llm.sampling.sampler import decode_columns, draw_column, is_stop, prefill_rows, prompt_layout
 
@@ -59,7 +59,7 @@ Poll = Callable[[Any], Any]
 _SLOT_AXIS = {"k": 2, "v": 2, "k_scale": 2, "v_scale": 2, "positions_BS": 1, "segment_ids_BS": 1, "routes_LBSk": 2}
 # Row (request) axis of every per-row cache entry, just before its slot axis; every other entry of the engine's
 # state has its rows first.
-_ROW_AXIS = {name: ax - 1 for name, ax in _SLOT_AXIS.items()}
+_ROW_AXIS = {**{name: ax - 1 for name, ax in _SLOT_AXIS.items()}, "feat_BD": 0}  # feat_BD: a head drafter's
 _CACHES = ("cache", "dcache")
 
 
@@ -142,18 +142,21 @@ def _write_column(buf_SN: Array, value_S: Array, col_S: Array, live_S: Array) ->
 
 
 def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, width: int, chunk: int,
-               key_like: Array) -> dict:
+               key_like: Array, head: bool = False) -> dict:
   """The engine's device state with every slot free: a cache of P + N + C slots whose write index stands at P
   (room for the first prompts), and per slot its next column `step_S`, prompt length `start_S` (completion
   column n sits at RoPE position start + n), key, live / stopped flags, logits of its next column and its
-  output columns (tokens, μ log-probs, mask, versions)."""
+  output columns (tokens, μ log-probs, mask, versions). With speculation the drafter's state: its own cache, or
+  for a `head` drafter (`sampling.head_drafter`) one feature per slot."""
   N, gamma = sampler_cfg.max_new_tokens, engine_gamma(sampler_cfg, slots)
   # a chunk advances the index by one slot per step, or by at most γ + 1 per draft-and-verify call (which writes γ + 1)
   room = chunk if not gamma else (chunk + 1) * (gamma + 1)
   cache = init_cache(model_cfg, slots, width + N + room, sampler_cfg.kv_dtype)  # full or int8 (window: a mask)
   cache["index"] = jnp.asarray(width, jnp.int32)
   spec = {}
-  if gamma:  # the drafter's own cache, same slots (full: it only proposes)
+  if gamma and head:
+    spec["dcache"] = {"feat_BD": jnp.zeros((slots, model_cfg.d_model), model_cfg.compute_dtype)}
+  elif gamma:  # the drafter's own cache, same slots (full: it only proposes)
     d_cfg = dataclasses.replace(model_cfg, n_layers=sampler_cfg.spec_draft_layers)
     spec["dcache"] = {**init_cache(d_cfg, slots, width + N + room), "index": jnp.asarray(width, jnp.int32)}
   return {
@@ -262,10 +265,9 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
   docstring). Returns (state, counts): `SPEC_COUNTS` summed over the calls (calls; advance, the slots the write
   index moved; live_calls, live slot-calls; accepted / proposed drafts of live slots; emitted columns)."""
   version = jnp.asarray(version, jnp.int32)
-  speculative.layers_only(draft_params, "the slot engine")
   d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   v_params, cache = decode_view(params, state["cache"], model_cfg)
-  vd_params, dcache = decode_view(d_params, state["dcache"], d_cfg)
+  vd_params, dcache = speculative.drafter_view(d_params, state["dcache"], d_cfg)
   G, N = gamma + 1, sampler_cfg.max_new_tokens
   i_G = jnp.arange(G, dtype=jnp.int32)
 
@@ -282,7 +284,8 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
         v_params, vd_params, st["cache"], st["dcache"], last_S, pos0_S, unfed_S, live_S, keys_S, model_cfg, d_cfg,
         sampler_cfg, gamma)
     m = jnp.where(jnp.any(live_S), jnp.min(jnp.where(live_S, n_S + 1, G)), 1)  # the common minimum
-    cache, dcache = {**cache, "index": start + m}, {**dcache, "index": start + m}
+    cache = {**cache, "index": start + m}
+    dcache = speculative.roll_back(dcache, start, jnp.full(last_S.shape, m, jnp.int32), "min", G)
     # each live slot writes its first m tokens, through its first stop id and up to column N - 1
     stop_SG = is_stop(block_SG, sampler_cfg.stop_ids)
     col_SG = step_S[:, None] + i_G[None, :]
@@ -323,7 +326,7 @@ def speculate_chunk(params: dict, draft_params: dict | None, state: dict, versio
   counts = {"calls": jnp.zeros((), jnp.int32), "advance": jnp.zeros((), jnp.int32), "live_calls": zero,
             "accepted": zero, "proposed": zero, "emitted": zero}
   state, counts = jax.lax.while_loop(keep_going, call, ({**state, "cache": cache, "dcache": dcache}, counts))
-  state = {**state, "cache": stack_cache(state["cache"]), "dcache": stack_cache(state["dcache"])}
+  state = {**state, "cache": stack_cache(state["cache"]), "dcache": speculative.drafter_stack(state["dcache"])}
   return _constrain(state, layout), counts
 
 
@@ -343,7 +346,9 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
                                    sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
   small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
   spec = {}
-  if "dcache" in state:
+  if "dcache" in state and speculative.is_head_state(state["dcache"]):  # a head: no feature yet in those slots
+    spec["dcache"] = {"feat_BD": state["dcache"]["feat_BD"].at[rows_k].set(0, mode="drop")}
+  elif "dcache" in state:
     d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
     dsmall, _ = prefill_rows(d_params, prompt_uP, positions_uP, segment_ids_uP, d_cfg, P)
     spec["dcache"] = _place(state["dcache"], take_rows(dsmall, src_k), rows_k, P)
@@ -476,7 +481,7 @@ class SlotEngine:
       reqs = [self.queue.popleft() for _ in range(take)]
       if self.state is None:
         self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
-                                _stack_keys([reqs[0][3]]))
+                                _stack_keys([reqs[0][3]]), head=head_drafter.is_head(draft_params))
         if self.layout is not None:
           self.state = jax.device_put(self.state, slot_shardings(self.state, self.layout))
       self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg,
@@ -506,7 +511,7 @@ class SlotEngine:
     d = min([self.index - self.width] + ([int(self.base_S[held].min())] if held.any() else []))
     if d > 0:  # no live request reads slots [0, d) any more
       for name in ("cache", "dcache"):
-        if name in state:
+        if name in state and not speculative.is_head_state(state[name]):
           state[name] = shift_cache(state[name], jnp.asarray(d, jnp.int32), self.layout)
       self.index -= d
       self.base_S[held] -= d

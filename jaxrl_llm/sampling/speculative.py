@@ -25,8 +25,8 @@ Drafters: `generate` takes the drafter's parameters explicitly, a model of the p
 layers: the "layers" drafter (`layers_drafter`: a view of the policy's first k layers sharing its embedding, final
 norm and head, so always exactly as fresh as the policy) or a drafter with its own weights (`distill.drafter`:
 initialised as that view, then distilled on recent rollouts, ReSpec) or a head made for drafting (`head_drafter`:
-EAGLE-style, on the policy's last hidden states, distilled the same way; static batches and partial rollouts, the
-kept turns and the slot engine refuse it). `generate_speculative` takes any model of the same vocabulary
+EAGLE-style, on the policy's last hidden states, distilled the same way; it keeps one feature per row instead of a
+cache: `init_drafter_state`, `roll_back`). `generate_speculative` takes any model of the same vocabulary
 (`draft_params`, `draft_cfg`) or a head. Whatever the drafter, the tokens are the policy's samples and μ its
 log-probs: only the acceptance rate depends on it. Fresh is not good: an untrained early exit drafts poorly
 (SmolLM2-135M, 30 layers, temperature 1: acceptance 2-6 % with k = 8, 33 % with k = 28; `bench/speculative.py`),
@@ -53,7 +53,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache
+from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
                                           stack_cache)
@@ -262,7 +262,7 @@ def roll_back(state: dict, start: Array, emit_B: Array, layout: str, width: int)
   slots `start ...` and of which each row keeps its first `emit_B` tokens: under "min" (every row's `emit_B` equal) the
   write index moves back to start + emit; under "rows" the slots not kept become holes. A head keeps the policy's
   feature at its last kept token (the call's `h_BGD`; rows that keep nothing keep their feature)."""
-  if "feat_BD" in state:
+  if is_head_state(state):
     h_BGD = state["h_BGD"]
     at_BD = jnp.take_along_axis(h_BGD, jnp.maximum(emit_B - 1, 0)[:, None, None], axis=1)[:, 0]
     return {"feat_BD": jnp.where(emit_B[:, None] > 0, at_BD, state["feat_BD"]).astype(state["feat_BD"].dtype)}
@@ -449,7 +449,19 @@ def drafter_view(draft_params: dict, dcache: dict, draft_cfg: ModelConfig) -> tu
 
 def drafter_stack(dcache: dict) -> dict:
   """`stack_cache` of a layers drafter's cache; a head's state as it is."""
-  return dcache if "feat_BD" in dcache else stack_cache(dcache)
+  return dcache if is_head_state(dcache) else stack_cache(dcache)
+
+
+def is_head_state(dcache: dict) -> bool:
+  """Whether a drafter's state is a head's (`init_drafter_state`), not a KV cache."""
+  return "feat_BD" in dcache
+
+
+def drafter_rows(dcache: dict, rows_b: Array) -> dict:
+  """The drafter's state of rows `rows_b` (`cache.take_rows` for a layers drafter's cache)."""
+  if is_head_state(dcache):
+    return {"feat_BD": jnp.take(dcache["feat_BD"], rows_b, axis=0)}
+  return take_rows(dcache, rows_b)
 
 
 def _finish(carry: dict, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> dict:
@@ -538,8 +550,10 @@ finish_partial = jax.jit(_finish, static_argnames=("model_cfg", "sampler_cfg"))
 def prefill_drafter(params: dict, draft_params: dict | None, tokens_BW: Array, positions_BW: Array,
                     segment_ids_BW: Array, model_cfg: ModelConfig, n_layers: int, slots: int) -> dict:
   """The drafter's cache (`slots` slots, full format: the drafter only proposes) holding the given contexts (the
-  drafter `resolve_drafter` picks: `draft_params`, or the policy's first `n_layers` layers)."""
-  layers_only(draft_params, "a kept episode turn")
+  drafter `resolve_drafter` picks: `draft_params`, or the policy's first `n_layers` layers). A head's state: no
+  feature yet (`init_drafter_state`)."""
+  if head_drafter.is_head(draft_params):
+    return init_drafter_state(draft_params, model_cfg, model_cfg, tokens_BW.shape[0], slots)
   d_params, d_cfg = resolve_drafter(params, draft_params, model_cfg, n_layers)
   dcache = init_cache(d_cfg, tokens_BW.shape[0], slots)
   return hidden_with_cache(d_params, tokens_BW, dcache, d_cfg, positions_BT=positions_BW,
@@ -550,8 +564,10 @@ def prefill_drafter(params: dict, draft_params: dict | None, tokens_BW: Array, p
 def extend_drafter(params: dict, draft_params: dict | None, dcache: dict, tokens_BE: Array, len_B: Array,
                    start_pos_B: Array, model_cfg: ModelConfig, n_layers: int) -> dict:
   """`continuation.extend` for the drafter's cache: row b's first `len_B[b]` tokens at positions `start_pos_B[b]`,
-  ... (no logits: the drafter's are computed by its next proposal)."""
-  layers_only(draft_params, "a kept episode turn")
+  ... (no logits: the drafter's are computed by its next proposal). A head's state goes back to no feature: the
+  one before the turn's first drafted token is not computed (as at a request's start)."""
+  if head_drafter.is_head(draft_params):
+    return {"feat_BD": jnp.zeros_like(dcache["feat_BD"])}
   d_params, d_cfg = resolve_drafter(params, draft_params, model_cfg, n_layers)
   positions_BE, segment_ids_BE = appended_layout(len_B, start_pos_B, tokens_BE.shape[1])
   return hidden_with_cache(d_params, tokens_BE.astype(jnp.int32), dcache, d_cfg, positions_BT=positions_BE,
@@ -574,7 +590,6 @@ def decode_turn(params: dict, draft_params: dict | None, cache: dict, dcache: di
   more at the caches' write index for the logits after it (its earlier slot, if any, a hole too). Needs
   `turn_writes` free slots. Returns (outputs: `continuation.decode_turn`'s
   and the spec_* metrics, cache, dcache, last_logits_BV)."""
-  layers_only(draft_params, "a kept episode turn")
   B, N, G = first_logits_BV.shape[0], sampler_cfg.max_new_tokens, gamma + 1
   d_params, draft_cfg = resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
   carry = emit_token(decode_carry(cache, B, N + G, sampler_cfg), first_logits_BV, jax.random.fold_in(key, 0),
@@ -592,7 +607,10 @@ def decode_turn(params: dict, draft_params: dict | None, cache: dict, dcache: di
   at = dict(positions_BT=(start_pos_B + last_B)[:, None].astype(jnp.int32), segment_ids_BT=jnp.ones_like(token_B1))
   logits_B1V, cache = forward_with_cache(params, token_B1, holes(carry["cache"]), model_cfg,
                                          kv_window=sampler_cfg.kv_window_arg, **at)
-  _, dcache = hidden_with_cache(d_params, token_B1, holes(carry["dcache"]), draft_cfg, **at)
+  if head_drafter.is_head(d_params):  # no cache to fix; the next turn's `extend_drafter` resets the feature
+    dcache = carry["dcache"]
+  else:
+    _, dcache = hidden_with_cache(d_params, token_B1, holes(carry["dcache"]), draft_cfg, **at)
   out = {"tokens_BN": carry["tokens_BN"][:, :N], "mask_BN": mask_BN, "behavior_logp_BN": carry["logp_BN"][:, :N],
          "lengths_B": jnp.sum(mask_BN, axis=1).astype(jnp.int32), **_spec_stats(carry),
          **{k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}}
@@ -633,13 +651,6 @@ def layers_drafter(params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
 def drafter_depth(draft_params: dict) -> int:
   """k, the number of decoder layers a drafter's (stacked) parameters hold (static: a shape)."""
   return int(jax.tree.leaves(draft_params["layers"])[0].shape[0])
-
-
-def layers_only(draft_params, where: str) -> None:
-  """ValueError for a head drafter (`head_drafter`) on a path that keeps a layers drafter's cache (`where`)."""
-  if head_drafter.is_head(draft_params):
-    raise ValueError(f"{where} drafts with a layers drafter only (sampler.spec_drafter='layers' or 'distilled'), "
-                     "not a head: it keeps the drafter's KV cache between calls")
 
 
 def resolve_drafter(params: dict, draft_params: dict | None, model_cfg: ModelConfig,
