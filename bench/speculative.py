@@ -93,7 +93,8 @@ def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: i
     kls.append(float(m["spec_drafter_kl"]))
     if i % max(1, steps // 10) == 0 or i == steps - 1:
       print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4)}), flush=True)
-  return state.params, {"drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, "distill_kl_first": kls[0] if kls else None,
+  return state.params, {"drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr,
+                        "distill_kl_first": kls[0] if kls else None,
                         "distill_kl_last": kls[-1] if kls else None, "distill_s": time.perf_counter() - t0}
 
 
@@ -160,6 +161,10 @@ def main(argv=None) -> int:
   batches = [int(x) for x in args.batches.split(",")]
   gammas = [int(x) for x in args.gammas.split(",")]
   rows, load_start = [], os.getloadavg()[0]
+  if args.markdown:  # the commit and date of the code that runs, read before it runs
+    from bench.run import _git, machine_info
+    m = machine_info()
+    m["dirty"] = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
   for name in args.models.split(","):
     if name == "toy":
       params, cfg, prompts, pad = toy_model(args.new_tokens)
@@ -185,13 +190,10 @@ def main(argv=None) -> int:
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
   if args.markdown:
-    from bench.run import _git, machine_info
-    m = machine_info()
-    dirty = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
     command = " ".join(["python -m bench.speculative", *(argv if argv is not None else sys.argv[1:])])
     pathlib.Path(args.markdown).write_text(
-        f"Measured by `{command}` · commit {m['commit']}{dirty} · {m['date_utc']} · {m['cpu_count']} cores · load "
-        f"average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end · huge pages "
+        f"Measured by `{command}` · commit {m['commit']}{m['dirty']} · {m['date_utc']} · {m['cpu_count']} cores · "
+        f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end · huge pages "
         f"{'on' if m['huge_pages'] else 'off'}\n\n{table(rows)}\n")
   return 0
 
