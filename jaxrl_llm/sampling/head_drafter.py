@@ -10,7 +10,7 @@ that network without EAGLE's attention layer (so it keeps no KV cache and a requ
 
 with the policy's embedding e and vocabulary head (read from the policy's parameters: not the drafter's, and
 always the current policy's). f is the policy's final-normed hidden state, the one its head reads. The drafter's
-parameters are `{"eagle": {...}}` (`is_head`): 2D² + 3·D·F + D, 2.7M at SmolLM2-135M's D = 576 with F = 1536.
+parameters are `{"eagle": {...}}` (`is_head`): 2D² + 3·D·F + D, 3.3M at SmolLM2-135M's D = 576 with F = 1536.
 Where it differs from EAGLE: no attention layer (the feature carries the context), and a request's first draft
 call has no feature (the prefill returns logits, not hidden states), so it drafts from f = 0 and the token alone;
 `distill.drafter.head_loss` trains that case as it runs. Whatever the head drafts, speculative decoding keeps the
