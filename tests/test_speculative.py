@@ -386,20 +386,23 @@ SLOT_PROMPTS = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8], [0, 4, 4, 1]] * 3, jnp.int
 SLOT_LENS = jnp.array([4, 2, 3] * 3, jnp.int32)
 
 
-def test_slot_engine_speculates_greedy_as_generate_and_mu_is_the_learners():
+@pytest.mark.parametrize("drafter", ["layers", "head"])
+def test_slot_engine_speculates_greedy_as_generate_and_mu_is_the_learners(drafter):
   """9 requests through 4 slots: greedy speculation emits `generate`'s tokens; sampled (a random drafter, stop ids)
-  μ equals the learner's scoring; the spec_* metrics and slot counters come out together."""
+  μ equals the learner's scoring; the spec_* metrics and slot counters come out together. "head": an untrained
+  head drafts both (one feature per slot, zeroed at admission)."""
   from jaxrl_llm.sampling import continuous
   from jaxrl_llm.sampling.sampler import generate as plain
   keys = jax.random.split(jax.random.key(0), 9)
   greedy = SamplerConfig(max_new_tokens=10, temperature=0.0, spec_gamma=3, spec_draft_layers=1)
-  out = continuous.generate_slots(PARAMS, SLOT_PROMPTS, SLOT_LENS, keys, CFG, greedy, slots=4, chunk=3)
+  out = continuous.generate_slots(PARAMS, SLOT_PROMPTS, SLOT_LENS, keys, CFG, greedy, slots=4, chunk=3,
+                                  draft_params=HEAD if drafter == "head" else None)
   ref = plain(PARAMS, SLOT_PROMPTS, SLOT_LENS, jax.random.key(1), CFG, dataclasses.replace(greedy, spec_gamma=0))
   np.testing.assert_array_equal(out["tokens_BN"], np.asarray(ref["tokens_BN"]))
   np.testing.assert_allclose(out["behavior_logp_BN"], np.asarray(ref["behavior_logp_BN"]), atol=2e-5)
   cfg = SamplerConfig(max_new_tokens=8, temperature=0.8, stop_ids=(3,), spec_gamma=3, spec_draft_layers=1)
   out = continuous.generate_slots(PARAMS, SLOT_PROMPTS, SLOT_LENS, keys, CFG, cfg, slots=4, chunk=3,
-                                  draft_params=BAD_PARAMS)
+                                  draft_params=HEAD if drafter == "head" else BAD_PARAMS)
   score = jax.jit(completion_logprobs, static_argnums=(4, 5, 6))
   ref = score(PARAMS, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], 8, CFG, 0.8)["logp_BT"]
   np.testing.assert_allclose(out["behavior_logp_BN"], np.asarray(ref) * out["mask_BN"], atol=2e-5)
