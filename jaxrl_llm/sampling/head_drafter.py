@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import rms_norm
+from jaxrl_llm.models.layers import project, rms_norm, swiglu
 
 Array = jax.Array
 
@@ -52,9 +52,8 @@ def head_size(draft_params: dict) -> int:
 def predict(draft_params: dict, feat_xD: Array, emb_xD: Array, model_cfg: ModelConfig) -> Array:
   """f̂ [..., D] from the previous feature `feat_xD` and the last token's embedding `emb_xD` (any leading axes)."""
   p = jax.tree.map(lambda w: w.astype(model_cfg.compute_dtype), draft_params["eagle"])
-  x_xD = jnp.concatenate([feat_xD, emb_xD], axis=-1).astype(model_cfg.compute_dtype) @ p["fc_2DD"]
-  n_xD = rms_norm(x_xD, p["norm_D"], model_cfg.rms_eps)
-  return x_xD + (jax.nn.silu(n_xD @ p["gate_DF"]) * (n_xD @ p["up_DF"])) @ p["down_FD"]
+  x_xD = project(jnp.concatenate([feat_xD, emb_xD], axis=-1).astype(model_cfg.compute_dtype), p["fc_2DD"])
+  return x_xD + swiglu(rms_norm(x_xD, p["norm_D"], model_cfg.rms_eps), p["gate_DF"], p["up_DF"], p["down_FD"])
 
 
 def embed(policy_params: dict, tokens: Array, model_cfg: ModelConfig) -> Array:
