@@ -44,7 +44,8 @@ ABSENT_DEFAULTS = {
     "sampler.behavior_topk": 0, "sampler.mc_samples": 0,
     "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
     "sampler.spec_gamma": 0, "sampler.spec_draft_layers": 0, "sampler.spec_layout": "min",
-    "sampler.spec_drafter": "layers", "sampler.spec_head_reg_weight": 10.0, "sampler.spec_distill_lr": 1e-4,
+    "sampler.spec_drafter": "layers", "sampler.spec_head_reg_weight": 10.0, "sampler.spec_head_vocab": 0,
+    "sampler.spec_distill_lr": 1e-4,
     "sampler.spec_distill_steps": 1,
     "sampler.spec_distill_reward_weight": 0.0,
     "rollout.dynamic_sampling": False, "rollout.sampler_devices": 0, "rollout.partial_chunk": 0, "rollout.slots": 0,
@@ -463,6 +464,11 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
   reg = read(c, "sampler.spec_head_reg_weight")
   _need(isinstance(reg, (int, float)) and not isinstance(reg, bool) and reg >= 0, "sampler.spec_head_reg_weight",
         reg, "must be a number >= 0")
+  vocab = read(c, "sampler.spec_head_vocab")
+  _need(isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 0, "sampler.spec_head_vocab", vocab,
+        "must be an int >= 0 (0 = the whole vocabulary)")
+  _need(vocab == 0 or kind == "head", "sampler.spec_head_vocab", vocab,
+        f"a draft vocabulary is the head drafter's (sampler.spec_drafter='head'), not the {kind} drafter's")
   if kind == "layers":
     return
   where = f"the {kind} drafter"

@@ -76,7 +76,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, on_step) -> list[dict]:
   ckpt, restored = run_state.resume_point(c, workdir, r, store, slots, config_json)
   start, state, extra, meta, host = restored or run_state.fresh_start(c, r, store, workdir)
   if r.drafter is not None:  # the sampler drafts with the distilled drafter's (restored) parameters
-    r.ctx.gen.drafter.params = sampler_drafter(r, extra["drafter"].params)
+    r.ctx.gen.drafter.params = sampler_drafter(r, r.drafter.sampler_params(extra["drafter"]))
   writes = multiprocess.is_writer()  # process 0 writes the run's files; every process checkpoints
   if restored is not None and writes:
     for name in ("metrics.jsonl", metrics_lib.TIMELINE):
@@ -214,7 +214,7 @@ def _learn(r: Run, store: ParamStore, state, extra: dict, ro: Rollout, t: int):
   if r.drafter is not None:  # distil the speculative drafter on this batch towards the new policy (ReSpec)
     t_distill = time.perf_counter()
     extra["drafter"], dm = r.drafter.update(extra["drafter"], state.params, ro)
-    r.ctx.gen.drafter.params = sampler_drafter(r, extra["drafter"].params)
+    r.ctx.gen.drafter.params = sampler_drafter(r, r.drafter.sampler_params(extra["drafter"]))
     info.update(dm, time_drafter_distill_s=time.perf_counter() - t_distill)
   return state, m, info
 

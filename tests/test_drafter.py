@@ -235,7 +235,10 @@ def test_config_validation_names_the_field():
                        ({"sampler.spec_drafter": "head", "sampler.spec_head_reg_weight": -1.0},
                         "config.sampler.spec_head_reg_weight=-1.0"),
                        ({"sampler.spec_drafter": "head", "sampler.spec_gamma": 0},
-                        "config.sampler.spec_drafter='head'")]:
+                        "config.sampler.spec_drafter='head'"),
+                       ({"sampler.spec_drafter": "head", "sampler.spec_head_vocab": -1},
+                        "config.sampler.spec_head_vocab=-1"),
+                       ({"sampler.spec_head_vocab": 4}, "config.sampler.spec_head_vocab=4")]:
     c = drafter_config(1)
     for k, v in over.items():
       sec, key = k.split(".")

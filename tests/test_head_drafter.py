@@ -20,6 +20,8 @@ from jaxrl_llm.models.transformer import hidden, lm_head_weights
 from jaxrl_llm.sampling import head_drafter as hd
 from test_drafter import drafter_config, rollout_batch
 from test_loop import strip
+from jaxrl_llm.sampling import speculative as spec
+from jaxrl_llm.sampling.sample import SamplerConfig
 from test_speculative import CFG, PARAMS
 
 
@@ -31,9 +33,10 @@ def random_head(seed: int, scale: float = 1.0) -> dict:
                     for k, w in head["eagle"].items()}}
 
 
-def np_head_loss(head, seq, pos, seg, mask, weight, temperature, reg_weight):
+def np_head_loss(head, seq, pos, seg, mask, weight, temperature, reg_weight, vocab=None):
   """(loss, KL) written out in float64 numpy from the policy's final-normed hidden states (`transformer.hidden`):
-  column j >= 1 drafted from (feature before column j - 1, or zeros for j = 1; embedding of token j - 1)."""
+  column j >= 1 drafted from (feature before column j - 1, or zeros for j = 1; embedding of token j - 1); with a
+  draft vocabulary, both distributions over its tokens only."""
   N = mask.shape[1]
   f = np.asarray(jax.jit(hidden, static_argnums=2)(PARAMS, seq, CFG, positions_BT=pos, segment_ids_BT=seg),
                  np.float64)[:, -N - 1:-1]  # f[:, j]: the feature whose head gives column j
@@ -45,6 +48,8 @@ def np_head_loss(head, seq, pos, seg, mask, weight, temperature, reg_weight):
   gate = n @ w["gate_DF"]
   pred = x + ((gate / (1 + np.exp(-gate))) * (n @ w["up_DF"])) @ w["down_FD"]
   head_DV = np.asarray(lm_head_weights(PARAMS, CFG), np.float64)
+  if vocab is not None:
+    head_DV = head_DV[:, vocab]
   logsm = lambda z: z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
   lq, lp = logsm(pred @ head_DV / temperature), logsm(f[:, 1:] @ head_DV / temperature)
   kl = (np.exp(lp) * np.clip(lp - lq, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)).sum(-1)  # `dense.kl_dense`'s bound
@@ -55,16 +60,18 @@ def np_head_loss(head, seq, pos, seg, mask, weight, temperature, reg_weight):
   return kl_m + reg_weight * reg_m, kl_m
 
 
-def test_head_loss_equals_numpy_and_only_the_head_gets_gradient():
-  """`head_loss` = the numpy loss and KL (temperature 0.8, a shorter row, row weights, reg_weight 2); its gradient
-  w.r.t. the policy is zero, w.r.t. every part of the head finite and non-zero; a masked column's token changes
-  neither the loss nor the gradient."""
+@pytest.mark.parametrize("vocab", [None, (0, 2, 3, 7, 10)])
+def test_head_loss_equals_numpy_and_only_the_head_gets_gradient(vocab):
+  """`head_loss` = the numpy loss and KL (temperature 0.8, a shorter row, row weights, reg_weight 2; over the whole
+  vocabulary or a draft vocabulary of 5 of the 12 tokens); its gradient w.r.t. the policy is zero, w.r.t. every part
+  of the head finite and non-zero; a masked column's token changes neither the loss nor the gradient."""
   seq, pos, seg, mask = rollout_batch(PARAMS, 4, 0, N=6)
   mask = mask.at[1, 3:].set(0.0)
   head, weight = random_head(3), jnp.array([1.0, 0.5, 2.0, 0.0])
-  loss = lambda h, pp, s: dr.head_loss(h, pp, s, pos, seg, mask, weight, CFG, 0.8, 2.0)
+  vocab_K = None if vocab is None else jnp.array(vocab, jnp.int32)
+  loss = lambda h, pp, s: dr.head_loss(h, pp, s, pos, seg, mask, weight, CFG, 0.8, 2.0, vocab_K=vocab_K)
   got, got_kl = jax.jit(loss)(head, PARAMS, seq)
-  want, want_kl = np_head_loss(head, seq, pos, seg, mask, weight, 0.8, 2.0)
+  want, want_kl = np_head_loss(head, seq, pos, seg, mask, weight, 0.8, 2.0, vocab)
   assert want_kl > 0.05 and want > want_kl
   assert float(got) == pytest.approx(want, rel=1e-4)
   assert float(got_kl) == pytest.approx(want_kl, rel=1e-4)
@@ -78,6 +85,40 @@ def test_head_loss_equals_numpy_and_only_the_head_gets_gradient():
   assert float(loss(head, PARAMS, seq2)[0]) == pytest.approx(float(got), rel=1e-6)
   for a, b in zip(jax.tree.leaves(g_head), jax.tree.leaves(grad(head, PARAMS, seq2)[0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_draft_vocabulary_counts_drafts_and_q():
+  """A head's draft vocabulary (`sampler.spec_head_vocab`): `distill_step` counts the batch's unmasked completion
+  tokens (numpy bincount, accumulating over steps), the sampler's head drafts over the K most counted (ties: lower
+  id; no counts: ids 0 .. K-1), `spec_head_vocab_hit` is the share of the batch's tokens inside them, and
+  `draft_head` draws only those tokens, with q the numpy softmax over their K head columns and zero elsewhere."""
+  K = 5
+  distill = dr.DrafterDistill(model_cfg=CFG, layers=1, temperature=1.0, lr=1e-3, kind="head", vocab=K)
+  state = distill.init(PARAMS)
+  np.testing.assert_array_equal(np.asarray(distill.sampler_params(state)["vocab_K"]), np.arange(K))
+  want = np.zeros(CFG.vocab_size)
+  for seed in (0, 1):
+    seq, pos, seg, mask = rollout_batch(PARAMS, 4, seed, N=6)
+    mask = mask.at[seed, 2:].set(0.0)
+    toks, m = np.asarray(seq)[:, -6:], np.asarray(mask)
+    np.add.at(want, toks, m)
+    state, metrics = dr.distill_step(state, PARAMS, seq, pos, seg, mask, jnp.zeros(4), model_cfg=CFG,
+                                     temperature=1.0, lr=1e-3, vocab=K)
+    np.testing.assert_allclose(np.asarray(state.counts_V), want)
+    top = np.sort(np.argsort(-want, kind="stable")[:K])
+    np.testing.assert_array_equal(np.asarray(distill.sampler_params(state)["vocab_K"]), top)
+    assert metrics["spec_head_vocab_hit"] == pytest.approx((m * np.isin(toks, top)).sum() / m.sum(), rel=1e-6)
+  head = distill.sampler_params(state)
+  feat = jax.random.normal(jax.random.key(4), (3, CFG.d_model))
+  drafts, q = jax.jit(spec.draft_head, static_argnums=(5, 6, 7))(
+      head, PARAMS, {"feat_BD": feat}, jnp.array([1, 4, 9]), jax.random.key(6), CFG,
+      SamplerConfig(max_new_tokens=4, temperature=0.7), 2)
+  assert np.all(np.isin(np.asarray(drafts), top)) and np.all(np.isneginf(np.asarray(q)[..., np.setdiff1d(
+      np.arange(CFG.vocab_size), top)]))
+  f_hat = hd.predict(head, feat, hd.embed(PARAMS, jnp.array([1, 4, 9]), CFG), CFG)  # column 0's feature
+  z = np.asarray(f_hat, np.float64) @ np.asarray(lm_head_weights(PARAMS, CFG), np.float64)[:, top] / 0.7
+  want_q = np.exp(z - z.max(-1, keepdims=True))
+  np.testing.assert_allclose(np.exp(np.asarray(q)[:, 0][:, top]), want_q / want_q.sum(-1, keepdims=True), rtol=1e-4)
 
 
 def test_head_size():
@@ -107,9 +148,10 @@ def test_kept_turns_with_a_head_equal_reprefilled_turns():
   assert 0 < np.mean([s["spec_accept_rate"] for s in cached.spec]) < 1
 
 
-def head_config(n: int):
+def head_config(n: int, vocab: int = 0):
   c = drafter_config(n)
-  c.sampler.update({"spec_drafter": "head", "spec_distill_lr": 3e-3, "spec_head_reg_weight": 1.0})
+  c.sampler.update({"spec_drafter": "head", "spec_distill_lr": 3e-3, "spec_head_reg_weight": 1.0,
+                    "spec_head_vocab": vocab})
   validate(c)
   return c
 
@@ -118,12 +160,14 @@ def head_config(n: int):
 def test_run_with_a_head_drafter_resumes_exactly(tmp_path):
   """A tiny sync run with `spec_drafter="head"` distils the head every step (the KL falls within a step's Adam steps)
   and speculates with it, and a run stopped after 2 steps and resumed writes the same metrics as an uninterrupted
-  3-step one (the head's parameters and Adam state are in the checkpoint)."""
-  a = loop.run(head_config(3), str(tmp_path / "a"))
+  3-step one (the head's parameters, Adam state and token counts are in the checkpoint: a draft vocabulary of 6
+  tokens, so lost counts would draft other tokens after the resume and draw other samples)."""
+  a = loop.run(head_config(3, 6), str(tmp_path / "a"))
   assert all(np.isfinite(r["spec_drafter_kl"]) and r["spec_drafter_kl_last"] < r["spec_drafter_kl"] for r in a)
   assert all(0 <= r["spec_accept_rate"] <= 1 and r["mismatch_abs_max"] < 1e-4 for r in a)
-  loop.run(head_config(2), str(tmp_path / "b"))
-  loop.run(head_config(3), str(tmp_path / "b"))
+  assert all(0 < r["spec_head_vocab_hit"] <= 1 for r in a)
+  loop.run(head_config(2, 6), str(tmp_path / "b"))
+  loop.run(head_config(3, 6), str(tmp_path / "b"))
   assert strip(a) == strip(read_jsonl(str(tmp_path / "b" / "metrics.jsonl")))
 
 

@@ -77,15 +77,15 @@ def tv(counts, probs):
 
 @pytest.mark.parametrize("drafter,temperature,top_k,layout", [("random", 1.0, 0, "min"), ("layer1", 0.7, 4, "min"),
                                                               ("random", 0.7, 4, "rows"), ("layer1", 1.0, 0, "rows"),
-                                                              ("head", 1.0, 0, "rows")])
+                                                              ("head", 1.0, 0, "rows"), ("head_vocab", 0.7, 0, "min")])
 def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, top_k, layout):
   """Counts of columns 0-2 over 2400 samples match the exact policy marginals (TV < 0.06; sampling noise here is
   ~0.03), while the drafter alone is far from them (so the check could fail; an untrained head: acceptance well
   below 1, so its drafts are often rejected)."""
   if drafter == "random":
     d_params, d_cfg = BAD_PARAMS, dataclasses.replace(CFG, n_layers=1)
-  elif drafter == "head":
-    d_params, d_cfg = HEAD, CFG
+  elif drafter.startswith("head"):  # head_vocab: drafting over 5 of the 12 tokens (q = 0 on the others)
+    d_params, d_cfg = HEAD if drafter == "head" else head_drafter.with_vocab(HEAD, jnp.zeros(12), 5), CFG
   else:
     d_params, d_cfg = spec.draft_from_layers(PARAMS, CFG, 1)
   cfg = SamplerConfig(max_new_tokens=3, temperature=temperature, top_k=top_k)
@@ -95,11 +95,11 @@ def test_distribution_is_the_policys_with_a_bad_drafter(drafter, temperature, to
   for col in range(3):
     counts = np.bincount(toks[:, col], minlength=CFG.vocab_size).astype(float)
     assert tv(counts, policy[col]) < 0.06, (col, tv(counts, policy[col]))
-  if drafter != "head":
+  if not drafter.startswith("head"):
     draft = exact_marginals(d_params, d_cfg, temperature, top_k)
     for col in (1, 2):  # the drafter's own law is far off: emitting its drafts unchecked would fail the bound above
       assert 0.5 * np.abs(draft[col] - policy[col]).sum() > 0.2
-  assert 0.0 < float(accept) < (0.7 if drafter == "head" else 0.9)
+  assert 0.0 < float(accept) < (0.7 if drafter.startswith("head") else 0.9)
 
 
 @pytest.mark.parametrize("layout", spec.LAYOUTS)
@@ -129,12 +129,14 @@ def test_mu_equals_the_learners_scoring(layout):
 
 
 @pytest.mark.parametrize("gamma,draft_layers,layout", [(1, 1, "min"), (3, 2, "min"), (4, 3, "min"), (3, 1, "rows"),
-                                                       (3, "head", "min"), (2, "head", "rows")])
+                                                       (3, "head", "min"), (2, "head", "rows"),
+                                                       (2, "head_vocab", "min")])
 def test_greedy_equals_plain_generate(gamma, draft_layers, layout):
   prompts = jnp.array([[5, 9, 2, 7], [0, 0, 3, 8]], jnp.int32)
   lens = jnp.array([4, 2], jnp.int32)
   cfg = SamplerConfig(max_new_tokens=10, temperature=0.0)
-  drafter = HEAD if draft_layers == "head" else spec.layers_drafter(PARAMS, CFG, draft_layers)
+  drafter = {"head": HEAD, "head_vocab": head_drafter.with_vocab(HEAD, jnp.arange(12.0), 4)}.get(draft_layers) or \
+      spec.layers_drafter(PARAMS, CFG, draft_layers)
   out = spec.generate(PARAMS, drafter, prompts, lens, jax.random.key(0), CFG, cfg, gamma, layout)
   ref = generate(PARAMS, prompts, lens, jax.random.key(1), CFG, cfg)
   np.testing.assert_array_equal(np.asarray(out["tokens_BN"]), np.asarray(ref["tokens_BN"]))

@@ -24,6 +24,13 @@ cross-entropy against the policy's soft labels: the same gradient) plus `reg_wei
 of its predicted feature to the policy's (EAGLE's regression loss; EAGLE weighs the two 0.1 : 1, hence the default
 reg_weight = 10 with the KL at weight 1).
 
+A head's reduced draft vocabulary (`sampler.spec_head_vocab` = K > 0, `head_drafter.with_vocab`): the state counts
+the completion tokens of every batch it was distilled on (`counts_V`, checkpointed with it), and the head drafts
+over the K most frequent so far (before any batch: ids 0 .. K-1). It is trained as it drafts: the KL is the one
+between the policy's and the head's distributions restricted to those K tokens and renormalised, KL(p_S ‖ q_S),
+whose minimum q = p_S gives the largest acceptance rate any q on S can, p(S) (`spec_head_vocab_hit`: the share of
+the batch's completion tokens inside S, an estimate of it).
+
 Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
 rate, never the tokens' distribution or μ.
 """
@@ -52,10 +59,11 @@ Array = jax.Array
 
 
 class DrafterState(struct.PyTreeNode):
-  """The distilled drafter: its parameters (embedding, k stacked layers, final norm, head; or a head drafter's) and
-  Adam's state."""
+  """The distilled drafter: its parameters (embedding, k stacked layers, final norm, head; or a head drafter's),
+  Adam's state and the counts of the completion tokens it was distilled on (float32 [V])."""
   params: Any
   opt_state: Any
+  counts_V: Any
 
 
 def init_params(policy_params: dict, model_cfg: ModelConfig, n_layers: int) -> dict:
@@ -73,7 +81,8 @@ def init_state(policy_params: dict, model_cfg: ModelConfig, n_layers: int, lr: f
     params = head_drafter.init_head(model_cfg, jax.random.key(0))
   else:
     params = init_params(policy_params, model_cfg, n_layers)
-  return DrafterState(params=params, opt_state=optax.adam(lr).init(params))
+  return DrafterState(params=params, opt_state=optax.adam(lr).init(params),
+                      counts_V=jnp.zeros((model_cfg.vocab_size,), jnp.float32))
 
 
 def reward_weights(reward_B: Array, alpha: float) -> Array:
@@ -132,12 +141,13 @@ def policy_features(policy_params: dict, sequence_BT: Array, positions_BT: Array
 
 def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
               mask_BN: Array, weight_B: Array, model_cfg: ModelConfig, temperature: float, reg_weight: float = 10.0,
-              f_BND: Array | None = None) -> tuple[Array, Array]:
+              f_BND: Array | None = None, vocab_K: Array | None = None) -> tuple[Array, Array]:
   """(loss, KL) of a head drafter (`head_drafter`) teacher-forced on the batch as it drafts at run time: completion
   column j ≥ 1 is drafted from (feature of column j - 1, completion token j - 1), with no feature (zeros) for
   column 1, the first one a request drafts. KL: Σ w m KL(π_policy ‖ q) / Σ w m over columns 1.., both at
   `temperature`; loss = KL + `reg_weight` · the same mean of the smooth-L1 distance (β = 1, mean over D) of the
-  predicted feature to the policy's. `f_BND`: `policy_features` when already computed."""
+  predicted feature to the policy's. `f_BND`: `policy_features` when already computed. `vocab_K`: the head's draft
+  vocabulary (`head_drafter.vocab`): both distributions restricted to it and renormalised."""
   N = mask_BN.shape[1]
   if f_BND is None:
     f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
@@ -148,6 +158,8 @@ def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT:
   pred_BnD = head_drafter.predict(head, feat_in_BnD, emb_BnD, model_cfg)
   mask_Bn = jnp.asarray(mask_BN, jnp.float32)[:, 1:]
   w_DV = jax.lax.stop_gradient(lm_head_weights(lora.effective(policy_params), model_cfg))
+  if vocab_K is not None:
+    w_DV = jnp.take(w_DV, vocab_K, axis=1)
   heads = _Heads(mask_Bn, VocabHead(hidden_BND=pred_BnD, w_DV=w_DV), VocabHead(hidden_BND=f_BND[:, 1:], w_DV=w_DV))
   kl_Bn = dense.divergence(heads, lambda lq, lp: dense.kl_dense(lp, lq), temperature)
   reg_Bn = jnp.mean(optax.huber_loss(pred_BnD.astype(jnp.float32), f_BND[:, 1:].astype(jnp.float32)), axis=-1)
@@ -157,22 +169,31 @@ def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT:
   return kl + reg_weight * reg, kl
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "lr", "steps", "alpha", "reg_weight"))
+@functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "lr", "steps", "alpha", "reg_weight",
+                                             "vocab"))
 def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, positions_BT: Array,
                  segment_ids_BT: Array, mask_BN: Array, reward_B: Array, *, model_cfg: ModelConfig,
                  temperature: float, lr: float, steps: int = 1, alpha: float = 0.0,
-                 reg_weight: float = 10.0) -> tuple[DrafterState, dict]:
+                 reg_weight: float = 10.0, vocab: int = 0) -> tuple[DrafterState, dict]:
   """`steps` Adam steps (learning rate `lr`) of `distill_loss` (a head: `head_loss`, the policy's features computed
-  once) on one batch, rows weighted by `reward_weights` (α = `alpha`). Returns (state, {"spec_drafter_kl": the KL
-  before the first step, "spec_drafter_kl_last": the KL before the last step}); the policy's parameters are read,
-  never changed."""
+  once; with `vocab` = K > 0 over its draft vocabulary after this batch's tokens are counted) on one batch, rows
+  weighted by `reward_weights` (α = `alpha`). Returns (state, {"spec_drafter_kl": the KL before the first step,
+  "spec_drafter_kl_last": the KL before the last step, and with K > 0 "spec_head_vocab_hit": the share of the
+  batch's completion tokens in the draft vocabulary}); the policy's parameters are read, never changed."""
   tx = optax.adam(lr)
   weight_B = reward_weights(reward_B, alpha)
+  N = mask_BN.shape[1]
+  tokens_BN, m_BN = sequence_BT[:, -N:], jnp.asarray(mask_BN, jnp.float32)
+  counts_V = state.counts_V.at[tokens_BN].add(m_BN)
+  state, extra = state.replace(counts_V=counts_V), {}
   if head_drafter.is_head(state.params):
-    N = mask_BN.shape[1]
+    vocab_K = head_drafter.top_vocab(counts_V, vocab) if vocab else None
+    if vocab:
+      in_V = jnp.zeros(counts_V.shape, jnp.float32).at[vocab_K].set(1.0)
+      extra["spec_head_vocab_hit"] = jnp.sum(m_BN * in_V[tokens_BN]) / jnp.maximum(jnp.sum(m_BN), 1.0)
     f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
     loss_fn = lambda dp: head_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
-                                   model_cfg, temperature, reg_weight, f_BND)
+                                   model_cfg, temperature, reg_weight, f_BND, vocab_K)
   else:
     loss_fn = lambda dp: (lambda kl: (kl, kl))(distill_loss(dp, policy_params, sequence_BT, positions_BT,
                                                             segment_ids_BT, mask_BN, weight_B, model_cfg, temperature))
@@ -180,10 +201,10 @@ def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, p
   def one(st: DrafterState, _):
     (_, kl), g = jax.value_and_grad(loss_fn, has_aux=True)(st.params)
     updates, opt_state = tx.update(g, st.opt_state, st.params)
-    return DrafterState(params=optax.apply_updates(st.params, updates), opt_state=opt_state), kl
+    return st.replace(params=optax.apply_updates(st.params, updates), opt_state=opt_state), kl
 
   state, kl_S = jax.lax.scan(one, state, None, length=steps)
-  return state, {"spec_drafter_kl": kl_S[0], "spec_drafter_kl_last": kl_S[-1]}
+  return state, {"spec_drafter_kl": kl_S[0], "spec_drafter_kl_last": kl_S[-1], **extra}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +215,8 @@ class DrafterDistill:
   model_cfg: the policy's (learner's) model config; layers: k; temperature: the sampler's; lr, steps, alpha:
   `sampler.spec_distill_lr`, `spec_distill_steps`, `spec_distill_reward_weight`; kind: "distilled" (the policy's
   first k layers) or "head" (`sampling.head_drafter`, `sampler.spec_drafter="head"`); reg_weight:
-  `sampler.spec_head_reg_weight` (a head's feature regression, `head_loss`).
+  `sampler.spec_head_reg_weight` (a head's feature regression, `head_loss`); vocab: `sampler.spec_head_vocab` (a
+  head's draft vocabulary size K, 0 = the whole vocabulary).
   """
   model_cfg: ModelConfig
   layers: int
@@ -204,9 +226,17 @@ class DrafterDistill:
   alpha: float = 0.0
   kind: str = "distilled"
   reg_weight: float = 10.0
+  vocab: int = 0
 
   def init(self, policy_params: dict) -> DrafterState:
+    if not 0 <= self.vocab < self.model_cfg.vocab_size:
+      raise ValueError(f"sampler.spec_head_vocab={self.vocab} must be in [0, {self.model_cfg.vocab_size}) (the "
+                       "model's vocabulary; 0 drafts over all of it)")
     return init_state(policy_params, self.model_cfg, self.layers, self.lr, self.kind)
+
+  def sampler_params(self, state: DrafterState) -> dict:
+    """The drafter's parameters as the sampler drafts with them: a head with its draft vocabulary when K > 0."""
+    return head_drafter.with_vocab(state.params, state.counts_V, self.vocab)
 
   def update(self, state: DrafterState, policy_params: dict, ro) -> tuple[DrafterState, dict]:
     """Distils the drafter on rollout record `ro` (its sequences, completion mask and rewards) against
@@ -220,5 +250,5 @@ class DrafterDistill:
                             put(ro.segment_ids_BT), put(ro.mask_BN, jnp.float32),
                             put(ro.reward_B, jnp.float32), model_cfg=self.model_cfg,
                             temperature=float(self.temperature), lr=float(self.lr), steps=self.steps,
-                            alpha=float(self.alpha), reg_weight=float(self.reg_weight))
+                            alpha=float(self.alpha), reg_weight=float(self.reg_weight), vocab=self.vocab)
     return state, {k: float(np.asarray(v)) for k, v in m.items()}

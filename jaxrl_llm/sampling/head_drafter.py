@@ -15,6 +15,12 @@ Where it differs from EAGLE: no attention layer (the feature carries the context
 call has no feature (the prefill returns logits, not hidden states), so it drafts from f = 0 and the token alone;
 `distill.drafter.head_loss` trains that case as it runs. Whatever the head drafts, speculative decoding keeps the
 policy's distribution (`sampling.speculative`): the head only sets the acceptance rate.
+
+A reduced draft vocabulary (`sampler.spec_head_vocab` = K > 0; EAGLE-3's `draft_vocab_size`, FR-Spec's
+frequency-ranked subset): the head drafts over the K tokens the policy sampled most often so far (`with_vocab`, the
+distillation's counts), through the K matching columns of the policy's head, so a draft reads D·K head weights
+instead of D·V (at SmolLM2, 49,152 columns: 113 MB in float32 per drafted token). Its q is zero off the subset,
+which speculative sampling handles exactly (a token outside is never drafted; the residual max(0, p − q) covers it).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import project, rms_norm, swiglu
+from jaxrl_llm.models.transformer import lm_head_weights, logits_from_hidden
 
 Array = jax.Array
 
@@ -59,3 +66,27 @@ def predict(draft_params: dict, feat_xD: Array, emb_xD: Array, model_cfg: ModelC
 def embed(policy_params: dict, tokens: Array, model_cfg: ModelConfig) -> Array:
   """The policy's embedding of `tokens`, in compute dtype."""
   return jnp.take(policy_params["embed"], tokens, axis=0).astype(model_cfg.compute_dtype)
+
+
+def vocab(draft_params: dict) -> Array | None:
+  """The head's draft vocabulary (sorted token ids `vocab_K`, `with_vocab`), or None: the whole vocabulary."""
+  return draft_params.get("vocab_K")
+
+
+def top_vocab(counts_V: Array, k: int) -> Array:
+  """The ids of the `k` largest counts, sorted (ties: the lower id first, so no counts give ids 0 .. k-1)."""
+  return jnp.sort(jax.lax.top_k(counts_V, k)[1]).astype(jnp.int32)
+
+
+def with_vocab(draft_params: dict, counts_V: Array, k: int) -> dict:
+  """The head as the sampler drafts with it: with k > 0, over the `top_vocab(counts_V, k)` token ids."""
+  return {**draft_params, "vocab_K": top_vocab(counts_V, k)} if k else draft_params
+
+
+def logits(policy_params: dict, feat_xD: Array, vocab_K: Array | None, model_cfg: ModelConfig) -> Array:
+  """float32 logits of predicted features through the policy's head: over the whole vocabulary [..., V] (None), or
+  over `vocab_K`'s columns only [..., K]."""
+  if vocab_K is None:
+    return logits_from_hidden(policy_params, feat_xD, model_cfg)
+  w_DK = jnp.take(lm_head_weights(policy_params, model_cfg), vocab_K, axis=1)
+  return project(feat_xD.astype(model_cfg.compute_dtype), w_DK, preferred_element_type=jnp.float32)

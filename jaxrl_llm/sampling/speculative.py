@@ -237,14 +237,19 @@ def draft_head(head: dict, v_params: dict, dstate: dict, last_B: Array, key: Arr
                sampler_cfg: SamplerConfig, gamma: int) -> tuple[Array, Array]:
   """A head drafter's (`head_drafter`) γ proposals after `last_B`: (draft_Bg, q_logp_BgV), chaining its predicted
   features from the state's `feat_BD` (the policy's feature at the token before `last_B`) through the policy's
-  embedding and head (`v_params`). `key`: one key, or one key per row."""
+  embedding and head (`v_params`); over the head's draft vocabulary when it has one (`head_drafter.vocab`: drawn
+  among its K tokens, q zero elsewhere). `key`: one key, or one key per row."""
   feat_BD, tok_B1, drafts, qs = dstate["feat_BD"], last_B[:, None], [], []
+  vocab_K = head_drafter.vocab(head)
   for i in range(gamma):
     feat_BD = head_drafter.predict(head, feat_BD, head_drafter.embed(v_params, tok_B1[:, 0], model_cfg), model_cfg)
-    q_B1V = sampling_logp(logits_from_hidden(v_params, feat_BD[:, None], model_cfg), sampler_cfg)
-    tok_B1 = _categorical(fold(key, i), q_B1V)
+    q_B1x = sampling_logp(head_drafter.logits(v_params, feat_BD[:, None], vocab_K, model_cfg), sampler_cfg)
+    tok_B1 = _categorical(fold(key, i), q_B1x)
+    if vocab_K is not None:  # back to token ids, and q over the whole vocabulary for the verification
+      tok_B1 = jnp.take(vocab_K, tok_B1)
+      q_B1x = jnp.full((*q_B1x.shape[:-1], model_cfg.vocab_size), -jnp.inf, q_B1x.dtype).at[..., vocab_K].set(q_B1x)
     drafts.append(tok_B1)
-    qs.append(q_B1V)
+    qs.append(q_B1x)
   return jnp.concatenate(drafts, axis=1), jnp.concatenate(qs, axis=1)
 
 
