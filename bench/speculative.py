@@ -19,7 +19,8 @@ for K steps before measuring, each step on a fresh batch of the model's own samp
 `--distill-batch` prompts of the same prompt set, keys the measurement never uses): the acceptance a drafter kept
 fresh by ReSpec's distillation reaches on the workload (the distillation's time is not in the rows).
 `--drafter head`: the same, with an EAGLE-style head on the policy's last hidden states (`sampling.head_drafter`,
-fresh at init) in place of the copied layers; k is then not used.
+fresh at init) in place of the copied layers; k is then not used. `--head-vocab K`: the head drafts over the K
+tokens most frequent in its distillation batches (`sampler.spec_head_vocab`), trained on the KL restricted to them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from bench import common, workloads
 from jaxrl_llm.distill import drafter as drafter_lib
 from jaxrl_llm.models import ModelConfig, init_params
 from jaxrl_llm.sampling import SamplerConfig, generate
-from jaxrl_llm.sampling import speculative
+from jaxrl_llm.sampling import head_drafter, speculative
 
 
 def toy_model(N: int, P: int = 32):
@@ -77,10 +78,11 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
 
 
 def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: int, steps: int, lr: float,
-            batch: int, kind: str = "distilled", inner: int = 1) -> tuple[dict, dict]:
+            batch: int, kind: str = "distilled", inner: int = 1, vocab: int = 0) -> tuple[dict, dict]:
   """(drafter params, info): the first `draft_layers` layers copied (or, `kind="head"`, a fresh head) and distilled
   for `steps` steps, each on a fresh batch of the model's own samples (`batch` prompts, temperature 1) and of
-  `inner` Adam steps; info: the KL before and after, seconds."""
+  `inner` Adam steps (a head with `vocab` = K > 0: over its draft vocabulary); info: the KL before and after (and the
+  share of the last batch's tokens in the draft vocabulary), seconds."""
   state = drafter_lib.init_state(params, cfg, draft_layers, lr, kind)
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   prompt_BP, len_B = prompts(batch)
@@ -89,12 +91,15 @@ def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: i
     out = generate(params, prompt_BP, len_B, jax.random.fold_in(jax.random.key(3), i), cfg, scfg)
     state, m = drafter_lib.distill_step(state, params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"],
                                         out["mask_BN"], jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr,
-                                        steps=inner)
+                                        steps=inner, vocab=vocab)
     kls.append(float(m["spec_drafter_kl"]))
     if i % max(1, steps // 10) == 0 or i == steps - 1:
-      print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4)}), flush=True)
-  return state.params, {"drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr,
-                        "distill_kl_first": kls[0] if kls else None,
+      print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4),
+                        **({"vocab_hit": round(float(m["spec_head_vocab_hit"]), 4)} if vocab else {})}), flush=True)
+  hit = {"head_vocab": vocab, "head_vocab_hit": float(m["spec_head_vocab_hit"])} if vocab and steps else {}
+  return head_drafter.with_vocab(state.params, state.counts_V, vocab), {
+      "drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, **hit,
+      "distill_kl_first": kls[0] if kls else None,
                         "distill_kl_last": kls[-1] if kls else None, "distill_s": time.perf_counter() - t0}
 
 
@@ -130,6 +135,7 @@ def table(rows: list[dict]) -> str:
   lines = [head, "|" + "---|" * 11]
   for r in rows:
     drafter = r["drafter"] if r["drafter"] == "layers" else f"{r['drafter']} ({r['distill_steps']} steps)"
+    drafter += f", {r['head_vocab']} tokens" if r.get("head_vocab") else ""
     k = "–" if r["drafter"] == "head" else r["draft_layers"]
     lines.append(f"| {r['model']} | {drafter} | {r['batch']} | {r['gamma']} | {r['layout']} | {k} | "
                  f"{r['plain_tokens_per_s']:.1f} | "
@@ -155,6 +161,7 @@ def main(argv=None) -> int:
   p.add_argument("--distill-lr", type=float, default=1e-4, help="--drafter distilled: Adam learning rate")
   p.add_argument("--distill-batch", type=int, default=16, help="--drafter distilled: prompts per distillation step")
   p.add_argument("--distill-inner", type=int, default=1, help="Adam steps per distillation batch")
+  p.add_argument("--head-vocab", type=int, default=0, help="--drafter head: its draft vocabulary size (0: all)")
   p.add_argument("--out", default=None, help="also write the rows as JSON here")
   p.add_argument("--markdown", default=None, help="also write the table here, the command and the machine above it")
   args = p.parse_args(argv)
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     drafter, info = None, None
     if args.drafter != "layers":
       drafter, info = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
-                              args.distill_batch, args.drafter, args.distill_inner)
+                              args.distill_batch, args.drafter, args.distill_inner, args.head_vocab)
     rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
                     tuple(args.layouts.split(",")), drafter, info)
   print(f"load average at the end: {os.getloadavg()}")
