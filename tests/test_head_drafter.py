@@ -90,13 +90,13 @@ def test_head_loss_equals_numpy_and_only_the_head_gets_gradient(vocab):
 def test_draft_vocabulary_counts_drafts_and_q():
   """A head's draft vocabulary (`sampler.spec_head_vocab`): `distill_step` counts the batch's unmasked completion
   tokens (numpy bincount, accumulating over steps), the sampler's head drafts over the K most counted (ties: lower
-  id; no counts: ids 0 .. K-1), `spec_head_vocab_hit` is the share of the batch's tokens inside them, and
+  id; no counts: ids 0 .. K-1), `spec_head_vocab_hit` is the share of a batch's tokens inside those before it, and
   `draft_head` draws only those tokens, with q the numpy softmax over their K head columns and zero elsewhere."""
   K = 5
   distill = dr.DrafterDistill(model_cfg=CFG, layers=1, temperature=1.0, lr=1e-3, kind="head", vocab=K)
   state = distill.init(PARAMS)
   np.testing.assert_array_equal(np.asarray(distill.sampler_params(state)["vocab_K"]), np.arange(K))
-  want = np.zeros(CFG.vocab_size)
+  want, top = np.zeros(CFG.vocab_size), np.arange(K)
   for seed in (0, 1):
     seq, pos, seg, mask = rollout_batch(PARAMS, 4, seed, N=6)
     mask = mask.at[seed, 2:].set(0.0)
@@ -104,10 +104,11 @@ def test_draft_vocabulary_counts_drafts_and_q():
     np.add.at(want, toks, m)
     state, metrics = dr.distill_step(state, PARAMS, seq, pos, seg, mask, jnp.zeros(4), model_cfg=CFG,
                                      temperature=1.0, lr=1e-3, vocab=K)
+    # the hit: against the vocabulary before this batch (the one its tokens were drafted with)
+    assert metrics["spec_head_vocab_hit"] == pytest.approx((m * np.isin(toks, top)).sum() / m.sum(), rel=1e-6)
     np.testing.assert_allclose(np.asarray(state.counts_V), want)
     top = np.sort(np.argsort(-want, kind="stable")[:K])
     np.testing.assert_array_equal(np.asarray(distill.sampler_params(state)["vocab_K"]), top)
-    assert metrics["spec_head_vocab_hit"] == pytest.approx((m * np.isin(toks, top)).sum() / m.sum(), rel=1e-6)
   head = distill.sampler_params(state)
   feat = jax.random.normal(jax.random.key(4), (3, CFG.d_model))
   drafts, q = jax.jit(spec.draft_head, static_argnums=(5, 6, 7))(

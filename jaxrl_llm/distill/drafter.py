@@ -29,7 +29,7 @@ the completion tokens of every batch it was distilled on (`counts_V`, checkpoint
 over the K most frequent so far (before any batch: ids 0 .. K-1). It is trained as it drafts: the KL is the one
 between the policy's and the head's distributions restricted to those K tokens and renormalised, KL(p_S ‖ q_S),
 whose minimum q = p_S gives the largest acceptance rate any q on S can, p(S) (`spec_head_vocab_hit`: the share of
-the batch's completion tokens inside S, an estimate of it).
+the batch's completion tokens inside the S it was drafted with, an estimate of it).
 
 Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
 rate, never the tokens' distribution or μ.
@@ -179,7 +179,8 @@ def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, p
   once; with `vocab` = K > 0 over its draft vocabulary after this batch's tokens are counted) on one batch, rows
   weighted by `reward_weights` (α = `alpha`). Returns (state, {"spec_drafter_kl": the KL before the first step,
   "spec_drafter_kl_last": the KL before the last step, and with K > 0 "spec_head_vocab_hit": the share of the
-  batch's completion tokens in the draft vocabulary}); the policy's parameters are read, never changed."""
+  batch's completion tokens in the draft vocabulary of the counts before it, the one a sync run drafted them with});
+  the policy's parameters are read, never changed."""
   tx = optax.adam(lr)
   weight_B = reward_weights(reward_B, alpha)
   N = mask_BN.shape[1]
@@ -188,8 +189,8 @@ def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, p
   state, extra = state.replace(counts_V=counts_V), {}
   if head_drafter.is_head(state.params):
     vocab_K = head_drafter.top_vocab(counts_V, vocab) if vocab else None
-    if vocab:
-      in_V = jnp.zeros(counts_V.shape, jnp.float32).at[vocab_K].set(1.0)
+    if vocab:  # the vocabulary before this batch's counts: the one its tokens were drafted with (in sync)
+      in_V = jnp.zeros(counts_V.shape, jnp.float32).at[head_drafter.top_vocab(state.counts_V, vocab)].set(1.0)
       extra["spec_head_vocab_hit"] = jnp.sum(m_BN * in_V[tokens_BN]) / jnp.maximum(jnp.sum(m_BN), 1.0)
     f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
     loss_fn = lambda dp: head_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
