@@ -185,12 +185,12 @@ def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, p
   weight_B = reward_weights(reward_B, alpha)
   N = mask_BN.shape[1]
   tokens_BN, m_BN = sequence_BT[:, -N:], jnp.asarray(mask_BN, jnp.float32)
-  counts_V = state.counts_V.at[tokens_BN].add(m_BN)
+  before_V, counts_V = state.counts_V, state.counts_V.at[tokens_BN].add(m_BN)
   state, extra = state.replace(counts_V=counts_V), {}
   if head_drafter.is_head(state.params):
     vocab_K = head_drafter.top_vocab(counts_V, vocab) if vocab else None
     if vocab:  # the vocabulary before this batch's counts: the one its tokens were drafted with (in sync)
-      in_V = jnp.zeros(counts_V.shape, jnp.float32).at[head_drafter.top_vocab(state.counts_V, vocab)].set(1.0)
+      in_V = jnp.zeros(counts_V.shape, jnp.float32).at[head_drafter.top_vocab(before_V, vocab)].set(1.0)
       extra["spec_head_vocab_hit"] = jnp.sum(m_BN * in_V[tokens_BN]) / jnp.maximum(jnp.sum(m_BN), 1.0)
     f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
     loss_fn = lambda dp: head_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
