@@ -12,7 +12,9 @@ plain `sampling.generate` against `sampling.speculative.generate` with the polic
 (its own prefill included), with each `--layouts` way of sharing the cache index. The toy model is
 `workloads.SAMPLER_MODEL` with random weights (its acceptance says little about a trained model); SmolLM2 runs on
 chat-templated arithmetic prompts (`arithmetic_chat`, workload R's) at temperature 1, the RL setting.
-Speedup = plain seconds / speculative seconds.
+Speedup = plain seconds / speculative seconds. `--prompt-sets S`: each row runs S disjoint sets of B prompts and
+sums their seconds (acceptance and tokens per call: call-weighted means), for batch 1 where one prompt's N tokens
+are only a handful of calls.
 
 `--drafter distilled --distill-steps K`: the drafter is a copy of the first k layers (`distill.drafter`) distilled
 for K steps before measuring, each step on a fresh batch of the model's own samples (plain decoding, temperature 1,
@@ -48,8 +50,8 @@ def toy_model(N: int, P: int = 32):
   """(params, cfg, prompts_BP builder, pad id): model M with random weights and random prompts."""
   cfg = ModelConfig(**workloads.SAMPLER_MODEL, max_seq_len=P + N + 8)
   params = init_params(cfg, jax.random.key(0))
-  prompts = lambda B: (jax.random.randint(jax.random.key(1), (B, P), 4, cfg.vocab_size, jnp.int32),
-                       jnp.full((B,), P, jnp.int32))
+  prompts = lambda B, s=0: (jax.random.randint(jax.random.key(1 + s), (B, P), 4, cfg.vocab_size, jnp.int32),
+                            jnp.full((B,), P, jnp.int32))
   return params, cfg, prompts, 0
 
 
@@ -68,8 +70,8 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
                             layer_unroll=cfg.layer_unroll if layer_unroll is None else layer_unroll)
   pad = encoder.tokenizer.pad_id
 
-  def prompts(B):
-    ids = [encoder.prompt_ids(ex["prompt"]) for ex in examples[:B]]
+  def prompts(B, s=0):  # prompt set s: examples s·B ... (s + 1)·B - 1 (64 in all)
+    ids = [encoder.prompt_ids(ex["prompt"]) for ex in examples[s * B:(s + 1) * B]]
     rows = np.full((B, P), pad, np.int32)
     for b, x in enumerate(ids):
       rows[b, P - len(x):] = x
@@ -104,27 +106,35 @@ def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: i
 
 
 def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gammas, draft_layers: int, N: int,
-            repeats: int, layouts=("min",), drafter: dict | None = None, drafter_info: dict | None = None) -> list[dict]:
+            repeats: int, layouts=("min",), drafter: dict | None = None, drafter_info: dict | None = None,
+            sets: int = 1) -> list[dict]:
   """One row per (batch, γ, layout): plain and speculative seconds and tokens/s, acceptance, tokens per call,
-  speedup. `drafter`: the drafter's params (None: the policy's first `draft_layers` layers, a view)."""
+  speedup, over `sets` disjoint prompt sets of B prompts (seconds summed, acceptance over all calls): at batch 1 one
+  prompt's 32 tokens are a handful of calls. `drafter`: the drafter's params (None: the policy's first
+  `draft_layers` layers, a view)."""
   rows = []
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   key = jax.random.key(2)
   if drafter is None:
     drafter = speculative.layers_drafter(params, cfg, draft_layers)
   for B in batches:
-    prompt_BP, len_B = prompts(B)
-    plain = common.time_calls(lambda: generate(params, prompt_BP, len_B, key, cfg, scfg), repeats=repeats)["best_s"]
+    sets_ = [prompts(B, s) for s in range(sets)]
+    plain = sum(common.time_calls(lambda: generate(params, p_BP, l_B, key, cfg, scfg), repeats=repeats)["best_s"]
+                for p_BP, l_B in sets_)
     for gamma, layout in ((g, lay) for g in gammas for lay in layouts):
-      run = lambda: speculative.generate(params, drafter, prompt_BP, len_B, key, cfg, scfg, gamma, layout)
-      spec_s = common.time_calls(run, repeats=repeats)["best_s"]
-      out = run()
+      spec_s, calls, accepted, emitted = 0.0, 0, 0.0, 0.0
+      for p_BP, l_B in sets_:
+        run = lambda: speculative.generate(params, drafter, p_BP, l_B, key, cfg, scfg, gamma, layout)
+        spec_s += common.time_calls(run, repeats=repeats)["best_s"]
+        out = run()
+        n = int(out["spec_calls"])
+        calls, accepted = calls + n, accepted + n * float(out["spec_accept_rate"])
+        emitted += n * float(out["spec_tokens_per_call"])
       rows.append({"model": name, "batch": B, "gamma": gamma, "layout": layout, "draft_layers": draft_layers,
-                   "drafter": "layers", **(drafter_info or {}), "new_tokens": N,
-                   "plain_s": plain, "spec_s": spec_s, "plain_tokens_per_s": B * N / plain,
-                   "spec_tokens_per_s": B * N / spec_s, "speedup": plain / spec_s,
-                   "accept_rate": float(out["spec_accept_rate"]), "tokens_per_call": float(out["spec_tokens_per_call"]),
-                   "calls": int(out["spec_calls"])})
+                   "drafter": "layers", **(drafter_info or {}), "new_tokens": N, "prompt_sets": sets,
+                   "plain_s": plain, "spec_s": spec_s, "plain_tokens_per_s": sets * B * N / plain,
+                   "spec_tokens_per_s": sets * B * N / spec_s, "speedup": plain / spec_s,
+                   "accept_rate": accepted / calls, "tokens_per_call": emitted / calls, "calls": calls})
       print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
   return rows
 
@@ -162,6 +172,7 @@ def main(argv=None) -> int:
   p.add_argument("--distill-batch", type=int, default=16, help="--drafter distilled: prompts per distillation step")
   p.add_argument("--distill-inner", type=int, default=1, help="Adam steps per distillation batch")
   p.add_argument("--head-vocab", type=int, default=0, help="--drafter head: its draft vocabulary size (0: all)")
+  p.add_argument("--prompt-sets", type=int, default=1, help="disjoint prompt sets of B prompts each row runs")
   p.add_argument("--out", default=None, help="also write the rows as JSON here")
   p.add_argument("--markdown", default=None, help="also write the table here, the command and the machine above it")
   args = p.parse_args(argv)
@@ -191,7 +202,7 @@ def main(argv=None) -> int:
       drafter, info = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
                               args.distill_batch, args.drafter, args.distill_inner, args.head_vocab)
     rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
-                    tuple(args.layouts.split(",")), drafter, info)
+                    tuple(args.layouts.split(",")), drafter, info, args.prompt_sets)
   print(f"load average at the end: {os.getloadavg()}")
   print(table(rows))
   if args.out:
