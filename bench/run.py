@@ -784,6 +784,11 @@ What each number is:
   exactly by a "chain" model whose token i predicts i + 1); `python -m bench.run --only-tail` measures it alone.
 - on a GPU: `bash bench/gpu.sh` (CUDA JAX and a CUDA torch peer in their own venvs, workload R against plain
   PyTorch with feature variants, into `bench/results-gpu.json` and `bench/README-gpu.md`; see its header).
+- speculative decoding on the real model (`bench/speculative.py`; not in `make bench`, as the drafter's distillation
+  alone takes minutes): plain against speculative decode in the same run, each table with its command, commit and
+  load in `bench/profiles/`: `speculative_head.md` (the EAGLE-style head drafter), `speculative_head_vocab.md` and
+  `speculative_head_vocab_60.md` (the head over a 4096-token draft vocabulary, after 200 and 60 distillation
+  batches), `speculative_head_vocab_sets.md` (the same head, 4 prompt sets per row).
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
 `bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
