@@ -18,10 +18,10 @@ from jaxrl_llm.losses.core import LOG_RATIO_BOUND
 from jaxrl_llm.metrics import read_jsonl
 from jaxrl_llm.models.transformer import hidden, lm_head_weights
 from jaxrl_llm.sampling import head_drafter as hd
-from test_drafter import drafter_config, rollout_batch
-from test_loop import strip
 from jaxrl_llm.sampling import speculative as spec
 from jaxrl_llm.sampling.sample import SamplerConfig
+from test_drafter import drafter_config, rollout_batch
+from test_loop import strip
 from test_speculative import CFG, PARAMS
 
 
