@@ -101,8 +101,8 @@ def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: i
   hit = {"head_vocab": vocab, "head_vocab_hit": float(m["spec_head_vocab_hit"])} if vocab and steps else {}
   return head_drafter.with_vocab(state.params, state.counts_V, vocab), {
       "drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, **hit,
-      "distill_kl_first": kls[0] if kls else None,
-                        "distill_kl_last": kls[-1] if kls else None, "distill_s": time.perf_counter() - t0}
+      "distill_kl_first": kls[0] if kls else None, "distill_kl_last": kls[-1] if kls else None,
+      "distill_s": time.perf_counter() - t0}
 
 
 def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gammas, draft_layers: int, N: int,
