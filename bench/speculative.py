@@ -23,6 +23,8 @@ fresh by ReSpec's distillation reaches on the workload (the distillation's time 
 `--drafter head`: the same, with an EAGLE-style head on the policy's last hidden states (`sampling.head_drafter`,
 fresh at init) in place of the copied layers; k is then not used. `--head-vocab K`: the head drafts over the K
 tokens most frequent in its distillation batches (`sampler.spec_head_vocab`), trained on the KL restricted to them.
+`--head-ttt U`: the head trains its first U drafts of a call, each from its own previous prediction (EAGLE-3's
+training-time test, `sampler.spec_head_ttt`).
 """
 
 from __future__ import annotations
@@ -80,11 +82,12 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
 
 
 def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: int, steps: int, lr: float,
-            batch: int, kind: str = "distilled", inner: int = 1, vocab: int = 0) -> tuple[dict, dict]:
+            batch: int, kind: str = "distilled", inner: int = 1, vocab: int = 0, ttt: int = 1) -> tuple[dict, dict]:
   """(drafter params, info): the first `draft_layers` layers copied (or, `kind="head"`, a fresh head) and distilled
   for `steps` steps, each on a fresh batch of the model's own samples (`batch` prompts, temperature 1) and of
-  `inner` Adam steps (a head with `vocab` = K > 0: over its draft vocabulary); info: the KL before and after (and the
-  share of the last batch's tokens in the draft vocabulary), seconds."""
+  `inner` Adam steps (a head with `vocab` = K > 0: over its draft vocabulary; with `ttt` = U > 1: EAGLE-3's
+  training-time test over U drafts); info: the KL before and after (and the share of the last batch's tokens in the
+  draft vocabulary), seconds."""
   state = drafter_lib.init_state(params, cfg, draft_layers, lr, kind)
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   prompt_BP, len_B = prompts(batch)
@@ -93,7 +96,7 @@ def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: i
     out = generate(params, prompt_BP, len_B, jax.random.fold_in(jax.random.key(3), i), cfg, scfg)
     state, m = drafter_lib.distill_step(state, params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"],
                                         out["mask_BN"], jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr,
-                                        steps=inner, vocab=vocab)
+                                        steps=inner, vocab=vocab, ttt=ttt)
     kls.append(float(m["spec_drafter_kl"]))
     if i % max(1, steps // 10) == 0 or i == steps - 1:
       print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4),
@@ -101,6 +104,7 @@ def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: i
   hit = {"head_vocab": vocab, "head_vocab_hit": float(m["spec_head_vocab_hit"])} if vocab and steps else {}
   return head_drafter.with_vocab(state.params, state.counts_V, vocab), {
       "drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, **hit,
+      **({"head_ttt": ttt} if ttt > 1 else {}),
       "distill_kl_first": kls[0] if kls else None, "distill_kl_last": kls[-1] if kls else None,
       "distill_s": time.perf_counter() - t0}
 
@@ -146,6 +150,7 @@ def table(rows: list[dict]) -> str:
   for r in rows:
     drafter = r["drafter"] if r["drafter"] == "layers" else f"{r['drafter']} ({r['distill_steps']} steps)"
     drafter += f", {r['head_vocab']} tokens" if r.get("head_vocab") else ""
+    drafter += f", test {r['head_ttt']}" if r.get("head_ttt") else ""
     k = "–" if r["drafter"] == "head" else r["draft_layers"]
     lines.append(f"| {r['model']} | {drafter} | {r['batch']} | {r['gamma']} | {r['layout']} | {k} | "
                  f"{r['plain_tokens_per_s']:.1f} | "
@@ -172,6 +177,7 @@ def main(argv=None) -> int:
   p.add_argument("--distill-batch", type=int, default=16, help="--drafter distilled: prompts per distillation step")
   p.add_argument("--distill-inner", type=int, default=1, help="Adam steps per distillation batch")
   p.add_argument("--head-vocab", type=int, default=0, help="--drafter head: its draft vocabulary size (0: all)")
+  p.add_argument("--head-ttt", type=int, default=1, help="--drafter head: training-time test steps (1: off)")
   p.add_argument("--prompt-sets", type=int, default=1, help="disjoint prompt sets of B prompts each row runs")
   p.add_argument("--out", default=None, help="also write the rows as JSON here")
   p.add_argument("--markdown", default=None, help="also write the table here, the command and the machine above it")
@@ -200,7 +206,8 @@ def main(argv=None) -> int:
     drafter, info = None, None
     if args.drafter != "layers":
       drafter, info = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
-                              args.distill_batch, args.drafter, args.distill_inner, args.head_vocab)
+                              args.distill_batch, args.drafter, args.distill_inner, args.head_vocab,
+                              args.head_ttt)
     rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
                     tuple(args.layouts.split(",")), drafter, info, args.prompt_sets)
   print(f"load average at the end: {os.getloadavg()}")

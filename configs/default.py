@@ -90,6 +90,7 @@ def get_config():
   c.sampler.spec_drafter = "layers"  # "layers": the policy's first k layers | "distilled": a copy | "head": EAGLE
   c.sampler.spec_head_reg_weight = 10.0  # "head": weight of the feature regression beside the KL (EAGLE's 1 : 0.1)
   c.sampler.spec_head_vocab = 0  # "head": K > 0 drafts over the K most sampled tokens (EAGLE-3); 0 = all of them
+  c.sampler.spec_head_ttt = 1  # "head": U > 1 trains drafts 1..U on the head's own features (EAGLE-3's test; 7 there)
   c.sampler.spec_distill_lr = 1e-4  # "distilled" / "head": Adam learning rate of the drafter's steps
   c.sampler.spec_distill_steps = 1  # "distilled" / "head": drafter steps per learner step (on that step's batch)
   c.sampler.spec_distill_reward_weight = 0.0  # "distilled" / "head": α of row weights max(0, 1 + α·z(r)); 0 = off

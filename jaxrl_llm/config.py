@@ -45,6 +45,7 @@ ABSENT_DEFAULTS = {
     "sampler.kv_cache": "full", "sampler.kv_sinks": 4, "sampler.kv_window": 64,
     "sampler.spec_gamma": 0, "sampler.spec_draft_layers": 0, "sampler.spec_layout": "min",
     "sampler.spec_drafter": "layers", "sampler.spec_head_reg_weight": 10.0, "sampler.spec_head_vocab": 0,
+    "sampler.spec_head_ttt": 1,
     "sampler.spec_distill_lr": 1e-4,
     "sampler.spec_distill_steps": 1,
     "sampler.spec_distill_reward_weight": 0.0,
@@ -469,6 +470,11 @@ def _validate_drafter(c: ml_collections.ConfigDict, gamma: int) -> None:
         "must be an int >= 0 (0 = the whole vocabulary)")
   _need(vocab == 0 or kind == "head", "sampler.spec_head_vocab", vocab,
         f"a draft vocabulary is the head drafter's (sampler.spec_drafter='head'), not the {kind} drafter's")
+  ttt = read(c, "sampler.spec_head_ttt")
+  _need(isinstance(ttt, int) and not isinstance(ttt, bool) and ttt >= 1, "sampler.spec_head_ttt", ttt,
+        "must be an int >= 1 (1 = train the first draft only)")
+  _need(ttt == 1 or kind == "head", "sampler.spec_head_ttt", ttt,
+        f"the training-time test unrolls the head drafter (sampler.spec_drafter='head'), not the {kind} drafter")
   if kind == "layers":
     return
   where = f"the {kind} drafter"

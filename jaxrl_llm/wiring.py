@@ -328,7 +328,8 @@ def drafter_distill(c: ml_collections.ConfigDict, model_cfg: ModelConfig) -> Dra
                         temperature=float(c.sampler.temperature),
                         lr=float(get("spec_distill_lr")), steps=get("spec_distill_steps"),
                         alpha=float(get("spec_distill_reward_weight")), kind=get("spec_drafter"),
-                        reg_weight=float(get("spec_head_reg_weight")), vocab=get("spec_head_vocab"))
+                        reg_weight=float(get("spec_head_reg_weight")), vocab=get("spec_head_vocab"),
+                        ttt=get("spec_head_ttt"))
 
 
 def fit_prompts(c, task, encoder: Encoder, train_examples, test_examples: list, context: int | None):

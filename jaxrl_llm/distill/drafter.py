@@ -141,13 +141,20 @@ def policy_features(policy_params: dict, sequence_BT: Array, positions_BT: Array
 
 def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT: Array, segment_ids_BT: Array,
               mask_BN: Array, weight_B: Array, model_cfg: ModelConfig, temperature: float, reg_weight: float = 10.0,
-              f_BND: Array | None = None, vocab_K: Array | None = None) -> tuple[Array, Array]:
+              f_BND: Array | None = None, vocab_K: Array | None = None, ttt: int = 1) -> tuple[Array, Array]:
   """(loss, KL) of a head drafter (`head_drafter`) teacher-forced on the batch as it drafts at run time: completion
   column j ≥ 1 is drafted from (feature of column j - 1, completion token j - 1), with no feature (zeros) for
   column 1, the first one a request drafts. KL: Σ w m KL(π_policy ‖ q) / Σ w m over columns 1.., both at
   `temperature`; loss = KL + `reg_weight` · the same mean of the smooth-L1 distance (β = 1, mean over D) of the
   predicted feature to the policy's. `f_BND`: `policy_features` when already computed. `vocab_K`: the head's draft
-  vocabulary (`head_drafter.vocab`): both distributions restricted to it and renormalised."""
+  vocabulary (`head_drafter.vocab`): both distributions restricted to it and renormalised.
+
+  `ttt` = U > 1: EAGLE-3's training-time test. At run time the u-th draft of a call (u ≥ 2) reads the head's own
+  feature predicted by draft u - 1, not the policy's; step u of the loss drafts column j from the feature step
+  u - 1 predicted for column j - 1 (the same teacher-forced tokens), for the columns j ≥ u such a chain reaches
+  from a real feature (or from the first call's zeros), and the loss sums the steps' terms with weights 0.8^(u-1)
+  (EAGLE-3's `ploss_weight`; there a cross-entropy only, here each step's KL + regression). The gradient flows
+  through the chain, as there. The KL returned is step 1's."""
   N = mask_BN.shape[1]
   if f_BND is None:
     f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
@@ -155,26 +162,33 @@ def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT:
   tokens_BN = sequence_BT[:, -N:]
   feat_in_BnD = jnp.concatenate([jnp.zeros_like(f_BND[:, :1]), f_BND[:, 1:N - 1]], axis=1)
   emb_BnD = head_drafter.embed(jax.lax.stop_gradient(policy_params), tokens_BN[:, :N - 1], model_cfg)
-  pred_BnD = head_drafter.predict(head, feat_in_BnD, emb_BnD, model_cfg)
   mask_Bn = jnp.asarray(mask_BN, jnp.float32)[:, 1:]
   w_DV = jax.lax.stop_gradient(lm_head_weights(lora.effective(policy_params), model_cfg))
   if vocab_K is not None:
     w_DV = jnp.take(w_DV, vocab_K, axis=1)
-  heads = _Heads(mask_Bn, VocabHead(hidden_BND=pred_BnD, w_DV=w_DV), VocabHead(hidden_BND=f_BND[:, 1:], w_DV=w_DV))
-  kl_Bn = dense.divergence(heads, lambda lq, lp: dense.kl_dense(lp, lq), temperature)
-  reg_Bn = jnp.mean(optax.huber_loss(pred_BnD.astype(jnp.float32), f_BND[:, 1:].astype(jnp.float32)), axis=-1)
+  target = VocabHead(hidden_BND=f_BND[:, 1:], w_DV=w_DV)
   wm_Bn = jnp.asarray(weight_B, jnp.float32)[:, None] * mask_Bn
-  den = jnp.where(jnp.sum(wm_Bn) > 0, jnp.sum(wm_Bn), 1.0)
-  kl, reg = jnp.sum(wm_Bn * kl_Bn) / den, jnp.sum(wm_Bn * reg_Bn) / den
-  return kl + reg_weight * reg, kl
+  loss, kls = 0.0, []
+  for u in range(ttt):  # u = step - 1; column j = n + 1 is reached at step u + 1 when j >= u + 1
+    pred_BnD = head_drafter.predict(head, feat_in_BnD, emb_BnD, model_cfg)
+    wm_u_Bn = wm_Bn * (jnp.arange(N - 1) >= u)[None, :]
+    heads = _Heads(mask_Bn, VocabHead(hidden_BND=pred_BnD, w_DV=w_DV), target)
+    kl_Bn = dense.divergence(heads, lambda lq, lp: dense.kl_dense(lp, lq), temperature)
+    reg_Bn = jnp.mean(optax.huber_loss(pred_BnD.astype(jnp.float32), f_BND[:, 1:].astype(jnp.float32)), axis=-1)
+    den = jnp.where(jnp.sum(wm_u_Bn) > 0, jnp.sum(wm_u_Bn), 1.0)
+    kl, reg = jnp.sum(wm_u_Bn * kl_Bn) / den, jnp.sum(wm_u_Bn * reg_Bn) / den
+    loss, kls = loss + 0.8 ** u * (kl + reg_weight * reg), kls + [kl]
+    # the next step drafts column j from this step's prediction for column j - 1 (column 1's input is never read)
+    feat_in_BnD = jnp.concatenate([jnp.zeros_like(pred_BnD[:, :1]), pred_BnD[:, :-1]], axis=1)
+  return loss, kls[0]
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "temperature", "lr", "steps", "alpha", "reg_weight",
-                                             "vocab"))
+                                             "vocab", "ttt"))
 def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, positions_BT: Array,
                  segment_ids_BT: Array, mask_BN: Array, reward_B: Array, *, model_cfg: ModelConfig,
                  temperature: float, lr: float, steps: int = 1, alpha: float = 0.0,
-                 reg_weight: float = 10.0, vocab: int = 0) -> tuple[DrafterState, dict]:
+                 reg_weight: float = 10.0, vocab: int = 0, ttt: int = 1) -> tuple[DrafterState, dict]:
   """`steps` Adam steps (learning rate `lr`) of `distill_loss` (a head: `head_loss`, the policy's features computed
   once; with `vocab` = K > 0 over its draft vocabulary after this batch's tokens are counted) on one batch, rows
   weighted by `reward_weights` (α = `alpha`). Returns (state, {"spec_drafter_kl": the KL before the first step,
@@ -194,7 +208,7 @@ def distill_step(state: DrafterState, policy_params: dict, sequence_BT: Array, p
       extra["spec_head_vocab_hit"] = jnp.sum(m_BN * in_V[tokens_BN]) / jnp.maximum(jnp.sum(m_BN), 1.0)
     f_BND = policy_features(policy_params, sequence_BT, positions_BT, segment_ids_BT, N, model_cfg)
     loss_fn = lambda dp: head_loss(dp, policy_params, sequence_BT, positions_BT, segment_ids_BT, mask_BN, weight_B,
-                                   model_cfg, temperature, reg_weight, f_BND, vocab_K)
+                                   model_cfg, temperature, reg_weight, f_BND, vocab_K, ttt)
   else:
     loss_fn = lambda dp: (lambda kl: (kl, kl))(distill_loss(dp, policy_params, sequence_BT, positions_BT,
                                                             segment_ids_BT, mask_BN, weight_B, model_cfg, temperature))
@@ -217,7 +231,8 @@ class DrafterDistill:
   `sampler.spec_distill_lr`, `spec_distill_steps`, `spec_distill_reward_weight`; kind: "distilled" (the policy's
   first k layers) or "head" (`sampling.head_drafter`, `sampler.spec_drafter="head"`); reg_weight:
   `sampler.spec_head_reg_weight` (a head's feature regression, `head_loss`); vocab: `sampler.spec_head_vocab` (a
-  head's draft vocabulary size K, 0 = the whole vocabulary).
+  head's draft vocabulary size K, 0 = the whole vocabulary); ttt: `sampler.spec_head_ttt` (a head's training-time
+  test steps, `head_loss`).
   """
   model_cfg: ModelConfig
   layers: int
@@ -228,6 +243,7 @@ class DrafterDistill:
   kind: str = "distilled"
   reg_weight: float = 10.0
   vocab: int = 0
+  ttt: int = 1
 
   def init(self, policy_params: dict) -> DrafterState:
     if not 0 <= self.vocab < self.model_cfg.vocab_size:
@@ -251,5 +267,6 @@ class DrafterDistill:
                             put(ro.segment_ids_BT), put(ro.mask_BN, jnp.float32),
                             put(ro.reward_B, jnp.float32), model_cfg=self.model_cfg,
                             temperature=float(self.temperature), lr=float(self.lr), steps=self.steps,
-                            alpha=float(self.alpha), reg_weight=float(self.reg_weight), vocab=self.vocab)
+                            alpha=float(self.alpha), reg_weight=float(self.reg_weight), vocab=self.vocab,
+                            ttt=self.ttt)
     return state, {k: float(np.asarray(v)) for k, v in m.items()}
