@@ -81,8 +81,10 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "speculative": ("speculative decoding, the policy's first layer drafting (sampler.spec_gamma)", _SPEC),
     "drafter": ("the distilled drafter (sampler.spec_drafter='distilled')",
                 {**_SPEC, "sampler.spec_drafter": "distilled"}),
-    "head_drafter": ("the EAGLE-style head drafter over a 16-token draft vocabulary (sampler.spec_drafter='head')",
-                     {**_SPEC, "sampler.spec_drafter": "head", "sampler.spec_head_vocab": 16}),
+    "head_drafter": ("the EAGLE-style head drafter over a 16-token draft vocabulary, trained on 2 drafts per chain "
+                     "(sampler.spec_drafter='head')",
+                     {**_SPEC, "sampler.spec_drafter": "head", "sampler.spec_head_vocab": 16,
+                      "sampler.spec_head_ttt": 2}),
     "episodes": ("multi-turn episodes (env.name; configs/agent_tiny.py's)", _EPISODES),
     "eviction": ("episodes with context eviction (env.evict='drop_oldest')",
                  {**_EPISODES, "env.evict": "drop_oldest", "env.context_budget": 8}),

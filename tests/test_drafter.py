@@ -238,7 +238,10 @@ def test_config_validation_names_the_field():
                         "config.sampler.spec_drafter='head'"),
                        ({"sampler.spec_drafter": "head", "sampler.spec_head_vocab": -1},
                         "config.sampler.spec_head_vocab=-1"),
-                       ({"sampler.spec_head_vocab": 4}, "config.sampler.spec_head_vocab=4")]:
+                       ({"sampler.spec_head_vocab": 4}, "config.sampler.spec_head_vocab=4"),
+                       ({"sampler.spec_drafter": "head", "sampler.spec_head_ttt": 0},
+                        "config.sampler.spec_head_ttt=0"),
+                       ({"sampler.spec_head_ttt": 3}, "config.sampler.spec_head_ttt=3")]:
     c = drafter_config(1)
     for k, v in over.items():
       sec, key = k.split(".")
