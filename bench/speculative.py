@@ -24,7 +24,8 @@ fresh by ReSpec's distillation reaches on the workload (the distillation's time 
 fresh at init) in place of the copied layers; k is then not used. `--head-vocab K`: the head drafts over the K
 tokens most frequent in its distillation batches (`sampler.spec_head_vocab`), trained on the KL restricted to them.
 `--head-ttt U`: the head trains its first U drafts of a call, each from its own previous prediction (EAGLE-3's
-training-time test, `sampler.spec_head_ttt`).
+training-time test, `sampler.spec_head_ttt`); `--head-ttt 1,4` trains one head per value on the same sampled batches
+and measures each against the same plain decoding (a paired comparison).
 """
 
 from __future__ import annotations
@@ -82,50 +83,64 @@ def smollm2_model(N: int, model_dir: str, layer_unroll: int | None):
 
 
 def distill(params, cfg: ModelConfig, prompts, pad: int, draft_layers: int, N: int, steps: int, lr: float,
-            batch: int, kind: str = "distilled", inner: int = 1, vocab: int = 0, ttt: int = 1) -> tuple[dict, dict]:
-  """(drafter params, info): the first `draft_layers` layers copied (or, `kind="head"`, a fresh head) and distilled
-  for `steps` steps, each on a fresh batch of the model's own samples (`batch` prompts, temperature 1) and of
-  `inner` Adam steps (a head with `vocab` = K > 0: over its draft vocabulary; with `ttt` = U > 1: EAGLE-3's
-  training-time test over U drafts); info: the KL before and after (and the share of the last batch's tokens in the
-  draft vocabulary), seconds."""
-  state = drafter_lib.init_state(params, cfg, draft_layers, lr, kind)
+            batch: int, kind: str = "distilled", inner: int = 1, vocab: int = 0,
+            ttts: tuple[int, ...] = (1,)) -> list[tuple[dict, dict]]:
+  """[(drafter params, info)], one per training-time test length in `ttts`: the first `draft_layers` layers copied
+  (or, `kind="head"`, a fresh head) and distilled for `steps` steps, each on a fresh batch of the model's own
+  samples (`batch` prompts, temperature 1) and of `inner` Adam steps (a head with `vocab` = K > 0: over its draft
+  vocabulary; with a length U > 1: EAGLE-3's training-time test over U drafts). Several lengths train several heads
+  from the same init on the same batches (one sampling per batch). info: the KL before and after (and the share of
+  the last batch's tokens in the draft vocabulary), seconds of sampling and of each drafter's steps."""
+  if kind != "head" and tuple(ttts) != (1,):
+    raise SystemExit("--head-ttt: only with --drafter head")
+  states = [drafter_lib.init_state(params, cfg, draft_layers, lr, kind) for _ in ttts]
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   prompt_BP, len_B = prompts(batch)
-  kls, t0 = [], time.perf_counter()
+  kls, secs, ms = [[] for _ in ttts], [0.0 for _ in ttts], [None for _ in ttts]
+  sample_s = 0.0
   for i in range(steps):
-    out = generate(params, prompt_BP, len_B, jax.random.fold_in(jax.random.key(3), i), cfg, scfg)
-    state, m = drafter_lib.distill_step(state, params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"],
-                                        out["mask_BN"], jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr,
-                                        steps=inner, vocab=vocab, ttt=ttt)
-    kls.append(float(m["spec_drafter_kl"]))
+    t0 = time.perf_counter()
+    out = common.block(generate(params, prompt_BP, len_B, jax.random.fold_in(jax.random.key(3), i), cfg, scfg))
+    sample_s += time.perf_counter() - t0
+    for h, ttt in enumerate(ttts):
+      t0 = time.perf_counter()
+      states[h], ms[h] = common.block(drafter_lib.distill_step(
+          states[h], params, out["sequence_BT"], out["positions_BT"], out["segment_ids_BT"], out["mask_BN"],
+          jnp.zeros((batch,)), model_cfg=cfg, temperature=1.0, lr=lr, steps=inner, vocab=vocab, ttt=ttt))
+      secs[h] += time.perf_counter() - t0
+      kls[h].append(float(ms[h]["spec_drafter_kl"]))
     if i % max(1, steps // 10) == 0 or i == steps - 1:
-      print(json.dumps({"distill_step": i, "kl": round(kls[-1], 4),
-                        **({"vocab_hit": round(float(m["spec_head_vocab_hit"]), 4)} if vocab else {})}), flush=True)
-  hit = {"head_vocab": vocab, "head_vocab_hit": float(m["spec_head_vocab_hit"])} if vocab and steps else {}
-  return head_drafter.with_vocab(state.params, state.counts_V, vocab), {
-      "drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, **hit,
-      **({"head_ttt": ttt} if ttt > 1 else {}),
-      "distill_kl_first": kls[0] if kls else None, "distill_kl_last": kls[-1] if kls else None,
-      "distill_s": time.perf_counter() - t0}
+      print(json.dumps({"distill_step": i, "kl": [round(k[-1], 4) for k in kls],
+                        **({"vocab_hit": round(float(ms[0]["spec_head_vocab_hit"]), 4)} if vocab else {})}),
+            flush=True)
+  got = []
+  for h, ttt in enumerate(ttts):
+    hit = {"head_vocab": vocab, "head_vocab_hit": float(ms[h]["spec_head_vocab_hit"])} if vocab and steps else {}
+    got.append((head_drafter.with_vocab(states[h].params, states[h].counts_V, vocab), {
+        "drafter": kind, "distill_steps": steps, "distill_inner": inner, "distill_lr": lr, **hit,
+        **({"head_ttt": ttt} if kind == "head" else {}),
+        "distill_kl_first": kls[h][0] if steps else None, "distill_kl_last": kls[h][-1] if steps else None,
+        "distill_sample_s": sample_s, "distill_s": secs[h]}))
+  return got
 
 
 def measure(name: str, params, cfg: ModelConfig, prompts, pad: int, batches, gammas, draft_layers: int, N: int,
-            repeats: int, layouts=("min",), drafter: dict | None = None, drafter_info: dict | None = None,
+            repeats: int, layouts=("min",), drafters: list[tuple[dict | None, dict | None]] = ((None, None),),
             sets: int = 1) -> list[dict]:
-  """One row per (batch, γ, layout): plain and speculative seconds and tokens/s, acceptance, tokens per call,
-  speedup, over `sets` disjoint prompt sets of B prompts (seconds summed, acceptance over all calls): at batch 1 one
-  prompt's 32 tokens are a handful of calls. `drafter`: the drafter's params (None: the policy's first
-  `draft_layers` layers, a view)."""
+  """One row per (batch, γ, layout, drafter): plain and speculative seconds and tokens/s, acceptance, tokens per
+  call, speedup, over `sets` disjoint prompt sets of B prompts (seconds summed, acceptance over all calls): at batch
+  1 one prompt's 32 tokens are a handful of calls. `drafters`: (params, info) of each drafter (params None: the
+  policy's first `draft_layers` layers, a view), measured against the same plain seconds."""
   rows = []
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
   key = jax.random.key(2)
-  if drafter is None:
-    drafter = speculative.layers_drafter(params, cfg, draft_layers)
+  drafters = [(speculative.layers_drafter(params, cfg, draft_layers) if d is None else d, info)
+              for d, info in drafters]
   for B in batches:
     sets_ = [prompts(B, s) for s in range(sets)]
     plain = sum(common.time_calls(lambda: generate(params, p_BP, l_B, key, cfg, scfg), repeats=repeats)["best_s"]
                 for p_BP, l_B in sets_)
-    for gamma, layout in ((g, lay) for g in gammas for lay in layouts):
+    for gamma, layout, (drafter, drafter_info) in ((g, lay, d) for g in gammas for lay in layouts for d in drafters):
       spec_s, calls, accepted, emitted = 0.0, 0, 0.0, 0.0
       for p_BP, l_B in sets_:
         run = lambda: speculative.generate(params, drafter, p_BP, l_B, key, cfg, scfg, gamma, layout)
@@ -177,7 +192,8 @@ def main(argv=None) -> int:
   p.add_argument("--distill-batch", type=int, default=16, help="--drafter distilled: prompts per distillation step")
   p.add_argument("--distill-inner", type=int, default=1, help="Adam steps per distillation batch")
   p.add_argument("--head-vocab", type=int, default=0, help="--drafter head: its draft vocabulary size (0: all)")
-  p.add_argument("--head-ttt", type=int, default=1, help="--drafter head: training-time test steps (1: off)")
+  p.add_argument("--head-ttt", default="1", help="--drafter head: training-time test steps (1: off); a comma list "
+                 "trains one head per value on the same batches, each measured against the same plain decoding")
   p.add_argument("--prompt-sets", type=int, default=1, help="disjoint prompt sets of B prompts each row runs")
   p.add_argument("--out", default=None, help="also write the rows as JSON here")
   p.add_argument("--markdown", default=None, help="also write the table here, the command and the machine above it")
@@ -203,13 +219,13 @@ def main(argv=None) -> int:
       k = args.draft_layers or 8
     else:
       raise SystemExit(f"unknown model {name!r}")
-    drafter, info = None, None
+    drafters = [(None, None)]
     if args.drafter != "layers":
-      drafter, info = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
-                              args.distill_batch, args.drafter, args.distill_inner, args.head_vocab,
-                              args.head_ttt)
+      drafters = distill(params, cfg, prompts, pad, k, args.new_tokens, args.distill_steps, args.distill_lr,
+                         args.distill_batch, args.drafter, args.distill_inner, args.head_vocab,
+                         tuple(int(x) for x in args.head_ttt.split(",")))
     rows += measure(name, params, cfg, prompts, pad, batches, gammas, k, args.new_tokens, args.repeats,
-                    tuple(args.layouts.split(",")), drafter, info, args.prompt_sets)
+                    tuple(args.layouts.split(",")), drafters, args.prompt_sets)
   print(f"load average at the end: {os.getloadavg()}")
   print(table(rows))
   if args.out:

@@ -31,6 +31,12 @@ between the policy's and the head's distributions restricted to those K tokens a
 whose minimum q = p_S gives the largest acceptance rate any q on S can, p(S) (`spec_head_vocab_hit`: the share of
 the batch's completion tokens inside the S it was drafted with, an estimate of it).
 
+A head's training-time test (`sampler.spec_head_ttt` = U > 1, EAGLE-3's): a call's second and later drafts read
+the head's own predicted feature, which one-step teacher forcing never trains on; `head_loss` then unrolls U drafts
+per chain over its own predictions (the tokens still the sampled ones) and weighs draft u's terms 0.8^(u-1), as
+EAGLE-3's `ploss_weight`. EAGLE-3 unrolls 7; the default here is 1 (off) [measured below in the module's users:
+bench/profiles/speculative_head_ttt.md].
+
 Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
 rate, never the tokens' distribution or μ.
 """
