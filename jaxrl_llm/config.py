@@ -374,7 +374,6 @@ def old_logp_strategy(c: ml_collections.ConfigDict) -> str:
 
 def lora_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run trains LoRA adapters (`model.lora.rank` > 0; configs without the section: no)."""
-  lo = c.model.get("lora")
   return read(c, "model.lora.rank") != 0
 
 
@@ -635,7 +634,6 @@ def _validate_slots(c: ml_collections.ConfigDict, n_mesh: int, n_sampler: int) -
 
 def env_on(c: ml_collections.ConfigDict) -> bool:
   """Whether the run plays multi-turn episodes: an `env` section with a non-empty `env.name`."""
-  e = c.get("env")
   return bool(read(c, "env.name"))
 
 
