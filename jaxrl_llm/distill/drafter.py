@@ -34,8 +34,9 @@ the batch's completion tokens inside the S it was drafted with, an estimate of i
 A head's training-time test (`sampler.spec_head_ttt` = U > 1, EAGLE-3's): a call's second and later drafts read
 the head's own predicted feature, which one-step teacher forcing never trains on; `head_loss` then unrolls U drafts
 per chain over its own predictions (the tokens still the sampled ones) and weighs draft u's terms 0.8^(u-1), as
-EAGLE-3's `ploss_weight`. EAGLE-3 unrolls 7; the default here is 1 (off) [measured below in the module's users:
-bench/profiles/speculative_head_ttt.md].
+EAGLE-3's `ploss_weight`. EAGLE-3 unrolls 7; the default here is 1 (off), because on SmolLM2-135M
+(bench/profiles/speculative_head_ttt.md) it helped only at γ ≥ 3 (at γ = 2, the best setting at batch 4, it cost
+a little acceptance), 7 did no better than 4, and a head's step costs about U times as much.
 
 Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
 rate, never the tokens' distribution or μ.
