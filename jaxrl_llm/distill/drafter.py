@@ -36,7 +36,7 @@ the head's own predicted feature, which one-step teacher forcing never trains on
 per chain over its own predictions (the tokens still the sampled ones) and weighs draft u's terms 0.8^(u-1), as
 EAGLE-3's `ploss_weight`. EAGLE-3 unrolls 7; the default here is 1 (off), because on SmolLM2-135M
 (bench/profiles/speculative_head_ttt.md) it helped only at γ ≥ 3 (at γ = 2, the best setting at batch 4, it cost
-a little acceptance), 7 did no better than 4, and a head's step costs about U times as much.
+a little acceptance), 7 did no better than 4, and the distillation steps took longer (1.4× at U = 4, 1.8× at 7).
 
 Speculative decoding stays exact whatever the drafter (`sampling.speculative`): distillation changes the acceptance
 rate, never the tokens' distribution or μ.
