@@ -788,7 +788,9 @@ What each number is:
   alone takes minutes): plain against speculative decode in the same run, each table with its command, commit and
   load in `bench/profiles/`: `speculative_head.md` (the EAGLE-style head drafter), `speculative_head_vocab.md` and
   `speculative_head_vocab_60.md` (the head over a 4096-token draft vocabulary, after 200 and 60 distillation
-  batches), `speculative_head_vocab_sets.md` (the same head, 4 prompt sets per row).
+  batches), `speculative_head_vocab_sets.md` (the same head, 4 prompt sets per row), `speculative_head_ttt.md`
+  (heads trained with EAGLE-3's training-time test over 1, 4 and 7 drafts on the same batches, each against the
+  same plain decoding, 6 prompt sets per row).
 
 Run it: `make bench` (creates `bench/.venv-bench` with `google-tunix` on first use; delete
 `bench/.venv-bench/.tunix` to retry a failed install), or `python -m bench.run --no-peers` without
