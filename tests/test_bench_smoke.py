@@ -475,3 +475,20 @@ def test_decode_matmul_bench_head_compares_equal_products():
   from bench import decode_matmul
   row = decode_matmul.measure_head([3], d=8, v=40)[0]
   assert row["max_abs_diff"] < 1e-5 and row["head_rows_major_ms"] >= 0 and row["head_output_major_ms"] >= 0
+
+
+def test_remat_bench_times_every_mode_on_the_same_batch(tiny_ckpt, tmp_path, monkeypatch):
+  """bench/remat.py on a tiny random checkpoint: a row per mode with one timed round each (finite seconds, the
+  first mode's ratio over itself 1), the auto choice named, the table written with its command."""
+  from bench import remat
+  monkeypatch.setitem(workloads.REAL, "R_small", dict(prompts_per_step=2, group_size=2, max_new_tokens=4, remat="none"))
+  rows, auto = remat.measure("R_small", tiny_ckpt, ("full", "dots", "none"), rounds=1)
+  assert [r["remat"] for r in rows] == ["full", "dots", "none"] and auto in ("none", "full")
+  assert all(len(r["seconds"]) == 1 and math.isfinite(r["median_s"]) and r["median_s"] > 0 for r in rows)
+  assert rows[0]["first_over_this"] == 1.0
+  md = tmp_path / "remat.md"
+  assert remat.main(["--model", tiny_ckpt, "--modes", "full,none", "--rounds", "1", "--markdown", str(md)]) == 0
+  text = md.read_text()
+  assert "python -m bench.remat --model" in text and "| full |" in text and "| none |" in text
+  with pytest.raises(SystemExit, match="--modes"):
+    remat.main(["--modes", "full,sometimes"])
