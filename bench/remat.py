@@ -70,8 +70,8 @@ def main(argv=None) -> int:
   p.add_argument("--markdown", default=None, help="also write the table here, the command and the machine above it")
   args = p.parse_args(argv)
   modes = tuple(args.modes.split(","))
-  if not modes or any(m not in MODES for m in modes) or args.rounds < 1:
-    raise SystemExit(f"--modes: a comma list of {MODES}; --rounds >= 1 (got {args.modes!r}, {args.rounds})")
+  if any(m not in MODES for m in modes) or len(set(modes)) < len(modes) or args.rounds < 1:
+    raise SystemExit(f"--modes: a comma list of distinct {MODES}; --rounds >= 1 (got {args.modes!r}, {args.rounds})")
   from bench.run import _git, machine_info
   m = machine_info()  # the commit of the code that runs, read before it runs
   m["dirty"] = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""

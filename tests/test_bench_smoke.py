@@ -490,5 +490,6 @@ def test_remat_bench_times_every_mode_on_the_same_batch(tiny_ckpt, tmp_path, mon
   assert remat.main(["--model", tiny_ckpt, "--modes", "full,none", "--rounds", "1", "--markdown", str(md)]) == 0
   text = md.read_text()
   assert "python -m bench.remat --model" in text and "| full |" in text and "| none |" in text
-  with pytest.raises(SystemExit, match="--modes"):
-    remat.main(["--modes", "full,sometimes"])
+  for bad in ("full,sometimes", "full,full"):
+    with pytest.raises(SystemExit, match="--modes"):
+      remat.main(["--modes", bad])
