@@ -173,7 +173,8 @@ def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT:
   w_DV = jax.lax.stop_gradient(lm_head_weights(lora.effective(policy_params), model_cfg))
   if vocab_K is not None:
     w_DV = jnp.take(w_DV, vocab_K, axis=1)
-  target = VocabHead(hidden_BND=f_BND[:, 1:], w_DV=w_DV)
+  f_next_BnD = f_BND[:, 1:]  # every step's target: the policy's feature of the drafted column
+  target = VocabHead(hidden_BND=f_next_BnD, w_DV=w_DV)
   wm_Bn = jnp.asarray(weight_B, jnp.float32)[:, None] * mask_Bn
   loss, kls = 0.0, []
   for u in range(ttt):  # u = step - 1; column j = n + 1 is reached at step u + 1 when j >= u + 1
@@ -181,7 +182,7 @@ def head_loss(head: dict, policy_params: dict, sequence_BT: Array, positions_BT:
     wm_u_Bn = wm_Bn * (jnp.arange(N - 1) >= u)[None, :]
     heads = _Heads(mask_Bn, VocabHead(hidden_BND=pred_BnD, w_DV=w_DV), target)
     kl_Bn = dense.divergence(heads, lambda lq, lp: dense.kl_dense(lp, lq), temperature)
-    reg_Bn = jnp.mean(optax.huber_loss(pred_BnD.astype(jnp.float32), f_BND[:, 1:].astype(jnp.float32)), axis=-1)
+    reg_Bn = jnp.mean(optax.huber_loss(pred_BnD.astype(jnp.float32), f_next_BnD.astype(jnp.float32)), axis=-1)
     den = jnp.where(jnp.sum(wm_u_Bn) > 0, jnp.sum(wm_u_Bn), 1.0)
     kl, reg = jnp.sum(wm_u_Bn * kl_Bn) / den, jnp.sum(wm_u_Bn * reg_Bn) / den
     loss, kls = loss + 0.8 ** u * (kl + reg_weight * reg), kls + [kl]
