@@ -49,7 +49,7 @@ def get_config():
   c.model.routing_replay = ml_collections.FieldReference(True, field_type=object)  # MoE expert ids replayed
   c.model.pr2_horizon = 1  # PR2: updates ahead the sampler's routers are predicted (jaxrl_llm/route_predictor.py)
   # Recompute in the backward pass: False/"none", True/"full" (each layer), "dots" (matmul outputs kept), "auto"
-  # ("none" when the step's estimated memory fits memory_budget_gb, else "full"; jaxrl_llm/memory.py). Any type:
+  # (the platform's fastest mode whose step's estimated memory fits memory_budget_gb; jaxrl_llm/memory.py). Any type:
   # ml_collections would otherwise pin the field to bool and refuse --config.model.remat=auto.
   c.model.remat = ml_collections.FieldReference(False, field_type=object)  # what the backward pass recomputes
   c.model.memory_budget_gb = 0.0  # remat="auto"'s budget per device; 0 = the accelerator's limit / 0.8 of free host RAM

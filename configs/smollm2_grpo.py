@@ -15,9 +15,10 @@ reward is the last integer of the free-form answer (task `arithmetic_chat`). Gre
 held-out accuracy on 64 prompts is measured before RL (run_info.json: eval_accuracy_initial) and at
 every `eval.every` steps and the end (metrics.jsonl: eval_accuracy).
 
-Memory: the 30-layer learner fits a few GB only with rematerialisation (`model.remat=True`, i.e.
-"full"; without it 32 x 288 tokens take over 20 GB). Where the step fits without it, `model.remat="auto"`
-drops it, but on this CPU that was no faster (`make bench`'s R_small variants table compares the two).
+Memory: `model.remat="auto"` decides at setup from the step's estimated memory and the machine's (or
+`model.memory_budget_gb`): on a CPU "dots" (matmul outputs kept; 1.10x "full"'s speed on workload R_small,
+bench/profiles/R_small_remat.md) where it fits, else "full" (each layer recomputed: 32 x 288 tokens then take
+a few GB, against over 20 GB with no recomputation and about 10 GB with "dots").
 `layer_unroll=1` compiles one layer body for the 30-layer scan (short compiles). Checkpoints hold weights and
 AdamW moments (about 1.6 GB), so only the final one is written (`checkpoint.every=0`). On an accelerator leave
 JAX_PLATFORMS unset and raise `rollout.prompts_per_step`, `rollout.group_size` and `eval.num_prompts`.
@@ -33,7 +34,7 @@ def get_config():
   c = load_file(pathlib.Path(__file__).with_name("default.py"))
   c.num_steps = 30
   c.model.init_from = str(default_cache_dir())  # $JAXRL_LLM_CACHE/SmolLM2-135M-Instruct or ~/.cache/jaxrl_llm/...
-  c.model.remat = True  # "full": recompute each layer in the backward pass
+  c.model.remat = "auto"  # decided at setup (run_info.json: remat_auto): "dots" where it fits, else "full"
   c.model.layer_unroll = 1
   c.sft.steps = 0  # an instruct model already answers in the expected format
 

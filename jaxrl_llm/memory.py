@@ -15,13 +15,13 @@ A step holds, besides the runtime itself:
              on `model.remat` (`activation_bytes`), + the scorer's chunk (the reference is scored inside
              the train step, `learner.fuse_reference`).
 `step`, what `model.remat="auto"` compares with the budget, is `train` with its gradients + activations scaled by
-`XLA_TEMP_FACTOR` (what the shape count leaves out, measured) plus the KV cache: in the async modes the sampler
-decodes while the learner trains, and a sync run that frees its cache first only gets a margin. The phases are
+`XLA_TEMP_FACTOR[remat]` (what the shape count leaves out, measured per mode) plus the KV cache: in the async modes
+the sampler decodes while the learner trains, and a sync run that frees its cache first only gets a margin. The phases are
 an estimate, meant to decide "does a step fit" with room, not to size a heap.
 
-`model.remat="auto"` (`choose_remat`): "none" when the step without recomputation fits the budget, "full"
-(each layer recomputed) otherwise. The budget is `model.memory_budget_gb`, or from the machine
-(`machine_budget_bytes`).
+`model.remat="auto"` (`choose_remat`): the first mode of the platform's speed order (`REMAT_ORDER`) whose step fits
+the budget, "full" (each layer recomputed, the smallest) when none does. The budget is `model.memory_budget_gb`, or
+from the machine (`machine_budget_bytes`).
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ LM_HEAD_CHUNK = 256
 # XLA's compiled programs and their temporaries, the task data and the sampler's host buffers, none of which
 # the estimate counts, and other processes may grow while the run starts.
 HOST_MEMORY_FRACTION = 0.8
-# XLA's temporaries of a learner step over the gradients + activations `activation_bytes` counts: the residuals of
-# the norms, SiLU and the softmax input, the backward's cotangents and the optimizer's update are not in the shape
-# count. Measured on XLA:CPU, SmolLM2-135M (fp32, AdamW, ppo_clip), 32 x (32 + 256) tokens: 23.0 GiB of temps
-# without recomputation (1.93x the 11.9 GiB counted) and 2.78 GiB with "full" (1.86x of 1.50 GiB); command:
+# XLA's temporaries of a learner step over the gradients + activations `activation_bytes` counts, by remat mode.
+# Without recomputation the residuals of the norms, SiLU and the softmax input, the backward's cotangents and the
+# optimizer's update are not in the shape count; "dots" recomputes those from the matmul outputs it keeps.
+# Measured on XLA:CPU, SmolLM2-135M (fp32, AdamW, ppo_clip), 32 x (32 + 256) tokens: 23.0 GiB of temps without
+# recomputation (1.92x the 12.0 GiB counted), 10.4 GiB with "dots" (1.02x of 10.2 GiB) and 2.78 GiB with "full"
+# (1.74x of 1.60 GiB); "dots" is given a margin. Command (one --remat each):
 #   JAX_PLATFORMS=cpu python -m bench.real_model_memory --what learner --compile-only --max-gib 200 --remat none
-XLA_TEMP_FACTOR = 2.0
+XLA_TEMP_FACTOR = {"none": 2.0, "dots": 1.25, "full": 2.0}
 
 
 def _itemsize(dtype) -> int:
@@ -174,7 +176,7 @@ def phase_bytes(cfg: ModelConfig, shape: StepShape, remat, *, whole_logits: bool
   train = resident + trained + score_logits + acts
   return {"params": params, "resident": resident, "prefill": resident + kv, "decode": resident + kv + 4 * B * V,
           "reference": resident + score_logits, "train": train,
-          "step": train + kv + math.ceil((XLA_TEMP_FACTOR - 1) * (trained + acts)),
+          "step": train + kv + math.ceil((XLA_TEMP_FACTOR[_norm_remat(remat)] - 1) * (trained + acts)),
           "kv_cache": kv, "score_logits": score_logits, "gradients": trained, "activations": acts}
 
 
@@ -223,26 +225,45 @@ def budget_bytes(memory_budget_gb: float) -> int:
   return int(memory_budget_gb * GB) if memory_budget_gb > 0 else machine_budget_bytes()
 
 
+# The modes `model.remat="auto"` tries, fastest first, by platform (`jax.default_backend()`); it takes the first whose
+# step fits. cpu: measured, the fused reference + train step of workload R_small on SmolLM2-135M, "dots" 1.10x and
+# "none" 0.88x the speed of "full" (bench/profiles/R_small_remat.md, `python -m bench.remat`): without
+# recomputation the step moves more memory than the recompute costs. Other platforms: not measured here (bench/gpu.sh
+# runs bench.remat); the usual order, least recomputation first.
+REMAT_ORDER = {"cpu": ("dots", "full", "none")}
+REMAT_ORDER_DEFAULT = ("none", "dots", "full")
+
+
+def remat_order(platform: str) -> tuple[str, ...]:
+  """The modes "auto" tries on `platform`, fastest first (`REMAT_ORDER`)."""
+  return REMAT_ORDER.get(platform, REMAT_ORDER_DEFAULT)
+
+
 @dataclasses.dataclass(frozen=True)
 class RematChoice:
-  """The `model.remat="auto"` decision: the mode, the estimated step without and with recomputation, the budget."""
+  """The `model.remat="auto"` decision: the mode, the order it was chosen by, the estimated step of each mode, the
+  budget."""
   remat: str
-  estimate_bytes: int
-  estimate_full_bytes: int
+  order: tuple[str, ...]
+  estimates: dict  # mode -> bytes of one step (`step_bytes`)
   budget_bytes: int
 
   def line(self) -> str:
     """What the run prints once at setup."""
-    return (f"remat_auto -> {self.remat} (est. {self.estimate_bytes / GB:.3g} GB of {self.budget_bytes / GB:.3g} GB "
-            f"budget without recomputation; {self.estimate_full_bytes / GB:.3g} GB with)")
+    est = ", ".join(f"{m} {self.estimates[m] / GB:.3g} GB" for m in self.order)
+    return (f"remat_auto -> {self.remat} (est. {self.estimates[self.remat] / GB:.3g} GB of "
+            f"{self.budget_bytes / GB:.3g} GB budget; fastest first: {est})")
 
   def record(self) -> dict:
     """Plain data for run_info.json."""
-    return {"remat": self.remat, "estimate_gb": self.estimate_bytes / GB,
-            "estimate_full_gb": self.estimate_full_bytes / GB, "budget_gb": self.budget_bytes / GB}
+    return {"remat": self.remat, "order": list(self.order), "budget_gb": self.budget_bytes / GB,
+            "estimate_gb": {m: self.estimates[m] / GB for m in self.order}}
 
 
-def choose_remat(cfg: ModelConfig, shape: StepShape, budget: int) -> RematChoice:
-  """"none" when the step without recomputation fits `budget` bytes, else "full" (layer-wise)."""
-  none, full = step_bytes(cfg, shape, "none"), step_bytes(cfg, shape, "full")
-  return RematChoice("none" if none <= budget else "full", none, full, budget)
+def choose_remat(cfg: ModelConfig, shape: StepShape, budget: int, platform: str | None = None) -> RematChoice:
+  """The first mode of `remat_order(platform)` (default: this process's backend) whose step fits `budget` bytes;
+  "full" (layer-wise, the smallest) when none does."""
+  order = remat_order(platform or jax.default_backend())
+  estimates = {m: step_bytes(cfg, shape, m) for m in order}
+  mode = next((m for m in order if estimates[m] <= budget), "full")
+  return RematChoice(mode, order, estimates, budget)

@@ -67,9 +67,9 @@ def test_configs_are_valid_and_load_without_torch():
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout.splitlines() == [
-      "smollm2_grpo arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct None",
-      "smollm2_opd arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct-first8 /cache/SmolLM2-135M-Instruct",
-      "smollm2_demo arithmetic_chat 0 True /cache/SmolLM2-135M-Instruct None",
+      "smollm2_grpo arithmetic_chat 0 auto /cache/SmolLM2-135M-Instruct None",
+      "smollm2_opd arithmetic_chat 0 auto /cache/SmolLM2-135M-Instruct-first8 /cache/SmolLM2-135M-Instruct",
+      "smollm2_demo arithmetic_chat 0 auto /cache/SmolLM2-135M-Instruct None",
       "[]"]
 
 

@@ -98,7 +98,7 @@ def test_phase_bytes_by_hand():
   assert got["params"] == params and got["resident"] == resident and got["kv_cache"] == kv
   assert got["prefill"] == resident + kv and got["decode"] == resident + kv + 4 * B * 32
   assert got["train"] == resident + params + score + acts
-  f = memory.XLA_TEMP_FACTOR  # the decision's step: gradients + activations scaled by what XLA adds (measured)
+  f = memory.XLA_TEMP_FACTOR["none"]  # the decision's step: gradients + activations scaled by what XLA adds (measured)
   assert got["step"] == memory.step_bytes(CFG, shape, "none") == math.ceil(resident + score + f * (params + acts) + kv)
   # a bf16 sampler halves its copy and its cache; the learner micro-batch scales the activations only
   half = memory.phase_bytes(CFG, dataclasses.replace(shape, sampler_dtype="bfloat16", micro_rows=1), "none")
@@ -110,6 +110,11 @@ def test_phase_bytes_by_hand():
   assert lora["resident"] == params + adapters + params + 2 * adapters + params
   assert lora["gradients"] == adapters
   assert lora["activations"] == 4 * B * T * (2 * 8 + ALL) + 4 * (8 * 16 + 8 * 8) + HEAD
+  # "dots" keeps the matmul outputs (+ one layer while it recomputes) and has its own measured XLA factor
+  dots = memory.phase_bytes(CFG, shape, "dots")
+  assert dots["activations"] == 4 * B * T * (2 * DOTS + ALL) + HEAD
+  fd = memory.XLA_TEMP_FACTOR["dots"]
+  assert dots["step"] == math.ceil(dots["train"] + kv + (fd - 1) * (params + dots["activations"]))
 
 
 def test_bench_uses_the_library_estimator():
@@ -165,20 +170,46 @@ def test_remat_values_validated():
 
 
 def test_auto_resolves_by_budget_through_setup():
+  """On this CPU "auto" tries dots, full, none (the measured speed order, `memory.REMAT_ORDER`)."""
+  assert jax.default_backend() == "cpu"
   big = loop.setup(tiny(**{"model.remat": "auto", "model.memory_budget_gb": 1000.0}))
-  assert big.model_cfg.remat == "none" and big.sampler_model_cfg.remat == "none"
-  assert big.remat_auto["remat"] == "none" and big.remat_auto["budget_gb"] == 1000.0
+  assert big.model_cfg.remat == "dots" and big.sampler_model_cfg.remat == "dots"
+  assert big.remat_auto["remat"] == "dots" and big.remat_auto["budget_gb"] == 1000.0
+  assert big.remat_auto["order"] == ["dots", "full", "none"]
   small = loop.setup(tiny(**{"model.remat": "auto", "model.memory_budget_gb": 1e-6}))  # 1 kB
   assert small.model_cfg.remat == "full" and small.remat_auto["remat"] == "full"
-  # the estimate is the step of the run's shapes: 16 rows of P + N tokens
+  # the estimates are the step of the run's shapes: 16 rows of P + N tokens
   shape = policy_init.step_shape(small.c, small.P)
   assert (shape.rows, shape.prompt, shape.new, shape.micro_rows) == (16, small.P, 4, 16)
   cfg = dataclasses.replace(small.model_cfg, remat="none")
-  assert small.remat_auto["estimate_gb"] == memory.step_bytes(cfg, shape, "none") / memory.GB
-  assert small.remat_auto["estimate_full_gb"] == memory.step_bytes(cfg, shape, "full") / memory.GB
+  assert small.remat_auto["estimate_gb"] == {m: memory.step_bytes(cfg, shape, m) / memory.GB
+                                             for m in ("dots", "full", "none")}
   # a value other than "auto" is left alone and not reported
-  plain = loop.setup(tiny(**{"model.remat": "dots"}))
-  assert plain.model_cfg.remat == "dots" and plain.remat_auto is None
+  plain = loop.setup(tiny(**{"model.remat": "none"}))
+  assert plain.model_cfg.remat == "none" and plain.remat_auto is None
+
+
+def test_choose_remat_takes_the_first_mode_that_fits():
+  """Each platform's order, fastest first; a budget between two modes' estimates picks the next that fits;
+  nothing fits: "full", the smallest."""
+  cfg = dataclasses.replace(CFG, n_layers=16)  # at 2 layers "dots" (+ one layer recomputed) keeps more than "none"
+  shape = memory.StepShape(rows=B, prompt=P, new=N, micro_rows=B)
+  est = {m: memory.step_bytes(cfg, shape, m) for m in ("none", "dots", "full")}
+  assert est["full"] < est["dots"] < est["none"]
+  for platform, order in [("cpu", ("dots", "full", "none")), ("gpu", ("none", "dots", "full")),
+                          ("tpu", ("none", "dots", "full"))]:
+    assert memory.remat_order(platform) == order
+    for budget in (est["none"], est["dots"], est["dots"] - 1, est["full"], 1):
+      choice = memory.choose_remat(cfg, shape, budget, platform)
+      want = next((m for m in order if est[m] <= budget), "full")
+      assert choice.remat == want and choice.estimates == {m: est[m] for m in order}
+  assert memory.choose_remat(cfg, shape, est["none"], "gpu").remat == "none"
+  assert memory.choose_remat(cfg, shape, est["none"] - 1, "gpu").remat == "dots"
+  assert memory.choose_remat(cfg, shape, est["dots"] - 1, "gpu").remat == "full"
+  assert memory.choose_remat(cfg, shape, est["none"], "cpu").remat == "dots"
+  assert memory.choose_remat(cfg, shape, est["dots"] - 1, "cpu").remat == "full"
+  assert memory.choose_remat(cfg, shape, 1, "cpu").remat == "full"
+  assert memory.choose_remat(cfg, shape, est["none"]).order == memory.remat_order(jax.default_backend())
 
 
 def test_sft_teacher_gets_a_decided_remat():
@@ -188,7 +219,7 @@ def test_sft_teacher_gets_a_decided_remat():
   c.model.remat, c.model.memory_budget_gb = "auto", 1e-6
   assert teacher_lib.teacher_model_config(c, 16, 64).remat == "full"
   c.model.memory_budget_gb = 1000.0
-  assert teacher_lib.teacher_model_config(c, 16, 64).remat == "none"
+  assert teacher_lib.teacher_model_config(c, 16, 64).remat == "dots"  # the CPU order's first
 
 
 def test_step_shape_follows_the_update_schedule_and_reference():
