@@ -19,8 +19,10 @@
 #   4. `python -m bench.run --only-real --real $WORKLOAD --peers torch` with JAX_PLATFORMS unset (ours on JAX's
 #      default device, the GPU), writing $OUT (bench/results-gpu.json) and $README (bench/README-gpu.md).
 #      JAX may take XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU (0.5 here), leaving the rest to the torch peer.
+#   5. `python -m bench.remat` on the same workload (each `model.remat` mode's train step, taking turns), writing
+#      $REMAT_MD (bench/profiles/<WORKLOAD>_remat_gpu.md).
 # Knobs (environment): PYTHON, GPU_VENV, PEER_VENV, WORKLOAD (R or R_small), FEATURES (ours' features),
-# VARIANTS (';'-separated feature sets of ours, bench/features.py; empty: none), OUT, README, DRY_RUN.
+# VARIANTS (';'-separated feature sets of ours, bench/features.py; empty: none), OUT, README, REMAT_MD, DRY_RUN.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -32,6 +34,7 @@ FEATURES=${FEATURES:-}
 VARIANTS=${VARIANTS-remat=none;slots=32,slot_chunk=16;pack_width=auto;spec_gamma=4}
 OUT=${OUT:-bench/results-gpu.json}
 README=${README:-bench/README-gpu.md}
+REMAT_MD=${REMAT_MD:-bench/profiles/${WORKLOAD}_remat_gpu.md}
 DRY_RUN=${DRY_RUN:-0}
 SMOLLM2_DIR=${SMOLLM2_DIR:-}
 
@@ -69,4 +72,9 @@ args=(--only-real --real "$WORKLOAD" --peers torch --peer-python "$PEER_VENV/bin
 [ -z "$VARIANTS" ] || args+=(--variants "$VARIANTS")
 run env JAX_PLATFORMS= XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}" \
   TF_CPP_MIN_LOG_LEVEL=2 "$GPU_VENV/bin/python" -m bench.run "${args[@]}" --command "bash bench/gpu.sh (WORKLOAD=$WORKLOAD)"
-echo "bench/gpu.sh: tables in $README, numbers in $OUT" >&2
+# 5. the fused reference + train step under each model.remat mode, taking turns: the order `model.remat="auto"`
+#    tries on a GPU (jaxrl_llm/memory.py's REMAT_ORDER) is measured only on CPU so far.
+remat_args=(--variant "$WORKLOAD" --rounds 3 --markdown "$REMAT_MD")
+[ -z "$SMOLLM2_DIR" ] || remat_args+=(--model "$SMOLLM2_DIR")
+run env JAX_PLATFORMS= TF_CPP_MIN_LOG_LEVEL=2 "$GPU_VENV/bin/python" -m bench.remat "${remat_args[@]}"
+echo "bench/gpu.sh: tables in $README and $REMAT_MD, numbers in $OUT" >&2

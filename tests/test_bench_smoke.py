@@ -338,15 +338,15 @@ def test_static_slot_waste_by_hand(monkeypatch):
   assert stats == {"slot_wasted": pytest.approx(0.5)}
 
 
-def _gpu_sh_bench_argv() -> list[str]:
-  """The `bench.run` arguments bench/gpu.sh passes (from its dry run)."""
+def _gpu_sh_bench_argv(module: str = "bench.run") -> list[str]:
+  """The arguments bench/gpu.sh passes to `python -m module` (from its dry run)."""
   import shlex
   proc = subprocess.run(["bash", "bench/gpu.sh"], cwd=run.ROOT, env={**__import__("os").environ, "DRY_RUN": "1"},
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
-  (line,) = [ln for ln in proc.stderr.splitlines() if "-m bench.run" in ln]
+  (line,) = [ln for ln in proc.stderr.splitlines() if f"-m {module} " in ln]
   words = shlex.split(line[2:])
-  return words[words.index("bench.run") + 1:]
+  return words[words.index(module) + 1:]
 
 
 def test_gpu_sh_is_bash_clean_and_asks_for_the_gpu_run():
@@ -354,6 +354,9 @@ def test_gpu_sh_is_bash_clean_and_asks_for_the_gpu_run():
   argv = _gpu_sh_bench_argv()
   assert argv[:3] == ["--only-real", "--real", "R"] and argv[argv.index("--peers") + 1] == "torch"
   assert argv[argv.index("--peer-python") + 1].endswith("bin/python")
+  # and the remat modes timed on the same workload (the GPU's "auto" order is unmeasured)
+  assert _gpu_sh_bench_argv("bench.remat") == ["--variant", "R", "--rounds", "3", "--markdown",
+                                               "bench/profiles/R_remat_gpu.md"]
 
 
 @pytest.mark.slow  # ~60-90 s of CPU: five versions of ours compile on the tiny checkpoint
