@@ -106,7 +106,7 @@ $(BENCH_VENV)/.torch-trl: $(BENCH_VENV)/.tunix
 ## Benchmarks (≈ 30 min on a 2-core CPU): the toy workloads and workload R_small on the real
 ## SmolLM2-135M-Instruct (`make smollm2` first); prints tables, writes bench/results.json and bench/README.md.
 bench: $(VENV)/.base $(BENCH_VENV)/.tunix $(BENCH_VENV)/.torch-trl
-	$(PY) -m bench.run --out bench/results.json --readme bench/README.md --variants remat=full --command "make bench"
+	$(PY) -m bench.run --out bench/results.json --readme bench/README.md --variants remat=dots --command "make bench"
 
 ## Workload R at full size (8 prompts × 8, 128 new tokens; slow on a CPU) merged into bench/results.json.
 bench-r: $(VENV)/.base $(BENCH_VENV)/.tunix $(BENCH_VENV)/.torch-trl

@@ -279,7 +279,8 @@ def _default_model_dir() -> str:
 def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_real: bool = False,
             model_dir: str | None = None, shared_prefill: bool = False, command: str = COMMAND,
             only_peers: tuple[str, ...] = (), features: dict | None = None, variants: dict | None = None,
-            only_tail: bool = False, peer_python: str = BENCH_PYTHON, remeasure_peers: bool = False) -> dict:
+            only_tail: bool = False, peer_python: str = BENCH_PYTHON, remeasure_peers: bool = False,
+            real_blocks: int = REAL_STEPS[2]) -> dict:
   """Runs every section; returns the results dict written to results.json.
 
   `real`: workload R variant to run after the toy sections (None: none); `only_real`: the machine
@@ -309,7 +310,7 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     return res
   if only_real:
     res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                         steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log,
+                                         steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks), log=log,
                                          only_peers=only_peers, quick=quick, phases=not remeasure_peers,
                                          **real_kw),
                           "measured": measured()}}
@@ -367,7 +368,7 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     log(f"[bench] {res['real_skipped']}")
   elif real:
     res["grpo"][real] = measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                     steps=QUICK["grpo_steps"] if quick else REAL_STEPS, log=log, quick=quick,
+                                     steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks), log=log, quick=quick,
                                      **real_kw)
     res["grpo"][real]["measured"] = measured()
   res["machine"]["loadavg_end"] = list(os.getloadavg())
@@ -830,6 +831,9 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--variants", action="append", default=[],
                   help="further feature sets of ours on --real, ';'-separated (repeatable): each takes turns with "
                        "ours and the peers in the same rounds, e.g. 'slots=16,slot_chunk=8;pack_width=auto;remat=none'")
+  ap.add_argument("--real-blocks", type=int, default=REAL_STEPS[2],
+                  help=f"--real: blocks of {REAL_STEPS[1]} step(s) each side runs, taking turns (default "
+                       f"{REAL_STEPS[2]}); more for a closer comparison of ours' variants")
   ap.add_argument("--only-tail", action="store_true",
                   help="measure the machine references and the long-tail rollout section only; merge into --out")
   ap.add_argument("--peer-python", default=BENCH_PYTHON,
@@ -864,6 +868,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.error("--features / --variants act on workload R: give --real R_small or R (not with --only-tail)")
   if args.only_tail and args.only_real:
     ap.error("--only-tail and --only-real: one at a time")
+  if args.real_blocks < 1:
+    ap.error(f"--real-blocks={args.real_blocks}: at least 1")
   old = {}
   if os.path.exists(args.out):  # merged into: the other rows stay (a full run keeps the real workloads it skipped)
     with open(args.out) as f:
@@ -873,7 +879,7 @@ def main(argv: list[str] | None = None) -> dict:
   res = collect(args.quick, peers=not args.no_peers, real=real, only_real=args.only_real, model_dir=args.model,
                 shared_prefill=args.shared_prefill, command=command, only_peers=only_peers, features=features,
                 variants=variants, only_tail=args.only_tail, peer_python=args.peer_python, remeasure_peers=remeasure,
-                log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
+                real_blocks=args.real_blocks, log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
   if args.only_tail:  # keep every other row of the existing results
     if old:
       old["rollout_tail"] = res["rollout_tail"]

@@ -28,14 +28,13 @@ SAMPLER_NEW_TOKENS = (16, 128)
 # Workload R (issue 17): the GRPO step on the real SmolLM2-135M-Instruct, chat-templated "What is
 # 47 + 38? ..." prompts (task arithmetic_chat), k3 KL to the initial weights, one update per batch, fp32.
 # R_small is what a 2-core CPU runs in `make bench`; R (`python -m bench.run --real R`) is the full size.
-# remat: R_small "auto", as configs/smollm2_grpo.py (this CPU: "dots" where it fits, est. 5.6 GB; "full" else).
-# R "full" (each layer recomputed): its "dots" step is estimated at 18 GB, and four processes share this 23 GB
-# machine, so an "auto" decided before the peers load could overcommit it.
+# remat: "full" recomputes each layer in the backward pass: what configs/smollm2_grpo.py's "auto" takes on a CPU
+# (`memory.REMAT_ORDER`), and what the peers are told to match (torch's gradient checkpointing, Tunix's remat).
 REAL = {
     # tunix_micro_prompts: Tunix (which cannot recompute layers here: bench/peers/tunix_grpo.py) trains and scores
     # R in micro-batches of this many prompts' groups (its own `train_micro_batch_size`); in one batch of 64 rows
     # its step asks for 31.7 GB (measured: out of memory on this 23 GB machine). Its rollouts stay one batch.
     "R": dict(prompts_per_step=8, group_size=8, max_new_tokens=128, remat="full", tunix_micro_prompts=2),
-    "R_small": dict(prompts_per_step=4, group_size=4, max_new_tokens=64, remat="auto"),
+    "R_small": dict(prompts_per_step=4, group_size=4, max_new_tokens=64, remat="full"),
 }  # remat as the SmolLM2 configs' `model.remat` ("auto" is decided as a run decides it: `grpo_real._remat`)
 REAL_RUN = dict(beta=0.04, lr=1e-5, temperature=1.0, epsilon=0.2, num_digits=2, seed=0, layer_unroll=1)

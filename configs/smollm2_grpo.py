@@ -15,10 +15,10 @@ reward is the last integer of the free-form answer (task `arithmetic_chat`). Gre
 held-out accuracy on 64 prompts is measured before RL (run_info.json: eval_accuracy_initial) and at
 every `eval.every` steps and the end (metrics.jsonl: eval_accuracy).
 
-Memory: `model.remat="auto"` decides at setup from the step's estimated memory and the machine's (or
-`model.memory_budget_gb`): on a CPU "dots" (matmul outputs kept; 1.10x "full"'s speed on workload R_small,
-bench/profiles/R_small_remat.md) where it fits, else "full" (each layer recomputed: 32 x 288 tokens then take
-a few GB, against over 20 GB with no recomputation and about 10 GB with "dots").
+Memory: `model.remat="auto"` decides at setup: the platform's fastest mode whose step fits the machine's memory
+(or `model.memory_budget_gb`). On a CPU that is "full" (each layer recomputed; measured fastest in the GRPO loop,
+bench/profiles/R_small_remat_loop.md), which also keeps 32 x 288 tokens to a few GB against over 20 GB with no
+recomputation; on an accelerator "none", else "dots", else "full" (docs/performance.md#memory).
 `layer_unroll=1` compiles one layer body for the 30-layer scan (short compiles). Checkpoints hold weights and
 AdamW moments (about 1.6 GB), so only the final one is written (`checkpoint.every=0`). On an accelerator leave
 JAX_PLATFORMS unset and raise `rollout.prompts_per_step`, `rollout.group_size` and `eval.num_prompts`.
@@ -34,7 +34,7 @@ def get_config():
   c = load_file(pathlib.Path(__file__).with_name("default.py"))
   c.num_steps = 30
   c.model.init_from = str(default_cache_dir())  # $JAXRL_LLM_CACHE/SmolLM2-135M-Instruct or ~/.cache/jaxrl_llm/...
-  c.model.remat = "auto"  # decided at setup (run_info.json: remat_auto): "dots" where it fits, else "full"
+  c.model.remat = "auto"  # decided at setup (run_info.json: remat_auto); "full" on a CPU
   c.model.layer_unroll = 1
   c.sft.steps = 0  # an instruct model already answers in the expected format
 

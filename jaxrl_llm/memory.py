@@ -226,11 +226,12 @@ def budget_bytes(memory_budget_gb: float) -> int:
 
 
 # The modes `model.remat="auto"` tries, fastest first, by platform (`jax.default_backend()`); it takes the first whose
-# step fits. cpu: measured, the fused reference + train step of workload R_small on SmolLM2-135M, "dots" 1.10x and
-# "none" 0.88x the speed of "full" (bench/profiles/R_small_remat.md, `python -m bench.remat`): without
-# recomputation the step moves more memory than the recompute costs. Other platforms: not measured here (bench/gpu.sh
-# runs bench.remat); the usual order, least recomputation first.
-REMAT_ORDER = {"cpu": ("dots", "full", "none")}
+# step fits. cpu: measured in the GRPO loop (workload R_small on SmolLM2-135M, each mode's step taking turns,
+# bench/profiles/R_small_remat_loop.md): "full" ahead of "dots" and "none". Timed back to back, without the
+# sampling between them, the train step alone ranks "dots" first (bench/profiles/R_small_remat.md); the loop is what
+# a run does. Other platforms: not measured here (bench/gpu.sh runs bench.remat); the usual order, least
+# recomputation first.
+REMAT_ORDER = {"cpu": ("full", "dots", "none")}
 REMAT_ORDER_DEFAULT = ("none", "dots", "full")
 
 

@@ -200,10 +200,11 @@ def test_memory_budget_by_hand():
 
 def test_real_workload_remat_auto_decides_as_a_run(monkeypatch):
   """Workload R's remat "auto" is `memory.choose_remat` on its step (every row in one micro-batch, the frozen
-  reference beside the policy, no published sampler copy): on this CPU "dots" at a budget that holds that step,
-  else "full"; any other mode is kept."""
+  reference beside the policy, no published sampler copy): in an order that tries "dots" first, "dots" at a budget
+  that holds that step, else "full"; any other mode is kept."""
   from bench import grpo_real
   from jaxrl_llm import memory
+  monkeypatch.setitem(memory.REMAT_ORDER, "cpu", ("dots", "full", "none"))
   cfg = ModelConfig(n_layers=16, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=16, vocab_size=32)
   run = dict(prompts_per_step=2, group_size=3, max_new_tokens=4)
   shape = memory.StepShape(rows=6, prompt=5, new=4, micro_rows=6, frozen_copies=1, sampler_copy=False)
@@ -310,6 +311,7 @@ def test_features_parse_and_label():
     (["--features", "slotz=1"], "unknown feature 'slotz'"),
     (["--variants", "remat=none;pack_width=x"], "pack_width='x'"),
     (["--features", "slots=2", "--real", "none"], "act on workload R"),
+    (["--real-blocks", "0"], "--real-blocks=0: at least 1"),
 ])
 def test_bad_features_flag_is_a_clear_error(argv, words, capsys):
   with pytest.raises(SystemExit) as e:
@@ -486,7 +488,7 @@ def test_remat_bench_times_every_mode_on_the_same_batch(tiny_ckpt, tmp_path, mon
   from bench import remat
   monkeypatch.setitem(workloads.REAL, "R_small", dict(prompts_per_step=2, group_size=2, max_new_tokens=4, remat="none"))
   rows, auto = remat.measure("R_small", tiny_ckpt, ("full", "dots", "none"), rounds=1)
-  assert [r["remat"] for r in rows] == ["full", "dots", "none"] and auto in ("dots", "full")  # this CPU's order
+  assert [r["remat"] for r in rows] == ["full", "dots", "none"] and auto == "full"  # this CPU's order: "full" first
   assert all(len(r["seconds"]) == 1 and math.isfinite(r["median_s"]) and r["median_s"] > 0 for r in rows)
   assert rows[0]["first_over_this"] == 1.0
   md = tmp_path / "remat.md"

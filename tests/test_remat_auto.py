@@ -169,24 +169,30 @@ def test_remat_values_validated():
 # ----------------------------------------------------------------------------- the decision
 
 
-def test_auto_resolves_by_budget_through_setup():
-  """On this CPU "auto" tries dots, full, none (the measured speed order, `memory.REMAT_ORDER`)."""
-  assert jax.default_backend() == "cpu"
+# The accelerators' order (least recomputation first), put on this CPU so the setup path's decision is visible: on
+# CPU itself "full" comes first and "auto" always takes it.
+ACCEL_ORDER = ("none", "dots", "full")
+
+
+def test_auto_resolves_by_budget_through_setup(monkeypatch):
+  assert jax.default_backend() == "cpu" and memory.remat_order("cpu") == ("full", "dots", "none")
+  cpu = loop.setup(tiny(**{"model.remat": "auto", "model.memory_budget_gb": 1000.0}))
+  assert cpu.model_cfg.remat == "full" and cpu.remat_auto["order"] == ["full", "dots", "none"]
+  monkeypatch.setitem(memory.REMAT_ORDER, "cpu", ACCEL_ORDER)
   big = loop.setup(tiny(**{"model.remat": "auto", "model.memory_budget_gb": 1000.0}))
-  assert big.model_cfg.remat == "dots" and big.sampler_model_cfg.remat == "dots"
-  assert big.remat_auto["remat"] == "dots" and big.remat_auto["budget_gb"] == 1000.0
-  assert big.remat_auto["order"] == ["dots", "full", "none"]
+  assert big.model_cfg.remat == "none" and big.sampler_model_cfg.remat == "none"
+  assert big.remat_auto["remat"] == "none" and big.remat_auto["budget_gb"] == 1000.0
+  assert big.remat_auto["order"] == list(ACCEL_ORDER)
   small = loop.setup(tiny(**{"model.remat": "auto", "model.memory_budget_gb": 1e-6}))  # 1 kB
   assert small.model_cfg.remat == "full" and small.remat_auto["remat"] == "full"
   # the estimates are the step of the run's shapes: 16 rows of P + N tokens
   shape = policy_init.step_shape(small.c, small.P)
   assert (shape.rows, shape.prompt, shape.new, shape.micro_rows) == (16, small.P, 4, 16)
   cfg = dataclasses.replace(small.model_cfg, remat="none")
-  assert small.remat_auto["estimate_gb"] == {m: memory.step_bytes(cfg, shape, m) / memory.GB
-                                             for m in ("dots", "full", "none")}
+  assert small.remat_auto["estimate_gb"] == {m: memory.step_bytes(cfg, shape, m) / memory.GB for m in ACCEL_ORDER}
   # a value other than "auto" is left alone and not reported
-  plain = loop.setup(tiny(**{"model.remat": "none"}))
-  assert plain.model_cfg.remat == "none" and plain.remat_auto is None
+  plain = loop.setup(tiny(**{"model.remat": "dots"}))
+  assert plain.model_cfg.remat == "dots" and plain.remat_auto is None
 
 
 def test_choose_remat_takes_the_first_mode_that_fits():
@@ -196,30 +202,35 @@ def test_choose_remat_takes_the_first_mode_that_fits():
   shape = memory.StepShape(rows=B, prompt=P, new=N, micro_rows=B)
   est = {m: memory.step_bytes(cfg, shape, m) for m in ("none", "dots", "full")}
   assert est["full"] < est["dots"] < est["none"]
-  for platform, order in [("cpu", ("dots", "full", "none")), ("gpu", ("none", "dots", "full")),
-                          ("tpu", ("none", "dots", "full"))]:
+  for platform, order in [("cpu", ("full", "dots", "none")), ("gpu", ACCEL_ORDER), ("tpu", ACCEL_ORDER)]:
     assert memory.remat_order(platform) == order
-    for budget in (est["none"], est["dots"], est["dots"] - 1, est["full"], 1):
-      choice = memory.choose_remat(cfg, shape, budget, platform)
-      want = next((m for m in order if est[m] <= budget), "full")
-      assert choice.remat == want and choice.estimates == {m: est[m] for m in order}
+    for budget in (est["none"], est["dots"], est["full"], 1):
+      assert memory.choose_remat(cfg, shape, budget, platform).estimates == {m: est[m] for m in order}
   assert memory.choose_remat(cfg, shape, est["none"], "gpu").remat == "none"
   assert memory.choose_remat(cfg, shape, est["none"] - 1, "gpu").remat == "dots"
+  assert memory.choose_remat(cfg, shape, est["dots"], "gpu").remat == "dots"
   assert memory.choose_remat(cfg, shape, est["dots"] - 1, "gpu").remat == "full"
-  assert memory.choose_remat(cfg, shape, est["none"], "cpu").remat == "dots"
-  assert memory.choose_remat(cfg, shape, est["dots"] - 1, "cpu").remat == "full"
-  assert memory.choose_remat(cfg, shape, 1, "cpu").remat == "full"
+  assert memory.choose_remat(cfg, shape, 1, "gpu").remat == "full"  # nothing fits: the smallest
+  assert memory.choose_remat(cfg, shape, est["none"], "cpu").remat == "full"
+  # an order that puts "full" last still falls back to it when nothing before it fits
+  memory.REMAT_ORDER["test"] = ("dots", "none", "full")
+  try:
+    assert memory.choose_remat(cfg, shape, est["none"], "test").remat == "dots"
+    assert memory.choose_remat(cfg, shape, est["dots"] - 1, "test").remat == "full"
+  finally:
+    del memory.REMAT_ORDER["test"]
   assert memory.choose_remat(cfg, shape, est["none"]).order == memory.remat_order(jax.default_backend())
 
 
-def test_sft_teacher_gets_a_decided_remat():
+def test_sft_teacher_gets_a_decided_remat(monkeypatch):
   """The SFT teacher of a distillation run is built from the student's fields: "auto" is decided for its shapes."""
   from jaxrl_llm.distill import teacher as teacher_lib
+  monkeypatch.setitem(memory.REMAT_ORDER, "cpu", ACCEL_ORDER)
   c = config_lib.load_file(os.path.join(ROOT, "configs", "opd_tiny.py"))
   c.model.remat, c.model.memory_budget_gb = "auto", 1e-6
   assert teacher_lib.teacher_model_config(c, 16, 64).remat == "full"
   c.model.memory_budget_gb = 1000.0
-  assert teacher_lib.teacher_model_config(c, 16, 64).remat == "dots"  # the CPU order's first
+  assert teacher_lib.teacher_model_config(c, 16, 64).remat == "none"
 
 
 def test_step_shape_follows_the_update_schedule_and_reference():

@@ -9,8 +9,7 @@ completions (temperature 1, no top-k / top-p) of up to N new tokens stopping at 
 task's, GRPO advantages, PPO-clip loss with π_old = the sampling policy (one update per batch: ratio 1),
 k3 KL β to a frozen copy, seq-mean-token-mean, AdamW (β₂ 0.98) with global-norm clip 1.0; torch's
 threads: 1 or every core, whichever runs small ops faster at start (`turns.pick_torch_threads`); with the
-workload's remat "full", `gradient_checkpointing_enable()` (each layer recomputed in the backward pass); with
-"auto" (R_small: ours takes "dots" where it fits) none, the closest of torch's two settings.
+workload's remat "full", `gradient_checkpointing_enable()` (each layer recomputed in the backward pass).
 Device: CUDA when `torch.cuda.is_available()` (a CUDA build of torch, as `bench/gpu.sh` installs; each step
 ends with `torch.cuda.synchronize()` so the clock sees the GPU's work), else the CPU.
 
