@@ -7,8 +7,13 @@ Every mode trains its own copy of the same weights on the same batch: one rollou
 sampled once (`grpo_step.sample`) and made into the learner's batch. Round 0 compiles each mode's step; rounds
 1..`--rounds` time one call per mode, the order rotating from round to round, so drift in the machine's speed falls
 on every mode alike. A row: the median and best seconds, and the first mode's median over this one (> 1: faster).
-What `model.remat="auto"` would choose for the workload (`memory.choose_remat`: "none" when it fits the machine's
-budget, else "full") is printed beside the table.
+What `model.remat="auto"` would choose for the workload (`memory.choose_remat`: the first mode of the platform's
+order, `memory.REMAT_ORDER`, whose step fits the machine's budget) is printed beside the table.
+
+The steps run back to back here, with no sampling between them. In the GRPO loop the ranking on this CPU was not the
+same: "dots" 1.10x "full" here (bench/profiles/R_small_remat.md), 0.95x in the loop, where the step runs after each
+rollout (bench/profiles/R_small_remat_loop.md, `python -m bench.run --variants`). `memory.REMAT_ORDER` follows the
+loop; this script isolates the step's own cost (bench/gpu.sh runs it on a GPU).
 """
 
 from __future__ import annotations
