@@ -498,3 +498,18 @@ def test_remat_bench_times_every_mode_on_the_same_batch(tiny_ckpt, tmp_path, mon
   for bad in ("full,sometimes", "full,full"):
     with pytest.raises(SystemExit, match="--modes"):
       remat.main(["--modes", bad])
+
+
+def test_spec_cost_bench_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
+  """bench/spec_cost.py on a tiny random checkpoint: a row per plain width and per γ with finite milliseconds, the
+  1-row step the unit, one verification call per token past the first (a fresh head over ids 0..K-1 agrees with
+  nothing here), and the table written with its command."""
+  from bench import spec_cost
+  rows = spec_cost.measure(tiny_ckpt, 1, (2,), (2,), 4, 8, 1)
+  assert [r["rows"] for r in rows] == [1, 2, 3] and rows[0]["over_plain"] == 1.0
+  assert all(math.isfinite(r["ms"]) for r in rows) and 1 <= rows[-1]["calls"] <= 3
+  md = tmp_path / "cost.md"
+  assert spec_cost.main(["--model", tiny_ckpt, "--rows", "2", "--gammas", "2", "--new-tokens", "4", "--head-vocab",
+                         "8", "--repeats", "1", "--markdown", str(md)]) == 0
+  text = md.read_text()
+  assert "python -m bench.spec_cost --model" in text and "| speculative call, γ = 2 | 3 |" in text
