@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import resource
+import sys
 import time
 from typing import Any, Callable
 
@@ -115,3 +117,29 @@ def prefill_flops(cfg: ModelConfig, batch: int, prompt_len: int) -> float:
 
 # Bytes of the parameters / of the KV cache from shapes: the library's estimator (one home for both).
 param_bytes, kv_cache_bytes = memory_lib.param_bytes, memory_lib.kv_cache_bytes
+
+
+def run_header() -> dict:
+  """What a profile script records before it measures: the machine (`bench.run.machine_info`: the commit of the code
+  that runs, read before it runs, with " (dirty)" for tracked changes) and the load average (1 min)."""
+  from bench.run import _git, machine_info
+  m = machine_info()
+  m["dirty"] = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+  return {**m, "load_start": os.getloadavg()[0]}
+
+
+def measured_line(module: str, argv: list[str] | None, head: dict) -> str:
+  """'Measured by `python -m module args` · commit · date · cores · load at start and now · huge pages' for a
+  profile written by `module` (`head` from `run_header`; `argv` None: this process's own arguments)."""
+  command = " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+  return (f"Measured by `{command}` · commit {head['commit']}{head['dirty']} · {head['date_utc']} · "
+          f"{head['cpu_count']} cores · load average {head['load_start']:.1f} at start, {os.getloadavg()[0]:.1f} at "
+          f"end · huge pages {'on' if head['huge_pages'] else 'off'}")
+
+
+def write_profile(path: str | None, title: str, module: str, argv: list[str] | None, head: dict, body: str) -> None:
+  """Prints `body`; with `path`, also writes it there under "## title" and `measured_line`."""
+  print(body)
+  if path:
+    with open(path, "w") as f:
+      f.write(f"## {title}\n\n{measured_line(module, argv, head)}\n\n{body}\n")

@@ -19,10 +19,7 @@ loop; this script isolates the step's own cost (bench/gpu.sh runs it on a GPU).
 from __future__ import annotations
 
 import argparse
-import os
-import pathlib
 import statistics
-import sys
 import time
 
 import jax.numpy as jnp
@@ -77,20 +74,12 @@ def main(argv=None) -> int:
   modes = tuple(args.modes.split(","))
   if any(m not in MODES for m in modes) or len(set(modes)) < len(modes) or args.rounds < 1:
     raise SystemExit(f"--modes: a comma list of distinct {MODES}; --rounds >= 1 (got {args.modes!r}, {args.rounds})")
-  from bench.run import _git, machine_info
-  m = machine_info()  # the commit of the code that runs, read before it runs
-  m["dirty"] = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
-  load_start = os.getloadavg()[0]
+  head = common.run_header()
   rows, auto = measure(args.variant, args.model, modes, args.rounds)
-  out = f"{table(rows, modes[0])}\n\n`model.remat=\"auto\"` chooses {auto!r} for this workload on this machine."
-  print(out)
-  if args.markdown:
-    command = " ".join(["python -m bench.remat", *(argv if argv is not None else sys.argv[1:])])
-    pathlib.Path(args.markdown).write_text(
-        f"## The fused reference + train step of workload {args.variant} by `model.remat`\n\n"
-        f"Measured by `{command}` · commit {m['commit']}{m['dirty']} · {m['date_utc']} · {m['cpu_count']} cores · "
-        f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end · huge pages "
-        f"{'on' if m['huge_pages'] else 'off'}\n\n{out}\n")
+  common.write_profile(args.markdown, f"The fused reference + train step of workload {args.variant} by `model.remat`",
+                       "bench.remat", argv, head,
+                       f"{table(rows, modes[0])}\n\n`model.remat=\"auto\"` chooses {auto!r} for this workload on this "
+                       "machine.")
   return 0
 
 

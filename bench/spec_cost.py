@@ -21,9 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -89,22 +86,12 @@ def main(argv=None) -> int:
   if a.new_tokens < 2 or a.batch < 1 or a.repeats < 1:
     raise SystemExit(f"--new-tokens >= 2, --batch >= 1, --repeats >= 1 (got {a.new_tokens}, {a.batch}, {a.repeats})")
   from bench.grpo_real import default_model_dir
-  from bench.run import _git, machine_info
-  m = machine_info()
-  m["dirty"] = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
-  load_start = os.getloadavg()[0]
+  head = common.run_header()
   rows = measure(a.model or default_model_dir(), a.batch, tuple(int(x) for x in a.rows.split(",")),
                  tuple(int(x) for x in a.gammas.split(",")), a.new_tokens, a.head_vocab, a.repeats)
-  out = table(rows)
-  print(out)
   print(json.dumps(rows))
-  if a.markdown:
-    command = " ".join(["python -m bench.spec_cost", *(argv if argv is not None else sys.argv[1:])])
-    pathlib.Path(a.markdown).write_text(
-        f"## A speculative call against a plain decode step (batch {a.batch}, head vocabulary {a.head_vocab})\n\n"
-        f"Measured by `{command}` · commit {m['commit']}{m['dirty']} · {m['date_utc']} · {m['cpu_count']} cores · "
-        f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end · huge pages "
-        f"{'on' if m['huge_pages'] else 'off'}\n\n{out}\n")
+  common.write_profile(a.markdown, f"A speculative call against a plain decode step (batch {a.batch}, head vocabulary "
+                       f"{a.head_vocab})", "bench.spec_cost", argv, head, table(rows))
   return 0
 
 
