@@ -75,7 +75,7 @@ def measure_in_subprocess(name: str, peak_flops: float, huge_pages: bool, repeat
     tunables.append(hugepages.TUNABLE)
   if tunables:
     env["GLIBC_TUNABLES"] = ":".join(tunables)
-  env[hugepages.OPT_OUT] = "0"
+  env[hugepages.OPT_IN] = "0"  # the child keeps exactly the tunables set here
   code = (f"import json; from bench import learner_mfu, workloads; "
           f"print(json.dumps(learner_mfu.measure(workloads.LEARNER[{name!r}], {peak_flops!r}, repeats={repeats})))")
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -263,5 +263,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
   from jaxrl_llm import hugepages
-  hugepages.reexec_with_huge_pages()  # as `make bench`: XLA:CPU's fresh buffers on huge pages
+  hugepages.reexec_with_huge_pages()  # with JAXRL_LLM_HUGE_PAGES=1, as the CLI
   main()

@@ -753,9 +753,10 @@ What each number is:
   noise from the KL term touching almost every weight: a worst case, not a trained-policy figure.
 - our models: layers unrolled (`model.layer_unroll` = n_layers, as Tunix's models, which loop over layers in
   Python); the "M, layer_unroll=1" row is M with the layer scan rolled, for comparison.
-- huge pages: `make bench` restarts itself with glibc's `glibc.malloc.hugetlb=1` tunable, as the CLI does
-  (`jaxrl_llm/hugepages.py`); the Tunix subprocess inherits it. The learner row "M, huge pages off (fresh
-  process)" measures M without it; "page faults / step" counts the minor page faults of one step.
+- huge pages: with `JAXRL_LLM_HUGE_PAGES=1`, `make bench` restarts itself with glibc's `glibc.malloc.hugetlb=1`
+  tunable, as the CLI does (`jaxrl_llm/hugepages.py`; off by default since 2026-12-07: slower in the GRPO loop on
+  this machine); the Tunix subprocess inherits the setting. The learner row "M, huge pages on/off (fresh process)"
+  measures M with the other setting; "page faults / step" counts the minor page faults of one step.
 - HFU counts only the FLOPs the learner executes: it skips the last layer's query, attention output,
   MLP and lm-head at prompt positions, whose outputs are never scored (`query_start`); MFU keeps the
   usual 6·N·tokens + attention over every position.
@@ -913,5 +914,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
   from jaxrl_llm import hugepages
-  hugepages.reexec_with_huge_pages()  # as the CLI does; the Tunix subprocess inherits the setting
+  hugepages.reexec_with_huge_pages()  # with JAXRL_LLM_HUGE_PAGES=1, as the CLI; the Tunix subprocess inherits it
   main()

@@ -97,5 +97,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   from jaxrl_llm import hugepages
-  hugepages.reexec_with_huge_pages()  # as `make bench`
+  hugepages.reexec_with_huge_pages()  # with JAXRL_LLM_HUGE_PAGES=1, as the CLI
   raise SystemExit(main())

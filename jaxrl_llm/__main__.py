@@ -18,7 +18,7 @@ tells the others, which then exit 1 too; one that dies silently is noticed by th
 import os
 import sys
 
-if __name__ == "__main__":  # first, before any work: huge pages for XLA:CPU temporaries (see hugepages.py)
+if __name__ == "__main__":  # first, before any work: huge pages when asked for (see hugepages.py)
   from jaxrl_llm import hugepages
   hugepages.reexec_with_huge_pages()
 

@@ -1,13 +1,16 @@
-"""Huge pages for XLA:CPU's per-step temporary buffers (Linux with glibc >= 2.35; elsewhere a no-op).
+"""Huge pages for XLA:CPU's per-step temporary buffers, on request (Linux with glibc >= 2.35; elsewhere a no-op).
 
-Why: XLA:CPU allocates the temporaries of each execution as one large block and frees it afterwards;
-glibc serves such a block with a fresh anonymous mapping, so every learner step page-faults its whole
-working set again, 4 KiB at a time. glibc's tunable `glibc.malloc.hugetlb=1` marks those mappings for
-transparent huge pages (2 MiB), far fewer faults. `make bench` reports the faults per step and the
-speed with and without it (bench/README.md).
+XLA:CPU allocates the temporaries of each execution as one large block and frees it afterwards; glibc serves such a
+block with a fresh anonymous mapping, so every step page-faults its whole working set again, 4 KiB at a time.
+glibc's tunable `glibc.malloc.hugetlb=1` marks those mappings for transparent huge pages (2 MiB), far fewer faults.
 
-glibc reads tunables once, at process start, so an entry point calls `reexec_with_huge_pages()` first:
-it restarts the same command line once with the tunable added. Set JAXRL_LLM_HUGE_PAGES=0 to opt out.
+Off by default: what it buys depends on what runs between steps. Learner steps back to back (`make bench`'s
+learner rows) ran faster with it. In the GRPO loop on the real model, where sampling runs between train steps, the
+train step ran slower with it (15.2 s against 13.0-13.2 s; the whole step 20.9 s against 18.7-19.0 s;
+bench/profiles/huge_pages/ and docs/performance.md#huge-pages-on-cpu). Set JAXRL_LLM_HUGE_PAGES=1 to turn it on.
+
+glibc reads tunables once, at process start, so an entry point calls `reexec_with_huge_pages()` first: when asked
+for, it restarts the same command line once with the tunable added.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import os
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb=1"
-OPT_OUT = "JAXRL_LLM_HUGE_PAGES"
+OPT_IN = "JAXRL_LLM_HUGE_PAGES"  # "1": on
 
 
 def wanted(environ=os.environ, platform: str = sys.platform) -> bool:
-  """Whether `reexec_with_huge_pages` would restart: Linux, not opted out, tunable not yet set."""
-  return (platform.startswith("linux") and environ.get(OPT_OUT, "1") != "0"
+  """Whether `reexec_with_huge_pages` would restart: Linux, asked for (JAXRL_LLM_HUGE_PAGES=1), tunable not yet
+  set."""
+  return (platform.startswith("linux") and environ.get(OPT_IN, "0") == "1"
           and "glibc.malloc.hugetlb" not in environ.get("GLIBC_TUNABLES", ""))
 
 

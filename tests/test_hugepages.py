@@ -14,12 +14,15 @@ PRINT_AFTER_REEXEC = ("from jaxrl_llm import hugepages; hugepages.reexec_with_hu
 
 
 def test_wanted():
-  assert hugepages.wanted({}, "linux")
-  assert not hugepages.wanted({}, "darwin")
+  """Off unless asked for (JAXRL_LLM_HUGE_PAGES=1): slower in the GRPO loop on the real model (hugepages.py)."""
+  assert not hugepages.wanted({}, "linux")
+  assert hugepages.wanted({"JAXRL_LLM_HUGE_PAGES": "1"}, "linux")
+  assert not hugepages.wanted({"JAXRL_LLM_HUGE_PAGES": "1"}, "darwin")
   assert not hugepages.wanted({"JAXRL_LLM_HUGE_PAGES": "0"}, "linux")
-  assert not hugepages.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "linux")
-  assert not hugepages.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "linux")  # the user's own choice wins
-  assert hugepages.wanted({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "linux")
+  on = {"JAXRL_LLM_HUGE_PAGES": "1"}
+  assert not hugepages.wanted({**on, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "linux")
+  assert not hugepages.wanted({**on, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "linux")  # the user's choice wins
+  assert hugepages.wanted({**on, "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "linux")
 
 
 def _run(env_extra: dict) -> str:
@@ -31,7 +34,9 @@ def _run(env_extra: dict) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the restart only happens on Linux")
 def test_restarts_once_with_the_tunable_added():
-  assert _run({}) == "'glibc.malloc.hugetlb=1' True"
-  assert _run({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}) == \
+  on = {"JAXRL_LLM_HUGE_PAGES": "1"}
+  assert _run(on) == "'glibc.malloc.hugetlb=1' True"
+  assert _run({**on, "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}) == \
       "'glibc.malloc.trim_threshold=1:glibc.malloc.hugetlb=1' True"
+  assert _run({}) == "None False"  # the default: no restart
   assert _run({"JAXRL_LLM_HUGE_PAGES": "0"}) == "None False"
