@@ -11,9 +11,9 @@ What `model.remat="auto"` would choose for the workload (`memory.choose_remat`: 
 order, `memory.REMAT_ORDER`, whose step fits the machine's budget) is printed beside the table.
 
 The steps run back to back here, with no sampling between them. In the GRPO loop the ranking on this CPU was not the
-same: "dots" 1.06x "full" here (bench/profiles/R_small_remat.md), 0.95x in the loop, where the step runs after each
-rollout (bench/profiles/R_small_remat_loop.md, `python -m bench.run --variants`). `memory.REMAT_ORDER` follows the
-loop; this script isolates the step's own cost (bench/gpu.sh runs it on a GPU).
+same: "dots" 1.06x "full" here (bench/profiles/R_small_remat.md), level with it in the loop, where the step runs
+after each rollout (bench/profiles/R_small_remat_loop.md, `python -m bench.run --variants`). `memory.REMAT_ORDER`
+follows the loop; this script isolates the step's own cost (bench/gpu.sh runs it on a GPU).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ A step holds, besides the runtime itself:
              the train step, `learner.fuse_reference`).
 `step`, what `model.remat="auto"` compares with the budget, is `train` with its gradients + activations scaled by
 `XLA_TEMP_FACTOR[remat]` (what the shape count leaves out, measured per mode) plus the KV cache: in the async modes
-the sampler decodes while the learner trains, and a sync run that frees its cache first only gets a margin. The phases are
-an estimate, meant to decide "does a step fit" with room, not to size a heap.
+the sampler decodes while the learner trains, and a sync run that frees its cache first only gets a margin. The phases
+are an estimate, meant to decide "does a step fit" with room, not to size a heap.
 
 `model.remat="auto"` (`choose_remat`): the first mode of the platform's speed order (`REMAT_ORDER`) whose step fits
 the budget, "full" (each layer recomputed, the smallest) when none does. The budget is `model.memory_budget_gb`, or
@@ -227,7 +227,7 @@ def budget_bytes(memory_budget_gb: float) -> int:
 
 # The modes `model.remat="auto"` tries, fastest first, by platform (`jax.default_backend()`); it takes the first whose
 # step fits. cpu: measured in the GRPO loop (workload R_small on SmolLM2-135M, each mode's step taking turns,
-# bench/profiles/R_small_remat_loop.md): "full" ahead of "dots" and "none". Timed back to back, without the
+# bench/profiles/R_small_remat_loop.md): "full" and "dots" level, "none" 0.84x. Timed back to back, without the
 # sampling between them, the train step alone ranks "dots" first (bench/profiles/R_small_remat.md); the loop is what
 # a run does. Other platforms: not measured here (bench/gpu.sh runs bench.remat); the usual order, least
 # recomputation first.
