@@ -310,8 +310,8 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     return res
   if only_real:
     res["grpo"] = {real: {**measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                         steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks), log=log,
-                                         only_peers=only_peers, quick=quick, phases=not remeasure_peers,
+                                         steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks),
+                                         log=log, only_peers=only_peers, quick=quick, phases=not remeasure_peers,
                                          **real_kw),
                           "measured": measured()}}
     res["machine"]["loadavg_end"] = list(os.getloadavg())
@@ -368,8 +368,8 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     log(f"[bench] {res['real_skipped']}")
   elif real:
     res["grpo"][real] = measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                     steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks), log=log, quick=quick,
-                                     **real_kw)
+                                     steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks), log=log,
+                                     quick=quick, **real_kw)
     res["grpo"][real]["measured"] = measured()
   res["machine"]["loadavg_end"] = list(os.getloadavg())
   res["wall_s"] = time.perf_counter() - t_start
@@ -880,7 +880,8 @@ def main(argv: list[str] | None = None) -> dict:
   res = collect(args.quick, peers=not args.no_peers, real=real, only_real=args.only_real, model_dir=args.model,
                 shared_prefill=args.shared_prefill, command=command, only_peers=only_peers, features=features,
                 variants=variants, only_tail=args.only_tail, peer_python=args.peer_python, remeasure_peers=remeasure,
-                real_blocks=args.real_blocks, log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
+                real_blocks=args.real_blocks,
+                log=lambda s: print(f"{s} (t={time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True))
   if args.only_tail:  # keep every other row of the existing results
     if old:
       old["rollout_tail"] = res["rollout_tail"]
