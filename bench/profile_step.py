@@ -33,7 +33,6 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 import time
 from typing import Callable
@@ -41,6 +40,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from bench import common
 
 _CONTROL = ("while", "conditional", "call")  # their spans hold their bodies' thunks: counted there, not twice
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?) ([\w\-]+)\((.*)$")
@@ -241,20 +242,14 @@ def main(argv=None) -> dict:
   ap.add_argument("--markdown", default=None, help="write the tables here, the command and the machine above them")
   a = ap.parse_args(argv)
   call, text, title = _real_call(a.what, a.variant, a.model)
-  load_start = os.getloadavg()[0]
+  header = common.run_header()
   s = profile(call, text, top=a.top)
   table = render(s, title)
   print(table)
   if a.markdown:
-    from bench.run import _git, machine_info
-    m = machine_info()
-    m["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))  # not this file's untracked siblings
-    command = " ".join(["python -m bench.profile_step", *(argv if argv is not None else sys.argv[1:])])
     head, rest = table.split("\n", 1)
     with open(a.markdown, "w") as f:
-      f.write(f"{head}\n\nMeasured by `{command}` · commit {m['commit']}{' (dirty)' if m['dirty'] else ''} · "
-              f"{m['date_utc']} · {m['cpu_count']} cores · load average {load_start:.1f} at start, "
-              f"{os.getloadavg()[0]:.1f} at end · huge pages {'on' if m['huge_pages'] else 'off'}\n{rest}\n")
+      f.write(f"{head}\n\n{common.measured_line('bench.profile_step', argv, header)}\n{rest}\n")
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"what": a.what, "variant": a.variant, "title": title, **s}, f, indent=1)

@@ -42,7 +42,7 @@ def measure(model_dir: str, batch: int, rows: tuple[int, ...], gammas: tuple[int
   from bench.speculative import smollm2_model
   params, cfg, prompts, pad = smollm2_model(N, model_dir, None)
   scfg = SamplerConfig(max_new_tokens=N, stop_ids=(), pad_id=pad, temperature=1.0)
-  one = SamplerConfig(max_new_tokens=1, stop_ids=(), pad_id=pad, temperature=1.0)
+  one = dataclasses.replace(scfg, max_new_tokens=1)
   key = jax.random.key(0)
   out = []
   for R in sorted(set(rows) | {1}):

@@ -35,7 +35,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import sys
 import time
 
 import jax
@@ -200,11 +199,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   batches = [int(x) for x in args.batches.split(",")]
   gammas = [int(x) for x in args.gammas.split(",")]
-  rows, load_start = [], os.getloadavg()[0]
-  if args.markdown:  # the commit and date of the code that runs, read before it runs
-    from bench.run import _git, machine_info
-    m = machine_info()
-    m["dirty"] = " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+  rows, head = [], common.run_header()  # the commit and date of the code that runs, read before it runs
   for name in args.models.split(","):
     if name == "toy":
       params, cfg, prompts, pad = toy_model(args.new_tokens)
@@ -231,11 +226,8 @@ def main(argv=None) -> int:
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
   if args.markdown:
-    command = " ".join(["python -m bench.speculative", *(argv if argv is not None else sys.argv[1:])])
     pathlib.Path(args.markdown).write_text(
-        f"Measured by `{command}` · commit {m['commit']}{m['dirty']} · {m['date_utc']} · {m['cpu_count']} cores · "
-        f"load average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end · huge pages "
-        f"{'on' if m['huge_pages'] else 'off'}\n\n{table(rows)}\n")
+        f"{common.measured_line('bench.speculative', argv, head)}\n\n{table(rows)}\n")
   return 0
 
 
