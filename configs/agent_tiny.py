@@ -29,7 +29,7 @@ def get_config():
   c.env.timeout_s = 5.0  # per environment call; an overrun ends the episode with return 0, counted
   c.env.prompt_width = 8  # P: the first message's bucket ("guess:" + BOS)
   c.env.newest_each_turn = True  # async: turns after the first generate from the newest published parameters
-  c.env.kv_cache = True  # keep each episode's KV cache across turns (False: re-prefill every turn)
+  c.env.kv_cache = True  # keep each episode's KV cache across turns (with slots: in its slot; False: re-prefill)
   c.env.evict = "none"  # context compression before a turn: "none" | "drop_oldest" | "summary" (rollout.evict)
   c.env.context_budget = 0  # live-context tokens above which a turn first evicts (>= 1 with env.evict)
   c.env.keep_last_turns = 1  # turns a "drop_oldest" eviction always keeps

@@ -180,12 +180,14 @@ def test_async_moe_run_replays_sampler_routes(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("over", [{"env.kv_cache": True}, {"rollout.slots": 4},
+                                  {"rollout.slots": 4, "env.kv_cache": False},
                                   {"env.kv_cache": False, "env.evict": "drop_oldest", "env.context_budget": 8}],
-                         ids=["kept_cache", "slots", "reprefill_evicting"])
+                         ids=["kept_cache", "resident_slots", "slots", "reprefill_evicting"])
 def test_moe_episodes_replay_the_sampler_routes(tmp_path, over):
   """MoE episodes (routing replay): each row carries every token's routes from where a turn sampler fed it (the
-  kept cache, the slot engine, a re-prefill of an evicted context), so the learner's π_old, replaying them, equals μ
-  at every policy token (sync: one version). Replaying routes in the wrong order misses by ~1e-2 here."""
+  kept cache, the slot engine continuing an episode resident in its slot or re-prefilling each turn, a re-prefill of
+  an evicted context), so the learner's π_old, replaying them, equals μ at every policy token (sync: one version).
+  Replaying routes in the wrong order misses by ~1e-2 here."""
   c = load_file(os.path.join(ROOT, "configs", "agent_tiny.py"))
   c.log.tensorboard = False
   c.sft.steps, c.eval.every, c.num_steps = 0, 0, 2
@@ -196,3 +198,5 @@ def test_moe_episodes_replay_the_sampler_routes(tmp_path, over):
   rows = loop.run(c, str(tmp_path))
   assert all(r["mismatch_abs_max"] < 1e-5 and r["env_turns_mean"] > 1 for r in rows), rows
   assert np.isfinite(rows[-1]["loss"])
+  if "rollout.slots" in over:  # later turns continue their slot's routes with `env.kv_cache` (default), else not
+    assert (sum(r["env_slot_resumes"] for r in rows) > 0) == over.get("env.kv_cache", True), rows

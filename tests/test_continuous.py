@@ -272,3 +272,42 @@ def test_runs_with_slots_speculate(tmp_path, run):
     assert 0.0 <= r["spec_accept_rate"] <= 1.0 and r["spec_tokens_per_call"] >= 1.0, r
   if run != "async":
     assert all(r["mismatch_abs_max"] < 1e-4 for r in rows), rows
+
+
+def test_a_resident_row_resumes_until_the_write_index_runs_past_it():
+  """`SlotEngine(resident=True)`: a finished request submitted with a `keep` id stays parked in its slot, and the next
+  request of that id whose context extends it resumes there (one forward over the appended ids). The parked row
+  holds the cache's shift back only so far: once the write index ran more than P + N + P slots past its first token
+  it is dropped (the index never leaves room for less than a chunk) and the next request prefills. Either way its
+  tokens are those a plain engine draws with the same key, and μ theirs up to float rounding."""
+  W = 24
+  sc = SamplerConfig(max_new_tokens=6, stop_ids=(2, 3), temperature=1.0)
+
+  def run(eng, tag, ids, key, keep=None):
+    prompt = np.zeros((W,), np.int32)
+    prompt[W - len(ids):] = ids
+    eng.submit(tag, prompt, len(ids), key, keep=keep)
+    got = {}
+    while not eng.idle:
+      got.update(eng.step(OLD, 0))
+      assert eng.index + continuous.chunk_room(eng.chunk, 0) <= eng.state["cache"]["segment_ids_BS"].shape[1]
+    cols = got[tag]
+    return list(ids) + cols["tokens_N"][:int(cols["mask_N"].sum())].tolist(), cols
+
+  resident = continuous.SlotEngine(CFG, sc, slots=2, chunk=2, width=W, resident=True)
+  plain = continuous.SlotEngine(CFG, sc, slots=2, chunk=2, width=W)
+  ids = [5, 6, 7]
+  for turn in range(3):  # turn 2 comes after other requests pushed the write index past the parked row
+    if turn == 2:
+      n = 0
+      while "a" in resident.parked:
+        run(resident, ("other", n), [9, 10], KEYS[n % R])
+        n += 1
+      assert n > 2  # it stayed parked while the index ran P + N + P slots
+    key = KEYS[turn]
+    got, cols = run(resident, ("a", turn), ids, key, keep="a")
+    want, want_cols = run(plain, ("a", turn), ids, key)
+    assert got == want
+    np.testing.assert_allclose(cols["behavior_logp_N"], want_cols["behavior_logp_N"], atol=2e-5)
+    assert resident.resumed == min(turn, 1) and resident.prefill_calls == 1 + (turn == 2) + (n if turn == 2 else 0)
+    ids = got + [11 + turn]  # the next request: this one's context and completion, then an "observation"

@@ -24,7 +24,8 @@ COMMON = {"num_steps": 2, "eval.every": 0, "checkpoint.every": 0, "log.tensorboa
 CASES = {
     # multi-turn episodes with each episode's KV cache kept across turns, the cache's rows over the sampler mesh
     "agent_kv_cache": ("agent_tiny.py", {"env.kv_cache": True, "loss.entropy_coef": 0.01}),
-    # continuous batching (8 slots for 48 rows: refills) of single completions, and of episode turns
+    # continuous batching (8 slots for 48 rows: refills) of single completions, and of episode turns (each
+    # episode's keys/values resident in its slot between turns: `env.kv_cache`)
     "slots": ("tiny.py", {"rollout.slots": 8}),
     "agent_slots": ("agent_tiny.py", {"rollout.slots": 4, "loss.entropy_coef": 0.01}),
     # ... speculating: the slot engine's draft-and-verify step (the policy's first layer drafting)
@@ -107,11 +108,14 @@ def test_agent_with_kept_kv_cache_on_a_mesh(tmp_path, on_mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, counter", [("slots", "slot_live_steps"), ("agent_slots", "env_live_steps")])
-def test_continuous_batching_on_a_mesh(tmp_path, on_mesh, name, counter):
-  """Per-request keys: the slot engine draws the same tokens on the mesh as on one device."""
+@pytest.mark.parametrize("name, counters", [("slots", ("slot_live_steps",)),
+                                             ("agent_slots", ("env_live_steps", "env_slot_resumes"))])
+def test_continuous_batching_on_a_mesh(tmp_path, on_mesh, name, counters):
+  """Per-request keys: the slot engine draws the same tokens on the mesh as on one device; episodes' later turns
+  continue the keys/values resident in their slots there too (`env.kv_cache`, default)."""
   mesh, rows = twins(name, tmp_path, on_mesh)
-  assert [r[counter] for r in mesh] == [r[counter] for r in rows] and all(r[counter] > 0 for r in mesh)
+  for counter in counters:
+    assert [r[counter] for r in mesh] == [r[counter] for r in rows] and all(r[counter] > 0 for r in mesh), counter
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.keys import fold_in
-from jaxrl_llm.rollout.turn_sampler import CachedTurns, Reprefill
+from jaxrl_llm.rollout.turn_sampler import CachedTurns, Reprefill, SlotTurns
 from jaxrl_llm.tasks import tokenizer as char_tok
 from test_episodes import PARAMS, make_gen
 
@@ -133,3 +133,41 @@ def test_speculative_cached_turns_reprefill_when_slots_run_out():
   cached.slots = W + 2 * (3 + 2 + 2) + 4  # room for two turns of N + γ + 2 slots and one observation, not three
   assert_same(play(cached, **SPEC), play(Reprefill(make_gen(0.8), W), **SPEC))
   assert cached.prefills == 2
+
+
+@pytest.mark.parametrize("kv", [dict(), dict(kv_cache="int8"), dict(kv_cache="window", kv_sinks=1, kv_window=6), SPEC],
+                         ids=["full", "int8", "window", "speculative"])
+def test_resident_slot_turns_equal_reprefilled_slot_turns(kv):
+  """Slots with `env.kv_cache` (`SlotTurns(resident=True)`): a later turn continues its episode's keys/values resident
+  in its slot (in the sampler's cache format; a layers drafter's cache too), feeding only the last sampled token and
+  the observation, and draws what the same engine draws when it re-prefills every turn. 4 episodes through 4 slots:
+  every later turn of a live episode resumes; episode 2 leaves after turn 1 and its slot stays parked, unread."""
+  resident = SlotTurns(make_gen(0.8), W, slots=4, chunk=2, resident=True)
+  got = play(resident, turns=4, leave_after=1, **kv)
+  assert_same(got, play(SlotTurns(make_gen(0.8), W, slots=4, chunk=2), turns=4, leave_after=1, **kv))
+  assert resident.prefills == 1 and resident.resumed == 4 + 3 + 3
+
+
+def test_resident_slots_are_reclaimed_and_reprefill():
+  """Fewer slots than episodes: a queued turn takes the least recently parked slot, whose episode's next turn then
+  re-prefills; a new version, or a context that no longer extends the slot's (`forget`: an eviction), re-prefills
+  too."""
+  plain = SlotTurns(make_gen(0.8), W, slots=3, chunk=2)
+  resident = SlotTurns(make_gen(0.8), W, slots=3, chunk=2, resident=True)
+  assert_same(play(resident), play(plain))
+  assert 0 < resident.resumed < 4 + 4 and resident.prefills > plain.prefills / 2
+
+  versions = [(0, PARAMS), (1, bump(PARAMS, jax.random.key(1))), (1, bump(PARAMS, jax.random.key(1)))]
+  resident = SlotTurns(make_gen(0.8), W, slots=4, chunk=2, resident=True)
+  assert_same(play(resident, versions=versions), play(SlotTurns(make_gen(0.8), W, slots=4, chunk=2),
+                                                      versions=versions))
+  assert resident.resumed == 4  # turn 1 (a new version) re-prefilled; turn 2 continues it
+
+  class Forgetting(SlotTurns):
+    def turn(self, params, version, rows_b, contexts, key, cfg):
+      self.forget(1)  # episode 1's context "changed": its next turn re-prefills
+      return super().turn(params, version, rows_b, contexts, key, cfg)
+
+  forgetting = Forgetting(make_gen(0.8), W, slots=4, chunk=2, resident=True)
+  assert_same(play(forgetting), play(plain))
+  assert forgetting.resumed == 3 + 3

@@ -5,10 +5,10 @@ from one state) for up to `max_turns` turns with pinned parameters:
 
 - every turn samples at most `turn_tokens` tokens (key `fold_in(key, turn)`) after each episode so far
   (initial prompt + response so far), through `rollout.turn_sampler`: with `rollout.slots` > 0 (`gen.slots`; on
-  a mesh its slots split over the batch axes; it takes precedence over `kv_cache`) by continuous batching
-  (`SlotTurns`): each episode's turn is one request to a slot engine, a slot freed by a short turn refilled with
-  the next request (episode b's turn t draws with `fold_in(fold_in(fold_in(key, t), b), n)`, so slots change a
-  seed's samples);
+  a mesh its slots split over the batch axes) by continuous batching (`SlotTurns`): each episode's turn is one
+  request to a slot engine, a slot freed by a short turn refilled with the next request (episode b's turn t draws
+  with `fold_in(fold_in(fold_in(key, t), b), n)`, so slots change a seed's samples), with `kv_cache` the episode's
+  keys/values resident in its slot between turns;
   else by default (`kv_cache`; one process, over its sampler mesh if any) each episode's KV cache is kept across
   turns and a turn prefills only the appended observation; else (or over several processes) every turn re-prefills
   the episode left-padded to one width
@@ -52,7 +52,8 @@ summed step counters), `env_episodes`, `env_turns` (total) and
 `env_timeouts`, `env_invalid`, `env_version_span_max` (the most versions one episode's policy tokens span, minus
 one), `env_prefills` (sampler prefills: one per turn, per call with the kept KV cache, per admission batch with
 slots), with slots `env_slot_steps` and `env_live_steps` (slot-steps decoded / those of an unfinished turn: the
-share 1 - live/slot was wasted on free or finished slots), `reward_errors` (errors
+share 1 - live/slot was wasted on free or finished slots) and `env_slot_resumes` (turns that continued their
+episode's resident keys/values instead of a prefill), `reward_errors` (errors
 + timeouts + invalid), and `env_<key>` for each numeric key of the steps' `info` dicts (a 4-tuple step result),
 summed over the batch's steps (e.g. `env_tool_calls`; a key that would shadow one of the runner's own stats is
 dropped); `merge_stats` adds the counters of several records. A reset or step result of the wrong shape (an
@@ -233,7 +234,8 @@ def _turn_sampler(gen, s: EnvSettings, width: int, mesh):
   cache with `env.kv_cache` in one process (over its sampler mesh, if any), else a re-prefill per turn. Each
   speculates when `sampler.spec_gamma` asks (a draft-and-verify step of its decode loop)."""
   if getattr(gen, "slots", 0):  # several processes: each engine decodes on a replica of its own (`Generation`)
-    return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk, None if multiprocess.multi() else mesh)
+    return turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk, None if multiprocess.multi() else mesh,
+                                  resident=s.kv_cache)
   if s.kv_cache and not multiprocess.multi():  # several processes: each holds only its shards of the cache
     return turn_sampler.CachedTurns(gen, width, mesh)
   return turn_sampler.Reprefill(gen, width, mesh)
@@ -580,7 +582,7 @@ class _Batch:
       stats.update(env_evictions=self.n_evicted, env_copied_tokens=self.n_copied, env_sdcc_skipped=sdcc_skipped,
                    evict_segment_starts=tuple(tuple(x) for x in self.seg_starts))
     if isinstance(turns, turn_sampler.SlotTurns):
-      stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps)
+      stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps, env_slot_resumes=turns.resumed)
     if getattr(turns, "spec", None):  # speculative decoding: the turns' mean acceptance and tokens per call
       stats.update({k: float(np.mean([d[k] for d in turns.spec])) for k in turns.spec[0]})
     if keep_turns:

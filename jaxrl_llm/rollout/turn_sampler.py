@@ -24,12 +24,15 @@ position p < len(context) is context token p, then the turn's tokens), from wher
   it draws what `Reprefill`'s speculative `generate` draws (tokens equal, μ up to rounding, tested) and leaves
   the caches holding exactly the turn. A distilled drafter's cache keeps the weights it was computed with until
   the next re-prefill: that changes acceptance only, never the distribution.
-- `SlotTurns` (`rollout.slots` > 0; it takes precedence over `env.kv_cache`): continuous batching
+- `SlotTurns` (`rollout.slots` > 0, before `CachedTurns`): continuous batching
   (`sampling.continuous.SlotEngine`, S = `rollout.slots` slots, `rollout.slot_chunk` decode steps per chunk; on
   a one-process sampler mesh its slots along the mesh's batch axes).
   A turn submits each live row's context, left-padded to W as `Reprefill` does, as one request and runs the
   engine until idle; a slot whose row's turn ended is refilled with the next row, so long-tailed turn lengths
-  stop costing the longest row's steps for every row. Episode b draws column n of a turn with
+  stop costing the longest row's steps for every row. `resident` (`env.kv_cache`): the episode's keys/values stay
+  in its slot after its turn, and its next turn feeds only what was appended (`SlotEngine`'s `resident`; it
+  re-prefills when the slot was reclaimed, the version changed, or `forget` was called); `resumed` counts those
+  turns. Episode b draws column n of a turn with
   `fold_in(fold_in(key, b), n)` (`generation.request_keys` indexed by episode, not by the row it holds in this
   turn's batch, so a turn's tokens do not depend on which other episodes are live): its tokens equal
   `generate`'s given those per-row keys (log-probs up to float rounding, tested), not `Reprefill`'s batch-key
@@ -197,20 +200,35 @@ class SlotTurns:
   parameters live (the engine splits its slots over its batch axes: `generation.slot_layout`); None: one device or
   a replica of its own."""
 
-  def __init__(self, gen, width: int, slots: int, chunk: int, mesh=None):
+  _COUNTERS = ("slot_steps", "live_steps", "prefill_calls", "resumed")
+
+  def __init__(self, gen, width: int, slots: int, chunk: int, mesh=None, resident: bool = False):
     self.gen, self.width, self.slots, self.chunk, self.mesh = gen, width, slots, chunk, mesh
+    self.resident = resident
     self.engine: continuous.SlotEngine | None = None
-    self.prefills = 0  # admission batches (`prefill_slots` calls) so far
-    self._steps0 = (0, 0)  # (slot_steps, live_steps) of engines replaced so far
+    self._counts0 = dict.fromkeys(self._COUNTERS, 0)  # the counters of engines replaced so far
     self._length: dict[Any, int] = {}  # a queued or decoding request's context length (MoE routes by position)
+
+  def _count(self, name: str) -> int:
+    return self._counts0[name] + (getattr(self.engine, name) if self.engine is not None else 0)
 
   @property
   def slot_steps(self) -> int:
-    return self._steps0[0] + (self.engine.slot_steps if self.engine is not None else 0)
+    return self._count("slot_steps")
 
   @property
   def live_steps(self) -> int:
-    return self._steps0[1] + (self.engine.live_steps if self.engine is not None else 0)
+    return self._count("live_steps")
+
+  @property
+  def prefills(self) -> int:
+    """Admission batches that prefilled whole contexts (`prefill_slots` calls) so far."""
+    return self._count("prefill_calls")
+
+  @property
+  def resumed(self) -> int:
+    """Turns that continued their episode's resident keys/values (`resident`) so far."""
+    return self._count("resumed")
 
   @property
   def spec(self) -> list[dict]:
@@ -226,19 +244,16 @@ class SlotTurns:
     """Queues one turn: `context` (left-padded to the width) sampled with `cfg`, column n drawn with
     `fold_in(fold_in(key, row), n)`; `step` returns it under `tag`."""
     ctx_1W, len_1 = pad_left([context], self.width, cfg.pad_id)
-    self._put(tag, ctx_1W[0], int(len_1[0]), jax.random.fold_in(key, row), cfg)
+    self._put(tag, ctx_1W[0], int(len_1[0]), jax.random.fold_in(key, row), cfg, keep=row)
 
   def step(self, params, version: int) -> list[tuple[Any, dict]]:
     """One engine step (admissions, a decode chunk); the turns that ended in it: (tag, {tokens_N, behavior_logp_N,
     length})."""
-    engine = self.engine
-    if engine.queue and engine.held < engine.slots:  # this step admits queued turns (`SlotEngine.step`)
-      self.prefills += 1
     records = behavior.TOPK_FIELDS + behavior.MC_FIELDS
     return [(tag, {"tokens_N": cols["tokens_N"], "behavior_logp_N": cols["behavior_logp_N"],
                    "length": int(cols["mask_N"].sum()), **{k: cols[k] for k in records if k in cols},
                    **self._routes(tag, cols)})
-            for tag, cols in engine.step(params, version, self.gen.draft_params())]
+            for tag, cols in self.engine.step(params, version, self.gen.draft_params())]
 
   def _routes(self, tag: Any, cols: dict) -> dict:
     """MoE: {"routes_XLk": the request's routes by context position} (its slots: the left-padded context of
@@ -259,7 +274,7 @@ class SlotTurns:
     for i, b in enumerate(rows_b):
       if b not in first:
         first[b] = i
-        self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg)
+        self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg, keep=b)
     routes: dict[int, np.ndarray] = {}
     N = cfg.max_new_tokens
     out = {"tokens_BN": np.full((len(rows_b), N), cfg.pad_id, np.int32),
@@ -284,11 +299,15 @@ class SlotTurns:
     return out
 
   def forget(self, row: int) -> None:
-    """Episode `row`'s context changed other than by appending (an eviction): nothing is kept, nothing to do."""
+    """Episode `row`'s context changed other than by appending (an eviction): its resident slot, if any, is
+    dropped (the engine would also see that the context no longer extends it)."""
+    if self.engine is not None:
+      self.engine.release(row)
 
-  def _put(self, tag: Any, prompt_W: np.ndarray, length: int, row_key, cfg) -> None:
-    """Queues one request (a left-padded context and its key) on the engine of `cfg`."""
-    self._engine(cfg).submit(tag, prompt_W, length, row_key)
+  def _put(self, tag: Any, prompt_W: np.ndarray, length: int, row_key, cfg, keep: Any = None) -> None:
+    """Queues one request (a left-padded context and its key; `keep`: its episode, whose keys/values a resident
+    engine keeps in the slot for the next turn) on the engine of `cfg`."""
+    self._engine(cfg).submit(tag, prompt_W, length, row_key, keep=keep)
     self._length[tag] = length
 
   def _engine(self, cfg) -> continuous.SlotEngine:
@@ -297,9 +316,10 @@ class SlotTurns:
       if self.engine is not None:
         if not self.engine.idle:
           raise ValueError("SlotTurns: a turn with other sampler settings while turns are in flight")
-        self._steps0 = (self.slot_steps, self.live_steps)
+        self._counts0 = {name: self._count(name) for name in self._COUNTERS}
       self.engine = continuous.SlotEngine(self.gen.model_cfg, cfg, slots=self.slots, chunk=self.chunk,
-                                          width=self.width, layout=slot_layout(self.mesh, self.slots))
+                                          width=self.width, layout=slot_layout(self.mesh, self.slots),
+                                          resident=self.resident)
     return self.engine
 
 

@@ -31,6 +31,12 @@ write index still advances alike for all rows and column n still sits at slot ba
 request's own (`fold_in(fold_in(key, SPEC_STREAM), column)`); the tokens follow the policy's sampling
 distribution exactly (not `generate`'s bits), and μ, the records and MoE routes are the verify call's, as in
 `speculative.generate_speculative`.
+
+Resident rows (`SlotEngine(resident=True)`, episodes with `env.kv_cache`): a finished request submitted with a `keep`
+id leaves its keys/values parked in its slot, and the next request of that id whose context extends them is
+admitted by `resume_slots`: the row's kept slots are gathered to the end of a P-slot cache, the new tokens appended
+with one forward, and the whole context shifted to end at slot P, which is exactly what `prefill_slots` would have
+placed there (so the row's layout, the harvest and MoE routes by position are those of any admission).
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ import numpy as np
 
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, stack_cache
+from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, logits_from_hidden, stack_cache
 from jaxrl_llm.sampling import behavior, head_drafter, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
+from jaxrl_llm.sampling.continuation import appended_layout
 from jaxrl_llm.sampling.sampler import decode_columns, draw_column, is_stop, prefill_rows, prompt_layout
 
 Array = jax.Array
@@ -142,15 +149,15 @@ def _write_column(buf_SN: Array, value_S: Array, col_S: Array, live_S: Array) ->
 
 
 def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, width: int, chunk: int,
-               key_like: Array, head: bool = False) -> dict:
-  """The engine's device state with every slot free: a cache of P + N + C slots whose write index stands at P
+               key_like: Array, head: bool = False, extra: int = 0) -> dict:
+  """The engine's device state with every slot free: a cache of P + N + C (+ `extra`: how far the write index may
+  run ahead of a resident row's first token, `SlotEngine`'s `resident`) slots whose write index stands at P
   (room for the first prompts), and per slot its next column `step_S`, prompt length `start_S` (completion
   column n sits at RoPE position start + n), key, live / stopped flags, logits of its next column and its
   output columns (tokens, μ log-probs, mask, versions). With speculation the drafter's state: its own cache, or
   for a `head` drafter (`sampling.head_drafter`) one feature per slot."""
   N, gamma = sampler_cfg.max_new_tokens, engine_gamma(sampler_cfg, slots)
-  # a chunk advances the index by one slot per step, or by at most γ + 1 per draft-and-verify call (which writes γ + 1)
-  room = chunk if not gamma else (chunk + 1) * (gamma + 1)
+  room = chunk_room(chunk, gamma) + extra
   cache = init_cache(model_cfg, slots, width + N + room, sampler_cfg.kv_dtype)  # full or int8 (window: a mask)
   cache["index"] = jnp.asarray(width, jnp.int32)
   spec = {}
@@ -175,6 +182,12 @@ def init_state(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, slots: int, w
       "versions_SN": jnp.zeros((slots, N), jnp.int32),
       **behavior.init_records(slots, N, sampler_cfg),  # μ's top-k / MC candidates, when asked ([S, N, k])
   }
+
+
+def chunk_room(chunk: int, gamma: int) -> int:
+  """Slots one chunk may advance the write index: one per decode step, or at most γ + 1 per draft-and-verify call
+  (which writes γ + 1)."""
+  return chunk if not gamma else (chunk + 1) * (gamma + 1)
 
 
 def _record_names(sampler_cfg: SamplerConfig) -> tuple[str, ...]:
@@ -345,13 +358,25 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
   small, logits_uV = prefill_rows(params, prompt_uP, positions_uP, segment_ids_uP, model_cfg, P,
                                    sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg)
   small, logits_kV, len_k = take_rows(small, src_k), logits_uV[src_k], len_u[src_k]
+  dsmall = None
+  if "dcache" in state and not speculative.is_head_state(state["dcache"]):
+    d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
+    dsmall = take_rows(prefill_rows(d_params, prompt_uP, positions_uP, segment_ids_uP, d_cfg, P)[0], src_k)
+  return _fill_rows(state, small, dsmall, logits_kV, rows_k, len_k, keys_k, version, model_cfg, sampler_cfg, layout)
+
+
+def _fill_rows(state: dict, small: dict, dsmall: dict | None, logits_kV: Array, rows_k: Array, len_k: Array,
+               keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, layout) -> dict:
+  """`state` with rows `rows_k` holding requests whose contexts (`len_k` real tokens, left-padded to P) the
+  P-slot caches `small` (the policy's) and `dsmall` (a layers drafter's; None: none, or a head, whose feature is
+  zeroed) hold: written at slots [index - P, index), the rest of those rows cleared; column 0 sampled from
+  `logits_kV` with `version`."""
+  P = small["segment_ids_BS"].shape[1]
   spec = {}
   if "dcache" in state and speculative.is_head_state(state["dcache"]):  # a head: no feature yet in those slots
     spec["dcache"] = {"feat_BD": state["dcache"]["feat_BD"].at[rows_k].set(0, mode="drop")}
   elif "dcache" in state:
-    d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
-    dsmall, _ = prefill_rows(d_params, prompt_uP, positions_uP, segment_ids_uP, d_cfg, P)
-    spec["dcache"] = _place(state["dcache"], take_rows(dsmall, src_k), rows_k, P)
+    spec["dcache"] = _place(state["dcache"], dsmall, rows_k, P)
   N = sampler_cfg.max_new_tokens
   put = lambda buf, val: buf.at[rows_k].set(val, mode="drop")
   k = rows_k.shape[0]
@@ -380,6 +405,79 @@ def prefill_slots(params: dict, state: dict, rows_k: Array, src_k: Array, prompt
          ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S", "step_S", "unfed_S",
           *_record_names(sampler_cfg))}
   return _constrain({**admitted, **out, "live_S": jnp.where(only_S, emitted["live_S"], admitted["live_S"])}, layout)
+
+
+def _take_slots(cache: dict, rows_k: Array, src_kT: Array, valid_kT: Array) -> dict:
+  """A cache of T slots per row: row i holds cache row `rows_k[i]`'s slots `src_kT[i]` where `valid_kT[i]`, empty
+  slots (zeros: segment 0) elsewhere; a row index >= S reads a clipped row (a dropped pad)."""
+  out = {"index": jnp.asarray(src_kT.shape[1], jnp.int32)}
+  for name, x in cache.items():
+    if name == "index":
+      continue
+    ax = _SLOT_AXIS[name]
+    xr = jnp.take(x, rows_k, axis=ax - 1, mode="clip")
+    tail = (1,) * (x.ndim - ax - 1)
+    idx = jnp.clip(src_kT, 0, x.shape[ax] - 1).reshape((1,) * (ax - 1) + src_kT.shape + tail)
+    got = jnp.take_along_axis(xr, idx, axis=ax)
+    out[name] = jnp.where(valid_kT.reshape(idx.shape), got, jnp.zeros((), x.dtype))
+  return out
+
+
+def _resumed(cache: dict, rows_k: Array, lo_k: Array, kept_k: Array, suffix_kE: Array, len_k: Array, P: int,
+             forward) -> tuple[dict, Array]:
+  """(a P-slot cache per resumed row holding its whole context left-padded, the hidden states of its appended
+  tokens): row i's `kept_k[i]` resident slots from `lo_k[i]` (positions 0 .. kept - 1) gathered to end at slot P,
+  its `len_k[i]` new tokens (`suffix_kE`, right-padded) appended after them by `forward(tokens, cache, positions,
+  segment ids)`, then the whole context moved to end at slot P, as a prefill of it leaves it."""
+  E = suffix_kE.shape[1]
+  t_P = jnp.arange(P, dtype=jnp.int32)[None, :]
+  first_k = P - kept_k
+  kept = _take_slots(cache, rows_k, lo_k[:, None] - first_k[:, None] + t_P, t_P >= first_k[:, None])
+  grown = {name: x if name == "index" else
+           jnp.pad(x, [(0, E) if a == _SLOT_AXIS[name] else (0, 0) for a in range(x.ndim)])
+           for name, x in kept.items()}
+  positions_kE, segment_ids_kE = appended_layout(len_k, kept_k, E)
+  h_kED, grown = forward(jnp.where(segment_ids_kE > 0, suffix_kE, 0).astype(jnp.int32), grown, positions_kE,
+                         segment_ids_kE)
+  ctx_k = kept_k + len_k  # the context [P - kept, P + len) moves left by len, to [P - ctx, P)
+  aligned = _take_slots(grown, jnp.arange(rows_k.shape[0]), len_k[:, None] + t_P, t_P >= P - ctx_k[:, None])
+  return {**aligned, "index": jnp.asarray(P, jnp.int32)}, h_kED
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "width", "layout"),
+                   donate_argnames=("state",))
+def resume_slots(params: dict, state: dict, rows_k: Array, lo_k: Array, kept_k: Array, suffix_kE: Array,
+                 len_k: Array, keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
+                 width: int, draft_params: dict | None = None, layout=None) -> dict:
+  """Admits k requests that continue the context resident in their own slots `rows_k` (a row index >= S pads the
+  bucket and is dropped): row i keeps the `kept_k[i]` tokens its slots hold from slot `lo_k[i]` on (its last
+  request's context and completion but its last column, which no forward fed for sure) and appends its `len_k[i]`
+  new tokens (`suffix_kE`, right-padded: that last column, then what the caller added, e.g. an environment's
+  observation) with one forward over them, instead of prefilling the whole context. The row then holds the
+  context as `prefill_slots` leaves an admitted prompt (left-padded to the engine's `width` P, at slots
+  [index - P, index)), and column 0 is sampled with `version`. A layers drafter's cache is continued the same
+  way (from the same slots); a head's feature is zeroed, as at any admission."""
+  kv_window = sampler_cfg.kv_window_arg
+
+  def policy(tokens_kE, cache, positions_kE, segment_ids_kE):
+    return hidden_with_cache(params, tokens_kE, cache, model_cfg, positions_BT=positions_kE,
+                             segment_ids_BT=segment_ids_kE, kv_window=kv_window)
+
+  small, h_kED = _resumed(state["cache"], rows_k, lo_k, kept_k, suffix_kE, len_k, width, policy)
+  last_k11 = jnp.maximum(len_k - 1, 0)[:, None, None]
+  h_k1D = jnp.take_along_axis(h_kED, jnp.broadcast_to(last_k11, (h_kED.shape[0], 1, h_kED.shape[2])), axis=1)
+  logits_kV = logits_from_hidden(params, h_k1D, model_cfg)[:, 0]
+  dsmall = None
+  if "dcache" in state and not speculative.is_head_state(state["dcache"]):
+    d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
+
+    def drafter(tokens_kE, cache, positions_kE, segment_ids_kE):
+      return hidden_with_cache(d_params, tokens_kE, cache, d_cfg, positions_BT=positions_kE,
+                               segment_ids_BT=segment_ids_kE)
+
+    dsmall, _ = _resumed(state["dcache"], rows_k, lo_k, kept_k, suffix_kE, len_k, width, drafter)
+  return _fill_rows(state, small, dsmall, logits_kV, rows_k, kept_k + len_k, keys_k, version, model_cfg, sampler_cfg,
+                    layout)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("cache",))
@@ -427,38 +525,63 @@ class SlotEngine:
   steps (the async source admits groups as admission allows; an episode queues its next turn when the environment
   answers), and switch `params`/`version` between steps: the next chunk and admissions use them (an in-flight update
   stalls the slots for at most one chunk). The device state lives in `state`; everything else is queues and counters
-  (`slot_steps`, `live_steps`; with speculation a step is a draft-and-verify call and `spec_counts` sums
-  `SPEC_COUNTS`, `spec_stats` turns them into `generate`'s spec_* metrics).
+  (`slot_steps`, `live_steps`, `prefill_calls`; with speculation a step is a draft-and-verify call and
+  `spec_counts` sums `SPEC_COUNTS`, `spec_stats` turns them into `generate`'s spec_* metrics).
   `layout` (`SlotLayout`; None: one device): the state's slots split over mesh axes (`slot_shardings`), so each
   device decodes its share of the slots, as a static batch's rows on a mesh.
+
+  `resident=True` keeps a finished request's keys/values in its slot when it was submitted with a `keep` id (an
+  episode): the slot is parked, and a later request with the same `keep` whose context extends what the slot holds
+  (that context and completion) is admitted into it by `resume_slots`, which feeds only the new tokens (the last
+  column, which no forward fed for sure, and e.g. an environment's observation) instead of prefilling the whole
+  context (`resumed`, `resume_calls` count them). It re-prefills instead when the context does not extend the
+  slot's (an eviction rewrote it), when other parameters computed any of the slot's keys/values than the ones
+  admitting it (a version switch), or when the slot was reclaimed: a parked slot is given to a queued request
+  when no slot is free (least recently parked first), or dropped when the write index would run more than
+  `width` slots past what the cache holds for it (its cache rows have P + N + C + P slots: P more than without).
+  `release(keep)` drops a parked slot. The log-probs equal a re-prefill's up to float rounding.
   """
 
   def __init__(self, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, slots: int, chunk: int, width: int,
-               layout=None):
+               layout=None, resident: bool = False):
     check_supported(sampler_cfg)
     if slots < 1 or chunk < 1:
       raise ValueError(f"continuous batching: slots={slots} and chunk={chunk} must be >= 1")
     self.model_cfg, self.sampler_cfg, self.slots, self.chunk, self.width = model_cfg, sampler_cfg, slots, chunk, width
-    self.layout = layout
+    self.layout, self.resident = layout, resident
+    self.extra = width if resident else 0  # how far a parked row's first token may fall behind, beyond P + N
     self.gamma = engine_gamma(sampler_cfg, slots)
     self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0.0)
     self.state = None  # built at the first admission (the key's shape comes from the first request)
-    self.queue: deque = deque()  # (tag, prompt_P, length, key)
+    self.queue: deque = deque()  # (tag, prompt_P, length, key, keep)
     self.tag_S: list = [None] * slots
+    # owner: -1 free, 1 a request, 2 parked (a finished request's keys/values kept for its `keep` id)
     self.owner_S, self.base_S = np.full((slots,), -1), np.zeros((slots,), np.int64)
+    self.lo_S = np.zeros((slots,), np.int64)  # the slot of the row's first real token
+    self.ids_S: list = [None] * slots  # the real ids the row's cache holds (resident: context, then completion)
+    self.keep_S: list = [None] * slots
+    self.kver_S: list = [None] * slots  # the version that computed all of the row's keys/values (None: several)
+    self.parked: dict = {}  # keep id -> slot, least recently parked first
     self.index, self.slot_steps, self.live_steps = width, 0, 0
+    self.prefill_calls = self.resume_calls = self.resumed = 0
 
-  def submit(self, tag: Any, prompt_P, length: int, key: Array) -> None:
+  def submit(self, tag: Any, prompt_P, length: int, key: Array, keep: Any = None) -> None:
     prompt_P = np.asarray(prompt_P, np.int32)
     if prompt_P.shape != (self.width,) or not 0 < int(length) <= self.width:
       raise ValueError(f"SlotEngine.submit: a prompt of width {self.width} with 1..{self.width} real tokens, got "
                        f"shape {prompt_P.shape} and length {length}")
-    self.queue.append((tag, prompt_P, int(length), key))
+    self.queue.append((tag, prompt_P, int(length), key, keep if self.resident else None))
+
+  def release(self, keep: Any) -> None:
+    """Drops the slot parked for `keep`, if any (its context changed other than by appending)."""
+    s = self.parked.pop(keep, None)
+    if s is not None:
+      self.owner_S[s], self.keep_S[s], self.ids_S[s] = -1, None, None
 
   @property
   def held(self) -> int:
     """Requests in slots (decoding, or finished and not yet returned)."""
-    return int((self.owner_S >= 0).sum())
+    return int((self.owner_S == 1).sum())
 
   @property
   def idle(self) -> bool:
@@ -472,23 +595,60 @@ class SlotEngine:
     return {"spec_calls": c["calls"], "spec_accept_rate": c["accepted"] / max(c["proposed"], 1.0),
             "spec_tokens_per_call": c["emitted"] / max(c["live_calls"], 1.0)}
 
+  def _resumable(self, version: int) -> list[tuple[int, tuple]]:
+    """Takes from the queue the requests that continue their parked slot's context with `version`'s keys/values:
+    (slot, request) each; a request whose parked slot it cannot continue releases that slot and stays queued."""
+    out, rest = [], deque()
+    for req in self.queue:
+      s = self.parked.get(req[4]) if req[4] is not None else None
+      if s is not None:
+        ids, held = req[1][self.width - req[2]:], self.ids_S[s]
+        if self.kver_S[s] == version and len(ids) > len(held) and np.array_equal(ids[:len(held)], held):
+          del self.parked[req[4]]
+          out.append((s, req))
+          continue
+        self.release(req[4])
+      rest.append(req)
+    self.queue = rest
+    return out
+
+  def _occupy(self, s: int, req: tuple) -> None:
+    """Slot s now holds request `req`, its context at [index - length, index) (the row's layout at admission)."""
+    self.tag_S[s], self.keep_S[s], self.owner_S[s] = req[0], req[4], 1
+    self.base_S[s], self.lo_S[s] = self.index - self.width, self.index - req[2]
+    self.ids_S[s] = req[1][self.width - req[2]:]
+
   def step(self, params: dict, version: int, draft_params: dict | None = None) -> list[tuple[Any, dict]]:
-    """Admit → one decode chunk → harvest → shift; the requests that finished, as (tag, columns). `draft_params`:
-    a distilled drafter's (with speculation; None drafts with the policy's first `spec_draft_layers` layers)."""
-    free = np.flatnonzero(self.owner_S < 0)
+    """Admit (resume parked slots, fill free ones) → one decode chunk → harvest (park) → shift; the requests that
+    finished, as (tag, columns). `draft_params`: a distilled drafter's (with speculation; None drafts with the
+    policy's first `spec_draft_layers` layers)."""
+    for s in np.flatnonzero(self.owner_S == 1):  # this chunk decodes with `version`
+      if self.kver_S[s] != version:
+        self.kver_S[s] = None
+    resumes = self._resumable(version) if self.parked else []
+    free = list(np.flatnonzero(self.owner_S < 0))
+    while len(free) < len(self.queue) and self.parked:  # a queued request takes the least recently parked slot
+      keep = next(iter(self.parked))
+      free.append(self.parked[keep])
+      self.release(keep)
     take = min(len(free), len(self.queue))
+    if (take or resumes) and self.state is None:
+      first = resumes[0][1] if resumes else self.queue[0]
+      self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
+                              _stack_keys([first[3]]), head=head_drafter.is_head(draft_params), extra=self.extra)
+      if self.layout is not None:
+        self.state = jax.device_put(self.state, slot_shardings(self.state, self.layout))
+    if resumes:
+      self.state = self._resume(params, resumes, version, draft_params)
     if take:
       reqs = [self.queue.popleft() for _ in range(take)]
-      if self.state is None:
-        self.state = init_state(self.model_cfg, self.sampler_cfg, self.slots, self.width, self.chunk,
-                                _stack_keys([reqs[0][3]]), head=head_drafter.is_head(draft_params))
-        if self.layout is not None:
-          self.state = jax.device_put(self.state, slot_shardings(self.state, self.layout))
-      self.state = _admit(params, self.state, free[:take], reqs, version, self.model_cfg, self.sampler_cfg,
+      rows = np.asarray(sorted(free)[:take])
+      self.state = _admit(params, self.state, rows, reqs, version, self.model_cfg, self.sampler_cfg,
                           draft_params, self.layout)
-      for s, r in zip(free[:take], reqs):
-        self.tag_S[s] = r[0]
-      self.owner_S[free[:take]], self.base_S[free[:take]] = 1, self.index - self.width
+      self.prefill_calls += 1
+      for s, r in zip(rows, reqs):
+        self._occupy(s, r)
+        self.kver_S[s] = version
     if not self.held:
       return []
     state = self.state
@@ -507,16 +667,66 @@ class SlotEngine:
       self.index, self.slot_steps = self.index + int(steps), self.slot_steps + self.slots * int(steps)
       self.live_steps += int(np.asarray(state["step_S"]).sum()) - step_before  # one column per live slot-step
     done = _harvest(state, self.owner_S, self.tag_S, self.base_S, self.width + self.sampler_cfg.max_new_tokens)
-    held = self.owner_S >= 0
-    d = min([self.index - self.width] + ([int(self.base_S[held].min())] if held.any() else []))
-    if d > 0:  # no live request reads slots [0, d) any more
+    for s, _, cols in done:
+      self._park(s, cols)
+    self.state = state
+    self._shift()
+    return [(tag, cols) for _, tag, cols in done]
+
+  def _park(self, s: int, cols: dict) -> None:
+    """Slot s's request finished (`_harvest` freed it): a resident engine keeps its keys/values for its `keep` id
+    when one version computed them all: its context and completion but the last column."""
+    keep, self.keep_S[s] = self.keep_S[s], None
+    if keep is None or self.kver_S[s] is None:
+      self.ids_S[s] = None
+      return
+    self.release(keep)  # an older slot of the same id (a request submitted twice) is dropped
+    n = int(np.asarray(cols["mask_N"]).sum())
+    self.ids_S[s] = np.concatenate([self.ids_S[s], np.asarray(cols["tokens_N"][:n - 1], np.int32)])
+    self.owner_S[s], self.parked[keep] = 2, s
+
+  def _shift(self) -> None:
+    """Drops parked slots the write index ran too far past, then moves the cache left past the slots no held or
+    parked row reads any more."""
+    for keep, s in list(self.parked.items()):
+      if self.index - self.lo_S[s] > self.width + self.sampler_cfg.max_new_tokens + self.extra:
+        self.release(keep)
+    held, parked = self.owner_S == 1, self.owner_S == 2
+    d = min([self.index - self.width] + ([int(self.base_S[held].min())] if held.any() else []) +
+            ([int(self.lo_S[parked].min())] if parked.any() else []))
+    if d > 0:  # no request or parked row reads slots [0, d) any more
+      state = self.state
       for name in ("cache", "dcache"):
         if name in state and not speculative.is_head_state(state[name]):
           state[name] = shift_cache(state[name], jnp.asarray(d, jnp.int32), self.layout)
       self.index -= d
-      self.base_S[held] -= d
-    self.state = state
-    return done
+      self.base_S[held | parked] -= d
+      self.lo_S[held | parked] -= d
+
+  def _resume(self, params: dict, resumes: list, version: int, draft_params: dict | None) -> dict:
+    """`resume_slots` of the requests `resumes` ((slot, request) each), padded to power-of-two buckets (of
+    requests and of appended tokens)."""
+    S, W, k = self.slots, self.width, len(resumes)
+    kb = _bucket(k, S)
+    kept = [len(self.ids_S[s]) for s, _ in resumes]
+    suffixes = [req[1][W - req[2]:][n:] for (_, req), n in zip(resumes, kept)]
+    E = 1 << (max(map(len, suffixes)) - 1).bit_length()
+    suffix_kE = np.zeros((kb, E), np.int32)
+    for i, x in enumerate(suffixes):
+      suffix_kE[i, :len(x)] = x
+    pad = kb - k
+    rows_k = np.asarray([s for s, _ in resumes] + [S] * pad, np.int32)
+    lo_k = np.asarray([self.lo_S[s] for s, _ in resumes] + [0] * pad, np.int32)
+    kept_k = np.asarray(kept + [0] * pad, np.int32)
+    len_k = np.asarray([len(x) for x in suffixes] + [1] * pad, np.int32)
+    keys = [req[3] for _, req in resumes]
+    keys_k = _stack_keys(keys + [keys[0]] * pad)
+    state = resume_slots(params, self.state, rows_k, lo_k, kept_k, suffix_kE, len_k, keys_k, version,
+                         self.model_cfg, self.sampler_cfg, W, draft_params, self.layout)
+    self.resume_calls, self.resumed = self.resume_calls + 1, self.resumed + k
+    for s, req in resumes:
+      self._occupy(s, req)  # its keys/values: all `version`'s (checked in `_resumable`)
+    return state
 
 
 def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, model_cfg: ModelConfig,
@@ -612,12 +822,12 @@ def _row_routes(routes_LBSk: Array, rows_d: Array, starts_d: Array, length: int)
 
 
 def _harvest(state: dict, owner_S: np.ndarray, tag_S: list, base_S: np.ndarray | None = None,
-             length: int = 0) -> list[tuple[Any, dict]]:
-  """(tag, columns) of every held slot whose request finished; frees those slots (`owner_S` -1). An MoE cache
+             length: int = 0) -> list[tuple[int, Any, dict]]:
+  """(slot, tag, columns) of every held slot whose request finished; frees those slots (`owner_S` -1). An MoE cache
   also gives each request's routes ("routes_TLk", T = `length` = P + N): its prompt and completion sit in the
   contiguous slots from `base_S` (the index at admission minus P), column n at slot base + P + n, as in
   `generate`'s cache."""
-  done = np.flatnonzero((owner_S >= 0) & ~np.asarray(state["live_S"]) & ~np.asarray(state["unfed_S"]))
+  done = np.flatnonzero((owner_S == 1) & ~np.asarray(state["live_S"]) & ~np.asarray(state["unfed_S"]))
   if not len(done):
     return []
   routes = None
@@ -627,7 +837,7 @@ def _harvest(state: dict, owner_S: np.ndarray, tag_S: list, base_S: np.ndarray |
   records = [k for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in state]
   host = jax.device_get({k: state[k] for k in ("tokens_SN", "logp_SN", "mask_SN", "versions_SN", "stopped_S",
                                                 *records)})
-  out = [(tag_S[s], {"tokens_N": host["tokens_SN"][s], "behavior_logp_N": host["logp_SN"][s],
+  out = [(s, tag_S[s], {"tokens_N": host["tokens_SN"][s], "behavior_logp_N": host["logp_SN"][s],
                      "mask_N": host["mask_SN"][s], "versions_N": host["versions_SN"][s],
                      "finished": bool(host["stopped_S"][s]), **{k: host[k][s] for k in records},
                      **({} if routes is None else {"routes_TLk": routes[i]})}) for i, s in enumerate(done)]
