@@ -513,3 +513,15 @@ def test_spec_cost_bench_on_a_tiny_checkpoint(tiny_ckpt, tmp_path):
                          "8", "--repeats", "1", "--markdown", str(md)]) == 0
   text = md.read_text()
   assert "python -m bench.spec_cost --model" in text and "| speculative call, γ = 2 | 3 |" in text
+
+
+def test_resident_turns_bench_on_a_toy_model(tmp_path):
+  """bench/resident_turns.py at toy sizes: both samplers play the same tokens, the resident one prefills once
+  (turn 0, all episodes in slots) and resumes every later turn, and the table is written with its command."""
+  from bench import resident_turns
+  md = tmp_path / "resident.md"
+  resident_turns.main(["--episodes", "3", "--slots", "4", "--turns", "3", "--turn-tokens", "3", "--obs", "2",
+                       "--prompt", "5", "--d-model", "64", "--layers", "1", "--rounds", "1", "--markdown", str(md)])
+  text = md.read_text()
+  assert "python -m bench.resident_turns --episodes 3" in text and "Same tokens: yes." in text
+  assert "| resident |" in text and "| 1 | 6 of 9 |" in text, text
