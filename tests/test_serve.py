@@ -598,3 +598,34 @@ def test_speculating_sampler_answers_top_logprobs():
   assert (hit.any(-1) & live).sum() >= 2
   np.testing.assert_allclose(np.where(hit, top["behavior_topk_logp_BNk"], 0).sum(-1)[hit.any(-1) & live],
                              top["behavior_logp_BN"][hit.any(-1) & live], atol=1e-5)
+
+
+def test_slot_sampler_continues_a_conversation_from_its_parked_slot():
+  """With slots the endpoint's sampler keeps a finished request's keys/values in its slot: a conversation's next call
+  (its last call's context and reply, then a tool's answer) continues that slot, in whichever row of the call it
+  comes, and draws what a sampler that prefills every call draws (same keys); a call whose context shares less than
+  half its prefix with every parked slot prefills."""
+  import dataclasses
+  import jax
+  import numpy as np
+  from jaxrl_llm.rollout import turn_sampler
+  from jaxrl_llm.rollout.sources.harness import make_sample_fn
+  from test_episodes import PARAMS, make_gen
+  g = dataclasses.replace(make_gen(0.8), slots=4, slot_chunk=2)
+  sample = make_sample_fn(g, 24, 4, 4)
+  plain = turn_sampler.SlotTurns(g, 24, 4, 2)
+  base = dataclasses.replace(g.sampler_cfg, max_new_tokens=4, group_size=1, behavior_topk=0, mc_samples=0)
+  ctx = [[1, 5, 6, 7], [1, 8, 9]]
+  calls = [ctx]
+  for t in range(3):
+    key = jax.random.key(t)
+    got = sample(PARAMS, 0, calls[-1], key)
+    want = plain.turn(PARAMS, 0, list(range(len(calls[-1]))), calls[-1], key, base)
+    np.testing.assert_array_equal(got["tokens_BN"], want["tokens_BN"][:len(calls[-1])])
+    np.testing.assert_allclose(got["behavior_logp_BN"], want["behavior_logp_BN"][:len(calls[-1])], atol=2e-5)
+    # the next call: the conversations in the other order (rows are not conversations), each extended by its
+    # reply and a tool's answer; and a new conversation
+    replies = [list(c) + got["tokens_BN"][i, :got["lengths_B"][i]].tolist() + [20 + t] for i, c in enumerate(calls[-1])]
+    calls.append(replies[::-1][:2] + ([[1, 30 + t, 31 + t, 32 + t]] if t < 2 else []))
+  # calls 2 and 3 continue both conversations they carry on; the new ones (sharing only the first id) prefill
+  assert sample.turns.resumed == 4 and plain.resumed == 0

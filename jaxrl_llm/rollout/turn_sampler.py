@@ -32,7 +32,8 @@ position p < len(context) is context token p, then the turn's tokens), from wher
   stop costing the longest row's steps for every row. `resident` (`env.kv_cache`): the episode's keys/values stay
   in its slot after its turn, and its next turn feeds only what was appended (`SlotEngine`'s `resident`; it
   re-prefills when the slot was reclaimed, the version changed, or `forget` was called); `resumed` counts those
-  turns. Episode b draws column n of a turn with
+  turns. `keyed=False` (the harness endpoint, whose rows are requests, not episodes): a row resumes whichever
+  parked slot shares the longest prefix with its context (at least half of it). Episode b draws column n of a turn with
   `fold_in(fold_in(key, b), n)` (`generation.request_keys` indexed by episode, not by the row it holds in this
   turn's batch, so a turn's tokens do not depend on which other episodes are live): its tokens equal
   `generate`'s given those per-row keys (log-probs up to float rounding, tested), not `Reprefill`'s batch-key
@@ -202,9 +203,10 @@ class SlotTurns:
 
   _COUNTERS = ("slot_steps", "live_steps", "prefill_calls", "resumed")
 
-  def __init__(self, gen, width: int, slots: int, chunk: int, mesh=None, resident: bool = False):
+  def __init__(self, gen, width: int, slots: int, chunk: int, mesh=None, resident: bool = False,
+               keyed: bool = True):
     self.gen, self.width, self.slots, self.chunk, self.mesh = gen, width, slots, chunk, mesh
-    self.resident = resident
+    self.resident, self.keyed = resident, keyed
     self.engine: continuous.SlotEngine | None = None
     self._counts0 = dict.fromkeys(self._COUNTERS, 0)  # the counters of engines replaced so far
     self._length: dict[Any, int] = {}  # a queued or decoding request's context length (MoE routes by position)
@@ -274,7 +276,7 @@ class SlotTurns:
     for i, b in enumerate(rows_b):
       if b not in first:
         first[b] = i
-        self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg, keep=b)
+        self._put(b, ctx_bW[i], int(len_b[i]), keys_b[i], cfg, keep=b if self.keyed else None)
     routes: dict[int, np.ndarray] = {}
     N = cfg.max_new_tokens
     out = {"tokens_BN": np.full((len(rows_b), N), cfg.pad_id, np.int32),

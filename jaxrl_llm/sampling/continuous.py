@@ -530,16 +530,19 @@ class SlotEngine:
   `layout` (`SlotLayout`; None: one device): the state's slots split over mesh axes (`slot_shardings`), so each
   device decodes its share of the slots, as a static batch's rows on a mesh.
 
-  `resident=True` keeps a finished request's keys/values in its slot when it was submitted with a `keep` id (an
-  episode): the slot is parked, and a later request with the same `keep` whose context extends what the slot holds
-  (that context and completion) is admitted into it by `resume_slots`, which feeds only the new tokens (the last
-  column, which no forward fed for sure, and e.g. an environment's observation) instead of prefilling the whole
-  context (`resumed`, `resume_calls` count them). It re-prefills instead when the context does not extend the
-  slot's (an eviction rewrote it), when other parameters computed any of the slot's keys/values than the ones
-  admitting it (a version switch), or when the slot was reclaimed: a parked slot is given to a queued request
-  when no slot is free (least recently parked first), or dropped when the write index would run more than
-  `width` slots past what the cache holds for it (its cache rows have P + N + C + P slots: P more than without).
-  `release(keep)` drops a parked slot. The log-probs equal a re-prefill's up to float rounding.
+  `resident=True` keeps a finished request's keys/values in its slot (parked: its context and completion but the
+  last column, which no forward fed for sure), and admits a later request that shares a prefix with them into that
+  slot by `resume_slots`: the shared prefix stays, only the rest is fed (the last column and e.g. an environment's
+  observation) instead of prefilling the whole context (`resumed`, `resume_calls` count them). A request submitted
+  with a `keep` id (an episode) continues the slot its id's last request parked, if they share any prefix; one
+  without takes the parked slot sharing the longest prefix with it, if that prefix is at least half its context
+  (the harness endpoint: a conversation's next call extends its last one, whose id the engine is not told). It
+  re-prefills instead when nothing is shared (an eviction rewrote the context), when other parameters computed
+  the slot's keys/values than the ones admitting it (a version switch), or when the slot was reclaimed: a parked
+  slot is given to a queued request when no slot is free (least recently parked first), or dropped when the write
+  index would run more than `width` slots past what the cache holds for it (its cache rows have P + N + C + P
+  slots: P more than without). `release(keep)` drops a parked slot. The log-probs equal a re-prefill's up to float
+  rounding.
   """
 
   def __init__(self, model_cfg: ModelConfig, sampler_cfg: SamplerConfig, *, slots: int, chunk: int, width: int,
@@ -570,6 +573,8 @@ class SlotEngine:
     if prompt_P.shape != (self.width,) or not 0 < int(length) <= self.width:
       raise ValueError(f"SlotEngine.submit: a prompt of width {self.width} with 1..{self.width} real tokens, got "
                        f"shape {prompt_P.shape} and length {length}")
+    if self.resident and keep is None:  # parked under an id of its own; found again by its prefix
+      keep = _Unnamed()
     self.queue.append((tag, prompt_P, int(length), key, keep if self.resident else None))
 
   def release(self, keep: Any) -> None:
@@ -595,22 +600,37 @@ class SlotEngine:
     return {"spec_calls": c["calls"], "spec_accept_rate": c["accepted"] / max(c["proposed"], 1.0),
             "spec_tokens_per_call": c["emitted"] / max(c["live_calls"], 1.0)}
 
-  def _resumable(self, version: int) -> list[tuple[int, tuple]]:
-    """Takes from the queue the requests that continue their parked slot's context with `version`'s keys/values:
-    (slot, request) each; a request whose parked slot it cannot continue releases that slot and stays queued."""
+  def _resumable(self, version: int) -> list[tuple[int, tuple, int]]:
+    """Takes from the queue the requests that continue a parked slot's keys/values of `version`: (slot, request,
+    ids kept) each. A named request whose parked slot shares nothing with it releases that slot and stays queued."""
     out, rest = [], deque()
     for req in self.queue:
-      s = self.parked.get(req[4]) if req[4] is not None else None
-      if s is not None:
-        ids, held = req[1][self.width - req[2]:], self.ids_S[s]
-        if self.kver_S[s] == version and len(ids) > len(held) and np.array_equal(ids[:len(held)], held):
-          del self.parked[req[4]]
-          out.append((s, req))
-          continue
-        self.release(req[4])
-      rest.append(req)
+      ids = req[1][self.width - req[2]:]
+      if isinstance(req[4], _Unnamed):  # the parked slot sharing the longest prefix, if it is half the context
+        shared = {k: self._shared(s, ids, version) for k, s in self.parked.items()}
+        k = max(shared, key=shared.get, default=None)
+        kept = shared[k] if k is not None and 2 * shared[k] >= len(ids) else 0
+      else:
+        k = req[4] if req[4] in self.parked else None
+        kept = self._shared(self.parked[k], ids, version) if k is not None else 0
+        if k is not None and not kept:
+          self.release(k)
+      if not kept:
+        rest.append(req)
+        continue
+      out.append((self.parked.pop(k), req, kept))
     self.queue = rest
     return out
+
+  def _shared(self, s: int, ids: np.ndarray, version: int) -> int:
+    """How many of `ids` parked slot s can keep: their common prefix with what it holds, short of the last id
+    (one at least is fed for the logits of column 0); 0 when other parameters computed its keys/values."""
+    held = self.ids_S[s]
+    if self.kver_S[s] != version:
+      return 0
+    n = min(len(held), len(ids) - 1)
+    differ = np.flatnonzero(held[:n] != ids[:n])
+    return int(differ[0]) if len(differ) else n
 
   def _occupy(self, s: int, req: tuple) -> None:
     """Slot s now holds request `req`, its context at [index - length, index) (the row's layout at admission)."""
@@ -675,7 +695,8 @@ class SlotEngine:
 
   def _park(self, s: int, cols: dict) -> None:
     """Slot s's request finished (`_harvest` freed it): a resident engine keeps its keys/values for its `keep` id
-    when one version computed them all: its context and completion but the last column."""
+    (an `_Unnamed` one when it was submitted without) when one version computed them all: its context and
+    completion but the last column."""
     keep, self.keep_S[s] = self.keep_S[s], None
     if keep is None or self.kver_S[s] is None:
       self.ids_S[s] = None
@@ -704,29 +725,33 @@ class SlotEngine:
       self.lo_S[held | parked] -= d
 
   def _resume(self, params: dict, resumes: list, version: int, draft_params: dict | None) -> dict:
-    """`resume_slots` of the requests `resumes` ((slot, request) each), padded to power-of-two buckets (of
+    """`resume_slots` of the requests `resumes` ((slot, request, ids kept) each), padded to power-of-two buckets (of
     requests and of appended tokens)."""
     S, W, k = self.slots, self.width, len(resumes)
     kb = _bucket(k, S)
-    kept = [len(self.ids_S[s]) for s, _ in resumes]
-    suffixes = [req[1][W - req[2]:][n:] for (_, req), n in zip(resumes, kept)]
+    kept = [n for _, _, n in resumes]
+    suffixes = [req[1][W - req[2]:][n:] for _, req, n in resumes]
     E = 1 << (max(map(len, suffixes)) - 1).bit_length()
     suffix_kE = np.zeros((kb, E), np.int32)
     for i, x in enumerate(suffixes):
       suffix_kE[i, :len(x)] = x
     pad = kb - k
-    rows_k = np.asarray([s for s, _ in resumes] + [S] * pad, np.int32)
-    lo_k = np.asarray([self.lo_S[s] for s, _ in resumes] + [0] * pad, np.int32)
+    rows_k = np.asarray([s for s, _, _ in resumes] + [S] * pad, np.int32)
+    lo_k = np.asarray([self.lo_S[s] for s, _, _ in resumes] + [0] * pad, np.int32)
     kept_k = np.asarray(kept + [0] * pad, np.int32)
     len_k = np.asarray([len(x) for x in suffixes] + [1] * pad, np.int32)
-    keys = [req[3] for _, req in resumes]
+    keys = [req[3] for _, req, _ in resumes]
     keys_k = _stack_keys(keys + [keys[0]] * pad)
     state = resume_slots(params, self.state, rows_k, lo_k, kept_k, suffix_kE, len_k, keys_k, version,
                          self.model_cfg, self.sampler_cfg, W, draft_params, self.layout)
     self.resume_calls, self.resumed = self.resume_calls + 1, self.resumed + k
-    for s, req in resumes:
+    for s, req, _ in resumes:
       self._occupy(s, req)  # its keys/values: all `version`'s (checked in `_resumable`)
     return state
+
+
+class _Unnamed:
+  """The `keep` id of a request submitted to a resident engine without one: its parked slot is found by prefix."""
 
 
 def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, model_cfg: ModelConfig,

@@ -73,9 +73,12 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
   Rows are padded (copies of the first) to a power-of-two bucket; μ's `topk` most likely ids are recorded only when
   a request asks for top log-probs (the sampled tokens are the same either way). With `gen.slots` > 0 a call's rows go
   through the slot engine (`turn_sampler.SlotTurns`: row i draws with its own key, `fold_in(key, i)`), so one long
-  completion stops holding every row of the call."""
-  turns = (turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk) if getattr(gen, "slots", 0)
-           else turn_sampler.Reprefill(gen, width))
+  completion stops holding every row of the call; a finished row's keys/values stay in its slot
+  (`SlotTurns(resident=True, keyed=False)`), and a later request whose context shares at least half its prefix with
+  them (a conversation's next call: its last call's messages and reply, then the tool's or user's answer) continues
+  that slot instead of prefilling the whole conversation."""
+  turns = (turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk, resident=True, keyed=False)
+           if getattr(gen, "slots", 0) else turn_sampler.Reprefill(gen, width))
   base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
 
   def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
@@ -87,6 +90,7 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
     return {k: np.asarray(v)[:n] for k, v in out.items() if k in (
         "tokens_BN", "lengths_B", "behavior_logp_BN", "behavior_topk_ids_BNk", "behavior_topk_logp_BNk")}
 
+  sample.turns = turns  # its counters (prefills, with slots resumed)
   return sample
 
 
