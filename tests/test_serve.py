@@ -472,7 +472,7 @@ def test_harness_run_trains_two_steps(tmp_path, slots, drafter):
   rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [0, 1]
   need = {"step", "version", "lag_mean", "lag_max", "reward_mean", "loss", "serve_batch_mean", "serve_batch_max",
-          "serve_failed", "serve_episodes"}
+          "serve_failed", "serve_episodes", "serve_slot_resumes"}
   for r in rows:
     assert need <= set(r), need - set(r)
     assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"])
@@ -491,6 +491,8 @@ def test_harness_run_trains_two_steps(tmp_path, slots, drafter):
     assert all(a["t"] <= b["t"] for a, b in zip(e["events"], e["events"][1:])), e
   if drafter:
     assert all(r["spec_drafter_kl"] > 0 for r in rows)
+  # how many second calls find their first call's slot still parked depends on the order calls arrive in
+  assert all(r["serve_slot_resumes"] >= 0 for r in rows) and (slots or not any(r["serve_slot_resumes"] for r in rows))
 
 
 def test_failed_harness_costs_its_episode_only(chat_tok):

@@ -21,7 +21,8 @@ in each episode's process); one with an attribute `unsandboxable` (a reason) is 
 Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`, `serve_timeouts`, `serve_no_reward`,
 `serve_too_long`, `serve_killed`, `serve_invalid`), `serve_split` (episodes whose calls did not extend each other,
 packed one segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous
-batch), `serve_calls` (calls served since then), plus async's `async_*` counters.
+batch), `serve_calls` (calls served since then), `serve_slot_resumes` (of those, the ones that continued a parked
+slot's keys/values, with `rollout.slots`), plus async's `async_*` counters.
 
 An episode with a chat call whose messages do not form a valid conversation (a tool message answering no tool
 call, tool calls left unanswered: `serve.chat.conversation_error`; that call gets a 400) is dropped, counted
@@ -70,20 +71,24 @@ def _bucket(n: int, cap: int) -> int:
 def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int = 20):
   """The endpoint's sampler (`serve.batcher.SampleFn`): `turn_sampler.Reprefill` over prompts left-padded to
   `width`, at most `max_tokens` new tokens, the run's temperature / top-k / top-p (μ is the training distribution).
-  Rows are padded (copies of the first) to a power-of-two bucket; μ's `topk` most likely ids are recorded only when
+  Its rows are padded (copies of the first) to a power-of-two bucket; μ's `topk` most likely ids are recorded only when
   a request asks for top log-probs (the sampled tokens are the same either way). With `gen.slots` > 0 a call's rows go
   through the slot engine (`turn_sampler.SlotTurns`: row i draws with its own key, `fold_in(key, i)`), so one long
   completion stops holding every row of the call; a finished row's keys/values stay in its slot
   (`SlotTurns(resident=True, keyed=False)`), and a later request whose context shares at least half its prefix with
-  them (a conversation's next call: its last call's messages and reply, then the tool's or user's answer) continues
-  that slot instead of prefilling the whole conversation."""
+  them (a conversation's next call: its last call's messages and reply, then the tool's or user's answer; or a call
+  with the same prompt as another's) continues that slot instead of prefilling the whole conversation; rows are
+  not padded there."""
   turns = (turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk, resident=True, keyed=False)
            if getattr(gen, "slots", 0) else turn_sampler.Reprefill(gen, width))
   base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
 
   def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
     n = len(contexts)
-    rows = list(contexts) + [contexts[0]] * (_bucket(n, max(max_batch, n)) - n)
+    # a static batch is padded to few shapes; the slot engine admits any number of rows (it buckets its admissions),
+    # and a pad row there would be one more request decoded
+    rows = list(contexts) + [contexts[0]] * (0 if isinstance(turns, turn_sampler.SlotTurns) else
+                                             _bucket(n, max(max_batch, n)) - n)
     # a call asking for top log-probs records μ's top-k (speculating or not: the verify step records it too)
     cfg = dataclasses.replace(base, behavior_topk=topk) if top_logprobs else base
     out = turns.turn(params, version, list(range(len(rows))), rows, key, cfg)
@@ -244,12 +249,14 @@ class Harness:
     self.engine: ae.AsyncRollout | None = None
     self.next_request_id = jax.process_index()  # several processes: ids p, p + n, ...
     self._sizes_seen = 0  # batcher calls already reported
+    self._resumes_seen = 0  # calls that continued a parked slot, already reported
 
   def _start(self) -> None:
     from jaxrl_llm.serve.service import Service  # noqa: PLC0415  (the `serve` extra)
     st = self.ctx.settings
     from jaxrl_llm.serve.batcher import TOPK  # noqa: PLC0415
-    sample_fn = make_sample_fn(self.ctx.gen, self.s.max_context, self.s.max_tokens, self.s.max_batch, TOPK)
+    sample_fn = self.sample_fn = make_sample_fn(self.ctx.gen, self.s.max_context, self.s.max_tokens,
+                                                self.s.max_batch, TOPK)
     self.service = Service.start(self.ctx.gen, self.store, self.s, sample_fn=sample_fn, params_of=ae.worker_params)
     score_fn = self.ctx.score if st.old_logp == "recompute" and st.prox_in_worker else None
     fn = make_harness_rollout(self.ctx.gen, self.service, self.harness, self.s, group_size=st.group_size,
@@ -266,11 +273,13 @@ class Harness:
     groups, st = self.engine.next_batch(version, timeout=max(600.0, 4 * self.s.timeout_s))
     sizes = self.service.batcher.sizes[self._sizes_seen:]
     self._sizes_seen += len(sizes)
+    resumed = getattr(self.sample_fn.turns, "resumed", 0)  # a counter the batcher's thread advances
+    resumes, self._resumes_seen = resumed - self._resumes_seen, resumed
     counts = {k: sum(int(g.stat(k)) for g in groups) for k in
               ("serve_episodes", "serve_failed", "serve_split", *(f"serve_{k}" for k in FAIL_KINDS))}
     ro = collate(groups, version).with_stats(
         **counts, serve_batch_mean=float(np.mean(sizes)) if sizes else 0.0,
-        serve_batch_max=int(max(sizes, default=0)), serve_calls=int(sum(sizes)),
+        serve_batch_max=int(max(sizes, default=0)), serve_calls=int(sum(sizes)), serve_slot_resumes=resumes,
         time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
         async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.ctx.settings.lag + 1).tolist(),
