@@ -449,11 +449,11 @@ def _resumed(cache: dict, rows_k: Array, lo_k: Array, kept_k: Array, suffix_kE: 
 def resume_slots(params: dict, state: dict, rows_k: Array, lo_k: Array, kept_k: Array, suffix_kE: Array,
                  len_k: Array, keys_k: Array, version: Array, model_cfg: ModelConfig, sampler_cfg: SamplerConfig,
                  width: int, draft_params: dict | None = None, layout=None) -> dict:
-  """Admits k requests that continue the context resident in their own slots `rows_k` (a row index >= S pads the
-  bucket and is dropped): row i keeps the `kept_k[i]` tokens its slots hold from slot `lo_k[i]` on (its last
-  request's context and completion but its last column, which no forward fed for sure) and appends its `len_k[i]`
-  new tokens (`suffix_kE`, right-padded: that last column, then what the caller added, e.g. an environment's
-  observation) with one forward over them, instead of prefilling the whole context. The row then holds the
+  """Admits k requests that continue the context resident in slots `rows_k` (a row index >= S pads the bucket and
+  is dropped): row i keeps the first `kept_k[i]` tokens its slots hold from slot `lo_k[i]` on (a prefix of what
+  its last request left: that request's context and completion but the last column, which no forward fed for
+  sure) and appends the rest of its context, `len_k[i]` tokens (`suffix_kE`, right-padded: e.g. that last column,
+  then an environment's observation), with one forward over them, instead of prefilling the whole context. The row then holds the
   context as `prefill_slots` leaves an admitted prompt (left-padded to the engine's `width` P, at slots
   [index - P, index)), and column 0 is sampled with `version`. A layers drafter's cache is continued the same
   way (from the same slots); a head's feature is zeroed, as at any admission."""
