@@ -214,23 +214,13 @@ class SlotTurns:
   def _count(self, name: str) -> int:
     return self._counts0[name] + (getattr(self.engine, name) if self.engine is not None else 0)
 
-  @property
-  def slot_steps(self) -> int:
-    return self._count("slot_steps")
-
-  @property
-  def live_steps(self) -> int:
-    return self._count("live_steps")
-
-  @property
-  def prefills(self) -> int:
-    """Admission batches that prefilled whole contexts (`prefill_slots` calls) so far."""
-    return self._count("prefill_calls")
-
-  @property
-  def resumed(self) -> int:
-    """Turns that continued their episode's resident keys/values (`resident`) so far."""
-    return self._count("resumed")
+  # the engines' counters so far (`SlotEngine`'s)
+  slot_steps = property(lambda self: self._count("slot_steps"), doc="Slot-steps decoded.")
+  live_steps = property(lambda self: self._count("live_steps"), doc="Slot-steps that decoded an unfinished turn.")
+  prefills = property(lambda self: self._count("prefill_calls"),
+                      doc="Admission batches that prefilled whole contexts (`prefill_slots` calls).")
+  resumed = property(lambda self: self._count("resumed"),
+                     doc="Turns that continued keys/values resident in a slot (`resident`).")
 
   @property
   def spec(self) -> list[dict]:
