@@ -453,10 +453,10 @@ def resume_slots(params: dict, state: dict, rows_k: Array, lo_k: Array, kept_k: 
   is dropped): row i keeps the first `kept_k[i]` tokens its slots hold from slot `lo_k[i]` on (a prefix of what
   its last request left: that request's context and completion but the last column, which no forward fed for
   sure) and appends the rest of its context, `len_k[i]` tokens (`suffix_kE`, right-padded: e.g. that last column,
-  then an environment's observation), with one forward over them, instead of prefilling the whole context. The row then holds the
-  context as `prefill_slots` leaves an admitted prompt (left-padded to the engine's `width` P, at slots
-  [index - P, index)), and column 0 is sampled with `version`. A layers drafter's cache is continued the same
-  way (from the same slots); a head's feature is zeroed, as at any admission."""
+  then an environment's observation), with one forward over them, instead of prefilling the whole context. The
+  row then holds the context as `prefill_slots` leaves an admitted prompt (left-padded to the engine's `width` P,
+  at slots [index - P, index)), and column 0 is sampled with `version`. A layers drafter's cache is continued the
+  same way (from the same slots); a head's feature is zeroed, as at any admission."""
   kv_window = sampler_cfg.kv_window_arg
 
   def policy(tokens_kE, cache, positions_kE, segment_ids_kE):
