@@ -52,10 +52,10 @@ import numpy as np
 
 from jaxrl_llm.models.cache import init_cache, take_rows
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import decode_view, hidden_with_cache, logits_from_hidden, stack_cache
+from jaxrl_llm.models.transformer import decode_view, stack_cache
 from jaxrl_llm.sampling import behavior, head_drafter, speculative
 from jaxrl_llm.sampling.config import SamplerConfig
-from jaxrl_llm.sampling.continuation import appended_layout
+from jaxrl_llm.sampling.continuation import extend
 from jaxrl_llm.sampling.sampler import decode_columns, draw_column, is_stop, prefill_rows, prompt_layout
 
 Array = jax.Array
@@ -423,25 +423,23 @@ def _take_slots(cache: dict, rows_k: Array, src_kT: Array, valid_kT: Array) -> d
   return out
 
 
-def _resumed(cache: dict, rows_k: Array, lo_k: Array, kept_k: Array, suffix_kE: Array, len_k: Array, P: int,
-             forward) -> tuple[dict, Array]:
-  """(a P-slot cache per resumed row holding its whole context left-padded, the hidden states of its appended
-  tokens): row i's `kept_k[i]` resident slots from `lo_k[i]` (positions 0 .. kept - 1) gathered to end at slot P,
-  its `len_k[i]` new tokens (`suffix_kE`, right-padded) appended after them by `forward(tokens, cache, positions,
-  segment ids)`, then the whole context moved to end at slot P, as a prefill of it leaves it."""
-  E = suffix_kE.shape[1]
+def _kept(cache: dict, rows_k: Array, lo_k: Array, kept_k: Array, P: int, E: int) -> dict:
+  """A cache of P + E slots per resumed row, write index P: row i's `kept_k[i]` resident slots from `lo_k[i]`
+  (positions 0 .. kept - 1) gathered to end at slot P, room for E appended tokens after them."""
   t_P = jnp.arange(P, dtype=jnp.int32)[None, :]
   first_k = P - kept_k
   kept = _take_slots(cache, rows_k, lo_k[:, None] - first_k[:, None] + t_P, t_P >= first_k[:, None])
-  grown = {name: x if name == "index" else
-           jnp.pad(x, [(0, E) if a == _SLOT_AXIS[name] else (0, 0) for a in range(x.ndim)])
-           for name, x in kept.items()}
-  positions_kE, segment_ids_kE = appended_layout(len_k, kept_k, E)
-  h_kED, grown = forward(jnp.where(segment_ids_kE > 0, suffix_kE, 0).astype(jnp.int32), grown, positions_kE,
-                         segment_ids_kE)
-  ctx_k = kept_k + len_k  # the context [P - kept, P + len) moves left by len, to [P - ctx, P)
-  aligned = _take_slots(grown, jnp.arange(rows_k.shape[0]), len_k[:, None] + t_P, t_P >= P - ctx_k[:, None])
-  return {**aligned, "index": jnp.asarray(P, jnp.int32)}, h_kED
+  room = lambda name, x: [(0, E) if a == _SLOT_AXIS[name] else (0, 0) for a in range(x.ndim)]
+  return {name: x if name == "index" else jnp.pad(x, room(name, x)) for name, x in kept.items()}
+
+
+def _aligned(grown: dict, kept_k: Array, len_k: Array, P: int) -> dict:
+  """`_kept`'s cache after `len_k[i]` tokens were appended to row i: its whole context, [P - kept, P + len), moved
+  left by len to end at slot P, as a prefill of it leaves it (P slots)."""
+  t_P = jnp.arange(P, dtype=jnp.int32)[None, :]
+  ctx_k = kept_k + len_k
+  aligned = _take_slots(grown, jnp.arange(len_k.shape[0]), len_k[:, None] + t_P, t_P >= P - ctx_k[:, None])
+  return {**aligned, "index": jnp.asarray(P, jnp.int32)}
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampler_cfg", "width", "layout"),
@@ -453,31 +451,23 @@ def resume_slots(params: dict, state: dict, rows_k: Array, lo_k: Array, kept_k: 
   is dropped): row i keeps the first `kept_k[i]` tokens its slots hold from slot `lo_k[i]` on (a prefix of what
   its last request left: that request's context and completion but the last column, which no forward fed for
   sure) and appends the rest of its context, `len_k[i]` tokens (`suffix_kE`, right-padded: e.g. that last column,
-  then an environment's observation), with one forward over them, instead of prefilling the whole context. The
-  row then holds the context as `prefill_slots` leaves an admitted prompt (left-padded to the engine's `width` P,
-  at slots [index - P, index)), and column 0 is sampled with `version`. A layers drafter's cache is continued the
-  same way (from the same slots); a head's feature is zeroed, as at any admission."""
-  kv_window = sampler_cfg.kv_window_arg
-
-  def policy(tokens_kE, cache, positions_kE, segment_ids_kE):
-    return hidden_with_cache(params, tokens_kE, cache, model_cfg, positions_BT=positions_kE,
-                             segment_ids_BT=segment_ids_kE, kv_window=kv_window)
-
-  small, h_kED = _resumed(state["cache"], rows_k, lo_k, kept_k, suffix_kE, len_k, width, policy)
-  last_k11 = jnp.maximum(len_k - 1, 0)[:, None, None]
-  h_k1D = jnp.take_along_axis(h_kED, jnp.broadcast_to(last_k11, (h_kED.shape[0], 1, h_kED.shape[2])), axis=1)
-  logits_kV = logits_from_hidden(params, h_k1D, model_cfg)[:, 0]
+  then an environment's observation), with one forward over them (`continuation.extend`), instead of prefilling
+  the whole context. The row then holds the context as `prefill_slots` leaves an admitted prompt (left-padded to
+  the engine's `width` P, at slots [index - P, index)), and column 0 is sampled with `version`. A layers
+  drafter's cache is continued the same way (`speculative.extend_drafter`, from the same slots); a head's feature
+  is zeroed, as at any admission."""
+  P, E = width, suffix_kE.shape[1]
+  no_logits_kV = jnp.zeros((rows_k.shape[0], model_cfg.vocab_size), jnp.float32)  # every row appends >= 1 token
+  logits_kV, small = extend(params, _kept(state["cache"], rows_k, lo_k, kept_k, P, E), suffix_kE, len_k, kept_k,
+                            no_logits_kV, model_cfg, sampler_cfg.kv_window_arg)
   dsmall = None
   if "dcache" in state and not speculative.is_head_state(state["dcache"]):
-    d_params, d_cfg = speculative.resolve_drafter(params, draft_params, model_cfg, sampler_cfg.spec_draft_layers)
-
-    def drafter(tokens_kE, cache, positions_kE, segment_ids_kE):
-      return hidden_with_cache(d_params, tokens_kE, cache, d_cfg, positions_BT=positions_kE,
-                               segment_ids_BT=segment_ids_kE)
-
-    dsmall, _ = _resumed(state["dcache"], rows_k, lo_k, kept_k, suffix_kE, len_k, width, drafter)
-  return _fill_rows(state, small, dsmall, logits_kV, rows_k, kept_k + len_k, keys_k, version, model_cfg, sampler_cfg,
-                    layout)
+    grown = speculative.extend_drafter(params, draft_params, _kept(state["dcache"], rows_k, lo_k, kept_k, P, E),
+                                       suffix_kE, len_k, kept_k, model_cfg=model_cfg,
+                                       n_layers=sampler_cfg.spec_draft_layers)
+    dsmall = _aligned(grown, kept_k, len_k, P)
+  return _fill_rows(state, _aligned(small, kept_k, len_k, P), dsmall, logits_kV, rows_k, kept_k + len_k, keys_k,
+                    version, model_cfg, sampler_cfg, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("cache",))
@@ -533,7 +523,7 @@ class SlotEngine:
   `resident=True` keeps a finished request's keys/values in its slot (parked: its context and completion but the
   last column, which no forward fed for sure), and admits a later request that shares a prefix with them into that
   slot by `resume_slots`: the shared prefix stays, only the rest is fed (the last column and e.g. an environment's
-  observation) instead of prefilling the whole context (`resumed`, `resume_calls` count them). A request submitted
+  observation) instead of prefilling the whole context (`resumed` counts them). A request submitted
   with a `keep` id (an episode) continues the slot its id's last request parked, if they share any prefix; one
   without takes the parked slot sharing the longest prefix with it, if that prefix is at least half its context
   (the harness endpoint: a conversation's next call extends its last one, whose id the engine is not told). It
@@ -566,7 +556,7 @@ class SlotEngine:
     self.kver_S: list = [None] * slots  # the version that computed all of the row's keys/values (None: several)
     self.parked: dict = {}  # keep id -> slot, least recently parked first
     self.index, self.slot_steps, self.live_steps = width, 0, 0
-    self.prefill_calls = self.resume_calls = self.resumed = 0
+    self.prefill_calls = self.resumed = 0
 
   def submit(self, tag: Any, prompt_P, length: int, key: Array, keep: Any = None) -> None:
     prompt_P = np.asarray(prompt_P, np.int32)
@@ -744,7 +734,7 @@ class SlotEngine:
     keys_k = _stack_keys(keys + [keys[0]] * pad)
     state = resume_slots(params, self.state, rows_k, lo_k, kept_k, suffix_kE, len_k, keys_k, version,
                          self.model_cfg, self.sampler_cfg, W, draft_params, self.layout)
-    self.resume_calls, self.resumed = self.resume_calls + 1, self.resumed + k
+    self.resumed += k
     for s, req, _ in resumes:
       self._occupy(s, req)  # its keys/values: all `version`'s (checked in `_resumable`)
     return state
