@@ -24,8 +24,10 @@ def get_config():
   c.serve.concurrency = 8  # 2 groups of 4 episodes at once: their calls share sampler batches
   c.serve.max_batch = 8
   c.serve.timeout_s = 120.0
-  c.serve.max_context = 640  # the tools block (Hermes text, one char per id) is most of the first prompt
-  c.serve.prompt_width = 608
+  # The tools block (Hermes text, one char per id) is 603 of the first prompt's ids. A learner row holds that prompt
+  # in prompt_width and both replies plus the second turn's user message (about 40 ids) in the 64 after it.
+  c.serve.max_context = 704
+  c.serve.prompt_width = 640
   c.serve.max_tokens = 8
   c.sft.steps = 0
   c.eval.every = 0

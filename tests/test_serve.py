@@ -144,6 +144,27 @@ def test_openai_client_tool_call_episode_records_the_served_ids(chat_tok):
   assert list(row["sequence_T"][P - len(first):P]) == first and row["segment_ids_T"][P - len(first) - 1] == 0
 
 
+@pytest.mark.parametrize("calls_tool", [True, False])
+def test_example_harness_plays_a_valid_episode_with_or_without_a_tool_call(chat_tok, calls_tool):
+  """configs/harness_tiny.py's harness: a model that calls `add` gets a `tool` answer; one that does not (an untrained
+  model, nearly always) gets the result in a user message, which the endpoint accepts, and the episode is scored."""
+  import random
+  tok, end, seed = chat_tok, chat_tok.end_of_turn_id, 5
+  rng = random.Random(seed)
+  a, b = rng.randint(0, 9), rng.randint(0, 9)
+  first = (f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>' if calls_tool
+           else "let me see")
+  svc, sampler = stub_service(tok, [tok.encode(first) + [end], tok.encode(str(a + b)) + [end]])
+  try:
+    reward = example_harness.run(svc.base_url, "ep-h", seed)
+    ep = svc.recorder.pop("ep-h")
+  finally:
+    svc.close()
+  assert reward == 1.0 and ep.reward == 1.0 and ep.invalid is None and len(ep.calls) == 2 and sampler.calls == 2
+  said = tok.decode(sampler.contexts[1])
+  assert (f"returned {a + b}" in said) != calls_tool and str(a + b) in said
+
+
 def _call(call_id):
   return {"id": call_id, "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
 
@@ -493,6 +514,23 @@ def test_harness_run_trains_two_steps(tmp_path, slots, drafter):
     assert all(r["spec_drafter_kl"] > 0 for r in rows)
   # how many second calls find their first call's slot still parked depends on the order calls arrive in
   assert all(r["serve_slot_resumes"] >= 0 for r in rows) and (slots or not any(r["serve_slot_resumes"] for r in rows))
+
+
+def test_harness_tiny_as_shipped_trains_on_its_episodes(tmp_path):
+  """configs/harness_tiny.py with its own harness (jaxrl_llm/serve/example_harness.py) for one step: every episode's
+  two calls fit the endpoint's widths and its learner row, no episode fails, and the step trains on them."""
+  import subprocess
+  import sys
+  wd = tmp_path / "run"
+  cmd = [sys.executable, "-m", "jaxrl_llm", f"--config={os.path.join(ROOT, 'configs', 'harness_tiny.py')}",
+         f"--workdir={wd}", "--config.num_steps=1", "--config.log.tensorboard=False", "--config.log.progress=False",
+         "--config.checkpoint.every=0"]
+  p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                     timeout=900)
+  assert p.returncode == 0, p.stderr[-3000:]
+  (r,) = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+  assert r["serve_episodes"] == 8 and r["serve_failed"] == 0 and r["serve_calls"] == 16, r
+  assert r["updates_applied"] == 1 and r["completion_len"] > 8 and np.isfinite(r["loss"])
 
 
 def test_failed_harness_costs_its_episode_only(chat_tok):

@@ -3,8 +3,9 @@ it knows about jaxrl_llm beyond the base URL, the episode id (sent as the `X-Epi
 route. configs/harness_tiny.py trains it (`serve.harness = "jaxrl_llm.serve.example_harness:run"`).
 
 An episode: the question "what is a+b? use add." with the `add` tool; a tool-call turn (the model's `tool_calls`
-are run and answered with `tool` messages; a reply without one gets the tool's result from the harness itself, as
-a scripted agent would fetch it) then an answer turn; the reward is 1 when the answer holds a+b, else 0.
+are run and answered with `tool` messages; after a reply without one the harness fetches the tool's result itself,
+as a scripted agent would, and passes it on in a user message) then an answer turn; the reward is 1 when the answer
+holds a+b, else 0.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def run(base_url: str, episode_id: str, seed: int) -> float:
   messages.append(reply.model_dump(exclude_none=True))
   if reply.tool_calls:
     messages += [{"role": "tool", "tool_call_id": c.id, "content": _tool_result(c)} for c in reply.tool_calls]
-  else:  # the harness fetches the tool's answer itself
-    messages.append({"role": "tool", "content": str(add(a, b))})
+  else:  # the harness fetches the tool's answer itself and says so as the user: a `tool` message must answer a call
+    messages.append({"role": "user", "content": f"add(a={a}, b={b}) returned {add(a, b)}. What is {a}+{b}?"})
   answer = client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL], logprobs=True)
   reward = float(str(a + b) in (answer.choices[0].message.content or ""))
   httpx.post(f"{base_url}/v1/episodes/{episode_id}/reward", json={"reward": reward}, timeout=30).raise_for_status()
