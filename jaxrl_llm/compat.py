@@ -9,8 +9,9 @@ that set one field to different values are alternatives (two run modes, two loss
 not trusted: `probe()` validates every pair (forced CPU devices for the mesh; "processes" pretends to be one of
 2 processes over the same 8 devices), and tests/test_compat.py fails when validation refuses a pair `REFUSED`
 does not list, or `REFUSED` lists a pair that validates. `python -m jaxrl_llm.compat > docs/compat.md` renders
-the page; `--run` also runs every allowed pair for one learner step (`run_pairs`, minutes) and reports the
-failures, which `config.validate` should turn into refusals or the code into runs.
+the page; `--run` also runs every allowed pair (`--among a,b,...`: the pairs of those features) for one learner step
+(`run_pairs`, minutes) and reports the failures, which `config.validate` should turn into refusals or the code into
+runs. A pair whose metrics do not show both features on (`EVIDENCE`) fails as well.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "staged": ("rollout.mode='staged' (stages of 2)", {"rollout.mode": "staged", "rollout.lag": 2}),
     "async": ("rollout.mode='async' (η = 1)", {"rollout.mode": "async", "rollout.lag": 1}),
     "partial": ("async partial rollouts (rollout.partial_chunk)",
-                {"rollout.mode": "async", "rollout.lag": 1, "rollout.partial_chunk": 4}),
+                {"rollout.mode": "async", "rollout.lag": 1, "rollout.partial_chunk": 2,
+                 # 8 new tokens: a speculating chunk (up to γ + 1 = 3 tokens per call) still stops before the end
+                 "sampler.max_new_tokens": 8}),
     "replay": ("experience replay (rollout.replay.capacity)",
                {"rollout.mode": "fixed_lag", "rollout.lag": 1, "rollout.replay.capacity": 8,
                 "rollout.replay.fresh_per_step": 2}),
@@ -93,6 +96,46 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "pats": ("Pats' evidence-card scaffold (rollout.pats.on)", {"rollout.pats.on": True}),
 }
 
+
+
+def _positive(*names: str):
+  return lambda m: any((m.get(n) or 0) > 0 for n in names)
+
+
+def _has(*names: str):
+  return lambda m: any(n in m for n in names)
+
+
+# What shows in a run's metrics that a feature was on: (the metrics, a predicate on one metrics row). `run_pairs`
+# fails a pair when one of its features' predicates holds on none of the run's rows: a feature silently dropped by
+# the other (a driver that takes another path) is a failure, not a pass. Features without an entry change where or how
+# the work runs (mesh, processes, remat), or what the learner optimises, not what a sampler's metrics can show.
+EVIDENCE: dict[str, tuple[str, Any]] = {
+    "async": ("async_lag_hist", _has("async_lag_hist")),
+    "partial": ("gen_partial_polls > 0", _positive("gen_partial_polls")),
+    "replay": ("replay_size > 0", _positive("replay_size")),
+    "harness": ("serve_episodes > serve_failed",
+                lambda m: (m.get("serve_episodes") or 0) > (m.get("serve_failed") or 0)),
+    "moe": ("routes_replayed", _positive("routes_replayed")),
+    "kv_int8": ("gen_kv_bits < 16 (int8 keys and values, scales included)",
+                lambda m: 0 < m.get("gen_kv_bits", 99) < 16),
+    "kv_window": ("kv_window > 0", _positive("kv_window")),
+    "mu_topk": ("mu_topk_mass > 0", _positive("mu_topk_mass")),
+    "mc_samples": ("mu_mc_hit", _has("mu_mc_hit")),
+    "slots": ("slot_steps, async_slot_steps, env_slot_steps or serve_slot_steps > 0",
+              _positive("slot_steps", "async_slot_steps", "env_slot_steps", "serve_slot_steps")),
+    "speculative": ("spec_accept_rate", _has("spec_accept_rate")),
+    "drafter": ("spec_accept_rate and spec_drafter_kl", lambda m: "spec_accept_rate" in m and "spec_drafter_kl" in m),
+    "head_drafter": ("spec_accept_rate and spec_head_vocab_hit",
+                     lambda m: "spec_accept_rate" in m and "spec_head_vocab_hit" in m),
+    "episodes": ("env_turns > 0", _positive("env_turns")),
+    "eviction": ("env_turns > 0 and env_evictions", lambda m: (m.get("env_turns") or 0) > 0 and "env_evictions" in m),
+}
+
+
+def inactive(names, rows: list[dict]) -> list[str]:
+  """The features of `names` with an `EVIDENCE` entry that no metrics row of `rows` shows."""
+  return [n for n in names if n in EVIDENCE and not any(EVIDENCE[n][1](r) for r in rows)]
 
 
 def pair(a: str, b: str) -> frozenset:
@@ -196,21 +239,26 @@ def probe() -> dict[tuple[str, str], str | None]:
 
 
 def run_pairs(workdir: str, only=None) -> dict[tuple[str, str], str | None]:
-  """Runs every pair that validates (or `only`) for one learner step in this process; {pair: None or the error}.
-  Several processes are not run here (tests/test_multiprocess_cli.py)."""
+  """Runs every pair that validates (or `only`) for one learner step in this process; {pair: None or the error}. A
+  run whose metrics do not show one of its features (`EVIDENCE`) fails too. Several processes are not run here
+  (tests/test_multiprocess_cli.py)."""
   import traceback
 
   import jax
 
   from jaxrl_llm import loop
+  from jaxrl_llm.metrics import read_jsonl
   out = {}
-  for p, err in probe().items():
-    if err is not None or "processes" in p or (only is not None and p not in only):
+  checked = probe() if only is None else {p: check(p) for p in pairs() if p in only}
+  for p, err in checked.items():
+    if err is not None or "processes" in p:
       continue
     jax.clear_caches()  # hundreds of runs' compiled programs would exhaust the process's memory maps
     try:
-      loop.run(config_of(merged(p)), os.path.join(workdir, "__".join(p)))
-      out[p] = None
+      wd = os.path.join(workdir, "__".join(p))
+      loop.run(config_of(merged(p)), wd)
+      off = inactive(p, read_jsonl(os.path.join(wd, "metrics.jsonl")))
+      out[p] = None if not off else "not shown in the metrics: " + "; ".join(f"{n} ({EVIDENCE[n][0]})" for n in off)
     except Exception as e:  # noqa: BLE001 -- any failure of a pair is the result
       out[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
       traceback.print_exc()
@@ -236,10 +284,14 @@ def render(result: dict[tuple[str, str], str | None]) -> str:
       lines.append(f"| `{a}` × `{b}` | {why} | `{err.replace('|', '/')}` |")
   else:
     lines.append("None.")
-  lines += ["", "## Features", "", "| feature | what | fields (on configs/tiny.py) |", "|---|---|---|"]
+  lines += ["", "## Features", "",
+            "*Shows as*: the metrics that show the feature was on in a run (`compat.EVIDENCE`; `--run` fails a pair "
+            "whose metrics do not show both features).", "",
+            "| feature | what | fields (on configs/tiny.py) | shows as |", "|---|---|---|---|"]
   for n, (what, fields) in FEATURES.items():
     shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-    lines.append(f"| `{n}` | {what} | {shown.replace('|', '/')} |")
+    ev = f"`{EVIDENCE[n][0]}`" if n in EVIDENCE else ""
+    lines.append(f"| `{n}` | {what} | {shown.replace('|', '/')} | {ev} |")
   lines += ["", f"Every pair starts from `configs/tiny.py` with {', '.join(f'{k}={v!r}' for k, v in BASE.items())}.",
             ""]
   return "\n".join(lines)
@@ -255,13 +307,18 @@ def main(argv: list[str]) -> None:
     out = {"singles": {n: check((n,)) for n in FEATURES}, "pairs": [[a, b, e] for (a, b), e in probe().items()]}
     print(json.dumps(out))
     return
-  if "--run" in argv:
+  if "--run" in argv:  # `--run [--among a,b,c]`: every pair, or the pairs of the named features
     import tempfile
+    among = argv[argv.index("--among") + 1].split(",") if "--among" in argv else None
+    if among is not None and set(among) - FEATURES.keys():
+      raise SystemExit(f"--among: unknown features {sorted(set(among) - FEATURES.keys())}")
+    only = None if among is None else set(itertools.combinations([n for n in FEATURES if n in among], 2))
     with tempfile.TemporaryDirectory() as d:
-      failed = {p: e for p, e in run_pairs(d).items() if e is not None}
+      result = run_pairs(d, only)
+    failed = {p: e for p, e in result.items() if e is not None}
     for p, e in failed.items():
       print(f"{' x '.join(p)}: {e}")
-    print(f"{len(failed)} pairs failed")
+    print(f"{len(result)} pairs ran, {len(failed)} failed")
     return
   sys.stdout.write(render(probe()))
 

@@ -36,7 +36,7 @@ from jaxrl_llm.episode_eval import evaluate_run
 from jaxrl_llm.errors import RunError  # noqa: F401 (re-exported)
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.models import lora
-from jaxrl_llm.record import Rollout
+from jaxrl_llm.record import Rollout, sampler_metrics
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.ewma import ewma_update
 from jaxrl_llm.rollout.param_store import ParamStore
@@ -254,6 +254,7 @@ def _row(r: Run, store: ParamStore, state, t: int, ro: Rollout, m: dict, info: d
       "accuracy": float(np.mean(reward_B >= 1.0)), "completion_len": float(mask_BN.sum(1).mean()),
       "reward_errors": ro.stat("reward_errors"), **info, **m,
       **{k_: v for k_, v in (ro.stats or {}).items() if k_.startswith(STAT_PREFIXES)},
+      **sampler_metrics(ro),  # μ's top-k and Monte-Carlo records, a window cache, MoE routes: when the batch has them
       **store.sync_metrics(),  # weight_sync="sparse": payload ratio and changed fraction of the newest publish
   }
   if ro.stat("request_ids", None) is not None:  # async: which requests the batch holds

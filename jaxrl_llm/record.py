@@ -90,6 +90,27 @@ def rows(r: Rollout, start: int, stop: int) -> Rollout:
   return cut
 
 
+def sampler_metrics(r: Rollout) -> dict:
+  """What the record says about the sampler features that made it, each present only when its field is:
+  `mu_topk_mass` (μ's mass on its recorded top-k, mean over the trained tokens), `mu_mc_hit` (the share of the J-1
+  Monte-Carlo draws equal to the sampled token: an unbiased estimate of the mean μ of the sampled tokens),
+  `kv_window` (the mean sinks + window a token of a window cache could see) and `routes_replayed` (1: the sampler's
+  MoE routes reach the learner, which replays them)."""
+  mask_BN = np.asarray(r.mask_BN, np.float32)
+  mean = lambda x_BN: float((x_BN * mask_BN).sum() / max(mask_BN.sum(), 1.0))
+  out = {}
+  if r.behavior_topk_logp_BNk is not None:
+    out["mu_topk_mass"] = mean(np.exp(np.asarray(r.behavior_topk_logp_BNk, np.float64)).sum(-1))
+  if r.mc_ids_BNJ is not None and np.shape(r.mc_ids_BNJ)[-1] > 1:
+    ids_BNJ = np.asarray(r.mc_ids_BNJ)
+    out["mu_mc_hit"] = mean((ids_BNJ[..., 1:] == ids_BNJ[..., :1]).mean(-1))
+  if r.kv_window_B2 is not None:
+    out["kv_window"] = float(np.asarray(r.kv_window_B2).sum(-1).mean())
+  if r.routes_BTLk is not None:
+    out["routes_replayed"] = 1
+  return out
+
+
 def concat(records: list[Rollout], stats: dict | None = None) -> Rollout:
   """The rows of `records` in order. An optional field is kept only when every record has it."""
   fields = [f.name for f in dataclasses.fields(Rollout) if f.name not in ("extra", "stats", "pack")]

@@ -77,3 +77,28 @@ def test_slots_over_processes_refuse_episodes_and_uneven_shares():
   assert plain is None
   assert episodes.startswith("config.rollout.slots=8:") and "re-prefill" in episodes, episodes
   assert uneven.startswith("config.rollout.prompts_per_step=3:") and "divisible by 2" in uneven, uneven
+
+
+def test_evidence_names_features_and_finds_a_dropped_one():
+  assert compat.EVIDENCE.keys() <= compat.FEATURES.keys()
+  rows = [{"slot_steps": 48.0, "gen_kv_bits": 32.0}, {"slot_steps": 0.0, "spec_accept_rate": 0.5}]
+  assert compat.inactive(("slots", "speculative", "mesh"), rows) == []  # each shown by some row; mesh has no entry
+  # continuous batching that dropped the speculation, or a full cache where int8 was asked for
+  assert compat.inactive(("slots", "speculative"), rows[:1]) == ["speculative"]
+  assert compat.inactive(("kv_int8", "slots"), rows) == ["kv_int8"]
+  assert compat.inactive(("kv_int8",), [{"gen_kv_bits": 10.0}]) == []
+
+
+def test_run_pairs_shows_both_features_of_each_pair(tmp_path):
+  """Two pairs run for one learner step through `compat.run_pairs` (the slot engine with an int8 cache; episodes
+  with μ's top-k records) and their metrics show both features on (`compat.EVIDENCE`)."""
+  code = ("import json, sys\n"
+          "from jaxrl_llm import compat\n"
+          "got = compat.run_pairs(sys.argv[1], {('kv_int8', 'slots'), ('mu_topk', 'episodes')})\n"
+          "print(json.dumps([[a, b, e] for (a, b), e in got.items()]))\n")
+  env = {**with_devices(compat.DEVICES), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = {(a, b): e for a, b, e in json.loads(r.stdout.strip().splitlines()[-1])}
+  assert got == {("kv_int8", "slots"): None, ("mu_topk", "episodes"): None}, got

@@ -5,6 +5,7 @@ equal a full-context forward whose mask is built here with explicit loops over p
 logits must stay within the quantisation error of the full cache's, and differ from them (a real mismatch).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -131,6 +132,27 @@ def test_int8_cache_close_to_full_cache():
   L, S, K, hd = CFG.n_layers, 9, CFG.n_kv_heads, CFG.head_dim
   assert cache_lib.cache_bytes(c_full) == 2 * L * 2 * S * K * hd * 4
   assert cache_lib.cache_bytes(c_q) == 2 * L * 2 * S * K * hd * 1 + 2 * L * 2 * S * K * 4
+  # bits per cached element: one int8 per element plus each (token, head)'s fp32 scale shared by hd of them
+  assert cache_lib.kv_bits(c_full) == 32.0 and cache_lib.kv_bits(c_q) == 8.0 + 32.0 / hd == 12.0
+
+
+@pytest.mark.parametrize("kv_cache, bits", [("full", 32.0), ("int8", 12.0), ("window", 32.0)])
+def test_every_decode_path_reports_the_cache_it_decoded_from(kv_cache, bits):
+  """`gen_kv_bits` of the static sampler, speculative decoding, the slot engine and partial rollouts: the format
+  each one built."""
+  from jaxrl_llm import sampling
+  from jaxrl_llm.sampling import continuous
+  from jaxrl_llm.sampling.partial import generate_partial
+  sc = SamplerConfig(max_new_tokens=N, kv_cache=kv_cache, kv_sinks=SINKS, kv_window=WINDOW)
+  key = jax.random.key(2)
+  spec = dataclasses.replace(sc, spec_gamma=2, spec_draft_layers=1)
+  outs = {"static": generate(PARAMS, PROMPTS, PROMPT_LEN, key, CFG, sc),
+          "speculative": sampling.generate(PARAMS, PROMPTS, PROMPT_LEN, key, CFG, spec),
+          "slots": continuous.generate_slots(PARAMS, PROMPTS, PROMPT_LEN, jax.random.split(key, B), CFG, sc,
+                                             slots=2, chunk=2),
+          "partial": generate_partial(0, PARAMS, lambda v: None, PROMPTS, PROMPT_LEN, key, CFG, sc, chunk_steps=3)}
+  assert {k: float(o["gen_kv_bits"]) for k, o in outs.items()} == dict.fromkeys(outs, bits)
+  assert outs["partial"]["gen_partial_polls"] == 2  # boundaries after columns 3 and 6 of 7
 
 
 def test_int8_sampler_behaviour_close_to_learner():

@@ -172,3 +172,25 @@ def test_record_options_are_validated():
   out = generate_partial(0, PARAMS, lambda v: None, PROMPTS, PROMPT_LEN, jax.random.key(0), CFG,
                          SamplerConfig(max_new_tokens=2, mc_samples=2), chunk_steps=1)  # partial records too
   assert out["mc_ids_BNJ"].shape[-1] == 2
+
+
+def test_sampler_metrics_of_a_record_golden():
+  """`record.sampler_metrics`: μ's top-k mass and the Monte-Carlo hit rate over the trained tokens only, the window
+  a token could see, routes replayed; nothing for a field the record does not carry."""
+  from jaxrl_llm.record import Rollout, sampler_metrics
+  mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+  zeros = np.zeros((2, 3), np.float32)
+  base = dict(sequence_BT=np.zeros((2, 5), np.int32), positions_BT=np.zeros((2, 5), np.int32),
+              segment_ids_BT=np.ones((2, 5), np.int32), mask_BN=mask, behavior_logp_BN=zeros,
+              versions_BN=np.zeros((2, 3), np.int32))
+  assert sampler_metrics(Rollout(**base)) == {}
+  topk = np.log(np.array([[[0.5, 0.2], [0.3, 0.3], [0.9, 0.1]], [[0.25, 0.25], [1.0, 1e-9], [1.0, 1e-9]]]))
+  mc = np.array([[[7, 7, 1], [4, 2, 3], [5, 5, 5]], [[9, 9, 9], [1, 1, 1], [0, 0, 0]]], np.int32)
+  got = sampler_metrics(Rollout(**base, behavior_topk_logp_BNk=topk, mc_ids_BNJ=mc,
+                                kv_window_B2=np.array([[2, 3], [2, 3]], np.int32),
+                                routes_BTLk=np.zeros((2, 5, 1, 1), np.int32)))
+  # trained tokens: (0,0) mass 0.7, hit 1/2; (0,1) 0.6, 0; (1,0) 0.5, 1
+  assert got.keys() == {"mu_topk_mass", "mu_mc_hit", "kv_window", "routes_replayed"}
+  np.testing.assert_allclose(got["mu_topk_mass"], (0.7 + 0.6 + 0.5) / 3, rtol=1e-12)
+  np.testing.assert_allclose(got["mu_mc_hit"], (0.5 + 0 + 1) / 3, rtol=1e-12)
+  assert got["kv_window"] == 5.0 and got["routes_replayed"] == 1

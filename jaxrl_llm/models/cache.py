@@ -109,6 +109,12 @@ def cache_bytes(cache: dict, names=("k", "v", "k_scale", "v_scale")) -> int:
   return sum(math.prod(cache[n].shape) * jnp.dtype(cache[n].dtype).itemsize for n in names if n in cache)
 
 
+def kv_bits(cache: dict) -> float:
+  """Bits per cached key/value element, int8 scales included (32 fp32, 16 bf16, 8 + 64 / head_dim int8), read off
+  the arrays of `cache`: the `gen_kv_bits` metric each decode path reports of the cache it decoded from."""
+  return 8.0 * cache_bytes(cache) / sum(math.prod(cache[n].shape) for n in ("k", "v"))
+
+
 def ring_layout(P: int, N: int, kv_window: tuple[int, int] | None) -> tuple[int, int, int] | None:
   """(start P, sinks, window) of the ring buffer a sinks + window cache decodes N tokens after P prompt slots
   with, or None: no window, or sinks + window >= N (the full cache is no larger)."""

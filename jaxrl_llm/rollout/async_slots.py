@@ -144,6 +144,7 @@ class SlotWorker:
     out = continuous.assemble_requests([g.rows[r] for r in range(self.G)], p.tokens_BP, p.len_B,
                                        self.gen.sampler_cfg)
     out.update(self.slots.spec_stats())  # speculation: the engine's rates so far (its calls serve many groups)
+    out["gen_kv_bits"] = self.slots.kv_bits
     group = self.gen.finish(out, p.examples, out["versions_BN"])
     if g.pats is not None:
       carded_G, stats = g.pats

@@ -585,6 +585,8 @@ class _Batch:
       stats.update(env_slot_steps=turns.slot_steps, env_live_steps=turns.live_steps, env_slot_resumes=turns.resumed)
     if getattr(turns, "spec", None):  # speculative decoding: the turns' mean acceptance and tokens per call
       stats.update({k: float(np.mean([d[k] for d in turns.spec])) for k in turns.spec[0]})
+    if getattr(turns, "kv_bits", None) is not None:  # the cache format the turns decoded from
+      stats["gen_kv_bits"] = turns.kv_bits
     if keep_turns:
       for rec in self.turn_outputs:  # `_play_refill`'s: a row not in turn t had ended, so its count is final
         if "_start" in rec:

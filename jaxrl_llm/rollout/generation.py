@@ -27,8 +27,10 @@ from jaxrl_llm.tasks.encoder import CHAR_ENCODER, Encoder
 from jaxrl_llm.tasks.reward import RewardPolicy
 
 SPEC_STATS = ("spec_accept_rate", "spec_tokens_per_call")  # speculative decoding's metrics (`sampling.speculative`)
-# a sampler call's settings chosen per call: the γ of a `speculative.GammaTuner`, a `TokenBudget`'s cap
-CALL_STATS = ("spec_gamma", "gen_max_new_tokens")
+# a sampler call's settings chosen per call: the γ of a `speculative.GammaTuner`, a `TokenBudget`'s cap; the cache
+# format it decoded from (`cache.kv_bits`, read off the cache's arrays: what shows a compressed cache is on); and a
+# partial rollout's chunk boundaries at which it asked for newer parameters (`partial.generate_partial`)
+CALL_STATS = ("spec_gamma", "gen_max_new_tokens", "gen_kv_bits", "gen_partial_polls")
 RATE_STATS = SPEC_STATS + CALL_STATS  # per-call values: several calls report their mean (counts are summed)
 # continuous batching's counters of a sampler call (`sampling.continuous`): slot-steps run, and those that decoded
 # an unfinished request (1 - live / run: the share spent on free or finished slots)
@@ -38,7 +40,8 @@ SAMPLER_STATS = RATE_STATS + tuple(SLOT_STATS.values())  # what a sampler call r
 
 def join_shares(shares: list[dict]) -> dict:
   """Sampler outputs of consecutive row shares (one per process) as one: arrays concatenated along their rows,
-  counters (slot-steps, speculative calls) summed, speculative rates averaged weighted by each share's calls."""
+  counters (slot-steps, speculative calls) summed, speculative rates averaged weighted by each share's calls, per-call
+  settings (`CALL_STATS`) averaged."""
   calls = [float(s.get("spec_calls", 0)) for s in shares]
   out = {}
   for k, v in shares[0].items():
@@ -47,6 +50,8 @@ def join_shares(shares: list[dict]) -> dict:
       out[k] = np.concatenate(vals)
     elif k in SPEC_STATS:
       out[k] = float(np.average(vals, weights=calls)) if sum(calls) else float(np.mean(vals))
+    elif k in CALL_STATS:
+      out[k] = float(np.mean(vals))
     else:
       out[k] = sum(vals)
   return out

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import multiprocess
-from jaxrl_llm.models.cache import take_rows
+from jaxrl_llm.models.cache import kv_bits, take_rows
 from jaxrl_llm.rollout.generation import SPEC_STATS, slot_layout
 from jaxrl_llm.sampling import behavior, continuous, prompt_layout, speculative
 from jaxrl_llm.sampling.continuation import decode_turn, extend
@@ -89,6 +89,7 @@ class Reprefill:
     self.gen, self.width, self.mesh = gen, width, mesh
     self.prefills = 0  # one per turn
     self.spec: list[dict] = []  # speculative decoding's metrics of each turn (`sampler.spec_gamma`)
+    self.kv_bits: float | None = None  # of the last turn's cache (`cache.kv_bits`)
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     del version, rows_b
@@ -98,6 +99,7 @@ class Reprefill:
                                            cfg, self.mesh)
     if SPEC_STATS[0] in got:
       self.spec.append({k: float(got[k]) for k in SPEC_STATS})
+    self.kv_bits = float(got["gen_kv_bits"])
     if got.get("routes_BTLk") is not None:  # MoE: the positions each row fed, at their routes
       got = {**got, "routes_BXLk": routes_by_position(got["routes_BTLk"], got["positions_BT"], got["segment_ids_BT"],
                                                       got["routes_BTLk"].shape[1])}
@@ -122,6 +124,11 @@ class CachedTurns:
     self.cached_len: dict[int, int] = {}
     self.version: int | None = None
     self.prefills = 0  # re-prefills so far (first turn included): tests and metrics
+
+  @property
+  def kv_bits(self) -> float | None:
+    """Bits per cached key/value element of the kept cache (`cache.kv_bits`; None before the first turn)."""
+    return None if self.cache is None else kv_bits(self.cache)
 
   def turn(self, params, version: int, rows_b: Sequence[int], contexts: Sequence[Sequence[int]], key, cfg) -> dict:
     cfg_decode = dataclasses.replace(cfg, group_size=1)  # the decode loop reads one cache per row
@@ -221,6 +228,11 @@ class SlotTurns:
                       doc="Admission batches that prefilled whole contexts (`prefill_slots` calls).")
   resumed = property(lambda self: self._count("resumed"),
                      doc="Turns that continued keys/values resident in a slot (`resident`).")
+
+  @property
+  def kv_bits(self) -> float | None:
+    """Bits per cached key/value element of the engine's slots (`cache.kv_bits`; None before the first turn)."""
+    return None if self.engine is None else self.engine.kv_bits
 
   @property
   def spec(self) -> list[dict]:

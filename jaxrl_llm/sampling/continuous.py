@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models.cache import init_cache, take_rows
+from jaxrl_llm.models.cache import init_cache, kv_bits, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, stack_cache
 from jaxrl_llm.sampling import behavior, head_drafter, speculative
@@ -582,6 +582,11 @@ class SlotEngine:
   def idle(self) -> bool:
     return not self.queue and not self.held
 
+  @property
+  def kv_bits(self) -> float | None:
+    """Bits per cached key/value element of the slots' cache (`cache.kv_bits`; None before the first admission)."""
+    return None if self.state is None else kv_bits(self.state["cache"])
+
   def spec_stats(self) -> dict:
     """`generate`'s speculative metrics over every call so far ({} without speculation)."""
     if not self.gamma:
@@ -787,7 +792,7 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
     if newer is not None:
       version, params = newer
   return {**_assemble(out, prompt_RP, len_R, sampler_cfg, engine.slot_steps, engine.live_steps),
-          **engine.spec_stats()}
+          **engine.spec_stats(), "gen_kv_bits": engine.kv_bits}
 
 
 def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: SamplerConfig) -> dict:

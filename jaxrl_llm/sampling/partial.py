@@ -35,7 +35,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache, ring_layout
+from jaxrl_llm.models.cache import init_cache, kv_bits, ring_layout
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import hidden_with_cache
 from jaxrl_llm.sampling import behavior, speculative
@@ -149,6 +149,7 @@ def finalize(carry: dict) -> dict:
       "positions_BT": jnp.concatenate([carry["positions_BP"], positions_BN], axis=1),
       "segment_ids_BT": jnp.concatenate([carry["segment_ids_BP"], mask_BN.astype(jnp.int32)], axis=1),
       "completion_mask_BT": jnp.concatenate([jnp.zeros((mask_BN.shape[0], P), jnp.float32), mask_BN], axis=1),
+      "gen_kv_bits": jnp.float32(kv_bits(carry["cache"])),
   }
 
 
@@ -172,7 +173,8 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
   Returns the `generate` dict plus `versions_BN`: the version that sampled each column (MoE:
   `routes_BTLk` as the final KV cache holds them, see the module docstring), μ's records when the sampler config
   asks for them, and `kv_window_B2` with a window cache. A compressed cache (int8, window) is kept across a switch
-  (a window of sinks + window < N as `generate`'s ring buffer, when the chunks do not speculate).
+  (a window of sinks + window < N as `generate`'s ring buffer, when the chunks do not speculate). Also
+  `gen_partial_polls`: the chunk boundaries at which it asked `poll` for newer parameters.
   """
   if chunk_steps < 1:
     raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
@@ -190,7 +192,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       carry = prefill(params, prompt_tokens_BP, prompt_len_B, key, version, model_cfg, sampler_cfg)
     else:
       carry = spec.start(params, prompt_tokens_BP, prompt_len_B, key, version)
-    stop = min(chunk_steps, N)
+    stop, polls = min(chunk_steps, N), 0
     while True:
       if spec is None:
         carry = decode_until(params, carry, key, stop, version, model_cfg, sampler_cfg)
@@ -198,7 +200,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
         carry = spec.decode(params, carry, key, stop, version)
       if int(carry["step"]) >= N or bool(jnp.all(carry["done_B"])):
         break
-      newer = poll(version)
+      newer, polls = poll(version), polls + 1
       if newer is not None:
         if on_version_end is not None:
           on_version_end(version, outputs(carry))
@@ -213,7 +215,7 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
     poll(None)
   if sampler_cfg.kv_window_arg is not None:  # what each token could see, as `generate` records it (SMD)
     out["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (out["mask_BN"].shape[0], 2))
-  return out
+  return {**out, "gen_partial_polls": polls}
 
 
 class _Speculating:

@@ -315,6 +315,7 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   return {
       **routes,
       **records,
+      "gen_kv_bits": jnp.float32(cache_lib.kv_bits(carry["cache"])),
       "tokens_BN": carry["tokens_BN"],
       "mask_BN": mask_BN,
       "behavior_logp_BN": carry["logp_BN"],

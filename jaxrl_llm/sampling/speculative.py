@@ -53,7 +53,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache, take_rows
+from jaxrl_llm.models.cache import init_cache, kv_bits, take_rows
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
                                           stack_cache)
@@ -492,6 +492,7 @@ def _finish(carry: dict, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> 
       "positions_BT": jnp.concatenate([positions_BP, positions_BN], axis=1),
       "segment_ids_BT": jnp.concatenate([segment_ids_BP, mask_BN.astype(jnp.int32)], axis=1),
       "completion_mask_BT": jnp.concatenate([jnp.zeros((B, P), jnp.float32), mask_BN], axis=1),
+      "gen_kv_bits": jnp.float32(kv_bits(carry["cache"])),
       **_spec_stats(carry),
   }
 

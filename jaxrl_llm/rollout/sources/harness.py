@@ -22,7 +22,9 @@ Metrics (each batch): `serve_episodes`, `serve_failed` (of which `serve_errors`,
 `serve_too_long`, `serve_killed`, `serve_invalid`), `serve_split` (episodes whose calls did not extend each other,
 packed one segment per call), `serve_batch_mean` / `serve_batch_max` (requests per sampler call since the previous
 batch), `serve_calls` (calls served since then), `serve_slot_resumes` (of those, the ones that continued a parked
-slot's keys/values, with `rollout.slots`), plus async's `async_*` counters.
+slot's keys/values, with `rollout.slots`), `serve_slot_steps` (the slot engine's slot-steps since then),
+speculative decoding's `spec_accept_rate` / `spec_tokens_per_call` over those calls (the slot engine's: over the
+run), `gen_kv_bits` (the sampler's cache format), plus async's `async_*` counters.
 
 An episode with a chat call whose messages do not form a valid conversation (a tool message answering no tool
 call, tool calls left unanswered: `serve.chat.conversation_error`; that call gets a 400) is dropped, counted
@@ -249,7 +251,8 @@ class Harness:
     self.engine: ae.AsyncRollout | None = None
     self.next_request_id = jax.process_index()  # several processes: ids p, p + n, ...
     self._sizes_seen = 0  # batcher calls already reported
-    self._resumes_seen = 0  # calls that continued a parked slot, already reported
+    self._resumes_seen = self._slot_steps_seen = 0  # calls that continued a parked slot, slot-steps: reported
+    self._spec_seen = 0  # speculating calls already reported (static batches)
 
   def _start(self) -> None:
     from jaxrl_llm.serve.service import Service  # noqa: PLC0415  (the `serve` extra)
@@ -273,13 +276,22 @@ class Harness:
     groups, st = self.engine.next_batch(version, timeout=max(600.0, 4 * self.s.timeout_s))
     sizes = self.service.batcher.sizes[self._sizes_seen:]
     self._sizes_seen += len(sizes)
-    resumed = getattr(self.sample_fn.turns, "resumed", 0)  # a counter the batcher's thread advances
+    turns = self.sample_fn.turns
+    resumed = getattr(turns, "resumed", 0)  # a counter the batcher's thread advances
     resumes, self._resumes_seen = resumed - self._resumes_seen, resumed
+    slot_steps = getattr(turns, "slot_steps", 0)
+    slot_steps, self._slot_steps_seen = slot_steps - self._slot_steps_seen, slot_steps
+    calls = list(turns.spec)  # speculation: Reprefill's calls so far (the batcher's thread appends), or the engine's
+    spec = calls[self._spec_seen:] if isinstance(turns, turn_sampler.Reprefill) else calls
+    self._spec_seen = len(calls)
+    gen_stats = {**({k: float(np.mean([d[k] for d in spec])) for k in spec[0]} if spec else {}),
+                 **({} if turns.kv_bits is None else {"gen_kv_bits": turns.kv_bits})}
     counts = {k: sum(int(g.stat(k)) for g in groups) for k in
               ("serve_episodes", "serve_failed", "serve_split", *(f"serve_{k}" for k in FAIL_KINDS))}
     ro = collate(groups, version).with_stats(
         **counts, serve_batch_mean=float(np.mean(sizes)) if sizes else 0.0,
         serve_batch_max=int(max(sizes, default=0)), serve_calls=int(sum(sizes)), serve_slot_resumes=resumes,
+        serve_slot_steps=slot_steps, **gen_stats,
         time_learner_idle_s=st["time_learner_idle_s"], async_dropped_stale=st["dropped_stale"],
         async_buffered=st["buffered"], async_running=st["running"],
         async_lag_hist=np.bincount([lag(g, version) for g in groups], minlength=self.ctx.settings.lag + 1).tolist(),
