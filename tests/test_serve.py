@@ -388,6 +388,52 @@ def test_episode_row_extended_and_split():
     episode_row([c1, c3], P=4, N=4, pad_id=0)
 
 
+def test_episode_row_places_records_and_routes():
+  """μ's records land on each call's completion columns (pad / 0 elsewhere); routes by position, the later call's
+  where two calls fed a token, experts 0..k-1 where none did. Golden arrays written by hand."""
+  rec = lambda ids, lp: {"behavior_topk_ids_BNk": np.asarray(ids, np.int32)[:, None],
+                         "behavior_topk_logp_BNk": np.asarray(lp, np.float32)[:, None]}
+  route = lambda vals: np.asarray(vals, np.int32).reshape(-1, 1, 1)  # L = k = 1
+  c1 = Call([1, 2, 3], [10, 11], [-1.0, -2.0], version=4, records=rec([10, 5], [-1.0, -0.5]),
+            routes=route([1, 1, 1, 1, 1]))
+  c2 = Call([1, 2, 3, 10, 11, 7], [12], [-3.0], version=5, records=rec([12], [-0.1]),
+            routes=route([2, 2, 2, 2, 2, 2, 2]))
+  row = episode_row([c1, c2], P=4, N=6, pad_id=0)
+  np.testing.assert_array_equal(row["behavior_topk_ids_BNk"][:, 0], [10, 5, 0, 12, 0, 0])
+  np.testing.assert_array_equal(row["behavior_topk_logp_BNk"][:, 0], np.float32([-1.0, -0.5, 0, -0.1, 0, 0]))
+  # columns: pad, the prompt 1 2 3, then 10 11 7 12 (fed by c2, the later call), then 2 unfed columns
+  np.testing.assert_array_equal(row["routes_TLk"][:, 0, 0], [0, 2, 2, 2, 2, 2, 2, 2, 0, 0])
+  # split: each segment keeps its own call's routes
+  c3 = Call([1, 9], [12], [-3.0], version=5, records=rec([12], [-0.2]), routes=route([3, 3, 3]))
+  row = episode_row([c1, c3], P=4, N=6, pad_id=0)
+  np.testing.assert_array_equal(row["routes_TLk"][:, 0, 0], [0, 1, 1, 1, 1, 1, 3, 3, 3, 0])
+  np.testing.assert_array_equal(row["behavior_topk_ids_BNk"][:, 0], [10, 5, 0, 0, 12, 0])
+  # a call without routes (or records): the row has none
+  assert "routes_TLk" not in episode_row([c1, Call([1, 9], [12], [-3.0], version=5)], P=4, N=6, pad_id=0)
+
+
+def test_harness_group_carries_every_field_on_failed_rows_too():
+  """`group_from_episodes` with `row_extras`: a failed episode's row holds the fills, so the group carries routes,
+  μ's records and the window of every row and joining groups drops none of them."""
+  import types as t
+  gen = t.SimpleNamespace(sampler_cfg=SamplerConfig(max_new_tokens=4, behavior_topk=1, mc_samples=2, pad_id=0),
+                          keep_routes=True, model_cfg=t.SimpleNamespace(n_layers=1, experts_per_token=1))
+  extras = harness_source.row_extras(gen, 4, 6)
+  assert set(extras) == {"behavior_topk_ids_BNk", "behavior_topk_logp_BNk", "mc_ids_BNJ", "mc_behavior_logp_BNJ",
+                         "routes_TLk"}
+  mc = {"mc_ids_BNJ": np.asarray([[10, 3], [11, 11]], np.int32), "mc_behavior_logp_BNJ": np.zeros((2, 2), np.float32)}
+  c1 = Call([1, 2, 3], [10, 11], [-1.0, -2.0], version=4,
+            records={"behavior_topk_ids_BNk": np.asarray([[10], [5]], np.int32),
+                     "behavior_topk_logp_BNk": np.zeros((2, 1), np.float32), **mc},
+            routes=np.ones((5, 1, 1), np.int32))
+  ok = t.SimpleNamespace(calls=[c1], reward=1.0, invalid=None, id="a", events=[])
+  g = harness_source.group_from_episodes([ok, None], [None, "errors"], 4, 6, 0, 4, extras, (1, 2))
+  np.testing.assert_array_equal(g.routes_BTLk[:, :, 0, 0], [[0, 1, 1, 1, 1, 1, 0, 0, 0, 0], [0] * 10])
+  np.testing.assert_array_equal(g.mc_ids_BNJ[:, :2], [[[10, 3], [11, 11]], [[0, 0], [0, 0]]])
+  np.testing.assert_array_equal(g.kv_window_B2, [[1, 2], [1, 2]])
+  assert g.behavior_topk_ids_BNk.shape == (2, 6, 1) and list(g.mask_BN[1]) == [0] * 6
+
+
 # ---- the tiny model: 8 concurrent episodes, and the run ----
 
 def short_harness(base_url: str, episode_id: str, seed: int) -> None:
@@ -579,7 +625,7 @@ def test_an_episode_past_its_deadline_is_closed_and_its_late_calls_get_408(chat_
       release.wait(HANG)
 
   try:
-    gen = types.SimpleNamespace(seed=0, encoder=Encoder(chat_tok, "auto"))
+    gen = types.SimpleNamespace(seed=0, encoder=Encoder(chat_tok, "auto"), sampler_cfg=SamplerConfig(max_new_tokens=8))
     s = ServeSettings(harness="x:y", timeout_s=1.0, max_context=64, prompt_width=32)
     rollout = harness_source.make_harness_rollout(gen, svc, harness, s, group_size=2)
     group = rollout(types.SimpleNamespace(version=0), 0)

@@ -28,7 +28,9 @@ from jaxrl_llm.keys import fold_in
 TOPK = 20  # OpenAI's largest `top_logprobs`: a batch that asks for any records μ's top 20
 
 # sample_fn(params, version, contexts, key, top_logprobs) -> {tokens_BN, lengths_B, behavior_logp_BN[,
-# behavior_topk_ids_BNk, behavior_topk_logp_BNk]} as host numpy, one row per context.
+# behavior_topk_ids_BNk, behavior_topk_logp_BNk][, records][, routes_BXLk]} as host numpy, one row per context:
+# `records` what the learner reads of μ per token ({record name: [B, N, ...]}, `sampling.behavior`), `routes_BXLk`
+# an MoE sampler's expert ids by context position (the prompt's, then the completion's).
 SampleFn = Callable[..., dict]
 
 
@@ -40,6 +42,8 @@ class Completion:
   finish_reason: str
   version: int
   top: list[list[tuple[int, float]]] | None = None  # per token: μ's most likely (id, log-prob), best first
+  records: dict | None = None  # per token: μ's records the learner reads ({name: [len(ids), ...]})
+  routes: np.ndarray | None = None  # MoE: [len(prompt) + len(ids), L, k] expert ids by position (routing replay)
 
 
 @dataclasses.dataclass
@@ -186,4 +190,6 @@ def _completion(out: dict, i: int, r: _Request, version: int, stop_ids: frozense
   if r.top_logprobs and "behavior_topk_ids_BNk" in out:
     ids_k, lp_k = out["behavior_topk_ids_BNk"][i], out["behavior_topk_logp_BNk"][i]
     top = [[(int(ids_k[t, j]), float(lp_k[t, j])) for j in range(r.top_logprobs)] for t in range(k)]
-  return Completion(ids, logp, "stop" if ids and ids[-1] in stop_ids else "length", version, top)
+  records = {name: np.array(a[i, :k]) for name, a in out["records"].items()} if out.get("records") else None
+  routes = np.array(out["routes_BXLk"][i, :len(r.prompt_ids) + k]) if "routes_BXLk" in out else None
+  return Completion(ids, logp, "stop" if ids and ids[-1] in stop_ids else "length", version, top, records, routes)

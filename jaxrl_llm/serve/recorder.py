@@ -36,6 +36,8 @@ class Call:
   logprobs: list[float]
   version: int
   turn: Turn | None = None  # chat calls: what a later call may extend
+  records: dict | None = None  # μ's records of each completion token ({name: [len(completion_ids), ...]})
+  routes: np.ndarray | None = None  # MoE: [len(prompt_ids) + len(completion_ids), L, k] expert ids by position
 
 
 @dataclasses.dataclass
@@ -163,22 +165,38 @@ def _segments(calls: Sequence[Call]) -> list[list[Call]]:
 
 def episode_row(calls: Sequence[Call], P: int, N: int, pad_id: int) -> dict:
   """The episode as one row (module docstring): numpy arrays `sequence_T`, `positions_T`, `segment_ids_T` [P + N]
-  and `mask_N`, `behavior_logp_N`, `versions_N`, `env_mask_N` [N], plus `split` (bool: packed per call).
+  and `mask_N`, `behavior_logp_N`, `versions_N`, `env_mask_N` [N], plus `split` (bool: packed per call). When every
+  call carries them: μ's records by name ([N, ...], on the completion tokens; `Call.records`) and `routes_TLk` (the
+  expert ids each token was fed with; a token several calls fed keeps the last call's, as episodes' turns do;
+  columns no call fed hold experts 0..k-1, as the sampler's unfed last column does).
 
   Raises TooLong when the tokens do not fit, ValueError for an episode without calls."""
   if not calls:
     raise ValueError("an episode without calls has no row")
   ids, pos, seg, pol, logp, ver = [], [], [], [], [], []
+  names = sorted(set.intersection(*(set(c.records or {}) for c in calls)))
+  recs: dict[str, list] = {n: [] for n in names}  # per token of `ids` (None: not a completion token)
+  routes = [] if all(c.routes is not None for c in calls) else None
   segments = _segments(calls)
   for s, group in enumerate(segments, start=1):
     last = group[-1]
     toks = last.prompt_ids + last.completion_ids
     pol_t, logp_t = np.zeros(len(toks), bool), np.zeros(len(toks), np.float32)
     ver_t = np.full(len(toks), group[0].version, np.int32)
+    rec_t = {n: [None] * len(toks) for n in names}
+    routes_t = [None] * len(toks)
     for c in group:  # the completion of every call sits right after its own prompt in the last call's ids
       a, b = len(c.prompt_ids), len(c.prompt_ids) + len(c.completion_ids)
       pol_t[a:b], logp_t[a:b] = True, c.logprobs
       ver_t[a:] = c.version  # its tokens and the harness tokens answering it
+      for n in names:
+        rec_t[n][a:b] = list(c.records[n])
+      if routes is not None:
+        routes_t[:b] = list(c.routes[:b])
+    for n in names:
+      recs[n] += rec_t[n]
+    if routes is not None:
+      routes += routes_t
     ids += toks
     pos += list(range(len(toks)))
     seg += [s] * len(toks)
@@ -203,4 +221,17 @@ def episode_row(calls: Sequence[Call], P: int, N: int, pad_id: int) -> dict:
   out["behavior_logp_N"][r] = np.asarray(logp[k:], np.float32)
   out["versions_N"][r] = ver[k:]
   out["env_mask_N"][r] = 1.0 - np.asarray(pol[k:], np.float32)
+  for n, per_token in recs.items():
+    like = np.asarray(calls[0].records[n])  # [tokens, ...]: the trailing shape and dtype
+    a = np.full((N,) + like.shape[1:], pad_id if "ids" in n else 0, like.dtype)
+    for j, x in enumerate(per_token[k:]):
+      if x is not None:
+        a[r[j]] = x
+    out[n] = a
+  if routes is not None:
+    shape = calls[0].routes.shape[1:]  # [L, k]
+    out["routes_TLk"] = np.broadcast_to(np.arange(shape[1], dtype=np.int32), (T,) + shape).copy()
+    for j, x in enumerate(routes):
+      if x is not None:
+        out["routes_TLk"][cols[j]] = x
   return out

@@ -60,6 +60,7 @@ from jaxrl_llm.rollout.buffer import collate, group_record, lag
 from jaxrl_llm.rollout.settings import RolloutSettings
 from jaxrl_llm.rollout.sources.asynchronous import merge_processes
 from jaxrl_llm.rollout.sources.base import register
+from jaxrl_llm.sampling import behavior
 from jaxrl_llm.tasks.reward import interrupt_thread
 
 FAIL_KINDS = ("errors", "timeouts", "no_reward", "too_long", "killed", "invalid")
@@ -83,7 +84,9 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
   not padded there."""
   turns = (turn_sampler.SlotTurns(gen, width, gen.slots, gen.slot_chunk, resident=True, keyed=False)
            if getattr(gen, "slots", 0) else turn_sampler.Reprefill(gen, width))
-  base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1, behavior_topk=0, mc_samples=0)
+  base = dataclasses.replace(gen.sampler_cfg, max_new_tokens=max_tokens, group_size=1)
+  train_k = base.behavior_topk  # μ's top-k the learner reads (`sampler.behavior_topk`)
+  keep_routes = getattr(gen, "keep_routes", False)
 
   def sample(params, version: int, contexts, key, top_logprobs: int = 0) -> dict:
     n = len(contexts)
@@ -92,10 +95,16 @@ def make_sample_fn(gen, width: int, max_tokens: int, max_batch: int, topk: int =
     rows = list(contexts) + [contexts[0]] * (0 if isinstance(turns, turn_sampler.SlotTurns) else
                                              _bucket(n, max(max_batch, n)) - n)
     # a call asking for top log-probs records μ's top-k (speculating or not: the verify step records it too)
-    cfg = dataclasses.replace(base, behavior_topk=topk) if top_logprobs else base
+    cfg = dataclasses.replace(base, behavior_topk=max(topk, train_k)) if top_logprobs else base
     out = turns.turn(params, version, list(range(len(rows))), rows, key, cfg)
-    return {k: np.asarray(v)[:n] for k, v in out.items() if k in (
+    got = {k: np.asarray(v)[:n] for k, v in out.items() if k in (
         "tokens_BN", "lengths_B", "behavior_logp_BN", "behavior_topk_ids_BNk", "behavior_topk_logp_BNk")}
+    # what the learner reads of each call: μ's records (top-k: the best train_k) and, MoE, the routes by position
+    got["records"] = {k: np.asarray(out[k])[:n, :, :train_k] if "topk" in k else np.asarray(out[k])[:n]
+                      for k in (behavior.TOPK_FIELDS if train_k else ()) + behavior.MC_FIELDS if k in out}
+    if keep_routes and "routes_BXLk" in out:
+      got["routes_BXLk"] = np.asarray(out["routes_BXLk"])[:n]
+    return got
 
   sample.turns = turns  # its counters (prefills, with slots resumed)
   return sample
@@ -158,10 +167,28 @@ def play(harness, base_url: str, episode_ids: list[str], seed: int, timeout_s: f
   return out
 
 
-def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int, version: int) -> Rollout:
+def row_extras(gen, P: int, N: int) -> dict:
+  """What every harness row carries beyond its tokens, as `episode_row` names it: {name: (shape, dtype, fill)} of
+  μ's records the learner reads (the record's names, `sampler.behavior_topk` / `sampler.mc_samples`) and, for an MoE
+  sampler whose routes are replayed, `routes_TLk` (fill: experts 0..k-1, as an unfed column). A row without one (a
+  failed episode) holds the fill, so every group carries the same fields and none is dropped when groups are joined
+  (`record.concat`)."""
+  sc, out = gen.sampler_cfg, {}
+  for (ids, logp), count in ((behavior.TOPK_FIELDS, sc.behavior_topk), (behavior.MC_FIELDS, sc.mc_samples)):
+    if count:
+      out[ids], out[logp] = ((N, count), np.int32, sc.pad_id), ((N, count), np.float32, 0)
+  if getattr(gen, "keep_routes", False):
+    L, k = gen.model_cfg.n_layers, gen.model_cfg.experts_per_token
+    out["routes_TLk"] = ((P + N, L, k), np.int32, np.arange(k, dtype=np.int32))
+  return out
+
+
+def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_id: int, version: int,
+                        extras: dict | None = None, kv_window: tuple[int, int] | None = None) -> Rollout:
   """The G episodes of a request as one group of rows; failed ones (by `status`, a missing reward, or too long
   for the row) keep no tokens, take the mean reward of the others and the admitted `version` (held by the store
-  while the group may be consumed). `status` is updated in place."""
+  while the group may be consumed). `status` is updated in place. `extras` (`row_extras`): the fields every row
+  carries beyond its tokens; `kv_window`: the sampler's (sinks, window) of a window cache, recorded per row."""
   from jaxrl_llm.serve.recorder import TooLong, episode_row  # noqa: PLC0415  (keeps `sources` free of the extra)
   rows = []
   for i, ep in enumerate(episodes):
@@ -184,6 +211,12 @@ def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_
            "env_mask_N": np.zeros(N, np.float32), "split": False}
   full = [r if r is not None else empty for r in rows]
   stack = lambda k: np.stack([r[k] for r in full])
+  fields = {}
+  for name, (shape, dtype, default) in (extras or {}).items():  # a row without one (failed) holds the default
+    fields["routes_BTLk" if name == "routes_TLk" else name] = np.stack(
+        [np.asarray(r[name], dtype) if name in r else np.broadcast_to(np.asarray(default, dtype), shape) for r in full])
+  if kv_window is not None:
+    fields["kv_window_B2"] = np.broadcast_to(np.asarray(kv_window, np.int32), (len(full), 2)).copy()
   G = len(episodes)
   stats = {"serve_episodes": G, "serve_failed": sum(s is not None for s in status),
            "serve_split": sum(bool(r["split"]) for r in rows if r is not None),
@@ -196,7 +229,7 @@ def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_
                  behavior_logp_BN=stack("behavior_logp_N"), versions_BN=stack("versions_N"),
                  reward_B=np.asarray([ep.reward if r is not None else fill for ep, r in zip(episodes, rows)],
                                      np.float32),
-                 group_B=np.zeros(G, np.int32), env_mask_BN=stack("env_mask_N"), stats=stats)
+                 group_B=np.zeros(G, np.int32), env_mask_BN=stack("env_mask_N"), **fields, stats=stats)
 
 
 def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=None, score_fn=None) -> ae.RolloutFn:
@@ -204,6 +237,8 @@ def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=Non
   against `service` (a started `serve.service.Service`), as one group (`group_from_episodes`). The admitted
   snapshot is the group's start version: every call is served at it or a newer one."""
   pad = gen.encoder.tokenizer.pad_id
+  P, N = s.prompt_width, s.max_context - s.prompt_width
+  extras = row_extras(gen, P, N)
 
   def rollout(snap, request_id: int) -> Rollout:
     seed = ae.episode_seed(gen.seed, request_id)
@@ -212,7 +247,7 @@ def make_harness_rollout(gen, service, harness, s, *, group_size: int, store=Non
       service.recorder.open(e)
     status = play(harness, service.base_url, ids, seed, s.timeout_s, s.sandbox, s.harness_kwargs)
     episodes = [service.recorder.pop(e, expired=st in ("timeouts", "killed")) for e, st in zip(ids, status)]
-    group = group_from_episodes(episodes, status, s.prompt_width, s.max_context - s.prompt_width, pad, snap.version)
+    group = group_from_episodes(episodes, status, P, N, pad, snap.version, extras, gen.sampler_cfg.kv_window_arg)
     if score_fn is not None:
       group = group.replace(prox_logp_BN=ae.prox_at_versions(score_fn, store, snap, group))
     return group_record(group, request_id=request_id, example_id=seed, start_version=snap.version)
