@@ -764,6 +764,7 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
   decoded an unfinished request; 1 - live/slot is the share wasted on free or finished slots). With speculation
   (`sampler_cfg.spec_gamma`; `draft_params` a distilled drafter's, None the policy's first layers) a step is a
   draft-and-verify call and the result adds `generate`'s spec_calls, spec_accept_rate and spec_tokens_per_call.
+  `gen_kv_bits`: the slots' cache format, as `generate` reports its own (`cache.kv_bits`).
   `layout`: where the slots live on the sampler's mesh, beside `params` (`SlotLayout`; None: one device).
   """
   prompt_RP, len_R = np.asarray(prompt_tokens_RP, np.int32), np.asarray(prompt_len_R, np.int32)
@@ -792,7 +793,7 @@ def generate_slots(params: dict, prompt_tokens_RP, prompt_len_R, keys_R: Array, 
     if newer is not None:
       version, params = newer
   return {**_assemble(out, prompt_RP, len_R, sampler_cfg, engine.slot_steps, engine.live_steps),
-          **engine.spec_stats(), "gen_kv_bits": engine.kv_bits}
+          **engine.spec_stats(), **({} if engine.kv_bits is None else {"gen_kv_bits": engine.kv_bits})}
 
 
 def assemble_requests(cols_R: list[dict], prompt_RP, prompt_len_R, sampler_cfg: SamplerConfig) -> dict:

@@ -286,6 +286,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     `sampler_cfg.kv_cache`: "int8" / "window" decode from a compressed cache (behavior_logp_BN is then that
     cache's policy); "window" adds kv_window_B2 (int32 [B, 2], each row's (sinks, window)): what every token
     could see, from which the learner builds the shadow mask (`cache.window_attention_mask`).
+    gen_kv_bits (float32 scalar): bits per cached key/value element of the cache it decoded from (`cache.kv_bits`:
+    what shows the format in the metrics).
     Speculative decoding (`sampler_cfg.spec_gamma`) is routed by `sampling.dispatch.generate`, the package's
     `sampling.generate`; this function ignores the spec_* fields.
   """
