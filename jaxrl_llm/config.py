@@ -418,8 +418,9 @@ def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
     _need(kind == "window", "sampler.kv_cache", kind,
           f"loss {spec.name!r} trains the shadow policy, the forward under the sampler's KV visibility mask: only "
           "'window' has one (an int8 cache changes values, not visibility; 'full' has no mismatch)")
-  if "shadow" in spec.needs:
-    _need(not env_on(c), "loss.name", spec.name, "episodes (env.name) do not record the window each token saw")
+  if "shadow" in spec.needs:  # episodes record each row's window by position; eviction renumbers the positions
+    _need(not evicting(c), "loss.name", spec.name, "episodes with eviction (env.evict) renumber positions after each "
+          "eviction: the window each token saw is not the recorded window by position")
 
 
 def _validate_speculative(c: ml_collections.ConfigDict) -> None:

@@ -147,3 +147,22 @@ def test_config_window_with_other_losses_is_valid():
   config_lib.validate(c)
   c.sampler.kv_cache = "int8"
   config_lib.validate(c)
+
+
+def test_smd_on_episodes_trains_the_shadow_of_every_turn(tmp_path):
+  """configs/agent_tiny.py's episodes with a sinks + window cache and loss smd, one learner step: the episode record
+  carries each row's window, and the learner's shadow forward under it reproduces μ of every policy token of every
+  turn (ratio 1 up to fp32), while the dense forward does not. With eviction the pair is refused, naming the loss."""
+  from jaxrl_llm import loop
+  from jaxrl_llm.metrics import read_jsonl
+  c = config_lib.load_file("configs/agent_tiny.py")
+  c.num_steps, c.log.progress, c.log.tensorboard, c.checkpoint.every, c.eval.every = 1, False, False, 0, 0
+  c.sampler.kv_cache, c.sampler.kv_sinks, c.sampler.kv_window, c.loss.name = "window", 1, 4, "smd"
+  loop.run(c, str(tmp_path))
+  (m,) = read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert m["kv_window"] == 5.0 and m["env_turns"] > m["env_episodes"]  # later turns decoded from the window
+  assert abs(m["shadow_ratio_max"] - 1) < 1e-5 and abs(m["shadow_ratio_mean"] - 1) < 1e-6, m
+  assert m["mismatch_abs_max"] > 1e-2  # the dense forward is another policy
+  c.env.evict, c.env.context_budget = "drop_oldest", 8
+  with pytest.raises(config_lib.ConfigError, match="loss.name='smd'"):
+    config_lib.validate(c)
