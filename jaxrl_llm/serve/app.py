@@ -275,7 +275,8 @@ async def _complete(ep: Endpoint, episode_id: str, prompt: list[int], max_tokens
 
 def _record(ep: Endpoint, episode_id: str, prompt: list[int], c: Completion, turn=None, **event) -> None:
   try:
-    ep.recorder.record(episode_id, Call(prompt, c.ids, c.logprobs, c.version, turn, c.records, c.routes), finish=c.finish_reason, **event)
+    call = Call(prompt, c.ids, c.logprobs, c.version, turn, c.records, c.routes)
+    ep.recorder.record(episode_id, call, finish=c.finish_reason, **event)
   except (UnknownEpisode, EpisodeEnded) as e:  # ended while sampling: the call is answered, not recorded
     del e
 
