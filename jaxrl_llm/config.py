@@ -406,8 +406,8 @@ KV_CACHES = ("full", "int8", "window")  # = sampling.config.KV_CACHES (config im
 
 def _validate_kv_cache(c: ml_collections.ConfigDict, spec) -> None:
   """`sampler.kv_cache` / `kv_sinks` / `kv_window` (absent: "full", 4, 64): a compressed sampler KV cache runs in
-  every decode loop but speculative decoding's, and SMD's shadow forward needs the window's
-  mask (single completions)."""
+  every decode loop, and SMD's shadow forward needs the window's mask (single completions, and episodes without
+  eviction)."""
   kind, sinks, window = read(c, "sampler.kv_cache"), read(c, "sampler.kv_sinks"), read(c, "sampler.kv_window")
   _need(kind in KV_CACHES, "sampler.kv_cache", kind, f"must be one of {KV_CACHES}")
   _need(isinstance(sinks, int) and not isinstance(sinks, bool) and sinks >= 0, "sampler.kv_sinks", sinks,
