@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_llm.models.config import ModelConfig
 
@@ -113,6 +114,14 @@ def kv_bits(cache: dict) -> float:
   """Bits per cached key/value element, int8 scales included (32 fp32, 16 bf16, 8 + 64 / head_dim int8), read off
   the arrays of `cache`: the `gen_kv_bits` metric each decode path reports of the cache it decoded from."""
   return 8.0 * cache_bytes(cache) / sum(math.prod(cache[n].shape) for n in ("k", "v"))
+
+
+def window_record(kv_window: tuple[int, int] | None, rows: int) -> dict:
+  """{"kv_window_B2": int32 [rows, 2]}, each row's (sinks, window) of a sinks + window cache: what every token could
+  see by position, from which the learner builds the shadow mask (`window_attention_mask`); {} without one."""
+  if kv_window is None:
+    return {}
+  return {"kv_window_B2": np.broadcast_to(np.asarray(kv_window, np.int32), (rows, 2)).copy()}
 
 
 def ring_layout(P: int, N: int, kv_window: tuple[int, int] | None) -> tuple[int, int, int] | None:

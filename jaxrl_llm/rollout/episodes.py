@@ -86,6 +86,7 @@ import numpy as np
 
 from jaxrl_llm import envs, multiprocess
 from jaxrl_llm.keys import fold_in
+from jaxrl_llm.models.cache import window_record
 from jaxrl_llm.record import Rollout
 from jaxrl_llm.rollout import evict as evict_lib
 from jaxrl_llm.rollout import turn_sampler
@@ -597,10 +598,6 @@ class _Batch:
                    segment_ids_BT=segment_ids_BT, mask_BN=mask_BN, behavior_logp_BN=self.logp_BN,
                    versions_BN=ver_BN, reward_B=self.reward_B, turn_reward_BK=self.turn_reward_BK,
                    group_B=np.arange(B, dtype=np.int32) // self.G, turn_BN=self.turn_BN, env_mask_BN=self.env_mask_BN,
-                   routes_BTLk=self.routes_BTLk, extra=extra, stats=stats, **self.recs, **self.window())
-
-  def window(self) -> dict:
-    """A sinks + window cache: each row's (sinks, window), what every token could see by position, as every turn
-    sampler masks it (the learner's shadow mask, `losses.smd`); {} otherwise."""
-    w = self.samp_cfg.kv_window_arg
-    return {} if w is None else {"kv_window_B2": np.broadcast_to(np.asarray(w, np.int32), (self.B, 2)).copy()}
+                   routes_BTLk=self.routes_BTLk, extra=extra, stats=stats, **self.recs,
+                   # a sinks + window cache: every turn sampler masks it by position, as the learner's shadow mask
+                   **window_record(self.samp_cfg.kv_window_arg, B))

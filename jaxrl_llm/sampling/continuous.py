@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models.cache import init_cache, kv_bits, take_rows
+from jaxrl_llm.models.cache import init_cache, kv_bits, take_rows, window_record
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import decode_view, stack_cache
 from jaxrl_llm.sampling import behavior, head_drafter, speculative
@@ -888,7 +888,5 @@ def _assemble(out: dict, prompt_RP: np.ndarray, len_R: np.ndarray, sampler_cfg: 
       "completion_mask_BT": np.concatenate([np.zeros((R, P), np.float32), mask_RN], axis=1),
       "slot_steps": slot_steps,
       "live_steps": live_steps,
-      # a sinks + window cache: what each token could see, as `generate` records it (SMD's shadow mask)
-      **({} if sampler_cfg.kv_window_arg is None else
-         {"kv_window_B2": np.broadcast_to(np.asarray(sampler_cfg.kv_window_arg, np.int32), (R, 2)).copy()}),
+      **window_record(sampler_cfg.kv_window_arg, R),  # a sinks + window cache: what each token could see (SMD)
   }

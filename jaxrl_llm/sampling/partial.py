@@ -35,7 +35,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache, kv_bits, ring_layout
+from jaxrl_llm.models.cache import init_cache, kv_bits, ring_layout, window_record
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import hidden_with_cache
 from jaxrl_llm.sampling import behavior, speculative
@@ -213,9 +213,8 @@ def generate_partial(version: int, params: dict, poll: Poll, prompt_tokens_BP: A
       on_version_end(version, out)
   finally:
     poll(None)
-  if sampler_cfg.kv_window_arg is not None:  # what each token could see, as `generate` records it (SMD)
-    out["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (out["mask_BN"].shape[0], 2))
-  return {**out, "gen_partial_polls": polls}
+  # what each token could see, as `generate` records it (SMD)
+  return {**out, **window_record(sampler_cfg.kv_window_arg, out["mask_BN"].shape[0]), "gen_partial_polls": polls}
 
 
 class _Speculating:

@@ -311,9 +311,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
   routes = {"routes_BTLk": jnp.moveaxis(carry["cache"]["routes_LBSk"], 0, 2)} if model_cfg.is_moe else {}
-  records = {k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry}
-  if sampler_cfg.kv_window_arg is not None:
-    records["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (B, 2))
+  records = {**{k: carry[k] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS if k in carry},
+             **cache_lib.window_record(sampler_cfg.kv_window_arg, B)}
   return {
       **routes,
       **records,

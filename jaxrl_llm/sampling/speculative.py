@@ -53,7 +53,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.cache import init_cache, kv_bits, take_rows
+from jaxrl_llm.models.cache import init_cache, kv_bits, take_rows, window_record
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import (decode_view, forward_with_cache, hidden_with_cache, logits_from_hidden,
                                           stack_cache)
@@ -476,9 +476,8 @@ def _finish(carry: dict, model_cfg: ModelConfig, sampler_cfg: SamplerConfig) -> 
   B, P = prompt_BP.shape
   tokens_BN, mask_BN = carry["tokens_BN"][:, :N], carry["mask_BN"][:, :N]
   positions_BN = (carry["prompt_len_B"][:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
-  extra = {k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS + ("versions_BN",) if k in carry}
-  if sampler_cfg.kv_window_arg is not None:
-    extra["kv_window_B2"] = jnp.broadcast_to(jnp.asarray(sampler_cfg.kv_window_arg, jnp.int32), (B, 2))
+  extra = {**{k: carry[k][:, :N] for k in behavior.TOPK_FIELDS + behavior.MC_FIELDS + ("versions_BN",) if k in carry},
+           **window_record(sampler_cfg.kv_window_arg, B)}
   if model_cfg.is_moe:
     extra["routes_BTLk"] = _routes(carry["cache"]["routes_LBSk"], carry["slot_BN"][:, :N], P)
   return {

@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import multiprocess
+from jaxrl_llm.models.cache import window_record
 from jaxrl_llm.record import Rollout, from_plain, to_plain
 from jaxrl_llm.rollout import async_engine as ae
 from jaxrl_llm.rollout import turn_sampler
@@ -215,8 +216,7 @@ def group_from_episodes(episodes, status: list[str | None], P: int, N: int, pad_
   for name, (shape, dtype, default) in (extras or {}).items():  # a row without one (failed) holds the default
     fields["routes_BTLk" if name == "routes_TLk" else name] = np.stack(
         [np.asarray(r[name], dtype) if name in r else np.broadcast_to(np.asarray(default, dtype), shape) for r in full])
-  if kv_window is not None:
-    fields["kv_window_B2"] = np.broadcast_to(np.asarray(kv_window, np.int32), (len(full), 2)).copy()
+  fields.update(window_record(kv_window, len(full)))
   G = len(episodes)
   stats = {"serve_episodes": G, "serve_failed": sum(s is not None for s in status),
            "serve_split": sum(bool(r["split"]) for r in rows if r is not None),
