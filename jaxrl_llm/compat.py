@@ -9,9 +9,10 @@ that set one field to different values are alternatives (two run modes, two loss
 not trusted: `probe()` validates every pair (forced CPU devices for the mesh; "processes" pretends to be one of
 2 processes over the same 8 devices), and tests/test_compat.py fails when validation refuses a pair `REFUSED`
 does not list, or `REFUSED` lists a pair that validates. `python -m jaxrl_llm.compat > docs/compat.md` renders
-the page; `--run` also runs every allowed pair (`--among a,b,...`: the pairs of those features) for one learner step
-(`run_pairs`, minutes) and reports the failures, which `config.validate` should turn into refusals or the code into
-runs. A pair whose metrics do not show both features on (`EVIDENCE`) fails as well.
+the page; `--run` also runs every allowed pair (`--among a,b,...`: the pairs of those features; `--with a`: the
+pairs of a) for one learner step (`run_pairs`, minutes) and reports the failures, which `config.validate` should
+turn into refusals or the code into runs. A pair whose metrics do not show both features on (`EVIDENCE`) fails as
+well.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "harness": ("rollout.mode='harness' (an agent harness on the OpenAI endpoint)",
                 {"rollout.mode": "harness", "rollout.lag": 1, "rollout.prompts_per_step": 2,
                  "serve.harness": "jaxrl_llm.serve.example_harness:run", "serve.max_context": 704,
-                 "serve.max_tokens": 8, "serve.prompt_width": 640}),  # configs/harness_tiny.py's widths
+                 "serve.max_tokens": 8, "serve.prompt_width": 640,  # configs/harness_tiny.py's widths
+                 # an episode's first call waits for the endpoint's compile: on a loaded machine (a mesh's, or
+                 # the suite beside it) that passed the 60 s default and every episode failed
+                 "serve.timeout_s": 600.0}),
     "mesh": ("a multi-device config.mesh (data 2 × fsdp 4)", {"mesh.data": 2, "mesh.fsdp": 4}),
     "sampler_devices": ("sampler devices of its own (rollout.sampler_devices 2, learner data 3 × fsdp 2)",
                         {"mesh.data": 3, "mesh.fsdp": 2, "rollout.sampler_devices": 2}),
@@ -229,6 +233,17 @@ def pairs() -> list[tuple[str, str]]:
   return [(a, b) for a, b in itertools.combinations(FEATURES, 2) if merged((a, b)) is not None]
 
 
+def chosen(among: list[str] | None = None, one: str | None = None) -> set[tuple[str, str]] | None:
+  """The pairs `--run` runs: every pair (None), the pairs among the features `among`, or the pairs of feature `one`
+  with every other (with those `among` names, if given)."""
+  unknown = sorted((set(among or ()) | {one}) - {None} - FEATURES.keys())
+  if unknown:
+    raise SystemExit(f"--among / --with: unknown features {unknown}")
+  if one is not None:
+    return {p for p in pairs() if one in p and (among is None or set(p) - {one} <= set(among))}
+  return None if among is None else {p for p in pairs() if set(p) <= set(among)}
+
+
 def probe() -> dict[tuple[str, str], str | None]:
   """{pair: None or its ConfigError} for every pair (needs `DEVICES` visible devices)."""
   import jax
@@ -307,12 +322,10 @@ def main(argv: list[str]) -> None:
     out = {"singles": {n: check((n,)) for n in FEATURES}, "pairs": [[a, b, e] for (a, b), e in probe().items()]}
     print(json.dumps(out))
     return
-  if "--run" in argv:  # `--run [--among a,b,c]`: every pair, or the pairs of the named features
+  if "--run" in argv:  # `--run [--among a,b,c] [--with a]`: every pair, the named features' pairs, or a's
     import tempfile
     among = argv[argv.index("--among") + 1].split(",") if "--among" in argv else None
-    if among is not None and set(among) - FEATURES.keys():
-      raise SystemExit(f"--among: unknown features {sorted(set(among) - FEATURES.keys())}")
-    only = None if among is None else set(itertools.combinations([n for n in FEATURES if n in among], 2))
+    only = chosen(among, argv[argv.index("--with") + 1] if "--with" in argv else None)
     with tempfile.TemporaryDirectory() as d:
       result = run_pairs(d, only)
     failed = {p: e for p, e in result.items() if e is not None}

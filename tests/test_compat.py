@@ -50,6 +50,17 @@ def test_alternatives_are_not_pairs():
   assert compat.merged(("lora", "qlora"))["model.lora.base_quantize"] == "int8"
 
 
+def test_run_chooses_pairs_among_features_and_with_one():
+  assert compat.chosen() is None  # every pair
+  assert compat.chosen(["fixed_lag", "staged", "slots"]) == {("fixed_lag", "slots"), ("staged", "slots")}
+  with_mesh = compat.chosen(one="mesh")
+  assert ("fixed_lag", "mesh") in with_mesh and ("mesh", "slots") in with_mesh and len(with_mesh) == 32
+  assert all("mesh" in p for p in with_mesh) and ("mesh", "sampler_devices") not in with_mesh  # alternatives
+  assert compat.chosen(["slots", "lora"], "mesh") == {("mesh", "lora"), ("mesh", "slots")}
+  with pytest.raises(SystemExit, match="unknown features \\['nope'\\]"):
+    compat.chosen(one="nope")
+
+
 def test_docs_compat_page_is_current(probed):
   _, pairs = probed
   with open(os.path.join(ROOT, "docs", "compat.md")) as f:
