@@ -291,7 +291,8 @@ def render(result: dict[tuple[str, str], str | None]) -> str:
            f"{len(names)} run-level features, {len(result)} pairs (two features that set one field differently, "
            f"such as two run modes or two losses, are alternatives, not pairs). **{len(refused)} pairs are "
            f"refused**; every other pair validates, and `python -m jaxrl_llm.compat --run` runs each for one "
-           "learner step.", "", "## Refused pairs", ""]
+           "learner step (`--among a,b,...`: the pairs among those features; `--with a`: the pairs of a).", "",
+           "## Refused pairs", ""]
   if refused:
     lines += ["| pair | why | the error |", "|---|---|---|"]
     for (a, b), err in sorted(refused.items(), key=lambda kv: (names.index(kv[0][0]), names.index(kv[0][1]))):
