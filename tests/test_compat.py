@@ -101,15 +101,16 @@ def test_evidence_names_features_and_finds_a_dropped_one():
 
 
 def test_run_pairs_shows_both_features_of_each_pair(tmp_path):
-  """Two pairs run for one learner step through `compat.run_pairs` (the slot engine with an int8 cache; episodes
-  with μ's top-k records) and their metrics show both features on (`compat.EVIDENCE`)."""
+  """Three pairs run for one learner step through `compat.run_pairs` (the slot engine with an int8 cache; episodes
+  with μ's top-k records; ECHO's three sampler calls speculating, whose counters its record once dropped) and their
+  metrics show both features on (`compat.EVIDENCE`)."""
   code = ("import json, sys\n"
           "from jaxrl_llm import compat\n"
-          "got = compat.run_pairs(sys.argv[1], {('kv_int8', 'slots'), ('mu_topk', 'episodes')})\n"
+          "got = compat.run_pairs(sys.argv[1], {('kv_int8', 'slots'), ('mu_topk', 'episodes'), ('speculative', 'echo')})\n"
           "print(json.dumps([[a, b, e] for (a, b), e in got.items()]))\n")
   env = {**with_devices(compat.DEVICES), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   got = {(a, b): e for a, b, e in json.loads(r.stdout.strip().splitlines()[-1])}
-  assert got == {("kv_int8", "slots"): None, ("mu_topk", "episodes"): None}, got
+  assert got == {("kv_int8", "slots"): None, ("mu_topk", "episodes"): None, ("speculative", "echo"): None}, got

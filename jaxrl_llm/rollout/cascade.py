@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxrl_llm.keys import fold_in
 from jaxrl_llm.record import Rollout, concat, rows
-from jaxrl_llm.rollout import collect
+from jaxrl_llm.rollout import collect, generation
 from jaxrl_llm.tasks import tokenizer as tok
 
 CRITIC = ";critic:"  # after the attempt: the critic's turn (characters of the built-in vocabulary)
@@ -120,8 +120,11 @@ def cascade(gen, params, examples: list[dict], G: int, key, v_b: int, echo: Echo
   r0_B = np.repeat(np.asarray(attempts.reward_B, np.float32), G)
   critic = critic.replace(reward_B=echo_gain(refine.reward_B, r0_B, echo.gain_tau))
   parts = [x for i in range(m) for x in (rows(critic, i * G, (i + 1) * G), rows(refine, i * G, (i + 1) * G))]
-  errors = sum(int(x.stat("reward_errors")) for x in (attempts, critic, refine))
-  return concat(parts, stats={"reward_errors": errors}), np.asarray(attempts.reward_B, np.float32)
+  # the three calls' reward errors and sampler stats (cache format, speculation, slot-steps): counts summed, per-call
+  # values averaged, as several processes' shares are
+  calls = [x.stats or {} for x in (attempts, critic, refine)]
+  stats = generation.join_shares([{k: s[k] for k in calls[0] if all(k in c for c in calls)} for s in calls])
+  return concat(parts, stats=stats), np.asarray(attempts.reward_B, np.float32)
 
 
 def task_stats(record: Rollout, r0_m: np.ndarray, G: int) -> dict:

@@ -76,7 +76,8 @@ def _per_step(whole: Rollout, n_steps: int, B: int, G: int, lag: int, time_gen: 
 def _echo_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], version: int, v_b: int, n: int,
                   call: int) -> list[Rollout]:
   """`sync_rollout` with ECHO's cascaded rollout (`rollout.echo`, `jaxrl_llm.rollout.cascade`): per step n/2 tasks,
-  each a critic group of G diagnoses and a policy group of G refinements; each batch's stats its own echo metrics."""
+  each a critic group of G diagnoses and a policy group of G refinements; each batch's stats its own echo metrics,
+  the first also the three sampler calls' counters (`cascade.cascade`)."""
   s, G = ctx.settings, ctx.settings.group_size
   snap = store.acquire(v_b)
   try:
@@ -84,7 +85,7 @@ def _echo_rollout(ctx: SourceContext, store: ParamStore, steps: list[int], versi
     whole, per_step, time_gen = cascade.echo_rollout(ctx.gen, params, steps, n, G, v_b, call, s.echo)
   finally:
     store.release(snap)
-  out = _per_step(whole, len(steps), n * G, G, version - v_b, time_gen)
+  out = _per_step(whole, len(steps), n * G, G, version - v_b, time_gen, *(k for k in SAMPLER_STATS if k in whole.stats))
   return [ro.replace(stats={**ro.stats, **mine}) for ro, mine in zip(out, per_step)]
 
 
