@@ -106,7 +106,8 @@ def test_run_pairs_shows_both_features_of_each_pair(tmp_path):
   metrics show both features on (`compat.EVIDENCE`)."""
   code = ("import json, sys\n"
           "from jaxrl_llm import compat\n"
-          "got = compat.run_pairs(sys.argv[1], {('kv_int8', 'slots'), ('mu_topk', 'episodes'), ('speculative', 'echo')})\n"
+          "got = compat.run_pairs(sys.argv[1], {('kv_int8', 'slots'), ('mu_topk', 'episodes'),\n"
+          "                                     ('speculative', 'echo')})\n"
           "print(json.dumps([[a, b, e] for (a, b), e in got.items()]))\n")
   env = {**with_devices(compat.DEVICES), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -123,7 +123,8 @@ def cascade(gen, params, examples: list[dict], G: int, key, v_b: int, echo: Echo
   # the three calls' reward errors and sampler stats (cache format, speculation, slot-steps): counts summed, per-call
   # values averaged, as several processes' shares are
   calls = [x.stats or {} for x in (attempts, critic, refine)]
-  stats = generation.join_shares([{k: s[k] for k in calls[0] if all(k in c for c in calls)} for s in calls])
+  common = set(calls[0]).intersection(*calls[1:])
+  stats = generation.join_shares([{k: c[k] for k in common} for c in calls])
   return concat(parts, stats=stats), np.asarray(attempts.reward_B, np.float32)
 
 
