@@ -391,8 +391,12 @@ def test_checkpoint_write_failures_end_with_one_error_line(tmp_path):
   # Orbax's threads, whose tracebacks used to bury the error line (and follow it).
   # Python ignores SIGXFSZ: writes past the limit fail with EFBIG. No persistent XLA cache: the limit would
   # leave truncated entries in the one the test session shares.
+  # OCDBT packs the arrays into data files whose number depends on the writers' timing: under load the tiny
+  # model's ~170 KB once came out as files all under the limit. d_ff=1024 makes each MLP weight (and its Adam
+  # moments) 128 KB on its own, and a value is never split across files, so the first write always fails.
   small_files = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))"
-  p = wrapped_cli("--config=configs/tiny.py", f"--workdir={tmp_path}/a", *QUICK, patch=small_files,
+  p = wrapped_cli("--config=configs/tiny.py", f"--workdir={tmp_path}/a", *QUICK, "--config.model.d_ff=1024",
+                  patch=small_files,
                   JAX_ENABLE_COMPILATION_CACHE="false", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
   line = the_error_line(p)
   assert "checkpoint step 1" in line and "File too large" in line
