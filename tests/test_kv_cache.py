@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_llm.models import ModelConfig, forward_with_cache, init_cache, init_params
 from jaxrl_llm.models import cache as cache_lib
-from jaxrl_llm.models.transformer import hidden_with_routing, logits_from_hidden
+from jaxrl_llm.models.transformer import decode_view, hidden_with_routing, logits_from_hidden, stack_cache
 from jaxrl_llm.sampling import SamplerConfig, generate
 
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
@@ -180,12 +180,20 @@ def test_ring_buffer_saves_slots_and_decodes_as_the_window_mask(unroll, monkeypa
   from jaxrl_llm.sampling import sampler
   cfg, n = dataclasses.replace(CFG, decode_unroll=unroll), 20
   sc = SamplerConfig(max_new_tokens=n, kv_cache="window", kv_sinks=1, kv_window=3, stop_ids=())
-  built = []
+  built, viewed = [], []
   spy = lambda *a, **kw: built.append(init_cache(*a, **kw)) or built[-1]
   monkeypatch.setattr(sampler, "init_cache", spy)
+
+  def view(*a):
+    viewed.append(stack_cache(decode_view(*a)[1])["k"].shape[2])
+    return decode_view(*a)
+
+  monkeypatch.setattr(sampler, "decode_view", view)
   body = functools.partial(sampler.generate.__wrapped__, model_cfg=cfg, sampler_cfg=sc)  # traced, not cached
   jax.eval_shape(body, PARAMS, PROMPTS, PROMPT_LEN, jax.random.key(5))
-  assert built and all(c["k"].shape[2] == P + 4 for c in built)
+  # the prefill fills the prompt's slots; the decode loop's view adds the ring's 4
+  assert built and all(c["k"].shape[2] == P for c in built)
+  assert viewed and all(slots == P + 4 for slots in viewed)
   monkeypatch.undo()
   out = generate(PARAMS, PROMPTS, PROMPT_LEN, jax.random.key(5), cfg, sc)
   mask = np.asarray(out["mask_BN"])

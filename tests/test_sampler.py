@@ -253,3 +253,32 @@ def test_decode_view_cache_round_trips():
     np.testing.assert_array_equal(back[name], cache[name])
   rolled_params, rolled = decode_view(PARAMS, cache, dataclasses.replace(CFG, decode_unroll=False))  # the scan
   assert rolled is cache and rolled_params is PARAMS
+
+
+@pytest.mark.parametrize("how", ["unstacked", "scan", "int8"])
+def test_decode_view_widens_a_prompt_cache_with_empty_slots(how):
+  """`generate` prefills into the prompt's slots and the decode view adds the loop's room: the widened cache is
+  the prompt cache in its first slots and `init_cache`'s empty slots after, in every decode layout."""
+  cfg = dataclasses.replace(CFG, decode_unroll=how == "unstacked")
+  kv_dtype = "int8" if how == "int8" else "compute"
+  narrow, wide = init_cache(cfg, 2, 5, kv_dtype), init_cache(cfg, 2, 9, kv_dtype)
+  filled = lambda c, k: c.at[:, :, :5].set(jax.random.randint(k, c[:, :, :5].shape, 1, 100).astype(c.dtype))
+  narrow = {**narrow, "index": jnp.int32(5), "positions_BS": jnp.arange(10, dtype=jnp.int32).reshape(2, 5),
+            "segment_ids_BS": jnp.ones((2, 5), jnp.int32)}
+  for i, name in enumerate(n for n in ("k", "v", "k_scale", "v_scale") if n in narrow):
+    narrow[name] = filled(narrow[name], jax.random.key(i))
+  _, view = decode_view(PARAMS, narrow, cfg, slots=9)
+  back = stack_cache(view)
+  assert (how == "unstacked") == isinstance(view["k"], tuple)
+  assert back.keys() == wide.keys()
+  for name, x in back.items():
+    if name == "index":
+      want = narrow[name]
+    elif name.endswith("_BS"):
+      want = wide[name].at[:, :5].set(narrow[name])
+    else:  # [L, B, S, ...]
+      want = wide[name].at[:, :, :5].set(narrow[name])
+    np.testing.assert_array_equal(x, want, err_msg=name)
+  assert stack_cache(decode_view(PARAMS, back, cfg, slots=9)[1])["k"].shape[2] == 9  # already wide: as it is
+  with pytest.raises(ValueError, match="fewer"):
+    decode_view(PARAMS, back, cfg, slots=7)

@@ -62,6 +62,31 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str = "comp
   return cache
 
 
+def pad_slots(x: Array, axis: int, slots: int, value=0) -> Array:
+  """`x` padded with `value` along its slot axis `axis` to `slots` entries."""
+  pad = [(0, slots - x.shape[axis]) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)]
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def widen(cache: dict, slots: int | None, kv: bool = True) -> dict:
+  """The cache with `slots` slots per row, the added ones empty as `init_cache` leaves them (None, or the
+  cache's own width: unchanged). Why: `generate` prefills into the prompt's P slots only and the decode loop
+  adds its room, so the full-width cache never exists beside its copy in the decode layout
+  (`transformer.decode_view`). `kv=False` leaves `k` and `v` (and their scales) to the caller. MoE routes
+  have their own length (`init_cache`'s route_len) and are left as they are."""
+  S = cache["segment_ids_BS"].shape[1]
+  if slots is None or slots == S:
+    return cache
+  if slots < S:
+    raise ValueError(f"cache.widen: {slots} slots is fewer than the cache's {S}")
+  out = {**cache, "positions_BS": pad_slots(cache["positions_BS"], 1, slots),
+         "segment_ids_BS": pad_slots(cache["segment_ids_BS"], 1, slots)}
+  if kv:
+    out.update({n: pad_slots(cache[n], 2, slots) for n in ("k", "v")})
+    out.update({n: pad_slots(cache[n], 2, slots, 1.0) for n in ("k_scale", "v_scale") if n in cache})
+  return out
+
+
 def attention_mask(segment_ids_q_BT: Array, segment_ids_k_BS: Array, q_offset: Array | int = 0) -> Array:
   """Boolean [B, T, S] mask: key slot s <= query slot (q_offset + t) and equal segment ids.
 

@@ -401,16 +401,19 @@ def _output_major(p_l: dict, cfg: ModelConfig) -> dict:
   return {k: OutIn.of(w, axes[k]) if k in axes else w for k, w in p_l.items()}
 
 
-def unstack_cache(cache: dict) -> dict:
+def unstack_cache(cache: dict, slots: int | None = None) -> dict:
   """The decode-loop view of a cache: `k`, `v` as tuples of per-layer arrays in the "decode" layout
-  of `layers.decode_attention` (keys [B, K, hd, S], values [B, K, S, hd]).
+  of `layers.decode_attention` (keys [B, K, hd, S], values [B, K, S, hd]); `slots`: widened to that many
+  slots (`cache.widen`), each layer padded as it is transposed.
 
   Why: each layer's keys/values are their own loop-carried buffer, updated in place, and in the
   layout `layers.decode_attention` streams (each sum over the outer axis), so no decode step copies or
   transposes the cache.
   """
-  return {**cache, "k": tuple(jnp.transpose(k, (0, 2, 3, 1)) for k in cache["k"]),
-          "v": tuple(jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"])}
+  slots = slots or cache["segment_ids_BS"].shape[1]
+  return {**cache_lib.widen(cache, slots, kv=False),
+          "k": tuple(cache_lib.pad_slots(jnp.transpose(k, (0, 2, 3, 1)), 3, slots) for k in cache["k"]),
+          "v": tuple(cache_lib.pad_slots(jnp.transpose(v, (0, 2, 1, 3)), 2, slots) for v in cache["v"])}
 
 
 def stack_cache(cache: dict) -> dict:
@@ -421,14 +424,14 @@ def stack_cache(cache: dict) -> dict:
           "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"]])}
 
 
-def decode_view(params: dict, cache: dict, cfg: ModelConfig) -> tuple[dict, dict]:
+def decode_view(params: dict, cache: dict, cfg: ModelConfig, slots: int | None = None) -> tuple[dict, dict]:
   """(params, cache) for a decode loop: unstacked (`unstack_layers`, `unstack_cache`) with `cfg.decode_unroll`
   (the default, whatever `layer_unroll` says: a rolled scan's per-layer slices were copied at every step), else
   unchanged (the layer scan: one compiled layer body; an int8 cache also stays stacked). `stack_cache` turns the
-  cache back after the loop."""
+  cache back after the loop. `slots`: the cache widened to that many slots on the way (`cache.widen`)."""
   if not cfg.decode_unroll or "k_scale" in cache:  # int8 caches decode through the layer scan
-    return params, cache
-  return unstack_layers(params, cfg), unstack_cache(cache)
+    return params, cache_lib.widen(cache, slots)
+  return unstack_layers(params, cfg), unstack_cache(cache, slots)
 
 
 def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelConfig, *,

@@ -93,10 +93,11 @@ def prefill_per_group(params: dict, prompt_BP: Array, positions_BP: Array, segme
 
 
 def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, model_cfg: ModelConfig,
-                    sampler_cfg: SamplerConfig, ring: tuple[int, int, int] | None = None):
+                    sampler_cfg: SamplerConfig, ring: tuple[int, int, int] | None = None, room: bool = True):
   """Runs the left-padded prompts through a fresh KV cache sized P + N, or P + sinks + window for a ring buffer
   `ring` (`cache.ring_layout`; `generate` only), once per prompt group when `sampler_cfg.group_size` > 1
-  (see `prefill_grouped`).
+  (see `prefill_grouped`). `room=False`: a cache of the P prompt slots only (MoE routes still P + N), which
+  the decode loop widens (`decode_columns`' slots).
 
   Returns (prompt_BP with pads set to pad_id, positions_BP, segment_ids_BP, cache, logits_BV of the
   first completion token). Shared by `generate` and the partial-rollout sampler.
@@ -106,7 +107,7 @@ def prefill_prompts(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, 
   prompt_BP = jnp.where(segment_ids_BP > 0, prompt_tokens_BP, sampler_cfg.pad_id).astype(jnp.int32)
   N = sampler_cfg.max_new_tokens
   cache, first_logits_BV = prefill_grouped(params, prompt_BP, positions_BP, segment_ids_BP, model_cfg,
-                                           cache_lib.cache_slots(P, N, ring), sampler_cfg.group_size,
+                                           cache_lib.cache_slots(P, N, ring) if room else P, sampler_cfg.group_size,
                                            sampler_cfg.kv_dtype, sampler_cfg.kv_window_arg, P + N)
   return prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV
 
@@ -206,15 +207,17 @@ def feed_previous_column(params: dict, carry: dict, start_pos_B: Array, model_cf
 def decode_columns(params: dict, carry: dict, start_pos_B: Array, emit: Callable[[dict, Array], dict],
                    more: Callable[[dict], Array], model_cfg: ModelConfig, kv_window: tuple[int, int] | None = None,
                    kv_ring: tuple[int, int, int] | None = None, continuing: bool = False,
-                   columns: Callable[[dict], tuple[Array, Array, Array]] = previous_columns) -> dict:
+                   columns: Callable[[dict], tuple[Array, Array, Array]] = previous_columns,
+                   slots: int | None = None) -> dict:
   """The plain decode loop of every sampling path (`generate`, partial rollouts' chunks, `continuation.decode_turn`,
   the slot engine's `continuous.decode_chunk`): while `more(carry)`, feeds each row's last drawn column through the
   cache (`feed_previous_column`, in the decode view; `columns(carry)` gives each row's token and column and which
   rows are real: a static batch's rows share one, `previous_columns`, a slot engine's stand apart) and draws the next
   (`emit(carry, logits_BV)`); returns the carry with the cache stacked back. `continuing` (static): the carry
   keeps `last_logits_BV` (the logits after each row's last real token) and the loop ends by feeding the last
-  column too, so the cache holds every sampled token (a next turn extends it)."""
-  decode_params, cache = decode_view(params, carry["cache"], model_cfg)
+  column too, so the cache holds every sampled token (a next turn extends it). `slots`: the carry's cache is
+  widened to that many slots first (`transformer.decode_view`; a prefill into the prompt's slots only)."""
+  decode_params, cache = decode_view(params, carry["cache"], model_cfg, slots)
 
   def feed(c: dict) -> tuple[dict, Array]:
     logits_BV, fed_B, cache = feed_previous_column(decode_params, c, start_pos_B, model_cfg, kv_window, kv_ring,
@@ -294,8 +297,10 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
   B, P = prompt_tokens_BP.shape
   N = sampler_cfg.max_new_tokens
   ring = cache_lib.ring_layout(P, N, sampler_cfg.kv_window_arg)  # a "window" cache: P + sinks + window slots
+  # The prompt's slots only: the decode view adds the loop's room as it copies the cache into its layout, so the
+  # full-width cache and its copy never coexist (for workload R, 0.38 GB less at the loop's start).
   prompt_BP, positions_BP, segment_ids_BP, cache, first_logits_BV = prefill_prompts(
-      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg, ring)
+      params, prompt_tokens_BP, prompt_len_B, model_cfg, sampler_cfg, ring, room=False)
 
   shape = noise_shape(B, first_logits_BV.shape[-1], sampler_cfg)
   predraw = shape is not None and N * math.prod(shape) <= PREDRAW_MAX_ELEMENTS
@@ -306,7 +311,8 @@ def generate(params: dict, prompt_tokens_BP: Array, prompt_len_B: Array, key: Ar
     noise_NBK = predraw_noise(key, N, shape) if predraw else None
   emit = lambda carry, logits_BV: emit_token(carry, logits_BV, key, sampler_cfg, noise_NBK)
   carry = decode_columns(params, emit(decode_carry(cache, B, N, sampler_cfg), first_logits_BV), prompt_len_B, emit,
-                         live_before(N), model_cfg, sampler_cfg.kv_window_arg, ring)
+                         live_before(N), model_cfg, sampler_cfg.kv_window_arg, ring,
+                         slots=cache_lib.cache_slots(P, N, ring))
 
   mask_BN = carry["mask_BN"]
   positions_BN = (prompt_len_B[:, None] + jnp.arange(N)[None, :]).astype(jnp.int32)
