@@ -223,11 +223,12 @@ MOE = ModelConfig(vocab_size=32, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2
                   num_experts=4, experts_per_token=2)
 
 
-@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
-def test_unrolled_decode_view_matches_the_layer_scan(cfg):
+@pytest.mark.parametrize("cfg,kv_cache", [(CFG, "full"), (MOE, "full"), (CFG, "int8")], ids=["dense", "moe", "int8"])
+def test_unrolled_decode_view_matches_the_layer_scan(cfg, kv_cache):
   """Decode from per-layer weights and caches (`decode_view`, `decode_unroll`, the default) gives the same samples,
-  log-probs and routes as decode through the rolled layer scan (`decode_unroll=False`), rounding aside."""
-  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7)
+  log-probs and routes as decode through the rolled layer scan (`decode_unroll=False`), rounding aside; an int8
+  cache too (μ is then that cache's policy: the learner's scores differ)."""
+  sc = SamplerConfig(max_new_tokens=N, stop_ids=(EOS,), temperature=0.7, kv_cache=kv_cache)
   params = random_params(cfg)
   assert cfg.layer_unroll == 1 and cfg.decode_unroll
   scan = run(sc, params=params, model_cfg=dataclasses.replace(cfg, decode_unroll=False))
@@ -235,6 +236,9 @@ def test_unrolled_decode_view_matches_the_layer_scan(cfg):
   for name in ("tokens_BN", "mask_BN") + (("routes_BTLk",) if cfg.is_moe else ()):
     np.testing.assert_array_equal(scan[name], unrolled[name], err_msg=name)
   np.testing.assert_allclose(scan["behavior_logp_BN"], unrolled["behavior_logp_BN"], rtol=0, atol=1e-5)
+  assert float(scan["gen_kv_bits"]) == float(unrolled["gen_kv_bits"]) == (8 + 32 / 8 if kv_cache == "int8" else 32)
+  if kv_cache == "int8":
+    return
   mask = np.asarray(unrolled["mask_BN"]) > 0
   learner = np.asarray(learner_logp(params, unrolled, cfg, 0.7))
   np.testing.assert_allclose(learner[mask], np.asarray(unrolled["behavior_logp_BN"])[mask], rtol=0, atol=1e-5)
@@ -255,12 +259,12 @@ def test_decode_view_cache_round_trips():
   assert rolled is cache and rolled_params is PARAMS
 
 
-@pytest.mark.parametrize("how", ["unstacked", "scan", "int8"])
+@pytest.mark.parametrize("how", ["unstacked", "scan", "int8", "int8 scan"])
 def test_decode_view_widens_a_prompt_cache_with_empty_slots(how):
   """`generate` prefills into the prompt's slots and the decode view adds the loop's room: the widened cache is
   the prompt cache in its first slots and `init_cache`'s empty slots after, in every decode layout."""
-  cfg = dataclasses.replace(CFG, decode_unroll=how == "unstacked")
-  kv_dtype = "int8" if how == "int8" else "compute"
+  cfg = dataclasses.replace(CFG, decode_unroll="scan" not in how)
+  kv_dtype = "int8" if "int8" in how else "compute"
   narrow, wide = init_cache(cfg, 2, 5, kv_dtype), init_cache(cfg, 2, 9, kv_dtype)
   filled = lambda c, k: c.at[:, :, :5].set(jax.random.randint(k, c[:, :, :5].shape, 1, 100).astype(c.dtype))
   narrow = {**narrow, "index": jnp.int32(5), "positions_BS": jnp.arange(10, dtype=jnp.int32).reshape(2, 5),
@@ -269,7 +273,7 @@ def test_decode_view_widens_a_prompt_cache_with_empty_slots(how):
     narrow[name] = filled(narrow[name], jax.random.key(i))
   _, view = decode_view(PARAMS, narrow, cfg, slots=9)
   back = stack_cache(view)
-  assert (how == "unstacked") == isinstance(view["k"], tuple)
+  assert ("scan" not in how) == isinstance(view["k"], tuple)
   assert back.keys() == wide.keys()
   for name, x in back.items():
     if name == "index":

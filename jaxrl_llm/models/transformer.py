@@ -411,25 +411,33 @@ def unstack_cache(cache: dict, slots: int | None = None) -> dict:
   transposes the cache.
   """
   slots = slots or cache["segment_ids_BS"].shape[1]
-  return {**cache_lib.widen(cache, slots, kv=False),
+  view = {**cache_lib.widen(cache, slots, kv=False),
           "k": tuple(cache_lib.pad_slots(jnp.transpose(k, (0, 2, 3, 1)), 3, slots) for k in cache["k"]),
           "v": tuple(cache_lib.pad_slots(jnp.transpose(v, (0, 2, 1, 3)), 2, slots) for v in cache["v"])}
+  for name in ("k_scale", "v_scale"):  # int8: each layer's scales [B, K, S]
+    if name in cache:
+      view[name] = tuple(cache_lib.pad_slots(jnp.transpose(s, (0, 2, 1)), 2, slots, 1.0) for s in cache[name])
+  return view
 
 
 def stack_cache(cache: dict) -> dict:
   """Inverse of `unstack_cache` (a no-op on a stacked cache)."""
   if not isinstance(cache["k"], tuple):
     return cache
-  return {**cache, "k": jnp.stack([jnp.transpose(k, (0, 3, 1, 2)) for k in cache["k"]]),
-          "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"]])}
+  out = {**cache, "k": jnp.stack([jnp.transpose(k, (0, 3, 1, 2)) for k in cache["k"]]),
+         "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"]])}
+  for name in ("k_scale", "v_scale"):
+    if name in cache:
+      out[name] = jnp.stack([jnp.transpose(s, (0, 2, 1)) for s in cache[name]])
+  return out
 
 
 def decode_view(params: dict, cache: dict, cfg: ModelConfig, slots: int | None = None) -> tuple[dict, dict]:
   """(params, cache) for a decode loop: unstacked (`unstack_layers`, `unstack_cache`) with `cfg.decode_unroll`
   (the default, whatever `layer_unroll` says: a rolled scan's per-layer slices were copied at every step), else
-  unchanged (the layer scan: one compiled layer body; an int8 cache also stays stacked). `stack_cache` turns the
-  cache back after the loop. `slots`: the cache widened to that many slots on the way (`cache.widen`)."""
-  if not cfg.decode_unroll or "k_scale" in cache:  # int8 caches decode through the layer scan
+  unchanged (the layer scan: one compiled layer body). `stack_cache` turns the cache back after the loop.
+  `slots`: the cache widened to that many slots on the way (`cache.widen`)."""
+  if not cfg.decode_unroll:
     return params, cache_lib.widen(cache, slots)
   return unstack_layers(params, cfg), unstack_cache(cache, slots)
 
@@ -444,8 +452,8 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
   (see `jaxrl_llm.models.cache`). Prefill is a call with the whole prompt, decode one with T=1.
   `params` and `cache` may be stacked (a layer scan) or unstacked (`unstack_layers` and
   `unstack_cache`, a Python loop over layers, for decode loops); the math is the same.
-  Compressed caches (the sampler's `kv_cache`): an int8 cache (`init_cache(kv_dtype="int8")`, stacked
-  only) stores the new keys/values quantised and attends to the dequantised slots; `kv_window=(sinks,
+  Compressed caches (the sampler's `kv_cache`): an int8 cache (`init_cache(kv_dtype="int8")`, either
+  layout) stores the new keys/values quantised and attends to the dequantised slots; `kv_window=(sinks,
   window)` (static) further restricts every query to the sinks and its sliding window
   (`cache.window_visible`), prefill included, so the learner's shadow forward with
   `cache.window_attention_mask` sees exactly the same keys. `kv_ring=(start, sinks, window)` (static, with that
@@ -468,8 +476,6 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
   unstacked = isinstance(p["layers"], tuple)
   quantized = "k_scale" in cache
-  if unstacked and quantized:
-    raise ValueError("hidden_with_cache: an int8 cache runs stacked (decode_view keeps it so)")
   attend = decode_attention if unstacked else attention  # the decode loop's cache layout, or the model's
   write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), slot, axis=axis)
 
@@ -477,7 +483,15 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
     p_l, k, v, scales = xs
     p_l = lora_lib.merge_layer(p_l, cfg.compute_dtype)
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    if unstacked:  # keys [B, K, hd, S], values [B, K, S, hd]
+    if unstacked and quantized:  # int8 keys [B, K, hd, S], values [B, K, S, hd], scales [B, K, S]
+      (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
+      k, v = write(k, jnp.transpose(kq_BTKd, (0, 2, 3, 1)), 3), write(v, jnp.transpose(vq_BTKd, (0, 2, 1, 3)), 2)
+      scales = (write(scales[0], jnp.transpose(ks_BTK, (0, 2, 1)), 2),
+                write(scales[1], jnp.transpose(vs_BTK, (0, 2, 1)), 2))
+      # read back dequantised; XLA fuses this into `decode_attention`'s sums, which then stream int8
+      k_read = (k.astype(jnp.float32) * scales[0][:, :, None, :]).astype(cfg.compute_dtype)
+      v_read = cache_lib.dequantize_kv(v, scales[1], cfg.compute_dtype)
+    elif unstacked:  # keys [B, K, hd, S], values [B, K, S, hd]
       k = write(k, jnp.transpose(k_BTKd, (0, 2, 3, 1)), 3)
       v = write(v, jnp.transpose(v_BTKd, (0, 2, 1, 3)), 2)
       k_read, v_read = k, v
@@ -495,19 +509,20 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
     return h_BTD, (k, v, scales, routing.get("ids_BTk"))
 
   h_BTD = _embed(p, tokens_BT)
+  scales = (cache["k_scale"], cache["v_scale"]) if quantized else None
   if unstacked:
     outs = []
-    for p_l, k, v in zip(p["layers"], cache["k"], cache["v"]):
-      h_BTD, out = layer(h_BTD, (p_l, k, v, None))
+    for l, (p_l, k, v) in enumerate(zip(p["layers"], cache["k"], cache["v"])):
+      h_BTD, out = layer(h_BTD, (p_l, k, v, None if scales is None else (scales[0][l], scales[1][l])))
       outs.append(out)
-    k, v, _, ids = (tuple(o[i] for o in outs) for i in range(4))
+    k, v, scales, ids = (tuple(o[i] for o in outs) for i in range(4))
+    scales = tuple(zip(*scales)) if quantized else None  # per layer (k, v) -> (all k, all v)
     ids_LBTk = None if ids[0] is None else jnp.stack(ids)
   else:
-    scales = (cache["k_scale"], cache["v_scale"]) if quantized else None
     h_BTD, (k, v, scales, ids_LBTk) = jax.lax.scan(layer, h_BTD, (p["layers"], cache["k"], cache["v"], scales),
                                                    unroll=cfg.layer_unroll)
-    if quantized:
-      cache = {**cache, "k_scale": scales[0], "v_scale": scales[1]}
+  if quantized:
+    cache = {**cache, "k_scale": scales[0], "v_scale": scales[1]}
   cache = {**cache, "k": k, "v": v}
   if ids_LBTk is not None:  # MoE: record the routes of the new tokens (R3)
     cache["routes_LBSk"] = jax.lax.dynamic_update_slice_in_dim(cache["routes_LBSk"], ids_LBTk, index, axis=2)
