@@ -363,6 +363,31 @@ def test_decode_attention_equals_attention_in_the_model_layout(dtype):
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=tol, rtol=tol)
 
 
+def test_decode_attention_of_an_int8_cache_equals_attention_to_its_dequantised_slots():
+  """With an int8 cache's scales, `decode_attention` factors each key's scale out of its score and each value's into
+  its probability: the attention to the dequantised slots (q·s, a numpy reference in float64), in the compute
+  dtype."""
+  from jaxrl_llm.models.cache import quantize_kv
+  B, S, K, Q, hd, T = 2, 7, 2, 3, 8, 3
+  keys = jax.random.split(jax.random.key(1), 3)
+  (kq_BSKd, ks_BSK), (vq_BSKd, vs_BSK) = (quantize_kv(3.0 * jax.random.normal(k, (B, S, K, hd))) for k in keys[1:])
+  q_BTHd = jax.random.normal(keys[0], (B, T, K * Q, hd))
+  mask_BTS = jnp.ones((B, T, S), bool).at[0, :, 2].set(False).at[1, :, 5:].set(False)
+  got = layers.decode_attention(q_BTHd, jnp.transpose(kq_BSKd, (0, 2, 3, 1)), jnp.transpose(vq_BSKd, (0, 2, 1, 3)),
+                                mask_BTS, jnp.transpose(ks_BSK, (0, 2, 1)), jnp.transpose(vs_BSK, (0, 2, 1)),
+                                jnp.float32)
+  assert got.dtype == jnp.float32
+  q, m = np.asarray(q_BTHd, np.float64), np.asarray(mask_BTS)
+  k = np.asarray(kq_BSKd, np.float64) * np.asarray(ks_BSK, np.float64)[..., None]
+  v = np.asarray(vq_BSKd, np.float64) * np.asarray(vs_BSK, np.float64)[..., None]
+  ref = np.zeros((B, T, K * Q, hd))
+  for b, t, h in np.ndindex(B, T, K * Q):
+    s = np.where(m[b, t], k[b, :, h // Q] @ q[b, t, h] / np.sqrt(hd), -np.inf)
+    p = np.exp(s - s.max())
+    ref[b, t, h] = (p / p.sum()) @ v[b, :, h // Q]
+  np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_output_major_weights_project_as_the_stored_ones():
   """`layers.OutIn` (the decode view's output-major copy of a weight) gives `project`'s product: a [D, H, hd]
   query weight and an [H, hd, D] output weight (two input axes), against numpy; the decode view holds every dense

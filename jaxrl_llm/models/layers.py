@@ -59,23 +59,32 @@ def attention(q_BTHd: Array, k_BSKd: Array, v_BSKd: Array, mask_BTS: Array) -> A
   return out_BTKQd.reshape(B, T, H, hd)
 
 
-def decode_attention(q_BTHd: Array, k_BKdS: Array, v_BKSd: Array, mask_BTS: Array) -> Array:
+def decode_attention(q_BTHd: Array, k_BKdS: Array, v_BKSd: Array, mask_BTS: Array,
+                     k_scale_BKS: Array | None = None, v_scale_BKS: Array | None = None, dtype=None) -> Array:
   """`attention` of a few new tokens (a decode step, a speculative verify) against the decode-loop cache, as
   broadcast products summed in float32 rather than dots.
 
   Why: per (row, kv head) the dots are [Q·T, hd] × [hd, S], and XLA:CPU ran these B·K tiny matmuls at a few
   GFLOP/s. As one fused multiply-and-sum it streams the cache (keys summed over hd, their outer axis; values over
   S, theirs), several times faster at batch 64 (bench/decode_attention.py; docs/performance.md).
+  An int8 cache (`cache.quantize_kv`) passes its per-slot scales and `dtype`, the compute dtype: a key's scale
+  multiplies its score after the sum over hd and a value's its probability, so the sums read the int8 slots
+  themselves and no dequantised copy of the cache is formed.
   """
   B, T, H, hd = q_BTHd.shape
   K = k_BKdS.shape[1]
   f32 = jnp.float32
+  dtype = v_BKSd.dtype if v_scale_BKS is None else dtype
   q_BKQTd = jnp.transpose(q_BTHd.reshape(B, T, K, H // K, hd), (0, 2, 3, 1, 4)).astype(f32)
   scores_BKQTS = jnp.sum(q_BKQTd[..., None] * k_BKdS[:, :, None, None].astype(f32), axis=4) * (hd ** -0.5)
+  if k_scale_BKS is not None:
+    scores_BKQTS = scores_BKQTS * k_scale_BKS[:, :, None, None, :]
   scores_BKQTS = jnp.where(mask_BTS[:, None, None], scores_BKQTS, MASK_VALUE)
-  probs_BKQTS = jax.nn.softmax(scores_BKQTS, axis=-1).astype(v_BKSd.dtype).astype(f32)
+  probs_BKQTS = jax.nn.softmax(scores_BKQTS, axis=-1).astype(dtype).astype(f32)
+  if v_scale_BKS is not None:
+    probs_BKQTS = probs_BKQTS * v_scale_BKS[:, :, None, None, :]
   out_BKQTd = jnp.sum(probs_BKQTS[..., None] * v_BKSd[:, :, None, None].astype(f32), axis=4)
-  return jnp.transpose(out_BKQTd, (0, 3, 1, 2, 4)).reshape(B, T, H, hd).astype(v_BKSd.dtype)
+  return jnp.transpose(out_BKQTd, (0, 3, 1, 2, 4)).reshape(B, T, H, hd).astype(dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -476,7 +476,6 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
   unstacked = isinstance(p["layers"], tuple)
   quantized = "k_scale" in cache
-  attend = decode_attention if unstacked else attention  # the decode loop's cache layout, or the model's
   write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), slot, axis=axis)
 
   def layer(h_BTD, xs):
@@ -488,24 +487,21 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
       k, v = write(k, jnp.transpose(kq_BTKd, (0, 2, 3, 1)), 3), write(v, jnp.transpose(vq_BTKd, (0, 2, 1, 3)), 2)
       scales = (write(scales[0], jnp.transpose(ks_BTK, (0, 2, 1)), 2),
                 write(scales[1], jnp.transpose(vs_BTK, (0, 2, 1)), 2))
-      # read back dequantised; XLA fuses this into `decode_attention`'s sums, which then stream int8
-      k_read = (k.astype(jnp.float32) * scales[0][:, :, None, :]).astype(cfg.compute_dtype)
-      v_read = cache_lib.dequantize_kv(v, scales[1], cfg.compute_dtype)
+      attn_BTHd = decode_attention(q_BTHd, k, v, mask_BTS, *scales, cfg.compute_dtype)  # scales outside the sums
     elif unstacked:  # keys [B, K, hd, S], values [B, K, S, hd]
       k = write(k, jnp.transpose(k_BTKd, (0, 2, 3, 1)), 3)
       v = write(v, jnp.transpose(v_BTKd, (0, 2, 1, 3)), 2)
-      k_read, v_read = k, v
+      attn_BTHd = decode_attention(q_BTHd, k, v, mask_BTS)
     elif quantized:  # int8 slots [B, S, K, hd] with scales [B, S, K], read back dequantised
       (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
       k, v = write(k, kq_BTKd, 1), write(v, vq_BTKd, 1)
       scales = (write(scales[0], ks_BTK, 1), write(scales[1], vs_BTK, 1))
-      k_read = cache_lib.dequantize_kv(k, scales[0], cfg.compute_dtype)
-      v_read = cache_lib.dequantize_kv(v, scales[1], cfg.compute_dtype)
-    else:
+      attn_BTHd = attention(q_BTHd, cache_lib.dequantize_kv(k, scales[0], cfg.compute_dtype),
+                            cache_lib.dequantize_kv(v, scales[1], cfg.compute_dtype), mask_BTS)
+    else:  # the model's layout [B, S, K, hd]
       k, v = write(k, k_BTKd, 1), write(v, v_BTKd, 1)
-      k_read, v_read = k, v
-    h_BTD, routing = _finish_layer(h_BTD, attend(q_BTHd, k_read, v_read, mask_BTS), p_l, cfg,
-                                   real_BT=segment_ids_BT > 0)
+      attn_BTHd = attention(q_BTHd, k, v, mask_BTS)
+    h_BTD, routing = _finish_layer(h_BTD, attn_BTHd, p_l, cfg, real_BT=segment_ids_BT > 0)
     return h_BTD, (k, v, scales, routing.get("ids_BTk"))
 
   h_BTD = _embed(p, tokens_BT)
