@@ -7,6 +7,7 @@ tokens. The learner step is `learner.make_train_step` (ppo_clip, fp32, AdamW, la
 tokens; the generation is `sampling.generate` (temperature 1, fp32) from random prompts.
 
   JAX_PLATFORMS=cpu python -m bench.real_model_memory [--batch 32 --prompt 32 --new 256] [--model DIR]
+      [--kv-cache full|int8]
 
 On-policy distillation (`--loss opd_forward_kl`, or any loss with teacher needs): the learner step is
 preceded by the teacher scoring the batch (`distill.teacher.make_teacher_scorer`, teacher = `--teacher`,
@@ -76,7 +77,7 @@ def _teacher_extras(teacher: str, loss: str, cfg, seq, pos, seg, mask, topk: int
 
 
 def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: float, loss: str = "ppo_clip",
-            teacher: str | None = None, topk: int = 8, compile_only: bool = False) -> dict:
+            teacher: str | None = None, topk: int = 8, compile_only: bool = False, kv_cache: str = "full") -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -119,14 +120,14 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
       jax.block_until_ready(metrics["loss"])
       extra = {"loss": float(metrics["loss"])}
   else:
-    scfg = SamplerConfig(max_new_tokens=N, temperature=1.0, stop_ids=(cfg.vocab_size - 1,))
+    scfg = SamplerConfig(max_new_tokens=N, temperature=1.0, stop_ids=(cfg.vocab_size - 1,), kv_cache=kv_cache)
     prompts = np.asarray(rng.integers(3, cfg.vocab_size, (B, P)), np.int32)
     lens = np.full((B,), P, np.int32)
     compiled = _checked(generate.lower(params, prompts, lens, jax.random.key(0), model_cfg=cfg,
                                        sampler_cfg=scfg).compile(), max_gib)
     out = compiled(params, prompts, lens, jax.random.key(0))
     jax.block_until_ready(out["tokens_BN"])
-    extra = {"mean_length": float(np.asarray(out["lengths_B"]).mean())}
+    extra = {"mean_length": float(np.asarray(out["lengths_B"]).mean()), "kv_cache": kv_cache}
   temp = compiled.memory_analysis().temp_size_in_bytes
   return {"what": what, "loss": loss if what == "learner" else None, "B": B, "P": P, "N": N, "remat": remat,
           "vocab": cfg.vocab_size, "peak_rss_gib": round(_peak_gib(), 3),
@@ -148,18 +149,19 @@ def main(argv=None) -> None:
   p.add_argument("--teacher", default=None, help="teacher HF folder for distillation losses (default: --model)")
   p.add_argument("--topk", type=int, default=8, help="the teacher's top-k cache width")
   p.add_argument("--compile-only", action="store_true", help="learner: report XLA temps without running")
+  p.add_argument("--kv-cache", default="full", choices=["full", "int8"], help="generate: the sampler's KV cache")
   a = p.parse_args(argv)
   if a.model is None:
     from jaxrl_llm.models.gguf import prepare_smollm2
     a.model = str(prepare_smollm2())
   if a.what != "both":
     print(json.dumps(measure(a.what, a.model, a.batch, a.prompt, a.new, a.remat, a.max_gib, a.loss, a.teacher,
-                             a.topk, a.compile_only)), flush=True)
+                             a.topk, a.compile_only, a.kv_cache)), flush=True)
     return
   for what in ("learner", "generate"):  # one process each: ru_maxrss is per process
     subprocess.run([sys.executable, "-m", "bench.real_model_memory", "--what", what, "--batch", str(a.batch),
                     "--prompt", str(a.prompt), "--new", str(a.new), "--model", a.model, "--remat", a.remat,
-                    "--max-gib", str(a.max_gib), "--loss", a.loss, "--topk", str(a.topk)]
+                    "--max-gib", str(a.max_gib), "--loss", a.loss, "--topk", str(a.topk), "--kv-cache", a.kv_cache]
                    + (["--teacher", a.teacher] if a.teacher else []) + (["--compile-only"] if a.compile_only else []),
                    check=True,
                    env=os.environ)

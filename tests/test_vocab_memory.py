@@ -85,8 +85,8 @@ def test_generate_holds_one_full_width_kv_cache(kv_cache):
   """The prefill fills the prompt's slots only and the decode view adds the room for N tokens, so the full-width
   cache (32 MiB here, everything else small) never exists beside its copy in the decode loop's layout: XLA's temp
   is the cache plus one layer's keys in float32 (8 MiB, what a layer's attention reads; it was the cache plus
-  27.5 MiB). An int8 cache decodes through the same view (it went through the layer scan, whose output cache is a
-  second buffer beside its input at every step: 94 MiB)."""
+  27.5 MiB). An int8 cache decodes through the same view (through the layer scan, whose output cache is a second
+  buffer beside its input at every step, it was 94 MiB; the view's copy of the weights is small here)."""
   cfg = KV
   assert cfg.decode_unroll
   rows, P, new = 32, 8, 248
