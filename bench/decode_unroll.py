@@ -7,7 +7,8 @@ SmolLM2-135M-Instruct (`make smollm2`; 30 layers) as workload R runs it (`layer_
 stop ids so every row decodes every step), random prompt ids. For each batch and each setting, `sampling.generate`
 of 1 and of `--new-tokens` tokens, each best of 2 after a compiling call; decode step = (time(N) - time(1)) /
 (N - 1). `--kv-cache`: the sampler's cache formats to run (`sampler.kv_cache`: full, int8). Prints one JSON object
-per (batch, cache, setting): the decode step in ms and the first (compiling) call's seconds.
+per (batch, cache, setting): the decode step and the 1-token call (the prefill) in ms, and the first (compiling)
+call's seconds.
 A bound for comparison is in bench/README.md's R_small roofline (parameters + KV cache read per step, or FLOPs).
 """
 
@@ -52,6 +53,7 @@ def measure(model_dir: str, batches: list[int], prompt: int, new_tokens: int,
                       for r in range(2))
       out.append({"batch": B, "kv_cache": kv_cache, "decode_unroll": unstacked,
                   "decode_step_ms": round(1000 * (best[new_tokens] - best[1]) / (new_tokens - 1), 1),
+                  "prefill_ms": round(1000 * best[1], 1),
                   "first_call_s": round(first[new_tokens], 1)})
       print(json.dumps(out[-1]), flush=True)
   return out

@@ -6,6 +6,8 @@ float32 array is 512 MiB and everything else is small, and bound XLA's temp allo
 vocabulary with chunks of a few positions and compare them with the full-vocabulary computation.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,14 +83,15 @@ KV = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4,
 
 
 @pytest.mark.parametrize("kv_cache", ["full", "int8"])
-def test_generate_holds_one_full_width_kv_cache(kv_cache):
+@pytest.mark.parametrize("decode_unroll", [True, False], ids=["view", "scan"])
+def test_generate_holds_one_full_width_kv_cache(kv_cache, decode_unroll):
   """The prefill fills the prompt's slots only and the decode view adds the room for N tokens, so the full-width
   cache (32 MiB here, everything else small) never exists beside its copy in the decode loop's layout: XLA's temp
-  is the cache plus one layer's keys in float32 (8 MiB, what a layer's attention reads; it was the cache plus
-  27.5 MiB). An int8 cache decodes through the same view (through the layer scan, whose output cache is a second
-  buffer beside its input at every step, it was 94 MiB; the view's copy of the weights is small here)."""
-  cfg = KV
-  assert cfg.decode_unroll
+  is the cache plus at most one layer's keys and values in float32 (8 MiB each, what a layer's attention reads; it
+  was the cache plus 27.5 MiB). The layer scan (`decode_unroll=False`) carries the stacked cache and writes each layer's new slots in
+  place: when the scan output the layers' caches, they were a second whole cache beside its input at every step
+  (94 MiB, int8 included)."""
+  cfg = dataclasses.replace(KV, decode_unroll=decode_unroll)
   rows, P, new = 32, 8, 248
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
   kv_dtype = "int8" if kv_cache == "int8" else "compute"
@@ -98,7 +101,7 @@ def test_generate_holds_one_full_width_kv_cache(kv_cache):
                      jax.ShapeDtypeStruct((rows, P), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
                      jax.random.key(0))
   layer_f32 = rows * (P + new) * cfg.n_kv_heads * cfg.head_dim * 4
-  assert 0 <= temp - full < 1.25 * layer_f32, (temp, full, layer_f32)
+  assert 0 <= temp - full < 2.5 * layer_f32, (temp, full, layer_f32)  # view 1.0, scan 2.3 (its keys and values)
 
 
 @pytest.mark.parametrize("head", [False, True])

@@ -476,50 +476,58 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
   unstacked = isinstance(p["layers"], tuple)
   quantized = "k_scale" in cache
-  write = lambda buf, x_BTK_, axis: jax.lax.dynamic_update_slice_in_dim(buf, x_BTK_.astype(buf.dtype), slot, axis=axis)
+  names = ("k", "v", "k_scale", "v_scale") if quantized else ("k", "v")
 
-  def layer(h_BTD, xs):
-    p_l, k, v, scales = xs
+  def new_entries(h_BTD, p_l):
+    """(the layer's merged weights, its queries, and what its new tokens add to the cache: keys and values [B, T,
+    K, hd], int8 with their scales [B, T, K] for an int8 cache)."""
     p_l = lora_lib.merge_layer(p_l, cfg.compute_dtype)
     q_BTHd, k_BTKd, v_BTKd = _qkv(rms_norm(h_BTD, p_l["attn_norm"], cfg.rms_eps), p_l, positions_BT, cfg)
-    if unstacked and quantized:  # int8 keys [B, K, hd, S], values [B, K, S, hd], scales [B, K, S]
-      (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
-      k, v = write(k, jnp.transpose(kq_BTKd, (0, 2, 3, 1)), 3), write(v, jnp.transpose(vq_BTKd, (0, 2, 1, 3)), 2)
-      scales = (write(scales[0], jnp.transpose(ks_BTK, (0, 2, 1)), 2),
-                write(scales[1], jnp.transpose(vs_BTK, (0, 2, 1)), 2))
-      attn_BTHd = decode_attention(q_BTHd, k, v, mask_BTS, *scales, cfg.compute_dtype)  # scales outside the sums
-    elif unstacked:  # keys [B, K, hd, S], values [B, K, S, hd]
-      k = write(k, jnp.transpose(k_BTKd, (0, 2, 3, 1)), 3)
-      v = write(v, jnp.transpose(v_BTKd, (0, 2, 1, 3)), 2)
-      attn_BTHd = decode_attention(q_BTHd, k, v, mask_BTS)
-    elif quantized:  # int8 slots [B, S, K, hd] with scales [B, S, K], read back dequantised
-      (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
-      k, v = write(k, kq_BTKd, 1), write(v, vq_BTKd, 1)
-      scales = (write(scales[0], ks_BTK, 1), write(scales[1], vs_BTK, 1))
-      attn_BTHd = attention(q_BTHd, cache_lib.dequantize_kv(k, scales[0], cfg.compute_dtype),
-                            cache_lib.dequantize_kv(v, scales[1], cfg.compute_dtype), mask_BTS)
-    else:  # the model's layout [B, S, K, hd]
-      k, v = write(k, k_BTKd, 1), write(v, v_BTKd, 1)
-      attn_BTHd = attention(q_BTHd, k, v, mask_BTS)
-    h_BTD, routing = _finish_layer(h_BTD, attn_BTHd, p_l, cfg, real_BT=segment_ids_BT > 0)
-    return h_BTD, (k, v, scales, routing.get("ids_BTk"))
+    if not quantized:
+      return p_l, q_BTHd, {"k": k_BTKd, "v": v_BTKd}
+    (kq_BTKd, ks_BTK), (vq_BTKd, vs_BTK) = cache_lib.quantize_kv(k_BTKd), cache_lib.quantize_kv(v_BTKd)
+    return p_l, q_BTHd, {"k": kq_BTKd, "v": vq_BTKd, "k_scale": ks_BTK, "v_scale": vs_BTK}
+
+  def finish(h_BTD, attn_BTHd, p_l):
+    return _finish_layer(h_BTD, attn_BTHd, p_l, cfg, real_BT=segment_ids_BT > 0)
 
   h_BTD = _embed(p, tokens_BT)
-  scales = (cache["k_scale"], cache["v_scale"]) if quantized else None
-  if unstacked:
-    outs = []
-    for l, (p_l, k, v) in enumerate(zip(p["layers"], cache["k"], cache["v"])):
-      h_BTD, out = layer(h_BTD, (p_l, k, v, None if scales is None else (scales[0][l], scales[1][l])))
-      outs.append(out)
-    k, v, scales, ids = (tuple(o[i] for o in outs) for i in range(4))
-    scales = tuple(zip(*scales)) if quantized else None  # per layer (k, v) -> (all k, all v)
+  if unstacked:  # each layer's own buffers: keys [B, K, hd, S], values [B, K, S, hd], scales [B, K, S]
+    to_view = {"k": ((0, 2, 3, 1), 3), "v": ((0, 2, 1, 3), 2), "k_scale": ((0, 2, 1), 2), "v_scale": ((0, 2, 1), 2)}
+    written, ids = {n: [] for n in names}, []
+    for l, p_l in enumerate(p["layers"]):
+      p_l, q_BTHd, new = new_entries(h_BTD, p_l)
+      buf = {n: jax.lax.dynamic_update_slice_in_dim(cache[n][l], jnp.transpose(new[n], to_view[n][0]).astype(
+          cache[n][l].dtype), slot, axis=to_view[n][1]) for n in names}
+      scales = (buf["k_scale"], buf["v_scale"], cfg.compute_dtype) if quantized else ()  # outside the sums
+      h_BTD, routing = finish(h_BTD, decode_attention(q_BTHd, buf["k"], buf["v"], mask_BTS, *scales), p_l)
+      for n in names:
+        written[n].append(buf[n])
+      ids.append(routing.get("ids_BTk"))
+    kv = {n: tuple(written[n]) for n in names}
     ids_LBTk = None if ids[0] is None else jnp.stack(ids)
   else:
-    h_BTD, (k, v, scales, ids_LBTk) = jax.lax.scan(layer, h_BTD, (p["layers"], cache["k"], cache["v"], scales),
-                                                   unroll=cfg.layer_unroll)
-  if quantized:
-    cache = {**cache, "k_scale": scales[0], "v_scale": scales[1]}
-  cache = {**cache, "k": k, "v": v}
+    # The stacked cache rides in the scan's carry and each layer writes its new slots in place. (As the scan's
+    # outputs, the layers' caches were a second whole cache beside the input at every decode step.)
+    def layer(carry, xs):
+      h_BTD, kv = carry
+      p_l, l = xs
+      p_l, q_BTHd, new = new_entries(h_BTD, p_l)
+      kv = {n: jax.lax.dynamic_update_slice(kv[n], new[n][None].astype(kv[n].dtype), (l, 0, slot) + (0,) * (
+          kv[n].ndim - 3)) for n in names}
+      at = {n: jax.lax.dynamic_index_in_dim(kv[n], l, keepdims=False) for n in names}
+      if quantized:  # [B, S, K, hd] read back dequantised
+        k_BSKd = cache_lib.dequantize_kv(at["k"], at["k_scale"], cfg.compute_dtype)
+        v_BSKd = cache_lib.dequantize_kv(at["v"], at["v_scale"], cfg.compute_dtype)
+      else:
+        k_BSKd, v_BSKd = at["k"], at["v"]
+      h_BTD, routing = finish(h_BTD, attention(q_BTHd, k_BSKd, v_BSKd, mask_BTS), p_l)
+      return (h_BTD, kv), routing.get("ids_BTk")
+
+    layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+    (h_BTD, kv), ids_LBTk = jax.lax.scan(layer, (h_BTD, {n: cache[n] for n in names}), (p["layers"], layer_ids),
+                                         unroll=cfg.layer_unroll)
+  cache = {**cache, **kv}
   if ids_LBTk is not None:  # MoE: record the routes of the new tokens (R3)
     cache["routes_LBSk"] = jax.lax.dynamic_update_slice_in_dim(cache["routes_LBSk"], ids_LBTk, index, axis=2)
   return rms_norm(h_BTD, p["final_norm"], cfg.rms_eps), cache
