@@ -7,7 +7,7 @@ tokens. The learner step is `learner.make_train_step` (ppo_clip, fp32, AdamW, la
 tokens; the generation is `sampling.generate` (temperature 1, fp32) from random prompts.
 
   JAX_PLATFORMS=cpu python -m bench.real_model_memory [--batch 32 --prompt 32 --new 256] [--model DIR]
-      [--kv-cache full|int8]
+      [--kv-cache full|int8] [--scan-decode]
 
 On-policy distillation (`--loss opd_forward_kl`, or any loss with teacher needs): the learner step is
 preceded by the teacher scoring the batch (`distill.teacher.make_teacher_scorer`, teacher = `--teacher`,
@@ -77,7 +77,8 @@ def _teacher_extras(teacher: str, loss: str, cfg, seq, pos, seg, mask, topk: int
 
 
 def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: float, loss: str = "ppo_clip",
-            teacher: str | None = None, topk: int = 8, compile_only: bool = False, kv_cache: str = "full") -> dict:
+            teacher: str | None = None, topk: int = 8, compile_only: bool = False, kv_cache: str = "full",
+            decode_unroll: bool = True) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -89,7 +90,7 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
 
   import dataclasses
   cfg, params = load_hf(model, param_dtype="float32")
-  cfg = dataclasses.replace(cfg, remat=remat, max_seq_len=max(cfg.max_seq_len, P + N))
+  cfg = dataclasses.replace(cfg, remat=remat, max_seq_len=max(cfg.max_seq_len, P + N), decode_unroll=decode_unroll)
   rng = np.random.default_rng(0)
   loaded = _rss_gib()
   t0 = time.perf_counter()
@@ -127,7 +128,8 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
                                        sampler_cfg=scfg).compile(), max_gib)
     out = compiled(params, prompts, lens, jax.random.key(0))
     jax.block_until_ready(out["tokens_BN"])
-    extra = {"mean_length": float(np.asarray(out["lengths_B"]).mean()), "kv_cache": kv_cache}
+    extra = {"mean_length": float(np.asarray(out["lengths_B"]).mean()), "kv_cache": kv_cache,
+             "decode_unroll": decode_unroll}
   temp = compiled.memory_analysis().temp_size_in_bytes
   return {"what": what, "loss": loss if what == "learner" else None, "B": B, "P": P, "N": N, "remat": remat,
           "vocab": cfg.vocab_size, "peak_rss_gib": round(_peak_gib(), 3),
@@ -150,19 +152,21 @@ def main(argv=None) -> None:
   p.add_argument("--topk", type=int, default=8, help="the teacher's top-k cache width")
   p.add_argument("--compile-only", action="store_true", help="learner: report XLA temps without running")
   p.add_argument("--kv-cache", default="full", choices=["full", "int8"], help="generate: the sampler's KV cache")
+  p.add_argument("--scan-decode", action="store_true", help="generate: model.decode_unroll=False (the layer scan)")
   a = p.parse_args(argv)
   if a.model is None:
     from jaxrl_llm.models.gguf import prepare_smollm2
     a.model = str(prepare_smollm2())
   if a.what != "both":
     print(json.dumps(measure(a.what, a.model, a.batch, a.prompt, a.new, a.remat, a.max_gib, a.loss, a.teacher,
-                             a.topk, a.compile_only, a.kv_cache)), flush=True)
+                             a.topk, a.compile_only, a.kv_cache, not a.scan_decode)), flush=True)
     return
   for what in ("learner", "generate"):  # one process each: ru_maxrss is per process
     subprocess.run([sys.executable, "-m", "bench.real_model_memory", "--what", what, "--batch", str(a.batch),
                     "--prompt", str(a.prompt), "--new", str(a.new), "--model", a.model, "--remat", a.remat,
                     "--max-gib", str(a.max_gib), "--loss", a.loss, "--topk", str(a.topk), "--kv-cache", a.kv_cache]
-                   + (["--teacher", a.teacher] if a.teacher else []) + (["--compile-only"] if a.compile_only else []),
+                   + (["--teacher", a.teacher] if a.teacher else []) + (["--compile-only"] if a.compile_only else [])
+                   + (["--scan-decode"] if a.scan_decode else []),
                    check=True,
                    env=os.environ)
 

@@ -51,8 +51,9 @@ class ModelConfig:
       Python loop over layers compiled into the loop body, instead of going through the layer scan, whose
       per-layer slices XLA:CPU copies at every decode step. Measured on SmolLM2-135M (30 layers, `layer_unroll=1`,
       `python -m bench.decode_unroll`): about a third less time per decode step at batch 16 and 64, for a longer
-      first compile at small batches. False keeps the scan (one compiled layer body: the choice for very deep
-      models where compile time dominates). Ignored with an int8 KV cache (it decodes through the scan).
+      first compile at small batches, and a copy of the layer weights for the loop (output-major). False keeps the
+      scan (one compiled layer body, no weight copy: the choice for very deep models where compile time dominates,
+      or where memory matters more than decode speed). Every cache format decodes either way.
     family: the Hugging Face family the config was read from ("llama", "qwen2", "qwen3"; set by
       `config_from_hf`), None for a model built from config fields (`models.hf.family_for` then names
       the one family that expresses its features). Not compared or hashed: it changes no computation.
