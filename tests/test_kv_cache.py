@@ -185,8 +185,9 @@ def test_ring_buffer_saves_slots_and_decodes_as_the_window_mask(unroll, monkeypa
   monkeypatch.setattr(sampler, "init_cache", spy)
 
   def view(*a):
-    viewed.append(stack_cache(decode_view(*a)[1])["k"].shape[2])
-    return decode_view(*a)
+    out = decode_view(*a)
+    viewed.append(stack_cache(out[1])["k"].shape[2])
+    return out
 
   monkeypatch.setattr(sampler, "decode_view", view)
   body = functools.partial(sampler.generate.__wrapped__, model_cfg=cfg, sampler_cfg=sc)  # traced, not cached

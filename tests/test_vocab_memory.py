@@ -16,8 +16,8 @@ import pytest
 from jaxrl_llm import learner
 from jaxrl_llm.distill import teacher as teacher_lib
 from jaxrl_llm.distill.topk_cache import build_topk_cache
-from jaxrl_llm.models.cache import cache_bytes, init_cache
 from jaxrl_llm.models import ModelConfig, forward, init_params, logprobs_from_logits, token_logprobs
+from jaxrl_llm.models.cache import cache_bytes, init_cache
 from jaxrl_llm.models.logprobs import chunk_positions
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling.config import SamplerConfig
@@ -88,9 +88,9 @@ def test_generate_holds_one_full_width_kv_cache(kv_cache, decode_unroll):
   """The prefill fills the prompt's slots only and the decode view adds the room for N tokens, so the full-width
   cache (32 MiB here, everything else small) never exists beside its copy in the decode loop's layout: XLA's temp
   is the cache plus at most one layer's keys and values in float32 (8 MiB each, what a layer's attention reads; it
-  was the cache plus 27.5 MiB). The layer scan (`decode_unroll=False`) carries the stacked cache and writes each layer's new slots in
-  place: when the scan output the layers' caches, they were a second whole cache beside its input at every step
-  (94 MiB, int8 included)."""
+  was the cache plus 27.5 MiB). The layer scan (`decode_unroll=False`) carries the stacked cache and writes each
+  layer's new slots in place: when the scan output the layers' caches, they were a second whole cache beside its
+  input at every step (94 MiB, int8 included)."""
   cfg = dataclasses.replace(KV, decode_unroll=decode_unroll)
   rows, P, new = 32, 8, 248
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
