@@ -62,6 +62,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str = "comp
   return cache
 
 
+EMPTY_SLOT = {"k": 0, "v": 0, "k_scale": 1.0, "v_scale": 1.0}  # what `init_cache` leaves in a slot of each array
+
+
 def pad_slots(x: Array, axis: int, slots: int, value=0) -> Array:
   """`x` padded with `value` along its slot axis `axis` to `slots` entries."""
   pad = [(0, slots - x.shape[axis]) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)]
@@ -82,8 +85,7 @@ def widen(cache: dict, slots: int | None, kv: bool = True) -> dict:
   out = {**cache, "positions_BS": pad_slots(cache["positions_BS"], 1, slots),
          "segment_ids_BS": pad_slots(cache["segment_ids_BS"], 1, slots)}
   if kv:
-    out.update({n: pad_slots(cache[n], 2, slots) for n in ("k", "v")})
-    out.update({n: pad_slots(cache[n], 2, slots, 1.0) for n in ("k_scale", "v_scale") if n in cache})
+    out.update({n: pad_slots(cache[n], 2, slots, value) for n, value in EMPTY_SLOT.items() if n in cache})
   return out
 
 

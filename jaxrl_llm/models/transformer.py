@@ -401,6 +401,15 @@ def _output_major(p_l: dict, cfg: ModelConfig) -> dict:
   return {k: OutIn.of(w, axes[k]) if k in axes else w for k, w in p_l.items()}
 
 
+# Per cache array: its permutation from the model's layout ([B, S, K, hd] per layer; scales [B, S, K]) to the decode
+# loop's (keys [B, K, hd, S], values [B, K, S, hd], scales [B, K, S]), and its slot axis there.
+_DECODE_LAYOUT = {"k": ((0, 2, 3, 1), 3), "v": ((0, 2, 1, 3), 2), "k_scale": ((0, 2, 1), 2), "v_scale": ((0, 2, 1), 2)}
+
+
+def _to_decode_layout(name: str, x: Array) -> Array:
+  return jnp.transpose(x, _DECODE_LAYOUT[name][0])
+
+
 def unstack_cache(cache: dict, slots: int | None = None) -> dict:
   """The decode-loop view of a cache: `k`, `v` as tuples of per-layer arrays in the "decode" layout
   of `layers.decode_attention` (keys [B, K, hd, S], values [B, K, S, hd]); `slots`: widened to that many
@@ -411,25 +420,18 @@ def unstack_cache(cache: dict, slots: int | None = None) -> dict:
   transposes the cache.
   """
   slots = slots or cache["segment_ids_BS"].shape[1]
-  view = {**cache_lib.widen(cache, slots, kv=False),
-          "k": tuple(cache_lib.pad_slots(jnp.transpose(k, (0, 2, 3, 1)), 3, slots) for k in cache["k"]),
-          "v": tuple(cache_lib.pad_slots(jnp.transpose(v, (0, 2, 1, 3)), 2, slots) for v in cache["v"])}
-  for name in ("k_scale", "v_scale"):  # int8: each layer's scales [B, K, S]
-    if name in cache:
-      view[name] = tuple(cache_lib.pad_slots(jnp.transpose(s, (0, 2, 1)), 2, slots, 1.0) for s in cache[name])
-  return view
+  return {**cache_lib.widen(cache, slots, kv=False),
+          **{n: tuple(cache_lib.pad_slots(_to_decode_layout(n, x), _DECODE_LAYOUT[n][1], slots, cache_lib.EMPTY_SLOT[n])
+                      for x in cache[n]) for n in _DECODE_LAYOUT if n in cache}}
 
 
 def stack_cache(cache: dict) -> dict:
   """Inverse of `unstack_cache` (a no-op on a stacked cache)."""
   if not isinstance(cache["k"], tuple):
     return cache
-  out = {**cache, "k": jnp.stack([jnp.transpose(k, (0, 3, 1, 2)) for k in cache["k"]]),
-         "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for v in cache["v"]])}
-  for name in ("k_scale", "v_scale"):
-    if name in cache:
-      out[name] = jnp.stack([jnp.transpose(s, (0, 2, 1)) for s in cache[name]])
-  return out
+  back = lambda n: tuple(_DECODE_LAYOUT[n][0].index(a) for a in range(len(_DECODE_LAYOUT[n][0])))  # the inverse
+  return {**cache, **{n: jnp.stack([jnp.transpose(x, back(n)) for x in cache[n]])
+                      for n in _DECODE_LAYOUT if n in cache}}
 
 
 def decode_view(params: dict, cache: dict, cfg: ModelConfig, slots: int | None = None) -> tuple[dict, dict]:
@@ -493,12 +495,11 @@ def hidden_with_cache(params: dict, tokens_BT: Array, cache: dict, cfg: ModelCon
 
   h_BTD = _embed(p, tokens_BT)
   if unstacked:  # each layer's own buffers: keys [B, K, hd, S], values [B, K, S, hd], scales [B, K, S]
-    to_view = {"k": ((0, 2, 3, 1), 3), "v": ((0, 2, 1, 3), 2), "k_scale": ((0, 2, 1), 2), "v_scale": ((0, 2, 1), 2)}
     written, ids = {n: [] for n in names}, []
     for l, p_l in enumerate(p["layers"]):
       p_l, q_BTHd, new = new_entries(h_BTD, p_l)
-      buf = {n: jax.lax.dynamic_update_slice_in_dim(cache[n][l], jnp.transpose(new[n], to_view[n][0]).astype(
-          cache[n][l].dtype), slot, axis=to_view[n][1]) for n in names}
+      buf = {n: jax.lax.dynamic_update_slice_in_dim(cache[n][l], _to_decode_layout(n, new[n]).astype(
+          cache[n][l].dtype), slot, axis=_DECODE_LAYOUT[n][1]) for n in names}
       scales = (buf["k_scale"], buf["v_scale"], cfg.compute_dtype) if quantized else ()  # outside the sums
       h_BTD, routing = finish(h_BTD, decode_attention(q_BTHd, buf["k"], buf["v"], mask_BTS, *scales), p_l)
       for n in names:
