@@ -46,6 +46,24 @@ def time_calls(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> d
           "page_faults": statistics.median(faults)}
 
 
+def in_fresh_process(fn: Callable[..., Any], *args, **kwargs) -> Any:
+  """`fn(*args, **kwargs)` run in a fresh Python interpreter (multiprocessing "spawn"), its result sent back.
+
+  Why: a measurement that reports the process's memory or runs after other sections shares their allocator
+  state (freed buffers glibc keeps, compiled programs, page mappings). `make bench` measures workload R so,
+  as `--only-real` does. `fn`, its arguments and its result must pickle; the child inherits the environment
+  (XLA_FLAGS, GLIBC_TUNABLES) and `sys.path`.
+  """
+  import multiprocessing
+  with multiprocessing.get_context("spawn").Pool(1) as pool:
+    return pool.apply(fn, args, kwargs)
+
+
+def log_stderr(line: str) -> None:
+  """A `log` callable that pickles (for `in_fresh_process`): the line to stderr."""
+  print(line, file=sys.stderr, flush=True)
+
+
 def _on_duration(event: str, duration: float, **kwargs) -> None:
   del duration, kwargs
   if event == _COMPILE_EVENT:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -288,7 +289,7 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
   `features` / `variants`: speed features of ours on workload R (`measure_real`); `remeasure_peers`: `only_peers`
   replace their rows of an existing R entry (no phases measured).
   """
-  from bench import grpo_step, learner_mfu, peak, sampler_tput, system, workloads
+  from bench import common, grpo_step, learner_mfu, peak, sampler_tput, system, workloads
 
   t_start = time.perf_counter()
   res: dict = {"command": command if not quick else "python -m bench.run --quick", "quick": quick,
@@ -367,9 +368,12 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
     res["real_skipped"] = f"workload {real}: no model folder {model_dir or _default_model_dir()} (`make smollm2` imports it)"
     log(f"[bench] {res['real_skipped']}")
   elif real:
-    res["grpo"][real] = measure_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
-                                     steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks), log=log,
-                                     quick=quick, **real_kw)
+    # Not the quick smoke run: in a fresh process, so the sections above leave nothing in its memory or allocator
+    # (its phases' peak RSS then counts what R needs, as with --only-real).
+    run_real = measure_real if quick else functools.partial(common.in_fresh_process, measure_real)
+    res["grpo"][real] = run_real(real, peak_fp32, bandwidth, peers and not quick, model_dir, shared_prefill,
+                                 steps=QUICK["grpo_steps"] if quick else (*REAL_STEPS[:2], real_blocks),
+                                 log=log if quick else common.log_stderr, quick=quick, **real_kw)
     res["grpo"][real]["measured"] = measured()
   res["machine"]["loadavg_end"] = list(os.getloadavg())
   res["wall_s"] = time.perf_counter() - t_start
@@ -765,7 +769,9 @@ What each number is:
 - workload R (issue 17): the GRPO step on the real SmolLM2-135M-Instruct (`make smollm2` imports it): its
   weights, tokenizer and chat template, `arithmetic_chat` prompts, k3 KL β = 0.04 to the initial weights, one
   update per batch, fp32 (`bench/grpo_real.py`). R = 8 prompts × 8, 128 new tokens (`make bench-r`, slow on a
-  CPU); R_small = 4 × 4, 64 new tokens, what `make bench` runs. Peers, each in `bench/.venv-bench` and taking
+  CPU); R_small = 4 × 4, 64 new tokens, what `make bench` runs, in a fresh process of its own (as `--only-real`
+  does; before 2026-12-07 it ran after the toy sections, whose freed memory its phases' RSS counted). Peers, each in
+  `bench/.venv-bench` and taking
   turns with ours block by block (a peer's process is paused while any other side runs): Tunix
   (`bench/peers/tunix_grpo.py`, its Llama-3 family with the folder's config and safetensors, its vanilla
   sampler), TRL (`bench/peers/trl_grpo.py`, `GRPOTrainer`, `loss_type="grpo"`) and plain PyTorch

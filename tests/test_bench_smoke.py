@@ -73,6 +73,15 @@ def test_count_compiles_sees_a_new_shape():
   assert (n_same[0], n_new[0]) == (0, 1)
 
 
+def test_in_fresh_process_starts_from_nothing():
+  """`make bench` measures workload R in a fresh interpreter: its compile counter starts at zero there while this
+  process's has counted compilations, and the result comes back."""
+  before = common.compile_events()
+  jax.jit(lambda x: x + 1.0)(np.ones(3, np.float32))
+  assert common.compile_events() > before and common.in_fresh_process(common.compile_events) == 0
+  assert common.in_fresh_process(divmod, 7, 2) == (3, 1)
+
+
 def test_peer_without_bench_venv():
   peer = run.InterleavedPeer("2L-d128", 1, 1, 2, python="/nonexistent/python")
   peer.turn()
