@@ -241,6 +241,7 @@ def measure_real(variant: str, peak_fp32: float, bandwidth: float, peers: bool, 
     ph["compiles"] = n_phase_compiles[0]
     out.update(phases=ph, roofline=grpo_real.roofline(ctx, ph, ours["total_s"], peak_fp32, bandwidth),
                memory=grpo_real.memory(ctx, ph), peak_at_phases={"fp32": peak_fp32, "bandwidth": bandwidth,
+                                                                 "bandwidth_in_place": pk["copy"]["in_place"],
                                                                  "loadavg": list(os.getloadavg())})
   out["loadavg_end"] = list(os.getloadavg())
   for n in REAL_PEERS:
@@ -301,7 +302,8 @@ def collect(quick: bool, peers: bool, log=print, real: str | None = None, only_r
   def measured() -> dict:  # where the R entry came from: it may be merged into an older results.json
     m = res["machine"]
     return {"command": res["command"], "commit": m["commit"], "dirty": m["dirty"], "date_utc": m["date_utc"],
-            "peak_fp32": peak_fp32, "bandwidth": bandwidth, "cpu_count": m["cpu_count"], "jax": m["jax"]}
+            "peak_fp32": peak_fp32, "bandwidth": bandwidth, "bandwidth_in_place": res["peak"]["copy"]["in_place"],
+            "cpu_count": m["cpu_count"], "jax": m["jax"]}
 
   real_kw = dict(features=features, variants=variants, peer_python=peer_python)
   if only_tail:
@@ -501,6 +503,11 @@ def _toy_tables(res: dict) -> list[str]:
   return out
 
 
+def _copy_kind(copy: dict) -> str:
+  """How the copy bandwidth was measured, for its column: in place, or (results before 2026-12-07) a fresh output."""
+  return " in place" if copy.get("in_place") else ", a fresh output per call: page-fault bound"
+
+
 def format_tables(res: dict) -> str:
   """The Markdown tables printed on stdout and embedded in bench/README.md."""
   m, p = res["machine"], res["peak"]
@@ -509,7 +516,7 @@ def format_tables(res: dict) -> str:
          f"{m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end · bench wall {res['wall_s']:.0f} s"
          + (f" · huge pages {'on' if m['huge_pages'] else 'off'} (`jaxrl_llm/hugepages.py`)" if "huge_pages" in m else ""), ""]
   out += ["**Machine references** (measured with JAX in this run)", "",
-          _table(["fp32 matmul peak", "bf16 matmul peak", "copy bandwidth (x + 1)"],
+          _table(["fp32 matmul peak", "bf16 matmul peak", "copy bandwidth (x + 1" + _copy_kind(p["copy"]) + ")"],
                  [[f"{_g(p['matmul_fp32']['flops_per_s'], 'FLOP/s')} (n={p['matmul_fp32']['n']})",
                    f"{_g(p['matmul_bf16']['flops_per_s'], 'FLOP/s')} (n={p['matmul_bf16']['n']})",
                    _g(p["copy"]["bytes_per_s"], "B/s")]]), ""]
@@ -621,6 +628,9 @@ def _real_targets(r: dict) -> list[list[str]]:
   """The issue's targets for workload R: [target, measured, met?]."""
   o, rf, mem = r["ours"], r["roofline"], r["memory"]
   yes = lambda ok: "yes" if ok else "**no**"
+  # results before 2026-12-07: the bandwidth was the page-fault rate, so memory bounds came out too long
+  stale = ("" if r.get("peak_at_phases", {}).get("bandwidth_in_place")
+           else " (against the page-fault rate, bounds too long)")
   rows = []
   for peer, want in (("tunix", 1.5), ("trl", 2.0), ("torch", 1.5)):  # issue 46's targets
     got = r.get(f"{peer}_over_ours")
@@ -631,13 +641,13 @@ def _real_targets(r: dict) -> list[list[str]]:
   # issue 46: a memory-bound decode (batch 16) at >= 50 % of that bound, a compute-bound one (batch 64) at >= 60 %
   for dec in [rf["decode"]] + ([rf["decode_b64"]] if "decode_b64" in rf else []):
     if dec["bound_kind"] == "memory":
-      rows.append([f"decode ≥ 50 % of its memory bound at batch {dec['batch']}", _pct(dec["of_bandwidth"]),
+      rows.append([f"decode ≥ 50 % of its memory bound at batch {dec['batch']}", _pct(dec["of_bandwidth"]) + stale,
                    yes(dec["of_bandwidth"] >= 0.5)])
     else:
       rows.append([f"decode ≥ 60 % of its compute bound at batch {dec['batch']}", _pct(dec["of_peak_flops"]),
                    yes(dec["of_peak_flops"] >= 0.6)])
   st = rf["step"]
-  rows.append(["whole step within 1.5× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×",
+  rows.append(["whole step within 1.5× its lower bound", f"{st['measured_s'] / st['lower_bound_s']:.2f}×" + stale,
                yes(st["measured_s"] <= 1.5 * st["lower_bound_s"])])
   rows.append(["0 compilations after warm-up", str(o["compiles_after_warmup"]), yes(o["compiles_after_warmup"] == 0)])
   host = o["host_s"] / o["total_s"]
@@ -663,7 +673,8 @@ def format_real(name: str, r: dict) -> str:
     head += (f"\n\nMeasured by `{ms['command']}` · commit {ms['commit']}{' (dirty)' if ms.get('dirty') else ''} · "
              f"{ms['date_utc']} · load average (uptime) {r['loadavg_start'][0]:.1f} / {r['loadavg_start'][1]:.1f} / "
              f"{r['loadavg_start'][2]:.1f} at start, {r['loadavg_end'][0]:.1f} at end · fp32 peak "
-             f"{_g(ms['peak_fp32'], 'FLOP/s')}, copy bandwidth {_g(ms['bandwidth'], 'B/s')} (same run)")
+             f"{_g(ms['peak_fp32'], 'FLOP/s')}, copy bandwidth {_g(ms['bandwidth'], 'B/s')} (same run"
+             f"{'' if ms.get('bandwidth_in_place') else '; a fresh output per call: page-fault bound'})")
   feats = r.get("features") or o.get("features")
   blocks = [x for x in o.get("loadavg_blocks", [])] + [x for v in r.get("variants", {}).values()
                                                         for x in v["ours"].get("loadavg_blocks", [])]
@@ -705,8 +716,11 @@ def format_real(name: str, r: dict) -> str:
                _pct(st["of_lower_bound"])])
   ph = r["phases"]
   pa = r.get("peak_at_phases")
+  stale = "" if (pa or {}).get("bandwidth_in_place") else (
+      "; that bandwidth wrote a fresh output per call, so it is the page-fault rate and the memory bounds here are "
+      "too long: the fractions of bandwidth and of a memory bound overstate how close a phase is")
   against = (f"against the fp32 peak {_g(pa['fp32'], 'FLOP/s')} and bandwidth {_g(pa['bandwidth'], 'B/s')} measured "
-             f"again right before the phases (load average {pa['loadavg'][0]:.1f})" if pa else
+             f"again right before the phases (load average {pa['loadavg'][0]:.1f}){stale}" if pa else
              "against the peak and bandwidth measured at the start of the run (the load changed since: a fraction "
              "over 100 % means the phase ran on a quieter machine than the peak)")
   out += [f"**{name}: roofline per phase** (ours, each phase timed alone after the turns, {against}; decode = generate − prefill, "
@@ -737,7 +751,10 @@ Benchmarks are not tests; timings on a shared machine are noisy, so read the rat
 peak measured in the same run, fraction of the sampler bounds, Tunix / ours measured back to back).
 
 What each number is:
-- matmul peak: best FLOP/s of square `n×n @ n×n` (2·n³ FLOPs) in JAX; copy bandwidth: `x + 1` over 128 MiB.
+- matmul peak: best FLOP/s of square `n×n @ n×n` (2·n³ FLOPs) in JAX; copy bandwidth: `x + 1` over 128 MiB,
+  written over its input (donated). Results before 2026-12-07 wrote a fresh output per call, which measured the
+  kernel's page faults rather than the memory (`python -m bench.peak` times both): their tables say so, and the
+  memory bounds computed from them are too long (docs/performance.md).
 - learner: one `learner.make_train_step` (ppo_clip, token-mean, AdamW) on synthetic full-length rows; N counts
   the parameters used in matmuls (embedding lookup excluded, lm-head included); attention adds
   3 · 2·L·H·hd·T FLOPs per token (causal). Compiles after warm-up come from the jitted step's cache

@@ -169,7 +169,8 @@ def test_quick_run(tmp_path, capsys):
   assert saved["quick"] and saved["command"] == res["command"]
   for name in ("matmul_fp32", "matmul_bf16"):
     assert saved["peak"][name]["flops_per_s"] > 0
-  assert saved["peak"]["copy"]["bytes_per_s"] > 0
+  assert saved["peak"]["copy"]["bytes_per_s"] > 0 and saved["peak"]["copy"]["in_place"]
+  assert "copy bandwidth (x + 1 in place)" in stdout and "page-fault" not in stdout.split("workload R**")[0]
   (learner,) = saved["learner"].values()
   assert learner["compiles_after_warmup"] == 0
   assert 0 < learner["mfu"] and math.isfinite(learner["tokens_per_s"])
@@ -337,6 +338,22 @@ def test_render_of_the_committed_results(capsys, tmp_path):
   # the side table says what each side ran with (an entry from before the features column: ours' defaults)
   assert "| static batch, padded learner, remat full |" in out and "static batch (`generate`)" in out
   assert out.strip() in readme.read_text()
+  # measured before the bandwidth reference wrote in place: each table and target that used it says so
+  assert "copy bandwidth (x + 1, a fresh output per call: page-fault bound)" in out
+  assert out.count("so it is the page-fault rate") == out.count("roofline per phase**") >= 1
+  assert "% (against the page-fault rate, bounds too long) |" in out
+
+
+def test_copy_bandwidth_writes_in_place():
+  """The bandwidth reference donates its input, so the buffer it writes is the one it read: no fresh pages to map.
+  The old reference, a fresh output per call (`python -m bench.peak` times both), maps a fresh 64 MiB output at
+  every call (above glibc's largest mmap threshold, so never a recycled block)."""
+  from bench import peak
+  n = 1 << 24
+  fresh, in_place = peak.copy_bandwidth(n, in_place=False), peak.copy_bandwidth(n)
+  assert (fresh["in_place"], in_place["in_place"]) == (False, True)
+  assert fresh["bytes_moved"] == in_place["bytes_moved"] == 2 * 4 * n and in_place["bytes_per_s"] > 0
+  assert 4 * in_place["page_faults"] < fresh["page_faults"]
 
 
 def test_static_slot_waste_by_hand(monkeypatch):
