@@ -142,10 +142,11 @@ def activation_bytes(cfg: ModelConfig, B: int, T: int, remat: str, N: int) -> in
 
 def memory_budget(cfg: ModelConfig, B: int, P: int, N: int, remat: str) -> dict:
   """Bytes each phase needs from shapes (`jaxrl_llm.memory.phase_bytes`): resident state (policy + reference +
-  AdamW moments) plus what the phase adds (KV cache; scoring logits; gradients + activations), logits whole."""
+  AdamW moments) plus what the phase adds (KV cache and the decode view's weight copy; scoring logits; gradients +
+  activations), logits whole."""
   shape = memory_lib.StepShape(rows=B, prompt=P, new=N, micro_rows=B, frozen_copies=1, sampler_copy=False)
   phases = memory_lib.phase_bytes(cfg, shape, remat, whole_logits=True)
-  return {k: phases[k] for k in ("params", "resident", "prefill", "decode", "reference", "train")}
+  return {k: phases[k] for k in ("params", "resident", "decode_view", "prefill", "decode", "reference", "train")}
 
 
 # ----------------------------------------------------------------------------- phases

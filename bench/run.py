@@ -731,12 +731,15 @@ def format_real(name: str, r: dict) -> str:
           _table(["phase", "time", "model FLOPs", "achieved", "of peak", "bytes/s", "of bandwidth", "bound", "of bound"],
                  rows), ""]
   mem = r["memory"]
+  view = mem["budget_parts"].get("decode_view", 0)  # counted since 2026-12-07
   rows = [[ph_name, _g(mem[ph_name]["peak_rss"], "B"), _g(mem[ph_name]["budget"], "B"), f"{mem[ph_name]['over_budget']:.2f}×",
            f"{mem[ph_name].get('over_budget_less_runtime', float('nan')):.2f}×"]
           for ph_name in ("prefill", "decode", "reference", "train")]
   out += [f"**{name}: memory** (peak RSS of the process during each phase, sampled every 10 ms, against the budget "
           f"from shapes: policy + reference + AdamW moments = {_g(mem['budget_parts']['resident'], 'B')}, plus the "
-          "phase's KV cache / scoring logits / gradients + activations; `bench/grpo_real.py` `memory_budget`; the "
+          "phase's KV cache / scoring logits / gradients + activations"
+          + (f"; prefill and decode also the decode view's weight copy, {_g(view, 'B')}" if view else "")
+          + "; `bench/grpo_real.py` `memory_budget`; the "
           f"runtime before the model was loaded held {_g(mem.get('runtime_rss', 0), 'B')})", "",
           _table(["phase", "peak RSS", "budget", "RSS / budget", "(RSS − runtime) / budget"], rows), ""]
   out += [f"**{name}: targets** (issue 46; reported, not asserted)", "",

@@ -7,16 +7,17 @@ One estimator for the library and the benchmarks (`bench/grpo_real.py` reports i
 A step holds, besides the runtime itself:
   resident   the policy (base + adapters for LoRA), its frozen copies (reference, EWMA proximal), the AdamW
              moments of what is trained (LoRA: the adapters only), and the sampler's published copy;
-  prefill /  the sampler's KV cache of the step's rows (decode adds one position's logits);
-  decode
+  prefill /  the sampler's KV cache of the step's rows and the decode view's output-major copy of the dense
+  decode     weights (`decode_view_bytes`; none with `model.decode_unroll=False`); decode adds one position's logits;
   reference  the scorer's lm-head chunk (reference / π_old scoring; `models.token_logprobs` forms
              [B, C, V] logits C positions at a time, `vocab_chunks.chunk_positions`);
   train      gradients + the activations the backward keeps at the learner's micro-batch, which depend
              on `model.remat` (`activation_bytes`), + the scorer's chunk (the reference is scored inside
              the train step, `learner.fuse_reference`).
 `step`, what `model.remat="auto"` compares with the budget, is `train` with its gradients + activations scaled by
-`XLA_TEMP_FACTOR[remat]` (what the shape count leaves out, measured per mode) plus the KV cache: in the async modes
-the sampler decodes while the learner trains, and a sync run that frees its cache first only gets a margin. The phases
+`XLA_TEMP_FACTOR[remat]` (what the shape count leaves out, measured per mode) plus the sampler's KV cache and decode
+view: in the async modes the sampler decodes while the learner trains, and a sync run that frees them first only gets
+a margin. The phases
 are an estimate, meant to decide "does a step fit" with room, not to size a heap.
 
 `model.remat="auto"` (`choose_remat`): the first mode of the platform's speed order (`REMAT_ORDER`) whose step fits
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models import ModelConfig, param_shapes
+from jaxrl_llm.models.transformer import decode_view_copies
 from jaxrl_llm.models.lora import dims as lora_dims
 from jaxrl_llm.vocab_chunks import chunk_positions
 
@@ -81,6 +83,19 @@ def param_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
 def kv_cache_bytes(cfg: ModelConfig, batch: int, length: int, dtype_bytes: int) -> int:
   """Bytes of the K and V caches of every layer for `batch` rows of `length` positions."""
   return dtype_bytes * 2 * cfg.n_layers * batch * length * cfg.n_kv_heads * cfg.head_dim
+
+
+def decode_view_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+  """Bytes of the weight copies a sampling call holds while it runs: the unstacked decode view's output-major
+  dense projections of every layer, and an untied head (`transformer.unstack_layers`, `model.decode_unroll`,
+  the default: a faster decode step for one more copy of those weights); 0 through the layer scan."""
+  if not cfg.decode_unroll:
+    return 0
+  shapes = param_shapes(cfg)
+  copied = [shapes["layers"][name] for name in decode_view_copies(cfg)]
+  if not cfg.tie_embeddings:
+    copied.append(shapes["lm_head"])
+  return dtype_bytes * sum(math.prod(s.shape) for s in copied)
 
 
 def lora_param_count(cfg: ModelConfig, rank: int, weights: tuple[str, ...]) -> int:
@@ -170,14 +185,16 @@ def phase_bytes(cfg: ModelConfig, shape: StepShape, remat, *, whole_logits: bool
   if shape.sampler_copy:
     resident += param_bytes(cfg, _itemsize(shape.sampler_dtype))
   kv = kv_cache_bytes(cfg, B, T, _itemsize(shape.sampler_dtype))
+  view = decode_view_bytes(cfg, _itemsize(shape.sampler_dtype))  # while sampling, beside the KV cache
   score_logits = 4 * B * V * (N if whole_logits else chunk_positions(B, N, V, LM_HEAD_CHUNK))
   acts = activation_bytes(cfg, shape.micro_rows, T, remat, N, head_positions=N if whole_logits else None,
                           lora_weights=shape.lora_weights if shape.lora_rank else ())
   train = resident + trained + score_logits + acts
-  return {"params": params, "resident": resident, "prefill": resident + kv, "decode": resident + kv + 4 * B * V,
-          "reference": resident + score_logits, "train": train,
-          "step": train + kv + math.ceil((XLA_TEMP_FACTOR[_norm_remat(remat)] - 1) * (trained + acts)),
-          "kv_cache": kv, "score_logits": score_logits, "gradients": trained, "activations": acts}
+  return {"params": params, "resident": resident, "prefill": resident + kv + view,
+          "decode": resident + kv + view + 4 * B * V, "reference": resident + score_logits, "train": train,
+          "step": train + kv + view + math.ceil((XLA_TEMP_FACTOR[_norm_remat(remat)] - 1) * (trained + acts)),
+          "kv_cache": kv, "decode_view": view, "score_logits": score_logits, "gradients": trained,
+          "activations": acts}
 
 
 def step_bytes(cfg: ModelConfig, shape: StepShape, remat) -> int:

@@ -204,7 +204,10 @@ def test_memory_budget_by_hand():
   params = common.param_bytes(cfg, 4)
   budget = grpo_real.memory_budget(cfg, B, P, N, "none")
   assert budget["resident"] == 4 * params
-  assert budget["prefill"] == 4 * params + 4 * 2 * 2 * B * T * 1 * 4  # K and V, 2 layers, fp32
+  # K and V, 2 layers, fp32; the decode view's copies of wq, wk, wv, wo, gate, up, down (64 + 32 + 32 + 64 + 3 * 128
+  # per layer) and of the head (untied, 8 * 32)
+  view = 4 * (2 * 576 + (0 if cfg.tie_embeddings else 256))
+  assert budget["prefill"] == 4 * params + 4 * 2 * 2 * B * T * 1 * 4 + view
   assert budget["train"] == 5 * params + 4 * B * N * 32 + no_remat
 
 

@@ -94,16 +94,24 @@ def test_phase_bytes_by_hand():
   kv = 4 * 2 * 2 * B * T * 2 * 4  # K and V, 2 layers, K=2 heads of 4, fp32
   score = 4 * B * 4 * 32  # the scorer's one chunk of 4 positions
   acts = 4 * B * T * 2 * ALL + HEAD
+  # the decode view's output-major copies: per layer wq 128 + wk 64 + wv 64 + wo 128 + gate, up, down 3 * 128, and
+  # the untied head 8 * 32
+  view = 4 * (2 * 768 + 256)
   got = memory.phase_bytes(CFG, shape, "none")
   assert got["params"] == params and got["resident"] == resident and got["kv_cache"] == kv
-  assert got["prefill"] == resident + kv and got["decode"] == resident + kv + 4 * B * 32
+  assert got["decode_view"] == view
+  assert got["prefill"] == resident + kv + view and got["decode"] == resident + kv + view + 4 * B * 32
   assert got["train"] == resident + params + score + acts
   f = memory.XLA_TEMP_FACTOR["none"]  # the decision's step: gradients + activations scaled by what XLA adds (measured)
-  assert got["step"] == memory.step_bytes(CFG, shape, "none") == math.ceil(resident + score + f * (params + acts) + kv)
-  # a bf16 sampler halves its copy and its cache; the learner micro-batch scales the activations only
+  assert got["step"] == memory.step_bytes(CFG, shape, "none") == math.ceil(resident + score + f * (params + acts) + kv
+                                                                           + view)
+  # a bf16 sampler halves its copy, its cache and its view; the learner micro-batch scales the activations only
   half = memory.phase_bytes(CFG, dataclasses.replace(shape, sampler_dtype="bfloat16", micro_rows=1), "none")
   assert half["step"] == math.ceil(4 * params + params // 2 + score + f * (params + 4 * T * 2 * ALL + 4 * 2 * 1 * N * 32)
-                                   + kv // 2)
+                                   + kv // 2 + view // 2)
+  # through the layer scan a sampling call holds no copy
+  scan = memory.phase_bytes(dataclasses.replace(CFG, decode_unroll=False), shape, "none")
+  assert scan["decode_view"] == 0 and scan["decode"] == got["decode"] - view
   # LoRA: base + fp32 adapters + their moments and gradients; the reference is a copy of the base
   lora = memory.phase_bytes(CFG, dataclasses.replace(shape, lora_rank=2, lora_weights=("wq", "wv")), "full")
   adapters = 4 * 160
@@ -114,14 +122,31 @@ def test_phase_bytes_by_hand():
   dots = memory.phase_bytes(CFG, shape, "dots")
   assert dots["activations"] == 4 * B * T * (2 * DOTS + ALL) + HEAD
   fd = memory.XLA_TEMP_FACTOR["dots"]
-  assert dots["step"] == math.ceil(dots["train"] + kv + (fd - 1) * (params + dots["activations"]))
+  assert dots["step"] == math.ceil(dots["train"] + kv + view + (fd - 1) * (params + dots["activations"]))
+
+
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe"])
+def test_decode_view_bytes_count_what_the_view_copies(kind):
+  """`decode_view_bytes` against the view itself: the output-major weights (`layers.OutIn`) of
+  `transformer.unstack_layers` traced on the parameter shapes, less a tied head (the embedding, used as it is)."""
+  from jaxrl_llm.models import transformer
+  from jaxrl_llm.models.layers import OutIn
+  cfg = {"dense": CFG, "tied": dataclasses.replace(CFG, tie_embeddings=True),
+         "moe": dataclasses.replace(CFG, num_experts=4, experts_per_token=2)}[kind]
+  view = jax.eval_shape(lambda p: transformer.unstack_layers(p, cfg), memory.param_shapes(cfg))
+  is_out = lambda x: isinstance(x, OutIn)
+  copies = [x.w_RD for x in jax.tree.leaves(view["layers"], is_leaf=is_out) if is_out(x)]
+  if not cfg.tie_embeddings:
+    copies.append(view["head_out_major"].w_RD)
+  assert memory.decode_view_bytes(cfg, 4) == 4 * sum(math.prod(w.shape) for w in copies) > 0
+  assert memory.decode_view_bytes(dataclasses.replace(cfg, decode_unroll=False), 4) == 0
 
 
 def test_bench_uses_the_library_estimator():
   from bench import common, grpo_real
   assert common.param_bytes is memory.param_bytes and common.kv_cache_bytes is memory.kv_cache_bytes
   budget = grpo_real.memory_budget(CFG, B, P, N, "full")  # whole logits, no sampler copy: the bench's phases
-  assert set(budget) == {"params", "resident", "prefill", "decode", "reference", "train"}
+  assert set(budget) == {"params", "resident", "decode_view", "prefill", "decode", "reference", "train"}
   assert budget["train"] == 4 * 4 * 2088 + 4 * 2088 + 4 * B * N * 32 + 4 * B * T * (2 * 8 + ALL) + 4 * 2 * B * N * 32
 
 

@@ -394,10 +394,20 @@ _DENSE_IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2}
 _MLP_IN_AXES = {"w_gate": 1, "w_up": 1, "w_down": 1}
 
 
+def _out_major_axes(cfg: ModelConfig) -> dict:
+  return _DENSE_IN_AXES if cfg.is_moe else {**_DENSE_IN_AXES, **_MLP_IN_AXES}
+
+
+def decode_view_copies(cfg: ModelConfig) -> tuple[str, ...]:
+  """The layer weights `unstack_layers` copies output-major (its memory: `memory.decode_view_bytes`); an untied
+  head ("lm_head") is copied too, a tied one is used as it is."""
+  return tuple(_out_major_axes(cfg))
+
+
 def _output_major(p_l: dict, cfg: ModelConfig) -> dict:
   """One layer of the decode view with its dense projections output-major (`layers.OutIn`: a decode step's
   few-row matmuls run faster so); an MoE layer's experts stay as they are."""
-  axes = _DENSE_IN_AXES if cfg.is_moe else {**_DENSE_IN_AXES, **_MLP_IN_AXES}
+  axes = _out_major_axes(cfg)
   return {k: OutIn.of(w, axes[k]) if k in axes else w for k, w in p_l.items()}
 
 
