@@ -7,7 +7,9 @@ tokens. The learner step is `learner.make_train_step` (ppo_clip, fp32, AdamW, la
 tokens; the generation is `sampling.generate` (temperature 1, fp32) from random prompts.
 
   JAX_PLATFORMS=cpu python -m bench.real_model_memory [--batch 32 --prompt 32 --new 256] [--model DIR]
-      [--kv-cache full|int8] [--scan-decode]
+      [--kv-cache full|int8] [--scan-decode] [--what learner|generate|reference|both]
+
+`--what reference` compiles (and runs) the reference / π_old scorer (`learner.make_score_fn`) on B completions.
 
 On-policy distillation (`--loss opd_forward_kl`, or any loss with teacher needs): the learner step is
 preceded by the teacher scoring the batch (`distill.teacher.make_teacher_scorer`, teacher = `--teacher`,
@@ -95,7 +97,18 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
   loaded = _rss_gib()
   t0 = time.perf_counter()
   extra_info = {}
-  if what == "learner":
+  if what == "reference":  # the frozen reference's (and π_old's) scoring of the completions, as a run calls it
+    T = P + N
+    seq = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, T)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    seg, mask = jnp.ones((B, T), jnp.int32), jnp.ones((B, N), jnp.float32)
+    score = learner.make_score_fn(cfg, 1.0)
+    compiled = _checked(score.lower(params, seq, pos, seg, mask).compile(), max_gib)
+    extra = {}
+    if not compile_only:
+      jax.block_until_ready(compiled(params, seq, pos, seg, mask))
+    extra["compile_only"] = compile_only
+  elif what == "learner":
     tx = learner.make_optimizer(1e-5)
     state = learner.init_state(params, tx)
     T = P + N
@@ -140,7 +153,8 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--what", choices=["learner", "generate", "both"], default="both")
+  p.add_argument("--what", choices=["learner", "generate", "reference", "both"], default="both",
+                 help="both = learner and generate, each in its own process")
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--prompt", type=int, default=32)
   p.add_argument("--new", type=int, default=256)

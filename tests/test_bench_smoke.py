@@ -290,6 +290,13 @@ def test_real_workload_path_merges_into_results(tiny_ckpt, tmp_path, monkeypatch
   assert "**R_small: targets**" in tables and "**Full GRPO step vs Tunix**" not in tables
 
 
+def test_real_model_memory_measures_the_reference_scorer(tiny_ckpt):
+  from bench import real_model_memory
+  out = real_model_memory.measure("reference", tiny_ckpt, 2, 4, 3, "full", 1.0)
+  assert out["what"] == "reference" and (out["B"], out["P"], out["N"]) == (2, 4, 3) and not out["compile_only"]
+  assert 0 <= out["xla_temp_gib"] < 1.0 and out["peak_rss_gib"] >= out["rss_after_load_gib"]
+
+
 def test_shared_prefill_flag_sets_the_group_size(tiny_ckpt):
   from bench import grpo_real
   on = grpo_real.build("R_small", tiny_ckpt, shared_prefill=True)

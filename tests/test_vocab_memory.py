@@ -104,6 +104,23 @@ def test_generate_holds_one_full_width_kv_cache(kv_cache, decode_unroll):
   assert 0 <= temp - full < 2.5 * layer_f32, (temp, full, layer_f32)  # view 1.0, scan 2.3 (its keys and values)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_scoring_from_query_start_copies_no_layer_weights(grad):
+  """Scoring only the completion (`query_start`, the reference and π_old scorers and the learner) runs the last layer
+  apart from the layer scan. The scan indexes the stacked weights: as its inputs, their `[:-1]` slices were a copy of
+  all but one layer at every call. XLA's temps were 1.25x the 4 layers' weights (15.7 MB) in the forward and 1.30x
+  in the gradient; now 0.50x and 0.80x (the last layer's weights and the layer a scan step reads)."""
+  from jaxrl_llm.models import transformer
+  cfg = ModelConfig(vocab_size=64, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024,
+                    layer_unroll=1, remat="full")
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  layer_bytes = sum(x.size * 4 for x in jax.tree.leaves(params["layers"]))
+  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  score = lambda p, t: jnp.sum(transformer.hidden_with_routing(p, t, cfg, query_start=4)[0].astype(jnp.float32))
+  temp = _temp_bytes(jax.grad(score) if grad else score, params, tokens)
+  assert temp < (1.0 if grad else 0.6) * layer_bytes, (temp, layer_bytes)
+
+
 @pytest.mark.parametrize("head", [False, True])
 def test_teacher_scoring_holds_no_bnv(big_params, head):
   """Log-probs, top-k cache and (for full-distribution losses) the teacher's VocabHead, all chunked."""
