@@ -17,8 +17,7 @@ A step holds, besides the runtime itself:
 `step`, what `model.remat="auto"` compares with the budget, is `train` with its gradients + activations scaled by
 `XLA_TEMP_FACTOR[remat]` (what the shape count leaves out, measured per mode) plus the sampler's KV cache and decode
 view: in the async modes the sampler decodes while the learner trains, and a sync run that frees them first only gets
-a margin. The phases
-are an estimate, meant to decide "does a step fit" with room, not to size a heap.
+a margin. The phases are an estimate, meant to decide "does a step fit" with room, not to size a heap.
 
 `model.remat="auto"` (`choose_remat`): the first mode of the platform's speed order (`REMAT_ORDER`) whose step fits
 the budget, "full" (each layer recomputed, the smallest) when none does. The budget is `model.memory_budget_gb`, or
@@ -36,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models import ModelConfig, param_shapes
-from jaxrl_llm.models.transformer import decode_view_copies
 from jaxrl_llm.models.lora import dims as lora_dims
+from jaxrl_llm.models.transformer import decode_view_copies
 from jaxrl_llm.vocab_chunks import chunk_positions
 
 GB = 1e9  # model.memory_budget_gb and the logged numbers are decimal gigabytes
