@@ -97,25 +97,21 @@ def measure(what: str, model: str, B: int, P: int, N: int, remat: str, max_gib: 
   loaded = _rss_gib()
   t0 = time.perf_counter()
   extra_info = {}
-  if what == "reference":  # the frozen reference's (and π_old's) scoring of the completions, as a run calls it
-    T = P + N
-    seq = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, T)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    seg, mask = jnp.ones((B, T), jnp.int32), jnp.ones((B, N), jnp.float32)
-    score = learner.make_score_fn(cfg, 1.0)
-    compiled = _checked(score.lower(params, seq, pos, seg, mask).compile(), max_gib)
-    extra = {}
-    if not compile_only:
-      jax.block_until_ready(compiled(params, seq, pos, seg, mask))
-    extra["compile_only"] = compile_only
-  elif what == "learner":
-    tx = learner.make_optimizer(1e-5)
-    state = learner.init_state(params, tx)
+  if what in ("reference", "learner"):  # B random sequences of P + N tokens, the last N scored
     T = P + N
     seq = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, T)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     mask = jnp.ones((B, N), jnp.float32)
     seg = jnp.ones((B, T), jnp.int32)
+  if what == "reference":  # the frozen reference's (and π_old's) scoring of the completions, as a run calls it
+    score = learner.make_score_fn(cfg, 1.0)
+    compiled = _checked(score.lower(params, seq, pos, seg, mask).compile(), max_gib)
+    if not compile_only:
+      jax.block_until_ready(compiled(params, seq, pos, seg, mask))
+    extra = {"compile_only": compile_only}
+  elif what == "learner":
+    tx = learner.make_optimizer(1e-5)
+    state = learner.init_state(params, tx)
     extras = None
     if opd.extra_fields(loss):  # a distillation loss: the teacher scores the batch first
       extras, scorer = _teacher_extras(teacher or model, loss, cfg, seq, pos, seg, mask, topk, max_gib, compile_only)
