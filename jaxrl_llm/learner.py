@@ -431,6 +431,11 @@ def _accumulate(s: StepSpec, trainable, state: TrainState, batch: Batch, key: Ar
   return num * scale, aux, jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
 
 
+def _optimise(tx: optax.GradientTransformation, trainable, opt_state, grads):
+  updates, opt_state = tx.update(grads, opt_state, trainable)
+  return optax.apply_updates(trainable, updates), opt_state
+
+
 def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, batch: Batch, key: Array, heads: dict):
   """One optimiser update on `batch`: (state with new params / opt / loss state / skips, applied, loss,
   aux, grads, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
@@ -443,17 +448,18 @@ def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, ba
   # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
   empty = ~jnp.any(batch.mask_BN > 0)
   apply = finite & ~empty
-  updates, opt_state = tx.update(grads, state.opt_state, trainable)
-  new_trainable = optax.apply_updates(trainable, updates)
+  # A branch, not a select of new against old: each select leaf reads the old moments after the fusions that
+  # overwrite them in place, so XLA copied both moments and more (2.6x the parameters in temps, against 1x).
+  new_trainable, opt_state = jax.lax.cond(apply, functools.partial(_optimise, tx), lambda t, o, g: (t, o),
+                                          trainable, state.opt_state, grads)
   params, hook_params = new_trainable if s.perturbed else (new_trainable, None)
-  params = lora.with_trainable(state.params, params)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
   new_loss_state = aux.pop("state", state.loss_state)
   new_state = state.replace(
-      params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+      params=lora.with_trainable(state.params, params), opt_state=opt_state,
       loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
       skipped=jnp.where(finite, jnp.where(empty, state.skipped, 0), state.skipped + 1),
-      hook_params=keep(hook_params, state.hook_params) if s.perturbed else None)
+      hook_params=hook_params)
   return new_state, apply, loss, aux, grads, empty
 
 
