@@ -180,7 +180,21 @@ def make_optimizer(lr: float, weight_decay: float = 0.0, b1: float = 0.9, b2: fl
                    grad_clip: float = 1.0, warmup_steps: int = 0) -> optax.GradientTransformation:
   sched = optax.linear_schedule(0.0, lr, warmup_steps) if warmup_steps > 0 else lr
   tx = optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay)
-  return optax.chain(optax.clip_by_global_norm(grad_clip), tx) if grad_clip > 0 else tx
+  return optax.chain(clip_by_global_norm(grad_clip), tx) if grad_clip > 0 else tx
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm` as one scale factor: XLA fuses `g * factor` into each consumer. optax's
+  `select(norm < max_norm, g, g / norm * max_norm)` has a divide, which XLA:CPU materialises per leaf, all of them
+  before the moments read them: a second copy of the gradients. Equal up to rounding (a product for a quotient)."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = optax.global_norm(updates)
+    factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda g: g * factor.astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def init_state(params, tx: optax.GradientTransformation, loss_state=None, hook_params=None) -> TrainState:
@@ -204,11 +218,6 @@ def perturb_hook(loss_name: str, model_cfg: ModelConfig, tx: optax.GradientTrans
   hook = {"log_sigma_L": jnp.full((model_cfg.n_layers,), jnp.log(hp.perturb_std), jnp.float32)}
   joint = optax.multi_transform({"model": tx, "hook": optax.adamw(hp.perturb_lr)}, ("model", "hook"))
   return hook, joint
-
-
-def _all_finite(tree) -> Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def _take_shared(batch: Batch) -> tuple[Batch, dict]:
@@ -438,12 +447,16 @@ def _optimise(tx: optax.GradientTransformation, trainable, opt_state, grads):
 
 def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, batch: Batch, key: Array, heads: dict):
   """One optimiser update on `batch`: (state with new params / opt / loss state / skips, applied, loss,
-  aux, grads, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
+  aux, gradient norm, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
   the caller (they count learner steps). `heads`: the batch-wide arrays `_take_shared` took out of `batch`."""
   own = lora.trainable(state.params)  # the adapters of a LoRA policy (the base is a constant), else all params
   trainable = (own, state.hook_params) if s.perturbed else own
   loss, aux, grads = _accumulate(s, trainable, state, batch, key, heads)
-  finite = jnp.isfinite(loss) & _all_finite(grads)
+  # Finite when the norm is: an inf or nan anywhere makes it so (and a sum of squares past 3e38, gradients ~1e19).
+  # `all(isfinite(g))` per leaf made XLA read the unscaled gradients after the scaled ones were due, so it wrote those
+  # beside them, not over them: a second copy of the gradients.
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   # A batch with no token to train on (every sample failed or masked) moves nothing: AdamW's moments and weight
   # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
   empty = ~jnp.any(batch.mask_BN > 0)
@@ -460,7 +473,7 @@ def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, ba
       loss_state=keep(new_loss_state, state.loss_state) if state.loss_state is not None else None,
       skipped=jnp.where(finite, jnp.where(empty, state.skipped, 0), state.skipped + 1),
       hook_params=hook_params)
-  return new_state, apply, loss, aux, grads, empty
+  return new_state, apply, loss, aux, grad_norm, empty
 
 
 def _finish(s: StepSpec, state: TrainState, new_state: TrainState, applied: Array, aux: dict, metrics: dict):
@@ -474,9 +487,9 @@ def _finish(s: StepSpec, state: TrainState, new_state: TrainState, applied: Arra
 
 def _one_update_step(s: StepSpec, tx, state: TrainState, batch: Batch, key: Array, heads: dict):
   """The default schedule: one update on the whole batch."""
-  new_state, applied, loss, aux, grads, empty = _update(s, tx, state, batch, key, heads)
+  new_state, applied, loss, aux, grad_norm, empty = _update(s, tx, state, batch, key, heads)
   d_sum, d_count = aux["ratio_old_abs_dev"]
-  return _finish(s, state, new_state, applied, aux, {"loss": loss, "grad_norm": optax.global_norm(grads),
+  return _finish(s, state, new_state, applied, aux, {"loss": loss, "grad_norm": grad_norm,
                                                      "updates_applied": applied.astype(jnp.int32),
                                                      "updates_skipped_empty": empty.astype(jnp.int32),
                                                      "ratio_old_abs_dev_last": d_sum / jnp.maximum(d_count, 1.0)})
@@ -512,8 +525,8 @@ def _multi_update_step(s: StepSpec, tx, state: TrainState, batch: Batch, key: Ar
 
   def one(st, xs):
     mb, i = xs
-    st, applied, loss, aux, grads, empty = _update(s, tx, st, mb, jax.random.fold_in(key, i), heads)
-    return st, (applied, empty, loss, optax.global_norm(grads), aux)
+    st, applied, loss, aux, grad_norm, empty = _update(s, tx, st, mb, jax.random.fold_in(key, i), heads)
+    return st, (applied, empty, loss, grad_norm, aux)
 
   def epoch(st, e):
     return jax.lax.scan(one, st, (mbs, e * s.minibatches + jnp.arange(s.minibatches)))

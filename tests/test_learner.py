@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxrl_llm import learner
@@ -107,6 +108,18 @@ def test_non_finite_loss_skips_update_bitwise():
   good = make_batch(params)
   state, m = step(state, good, jax.random.key(0))
   assert int(m["update_skipped"]) == 0 and int(state.version) == 1 and int(m["skipped_consecutive"]) == 0
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clip_by_global_norm_is_optax_s(max_norm):
+  """The clip as one scale factor (`learner.clip_by_global_norm`, for XLA's memory) against optax's own: the same
+  updates up to rounding, clipped (norm 13.9 > 0.5) and not (< 100)."""
+  g = {"a": jnp.arange(12.0).reshape(3, 4) - 5.0, "b": jnp.array([3.0, -4.0, 0.25])}
+  ours, _ = learner.clip_by_global_norm(max_norm).update(g, ())
+  theirs, _ = optax.clip_by_global_norm(max_norm).update(g, optax.EmptyState())
+  for k in g:
+    np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6)
+  assert np.isclose(float(optax.global_norm(ours)), min(max_norm, float(optax.global_norm(g))), rtol=1e-6)
 
 
 def test_train_step_compiles_once():

@@ -122,9 +122,10 @@ def test_scoring_from_query_start_copies_no_layer_weights(grad):
 
 
 def test_learner_step_updates_the_moments_in_place():
-  """The train step's update is skipped on a non-finite gradient. As a select of the new state against the old, it
-  made XLA copy both AdamW moments before overwriting them (the old ones stay readable for the select): 3.5x the
-  parameters in temps. As a branch, 2.25x: the gradients, the last layer's padded into the stack, the updates."""
+  """XLA's temps of the train step against the parameters (AdamW, clipped). They were 3.5x: the update's skip on a
+  non-finite gradient, as a select of the new state against the old, made XLA copy both moments before overwriting
+  them; optax's clip materialised a quotient per leaf; `isfinite` read the unscaled gradients after the scaled ones
+  were due. Now 1.5x: the gradients and the activations (SmolLM2-135M: 0.71 GiB against 0.50 GiB of parameters)."""
   cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024,
                     layer_unroll=1, remat="full")
   tx = learner.make_optimizer(1e-5)
@@ -136,7 +137,7 @@ def test_learner_step_updates_the_moments_in_place():
                         adv_BN=f32(1, 4), behavior_logp_BN=f32(1, 4), versions_BN=i32(1, 4), lag_B=i32(1), extra=None)
   step = learner.make_train_step(cfg, tx, "ppo_clip")
   temp = step.lower(state, batch, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
-  assert temp < 2.6 * param_bytes, temp / param_bytes
+  assert temp < 1.8 * param_bytes, temp / param_bytes
 
 
 @pytest.mark.parametrize("head", [False, True])
