@@ -445,6 +445,14 @@ def _optimise(tx: optax.GradientTransformation, trainable, opt_state, grads):
   return optax.apply_updates(trainable, updates), opt_state
 
 
+def update_if(apply: Array, tx: optax.GradientTransformation, trainable, opt_state, grads):
+  """(trainable, opt_state) after `tx`'s update when `apply`, else both as they were (bitwise).
+
+  A branch, not a select of the new state against the old: with a select each leaf reads the old moments after the
+  fusions that overwrite them in place, so XLA copied both moments first (`bench/optimizer_update.py`)."""
+  return jax.lax.cond(apply, functools.partial(_optimise, tx), lambda t, o, g: (t, o), trainable, opt_state, grads)
+
+
 def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, batch: Batch, key: Array, heads: dict):
   """One optimiser update on `batch`: (state with new params / opt / loss state / skips, applied, loss,
   aux, gradient norm, empty): applied = finite and not empty (no token to train on). `step` and `version` are left to
@@ -461,10 +469,7 @@ def _update(s: StepSpec, tx: optax.GradientTransformation, state: TrainState, ba
   # decay would still change the weights, so the update is skipped, counted apart from the non-finite ones.
   empty = ~jnp.any(batch.mask_BN > 0)
   apply = finite & ~empty
-  # A branch, not a select of new against old: each select leaf reads the old moments after the fusions that
-  # overwrite them in place, so XLA copied both moments and more (2.6x the parameters in temps, against 1x).
-  new_trainable, opt_state = jax.lax.cond(apply, functools.partial(_optimise, tx), lambda t, o, g: (t, o),
-                                          trainable, state.opt_state, grads)
+  new_trainable, opt_state = update_if(apply, tx, trainable, state.opt_state, grads)
   params, hook_params = new_trainable if s.perturbed else (new_trainable, None)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
   new_loss_state = aux.pop("state", state.loss_state)

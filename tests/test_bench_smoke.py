@@ -511,6 +511,15 @@ def test_decode_matmul_bench_compares_equal_products():
   assert row["max_abs_diff"] < 1e-5 and row["rows_major_ms"] >= 0 and row["output_major_ms"] >= 0
 
 
+def test_optimizer_update_bench_compares_equal_updates():
+  """bench/optimizer_update.py times the former update against the train step's: the same parameters after one
+  update with the clip acting (norm 4 > 1), and fewer XLA temps for the in-place form (tiny shapes)."""
+  from bench import optimizer_update
+  out = optimizer_update.measure({"a": (4, 32), "b": (3, 8, 16)}, rounds=2, lr=1e-2, grad_scale=0.2)
+  assert out["max_abs_diff"] < 1e-6 and out["in_place"]["median_s"] > 0
+  assert out["in_place"]["xla_temp_bytes"] < out["select"]["xla_temp_bytes"], out
+
+
 def test_decode_matmul_bench_head_compares_equal_products():
   """bench/decode_matmul.py --head: the vocabulary head's two layouts agree (tiny shapes)."""
   from bench import decode_matmul
