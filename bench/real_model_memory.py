@@ -19,8 +19,9 @@ programs run in the one process, so the peak RSS covers scoring and the step:
 
   JAX_PLATFORMS=cpu python -m bench.real_model_memory --what learner --loss opd_forward_kl
 
-Measured (2-core CPU, 32 x (32 + 256) tokens, teacher = the same 135M folder): peak RSS 5.31 GiB, XLA temps
-2.78 GiB (learner) + 0.70 GiB (teacher). Before the chunked full-distribution losses the same step compiled
+Measured (2-core CPU, 32 x (32 + 256) tokens, teacher = the same 135M folder), at 0e180a0: peak RSS 4.48 GiB, XLA
+temps 2.03 GiB (learner) + 0.33 GiB (teacher); before the update ran in place and the scorers stopped copying the
+layer weights, 5.31 GiB and 2.78 + 0.70 GiB. Before the chunked full-distribution losses the same step compiled
 to 15.7 GiB + 3.6 GiB of temps (dense [B, N, V] student and teacher logits; too large to run here).
 
 Prints one JSON line per measurement: peak RSS (GiB), RSS after loading the parameters, XLA's temp
